@@ -1,0 +1,36 @@
+"""cgraph: CUDA graphs for PyTorch callables.
+
+A drop-in for :func:`torch.cuda.make_graphed_callables` whose replay path
+runs in C: inputs are checked and copied, the forward graph replayed and the
+backward node wired without Python, and parameter grads accumulate as in
+eager mode.
+
+Example::
+
+    import torch, cgraph
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()).cuda()
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    graphed = cgraph.make_graphed(model, (x,))
+    for _ in range(3):
+        graphed(torch.randn(32, 64, device="cuda")).sum().backward()
+    graphed.reset()   # frees graphs and their memory pool
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C
+from ._api import GraphedModule, graph_pool_handle, make_graphed, make_graphed_callables
+
+CaptureError = _C.CaptureError
+Graphed = _C.Graphed
+
+__all__ = [
+    "CaptureError",
+    "Graphed",
+    "GraphedModule",
+    "graph_pool_handle",
+    "make_graphed",
+    "make_graphed_callables",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,275 @@
+"""The public entry points.  Thin: they check arguments the way torch does
+(with messages that say what to do), describe each callable to the native
+core, and wrap what comes back.  Warm-up, capture and replay are in csrc/."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from . import _C
+
+__all__ = ["make_graphed_callables", "make_graphed", "GraphedModule", "graph_pool_handle"]
+
+_CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
+
+
+def graph_pool_handle() -> tuple[int, int]:
+    """A fresh memory-pool handle to share between captures (``pool=``).
+
+    Interchangeable with :func:`torch.cuda.graph_pool_handle`.
+    """
+    _require_cuda()
+    return _C.new_pool()
+
+
+def make_graphed_callables(
+    callables,
+    sample_args,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool=None,
+    capture_error_mode: str = "global",
+    enable_annotations: bool = False,
+):
+    """Drop-in for :func:`torch.cuda.make_graphed_callables`.
+
+    Same arguments, same return structure: one callable in, one out; a tuple
+    in, a tuple out; modules come back themselves with ``forward`` replaced.
+    Graphs of a tuple of callables share one memory pool: capture forwards in
+    the order they run, backwards in reverse, and replay in that order.
+
+    Differences from torch, all toward eager semantics:
+
+    * ``param.grad`` accumulates across backward passes exactly as in eager
+      (torch hands out a buffer the next replay overwrites).
+    * An argument of another shape, dtype or device raises ``ValueError``.
+    * Leaves that require grad but are neither arguments nor parameters (a
+      tensor in a closure) get their grads; torch drops them silently.
+    * Warm-up leaves module buffers (BatchNorm running stats) as they were.
+    * Deleting the graphed callable returns its pool memory to the device.
+
+    Example::
+
+        import torch, cgraph
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()).cuda()
+        x = torch.randn(8, 16, device="cuda", requires_grad=True)
+        model = cgraph.make_graphed_callables(model, (x,))
+        model(torch.randn(8, 16, device="cuda")).sum().backward()
+    """
+    if enable_annotations:
+        raise ValueError(
+            "cgraph: enable_annotations=True (torch.cuda.graph_annotations) is not "
+            "supported yet; pass enable_annotations=False."
+        )
+    just_one = not isinstance(callables, tuple)
+    if just_one:
+        callables, sample_args = (callables,), (sample_args,)
+    elif not isinstance(sample_args, tuple) or len(sample_args) != len(callables):
+        raise ValueError(
+            f"cgraph: got {len(callables)} callables, so sample_args must be a tuple of "
+            f"{len(callables)} tuples of tensors (one per callable)."
+        )
+    graphed = _graph(callables, sample_args, num_warmup_iters, allow_unused_input, pool,
+                     capture_error_mode)
+    out = []
+    for fn, g in zip(callables, graphed):
+        if isinstance(fn, nn.Module):
+            fn.forward = g
+            out.append(fn)
+        else:
+            out.append(g)
+    return out[0] if just_one else tuple(out)
+
+
+def make_graphed(
+    fn: Callable[..., Any],
+    sample_args: tuple,
+    *,
+    num_warmup_iters: int = 3,
+    allow_unused_input: bool = False,
+    pool=None,
+    capture_error_mode: str = "global",
+):
+    """Graph one callable.
+
+    Returns a :class:`GraphedModule` for an ``nn.Module`` (the module stays
+    untouched inside it) and a graphed callable for anything else.  Both have
+    ``reset()``, which frees the graphs and their pool, and ``pool``, a
+    handle to share with later captures.
+
+    Example::
+
+        import torch, cgraph
+        mlp = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).cuda()
+        graphed = cgraph.make_graphed(mlp, (torch.randn(32, 64, device="cuda"),))
+        x = torch.randn(32, 64, device="cuda")
+        torch.testing.assert_close(graphed(x), mlp(x))
+        graphed.reset()
+    """
+    (g,) = _graph((fn,), (sample_args,), num_warmup_iters, allow_unused_input, pool,
+                  capture_error_mode)
+    return GraphedModule(fn, g) if isinstance(fn, nn.Module) else g
+
+
+class GraphedModule(nn.Module):
+    """An ``nn.Module`` whose forward replays CUDA graphs of ``self.module``.
+
+    Parameters, buffers and ``state_dict`` are those of the wrapped module
+    (under ``module.``, as with DDP).  In the other train/eval mode than at
+    capture, the wrapped module runs eagerly.  Build it with
+    :func:`make_graphed`.
+    """
+
+    def __init__(self, module: nn.Module, graphed: _C.Graphed):
+        super().__init__()
+        self.module = module
+        # Instance attributes, so nn.Module.__call__ goes straight to C.
+        self.__dict__["_graphed"] = graphed
+        self.__dict__["forward"] = graphed
+
+    def reset(self) -> None:
+        """Free the graphs, their static tensors and their memory pool."""
+        self._graphed.reset()
+
+    @property
+    def pool(self) -> tuple[int, int]:
+        """The graphs' memory pool, usable as ``pool=`` for later captures."""
+        return self._graphed.pool
+
+    @property
+    def is_reset(self) -> bool:
+        return self._graphed.is_reset
+
+    def extra_repr(self) -> str:
+        g = self._graphed
+        state = "reset" if g.is_reset else f"inputs={g.num_inputs}, params={g.num_params}"
+        return f"graphed: {state}, pool={g.pool}"
+
+
+# ---- describing callables to the native core --------------------------------
+
+
+def _require_cuda() -> None:
+    if _C.device_count() == 0 or not torch.cuda.is_available():
+        raise RuntimeError(
+            "cgraph: no CUDA device is available (torch.cuda.is_available() is False). "
+            "CUDA graphs need an NVIDIA GPU; run the callable eagerly on this machine."
+        )
+
+
+def _pool_id(pool) -> tuple[int, int] | None:
+    if pool is None:
+        return None
+    if hasattr(pool, "id") and not isinstance(pool, tuple):  # torch.cuda.MemPool
+        pool = pool.id
+    if (
+        isinstance(pool, tuple)
+        and len(pool) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in pool)
+    ):
+        return pool
+    raise TypeError(
+        "cgraph: pool must be a handle from torch.cuda.graph_pool_handle(), "
+        f"cgraph.graph_pool_handle(), a graphed callable's .pool, or a torch.cuda.MemPool; "
+        f"got {pool!r}."
+    )
+
+
+def _graph(callables, sample_args, num_warmup_iters, allow_unused_input, pool,
+           capture_error_mode):
+    if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
+        raise RuntimeError(
+            "cgraph: autocast with its weight cache is active; graphed callables need "
+            "torch.autocast(..., cache_enabled=False) during capture and replay."
+        )
+    if capture_error_mode not in _CAPTURE_MODES:
+        raise ValueError(
+            f"cgraph: capture_error_mode must be one of {sorted(_CAPTURE_MODES)}, "
+            f"got {capture_error_mode!r}."
+        )
+    if not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
+        raise ValueError(
+            f"cgraph: num_warmup_iters must be a non-negative int, got {num_warmup_iters!r}."
+        )
+    specs = tuple(_describe(i, fn, args) for i, (fn, args) in enumerate(zip(callables, sample_args)))
+    pool_id = _pool_id(pool)
+    _require_cuda()
+    device = _device_of(specs)
+    return _C.graph_callables(specs, device, pool_id, num_warmup_iters,
+                              bool(allow_unused_input), _CAPTURE_MODES[capture_error_mode])
+
+
+def _describe(index: int, fn, args) -> tuple:
+    """The spec tuple capture.c parses (see callable_spec there)."""
+    if not callable(fn):
+        raise TypeError(f"cgraph: callable {index} is a {type(fn).__name__}, not callable.")
+    if not isinstance(args, tuple):
+        hint = " (write (x,) for one tensor)" if isinstance(args, torch.Tensor) else ""
+        raise TypeError(
+            f"cgraph: sample args of callable {index} must be a tuple{hint}, "
+            f"got {type(args).__name__}."
+        )
+    leaves, in_spec = pytree.tree_flatten(args)
+    names = _leaf_names(fn, args)
+    for name, leaf in zip(names, leaves):
+        if not isinstance(leaf, torch.Tensor):
+            raise TypeError(
+                f"cgraph: sample argument '{name}' of callable {index} is a "
+                f"{type(leaf).__name__}; graphed callables take tensors (nested in tuples, "
+                "lists or dicts). Bind other values with functools.partial."
+            )
+    flat = all(isinstance(a, torch.Tensor) for a in args)
+    module, eager, eager_takes_module = None, None, False
+    params: tuple = ()
+    buffers: tuple = ()
+    if isinstance(fn, nn.Module):
+        if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks:
+            raise ValueError(
+                f"cgraph: module {index} ({type(fn).__name__}) has module hooks; they would "
+                "run once, at capture, and never on replay. Remove them before graphing "
+                "(you may register hooks afterwards), as torch requires."
+            )
+        buffers = tuple(fn.buffers())
+        if any(b.requires_grad for b in buffers):
+            raise ValueError(
+                f"cgraph: module {index} has a buffer that requires grad; only parameters "
+                "may be trainable in a graphed module (make it an nn.Parameter)."
+            )
+        params = tuple(fn.parameters())
+        module = fn
+        if "forward" in fn.__dict__:
+            eager = fn.__dict__["forward"]
+        else:
+            eager, eager_takes_module = type(fn).forward, True
+    return (fn, args, tuple(leaves), tuple(names), params, buffers, flat,
+            None if flat else in_spec, module, eager, eager_takes_module)
+
+
+def _leaf_names(fn, args) -> list[str]:
+    """A readable name per pytree leaf: the forward's parameter name where it
+    can be bound ('x', "batch['mask']"), else the leaf's path ('args[0]')."""
+    try:
+        target = fn.forward if isinstance(fn, nn.Module) else fn
+        bound = list(inspect.signature(target).bind(*args).arguments)
+    except (TypeError, ValueError):
+        bound = []
+    names = []
+    for path, _ in pytree.tree_flatten_with_path(args)[0]:
+        head, rest = path[0], path[1:]
+        idx = getattr(head, "idx", None)
+        base = bound[idx] if idx is not None and idx < len(bound) else f"args[{idx}]"
+        names.append(base + "".join(str(k) for k in rest))
+    return names
+
+
+def _device_of(specs: Sequence[tuple]) -> int:
+    for spec in specs:
+        for t in spec[2] + spec[4]:
+            if t.is_cuda:
+                return t.device.index
+    return torch.cuda.current_device()

@@ -1,0 +1,453 @@
+// aten_capture.cpp -- the C++ half of set-up, warm-up, capture and reset.
+//
+// Every extern "C" function here sits inside HANDLE_TH_ERRORS, which turns
+// C++ and c10 exceptions into Python exceptions: none crosses into C.
+#include "aten_engine.hpp"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <unordered_set>
+
+namespace cgraph {
+namespace {
+
+cudaStreamCaptureMode to_cuda_mode(cg_capture_mode mode) {
+  switch (mode) {
+    case CG_CAPTURE_THREAD_LOCAL:
+      return cudaStreamCaptureModeThreadLocal;
+    case CG_CAPTURE_RELAXED:
+      return cudaStreamCaptureModeRelaxed;
+    default:
+      return cudaStreamCaptureModeGlobal;
+  }
+}
+
+// Unpacks a Python sequence of tensors.  `what` names the items in errors.
+std::vector<at::Tensor> unpack_tensors(PyObject* seq, const char* what) {
+  PyObject* fast = PySequence_Fast(seq, "cgraph: expected a sequence of tensors");
+  if (!fast) {
+    throw python_error();
+  }
+  std::vector<at::Tensor> out;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(fast, i);
+    if (!THPVariable_Check(item)) {
+      const char* type_name = Py_TYPE(item)->tp_name;
+      Py_DECREF(fast);
+      TORCH_CHECK_TYPE(false, "cgraph: ", what, " ", i, " is a ", type_name,
+                       "; graphed callables take and return tensors "
+                       "(nested in tuples, lists or dicts).");
+    }
+    out.push_back(THPVariable_Unpack(item));
+  }
+  Py_DECREF(fast);
+  return out;
+}
+
+// Prefers the allocator's per-pool emptyCache(pool); falls back to emptying
+// the whole cache on torch releases without it.
+template <class Pool>
+auto empty_pool_cache(const Pool& pool, int)
+    -> decltype(c10::cuda::CUDACachingAllocator::emptyCache(pool)) {
+  return c10::cuda::CUDACachingAllocator::emptyCache(pool);
+}
+template <class Pool>
+void empty_pool_cache(const Pool&, long) {
+  c10::cuda::CUDACachingAllocator::emptyCache();
+}
+
+}  // namespace
+
+void Graph::abandon() noexcept {
+  try {
+    // Succeeds when only Python code failed and the stream capture is
+    // intact; then torch's own bookkeeping unwinds everything.
+    capture_end();
+  } catch (...) {
+    // The capture was invalidated.  cudaStreamEndCapture has ended it all
+    // the same; clear the error it left and undo the allocator routing.
+    // See Note [Abandoning a capture].
+    (void)cudaGetLastError();
+    if (!reset_ends_pool_routing(*this, 0)) {
+      try {
+        c10::cuda::CUDACachingAllocator::endAllocateToPool(capture_dev_, mempool_id_);
+        c10::cuda::CUDACachingAllocator::releasePool(capture_dev_, mempool_id_);
+      } catch (const std::exception& e) {
+        TORCH_WARN("cgraph: could not release the pool of a failed capture: ", e.what());
+      }
+    }
+  }
+  try {
+    reset();
+  } catch (...) {
+  }
+  (void)cudaGetLastError();
+}
+
+// Leaves that require grad and that the forward reads, but that are neither
+// inputs nor module parameters (a tensor captured in a closure, a parameter
+// of another module).  torch's make_graphed_callables silently drops their
+// grads; cgraph treats them as parameters.
+void Engine::adopt_hidden_leaves(const std::vector<at::Tensor>& outs) {
+  using torch::autograd::AccumulateGrad;
+  using torch::autograd::Node;
+  std::unordered_set<const c10::TensorImpl*> known;
+  std::unordered_set<const Node*> stops;
+  for (const at::Tensor& t : inputs) {
+    known.insert(t.unsafeGetTensorImpl());
+    if (t.grad_fn()) {
+      stops.insert(t.grad_fn().get());  // a non-leaf input: its history is the caller's
+    }
+  }
+  for (const at::Tensor& p : params) {
+    known.insert(p.unsafeGetTensorImpl());
+  }
+  std::vector<Node*> stack;
+  std::unordered_set<const Node*> seen;
+  for (const at::Tensor& o : outs) {
+    if (o.grad_fn()) {
+      stack.push_back(o.grad_fn().get());
+    }
+  }
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second || stops.count(node)) {
+      continue;
+    }
+    if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
+      const at::Tensor& leaf = acc->variable;
+      if (leaf.defined() && known.insert(leaf.unsafeGetTensorImpl()).second) {
+        params.push_back(leaf);
+        param_ptrs.push_back(leaf.const_data_ptr());
+        param_requires_grad.push_back(leaf.requires_grad());
+      }
+      continue;
+    }
+    for (const auto& edge : node->next_edges()) {
+      if (edge.is_valid()) {
+        stack.push_back(edge.function.get());
+      }
+    }
+  }
+}
+
+// What the backward graph differentiates with respect to, in order: inputs
+// that required grad at capture, then parameters that did.
+std::vector<at::Tensor> Engine::grad_targets() const {
+  std::vector<at::Tensor> wrt;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (input_requires_grad[i]) {
+      wrt.push_back(inputs[i]);
+    }
+  }
+  for (size_t j = 0; j < params.size(); ++j) {
+    if (param_requires_grad[j]) {
+      wrt.push_back(params[j]);
+    }
+  }
+  return wrt;
+}
+
+// After the backward capture the static outputs' autograd history is dead
+// weight: it keeps the capture's nodes alive, among them the sample inputs'
+// AccumulateGrad nodes, which remember the capture stream and make autograd
+// warn (and sync) when a later call's backward reaches them.
+void Engine::forget_capture_autograd() {
+  for (at::Tensor& o : outputs) {
+    o = o.detach();
+  }
+}
+
+void Engine::reset() noexcept {
+  if (!alive) {
+    return;
+  }
+  alive = false;
+  try {
+    // Tensors first, so the pool's blocks are free when the graphs let go
+    // of the pool; then the pool's cached memory goes back to the device.
+    inputs.clear();
+    params.clear();
+    outputs.clear();
+    grad_outputs.clear();
+    grad_inputs.clear();
+    grad_params.clear();
+    grad_store.clear();
+    buffers.clear();
+    buffer_snapshot.clear();
+    fwd.reset();
+    bwd.reset();
+    if (pool.first != 0 || pool.second != 0) {
+      empty_pool_cache(pool, 0);
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("cgraph: reset did not complete: ", e.what());
+  }
+}
+
+Engine::~Engine() {
+  reset();
+}
+
+}  // namespace cgraph
+
+using cgraph::Engine;
+
+extern "C" {
+
+int cg_cuda_device_count(void) {
+  try {
+    return static_cast<int>(c10::cuda::device_count());
+  } catch (...) {
+    return 0;
+  }
+}
+
+int cg_new_pool(cg_pool* out) {
+  HANDLE_TH_ERRORS
+  const auto id = at::cuda::graph_pool_handle();
+  out->first = id.first;
+  out->second = id.second;
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+cg_setup* cg_setup_begin(int device_index) {
+  HANDLE_TH_ERRORS
+  const auto device = static_cast<c10::DeviceIndex>(device_index);
+  c10::cuda::CUDAGuard guard(device);
+  {
+    // Lazy initialization (cuBLAS handles, cuDNN autotuning) belongs in
+    // warm-up, not in a capture; start from an idle device, as torch does.
+    cgraph::GilRelease nogil;
+    c10::cuda::device_synchronize();
+  }
+  auto* setup = new cg_setup{device, c10::cuda::getCurrentCUDAStream(device),
+                             c10::cuda::getStreamFromPool(false, device)};
+  c10::cuda::setCurrentCUDAStream(setup->side);
+  return setup;
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
+void cg_setup_end(cg_setup* setup) {
+  if (!setup) {
+    return;
+  }
+  try {
+    c10::cuda::setCurrentCUDAStream(setup->caller);
+    cgraph::GilRelease nogil;
+    setup->side.synchronize();
+  } catch (const std::exception& e) {
+    TORCH_WARN("cgraph: could not wait for the capture stream: ", e.what());
+  }
+  delete setup;
+}
+
+cg_engine* cg_engine_new(PyObject* inputs, PyObject* names, PyObject* params,
+                         PyObject* buffers, int allow_unused_input) {
+  HANDLE_TH_ERRORS
+  auto e = std::make_shared<Engine>();
+  e->allow_unused = allow_unused_input != 0;
+  e->device = c10::cuda::current_device();
+  e->inputs = cgraph::unpack_tensors(inputs, "argument");
+  for (size_t i = 0; i < e->inputs.size(); ++i) {
+    PyObject* name = PySequence_GetItem(names, static_cast<Py_ssize_t>(i));
+    const char* utf8 = name ? PyUnicode_AsUTF8(name) : nullptr;
+    e->input_names.emplace_back(utf8 ? utf8 : "?");
+    Py_XDECREF(name);
+    PyErr_Clear();
+    const at::Tensor& t = e->inputs[i];
+    TORCH_CHECK_VALUE(t.is_cuda(), "cgraph: argument '", e->input_names[i], "' is on ",
+                      t.device(), "; a CUDA graph replays CUDA work only. "
+                      "Move the sample (and every later argument) to the GPU.");
+    e->device = t.device().index();
+    e->input_requires_grad.push_back(t.requires_grad());
+  }
+  e->params = cgraph::unpack_tensors(params, "parameter");
+  for (const at::Tensor& p : e->params) {
+    e->param_ptrs.push_back(p.const_data_ptr());
+    e->param_requires_grad.push_back(p.requires_grad());
+  }
+  e->buffers = cgraph::unpack_tensors(buffers, "buffer");
+  for (const at::Tensor& b : e->buffers) {
+    e->buffer_snapshot.push_back(b.clone());
+  }
+  return new cg_engine{std::move(e)};
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
+void cg_engine_free(cg_engine* engine) {
+  delete engine;  // the last reference resets the engine; reset never throws
+}
+
+int cg_engine_warmup_backward(cg_engine* engine, PyObject* outputs) {
+  HANDLE_TH_ERRORS
+  Engine& e = *engine->ptr;
+  std::vector<at::Tensor> diff, grads;
+  for (const at::Tensor& o : cgraph::unpack_tensors(outputs, "output")) {
+    if (o.requires_grad()) {
+      diff.push_back(o);
+      grads.push_back(at::empty_like(o));
+    }
+  }
+  if (diff.empty()) {
+    return 0;
+  }
+  e.adopt_hidden_leaves(diff);
+  const auto wrt = e.grad_targets();
+  if (!wrt.empty()) {
+    cgraph::GilRelease nogil;
+    torch::autograd::grad(diff, wrt, grads, /*retain_graph=*/false,
+                          /*create_graph=*/false, e.allow_unused);
+  }
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_engine_capture_begin(cg_engine* engine, cg_pass pass, cg_pool pool,
+                            cg_capture_mode mode) {
+  HANDLE_TH_ERRORS
+  Engine& e = *engine->ptr;
+  e.pool = {pool.first, pool.second};
+  cgraph::Graph& g = pass == CG_FORWARD ? *e.fwd : *e.bwd;
+  g.capture_begin(e.pool, cgraph::to_cuda_mode(mode));
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_engine_capture_end(cg_engine* engine, cg_pass pass) {
+  HANDLE_TH_ERRORS
+  Engine& e = *engine->ptr;
+  cgraph::Graph& g = pass == CG_FORWARD ? *e.fwd : *e.bwd;
+  try {
+    g.capture_end();
+  } catch (...) {
+    g.abandon();
+    throw;
+  }
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+void cg_engine_capture_abort(cg_engine* engine, cg_pass pass) {
+  // Keep the callable's exception: abandon() may call into torch, which
+  // could set (and must not clobber) Python's error indicator.
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  Engine& e = *engine->ptr;
+  (pass == CG_FORWARD ? *e.fwd : *e.bwd).abandon();
+  PyErr_Restore(type, value, traceback);
+}
+
+int cg_engine_set_outputs(cg_engine* engine, PyObject* outputs) {
+  HANDLE_TH_ERRORS
+  Engine& e = *engine->ptr;
+  e.outputs = cgraph::unpack_tensors(outputs, "output");
+  e.output_requires_grad.clear();
+  for (const at::Tensor& o : e.outputs) {
+    e.output_requires_grad.push_back(o.requires_grad());
+  }
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
+                               cg_capture_mode mode) {
+  HANDLE_TH_ERRORS
+  Engine& e = *engine->ptr;
+  std::vector<at::Tensor> diff;
+  for (size_t k = 0; k < e.outputs.size(); ++k) {
+    if (e.output_requires_grad[k]) {
+      diff.push_back(e.outputs[k]);
+    }
+  }
+  e.adopt_hidden_leaves(diff);
+  e.grad_outputs.assign(e.outputs.size(), at::Tensor());
+  e.grad_inputs.assign(e.inputs.size(), at::Tensor());
+  e.grad_params.assign(e.params.size(), at::Tensor());
+  e.grad_store.assign(e.params.size(), at::Tensor());
+  const auto wrt = e.grad_targets();
+  if (diff.empty() || wrt.empty()) {
+    e.has_bwd = false;
+    e.forget_capture_autograd();
+    return 0;
+  }
+
+  cgraph::Graph& g = *e.bwd;
+  g.capture_begin({pool.first, pool.second}, cgraph::to_cuda_mode(mode));
+  std::vector<at::Tensor> grads;
+  try {
+    // Allocated inside the capture, so they live in the graph pool and
+    // reset() returns them with it.
+    std::vector<at::Tensor> grad_outputs;
+    for (size_t k = 0; k < e.outputs.size(); ++k) {
+      if (e.output_requires_grad[k]) {
+        e.grad_outputs[k] = at::empty_like(e.outputs[k]);
+        grad_outputs.push_back(e.grad_outputs[k]);
+      }
+    }
+    {
+      cgraph::GilRelease nogil;
+      grads = torch::autograd::grad(diff, wrt, grad_outputs, /*retain_graph=*/false,
+                                    /*create_graph=*/false, e.allow_unused);
+    }
+    g.capture_end();
+  } catch (...) {
+    g.abandon();
+    throw;
+  }
+  size_t next = 0;
+  for (size_t i = 0; i < e.inputs.size(); ++i) {
+    if (e.input_requires_grad[i]) {
+      e.grad_inputs[i] = grads[next++];
+    }
+  }
+  for (size_t j = 0; j < e.params.size(); ++j) {
+    if (e.param_requires_grad[j]) {
+      e.grad_params[j] = grads[next++];
+    }
+  }
+  e.has_bwd = true;
+  e.forget_capture_autograd();
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_engine_restore_buffers(cg_engine* engine) {
+  HANDLE_TH_ERRORS
+  Engine& e = *engine->ptr;
+  for (size_t i = 0; i < e.buffers.size(); ++i) {
+    e.buffers[i].copy_(e.buffer_snapshot[i]);
+  }
+  e.buffer_snapshot.clear();
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+void cg_engine_reset(cg_engine* engine) {
+  engine->ptr->reset();
+}
+
+cg_pool cg_engine_pool(const cg_engine* engine) {
+  const auto& pool = engine->ptr->pool;
+  return cg_pool{pool.first, pool.second};
+}
+
+Py_ssize_t cg_engine_num_inputs(const cg_engine* engine) {
+  return static_cast<Py_ssize_t>(engine->ptr->inputs.size());
+}
+
+Py_ssize_t cg_engine_num_params(const cg_engine* engine) {
+  return static_cast<Py_ssize_t>(engine->ptr->params.size());
+}
+
+}  // extern "C"

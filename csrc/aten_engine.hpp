@@ -1,0 +1,144 @@
+// aten_engine.hpp -- the C++ half's shared definitions.  Internal: only
+// csrc/aten_*.cpp include it; the C half sees cgraph.h alone.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/autograd/edge.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <Python.h>
+
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "cgraph.h"
+
+namespace cgraph {
+
+// torch 2.14 made autograd nodes intrusive_ptr-owned; earlier releases use
+// shared_ptr.  Take whichever this torch's Edge holds, so nothing below names
+// a torch version.
+using NodePtr = decltype(std::declval<torch::autograd::Edge>().function);
+
+template <class T, class... Args>
+auto make_node(Args&&... args) {
+  if constexpr (std::is_same_v<NodePtr, std::shared_ptr<torch::autograd::Node>>) {
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  } else {
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
+  }
+}
+
+// Releases the GIL for the lifetime of the object.  Used around calls that
+// wait on the autograd engine, whose worker threads may need the GIL to run
+// Python backward code (custom Functions, hooks).
+class GilRelease {
+ public:
+  GilRelease() : state_(PyEval_SaveThread()) {}
+  ~GilRelease() { PyEval_RestoreThread(state_); }
+  GilRelease(const GilRelease&) = delete;
+  GilRelease& operator=(const GilRelease&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
+
+// A CUDAGraph that can abandon a failed capture.
+//
+// Note [Abandoning a capture]
+// Q: Why not just call capture_end() and reset() when the callable raises?
+// A: When the capture was invalidated (a sync such as .item() inside the
+//    callable), capture_end() throws from cudaStreamEndCapture before it
+//    tells the caching allocator to stop routing the stream's allocations to
+//    the graph pool.  Some torch releases then leave the allocator routing
+//    forever and the pool's use count raised, so the process leaks the pool
+//    and later allocations on that stream land in a dead pool.  Releases that
+//    track this themselves (a `capturing_to_pool_` member) clean up in
+//    reset().  abandon() ends the stream capture, then does the allocator's
+//    part only where this torch's reset() will not.
+class Graph : public at::cuda::CUDAGraph {
+ public:
+  void abandon() noexcept;
+
+ private:
+  template <class G>
+  static auto reset_ends_pool_routing(G& g, int)
+      -> decltype(g.capturing_to_pool_, bool()) {
+    return true;
+  }
+  template <class G>
+  static bool reset_ends_pool_routing(G&, long) {
+    return false;
+  }
+};
+
+// One graphed callable.  Shared between the C half (through cg_engine) and
+// every backward node still pending, so a live autograd graph keeps the
+// buffers its backward replay needs.
+struct Engine {
+  ~Engine();
+  void reset() noexcept;
+
+  // -- identity
+  c10::DeviceIndex device = 0;
+  at::cuda::MempoolId_t pool{0, 0};
+  bool allow_unused = false;
+  bool alive = true;  // false after reset(): replays and backwards raise
+
+  // -- graphs
+  std::unique_ptr<Graph> fwd = std::make_unique<Graph>();
+  std::unique_ptr<Graph> bwd = std::make_unique<Graph>();
+  bool has_bwd = false;  // false when no output requires grad
+
+  // -- what the forward graph reads
+  std::vector<at::Tensor> inputs;  // the sample tensors, as in torch
+  std::vector<std::string> input_names;
+  std::vector<char> input_requires_grad;  // at capture
+  // Module parameters, then any other leaf requiring grad that the forward
+  // reads (a tensor in a closure); see adopt_hidden_leaves().
+  std::vector<at::Tensor> params;
+  std::vector<const void*> param_ptrs;  // at capture: a moved one is stale
+  std::vector<char> param_requires_grad;  // at capture
+
+  // -- what the forward graph writes
+  std::vector<at::Tensor> outputs;
+  std::vector<char> output_requires_grad;
+
+  // -- what the backward graph reads and writes
+  std::vector<at::Tensor> grad_outputs;  // undefined where no grad flows
+  std::vector<at::Tensor> grad_inputs;   // aligned with inputs
+  std::vector<at::Tensor> grad_params;   // aligned with params
+  // The tensors handed out as param.grad when it was None; reused when
+  // nobody else holds them.  See Note [Parameter gradients].
+  std::vector<at::Tensor> grad_store;
+
+  // -- module state that warm-up changes
+  std::vector<at::Tensor> buffers;
+  std::vector<at::Tensor> buffer_snapshot;
+
+  // -- replay bookkeeping
+  // Forward replays so far.  A backward replay is valid only for the latest
+  // forward: an earlier call's activations have been overwritten.
+  uint64_t generation = 0;
+
+  void adopt_hidden_leaves(const std::vector<at::Tensor>& outs);
+  void forget_capture_autograd();
+  std::vector<at::Tensor> grad_targets() const;
+};
+
+}  // namespace cgraph
+
+struct cg_engine {
+  std::shared_ptr<cgraph::Engine> ptr;
+};
+
+struct cg_setup {
+  c10::DeviceIndex device;
+  c10::cuda::CUDAStream caller;
+  c10::cuda::CUDAStream side;
+};

@@ -1,0 +1,323 @@
+// aten_replay.cpp -- the replay path: checking and copying inputs, replaying
+// the forward graph, and the autograd node that replays the backward graph.
+//
+// This is the product.  It runs on every call, so it stays short, allocates
+// nothing it can avoid, and reads top to bottom: cg_engine_replay() for the
+// forward, GraphedBackward::apply() for the backward.
+#include "aten_engine.hpp"
+
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/autograd/variable.h>
+
+namespace cgraph {
+namespace {
+
+namespace autograd = torch::autograd;
+using TensorVec = c10::SmallVector<at::Tensor, 16>;
+
+// Note [Parameter gradients]
+// Q: Why doesn't the backward node hand parameter grads to autograd, as
+//    torch's make_graphed_callables does?
+// A: Correctness and speed.  torch returns its static grad buffer (detached)
+//    and AccumulateGrad *steals* it as param.grad when .grad is None, so the
+//    next replay overwrites a .grad the user holds (pytorch issue 181723:
+//    accumulation over micro-batches goes wrong).  And one AccumulateGrad
+//    node per parameter costs host time and a kernel launch each.
+//    So a parameter without autograd hooks gets its grad from this node:
+//    one fused add into every .grad that exists, one fused copy into
+//    cgraph-owned tensors for every .grad that is None.  An owned tensor is
+//    reused on a later step only while nobody else references it (after
+//    zero_grad(set_to_none=True)), so a .grad anybody holds is never
+//    overwritten.
+//    A parameter with hooks (tensor hooks, post-accumulate-grad hooks, hooks
+//    on its grad accumulator, which DDP registers) stays an ordinary autograd
+//    edge: AccumulateGrad delivers its grad and runs the hooks.  The node
+//    returns its static buffer while still holding a reference to it, which
+//    makes AccumulateGrad copy instead of steal.
+//    Partial backwards (backward(inputs=...), torch.autograd.grad) accumulate
+//    only into the parameters they name.
+bool delivered_by_autograd(const at::Tensor& p) {
+  if (!autograd::impl::hooks(p).empty() || autograd::impl::post_acc_grad_hooks(p)) {
+    return true;
+  }
+  const auto acc = autograd::impl::try_get_grad_accumulator(p);
+  return acc && (!acc->pre_hooks().empty() || !acc->post_hooks().empty());
+}
+
+bool sole_owner(const at::Tensor& t) {
+  return t.use_count() == 1 && t.unsafeGetTensorImpl()->storage().use_count() == 1;
+}
+
+// During a partial backward, whether it asks for parameter p's gradient.
+bool named_by_partial_backward(const std::unordered_map<autograd::Node*,
+                                   autograd::GraphTask::ExecInfo>& exec_info,
+                               const at::Tensor& p) {
+  const auto acc = autograd::impl::try_get_grad_accumulator(p);
+  const auto it = acc ? exec_info.find(acc.get()) : exec_info.end();
+  if (it == exec_info.end()) {
+    return false;
+  }
+  TORCH_CHECK(!it->second.captures_,
+              "cgraph: torch.autograd.grad with respect to a parameter of a graphed "
+              "callable is not supported, because cgraph accumulates parameter grads "
+              "itself (see Note [Parameter gradients]). Register a hook on that "
+              "parameter before calling the graphed callable (p.register_hook(lambda g: g)) "
+              "and its grad goes through autograd.");
+  return it->second.should_execute();
+}
+
+void accumulate_param_grads(Engine& e, const std::vector<uint32_t>& fused) {
+  const auto* exec_info = autograd::get_current_graph_task_exec_info();
+  const bool partial = exec_info && !exec_info->empty();
+  TensorVec add_dst, add_src, copy_dst, copy_src;
+  for (const uint32_t j : fused) {
+    const at::Tensor& p = e.params[j];
+    const at::Tensor& g = e.grad_params[j];
+    if (!g.defined() || !p.requires_grad() ||
+        (partial && !named_by_partial_backward(*exec_info, p))) {
+      continue;
+    }
+    at::Tensor& grad = p.mutable_grad();
+    if (grad.defined()) {
+      add_dst.push_back(grad);
+      add_src.push_back(g);
+      continue;
+    }
+    at::Tensor& store = e.grad_store[j];
+    if (!store.defined() || !sole_owner(store)) {
+      store = at::empty_like(p, at::MemoryFormat::Preserve);
+    }
+    copy_dst.push_back(store);
+    copy_src.push_back(g);
+    grad = store;
+  }
+  if (!copy_dst.empty()) {
+    at::_foreach_copy_(copy_dst, copy_src);
+  }
+  if (!add_dst.empty()) {
+    at::_foreach_add_(add_dst, add_src);
+  }
+}
+
+// Copies each src into its dst: one launch for all of them.  Static inputs
+// are the caller's sample tensors, often leaves that require grad: the copy
+// is the graph's business, not autograd's.
+void copy_all(const TensorVec& dst, const TensorVec& src) {
+  at::NoGradGuard no_grad;
+  if (dst.size() == 1) {
+    dst[0].copy_(src[0]);
+  } else if (!dst.empty()) {
+    at::_foreach_copy_(dst, src);
+  }
+}
+
+// Whether `src` must be copied into the static buffer `dst` (it lives
+// elsewhere, or is laid out differently).  `src` may alias `dst` with other
+// strides (a transpose of a square buffer): then it is cloned first.
+bool needs_copy(const at::Tensor& dst, const at::Tensor& src, at::Tensor* staged) {
+  const bool same_memory = src.const_data_ptr() == dst.const_data_ptr();
+  if (same_memory && src.strides().equals(dst.strides())) {
+    return false;
+  }
+  *staged = same_memory ? src.clone() : src;
+  return true;
+}
+
+[[noreturn]] void raise_mismatch(const Engine& e, size_t i, const at::Tensor& got) {
+  const at::Tensor& want = e.inputs[i];
+  TORCH_CHECK_VALUE(false, "cgraph: argument '", e.input_names[i], "' has shape ",
+                    got.sizes(), ", dtype ", got.scalar_type(), " on ", got.device(),
+                    ", but the graph was captured with shape ", want.sizes(), ", dtype ",
+                    want.scalar_type(), " on ", want.device(),
+                    ". A CUDA graph replays fixed shapes and types: pass a tensor like the "
+                    "sample (pad it to the captured shape), or graph the callable once per shape.");
+}
+
+struct GraphedBackward final : autograd::Node {
+  GraphedBackward(std::shared_ptr<Engine> engine, autograd::edge_list&& edges,
+                  std::vector<int32_t>&& edge_sources, std::vector<uint32_t>&& fused_params)
+      : autograd::Node(std::move(edges)),
+        engine(std::move(engine)),
+        generation(this->engine->generation),
+        edge_sources(std::move(edge_sources)),
+        fused_params(std::move(fused_params)) {}
+
+  std::string name() const override { return "CGraphBackward"; }
+  autograd::variable_list apply(autograd::variable_list&& grads) override;
+
+  std::shared_ptr<Engine> engine;
+  uint64_t generation;  // the forward replay this backward belongs to
+  bool consumed = false;
+  std::vector<int32_t> edge_sources;   // per next edge: input i >= 0, or ~j for parameter j
+  std::vector<uint32_t> fused_params;  // parameters whose grads apply() accumulates
+};
+
+autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) {
+  Engine& e = *engine;
+  TORCH_CHECK(e.alive, "cgraph: backward through a graphed callable that was reset() "
+              "after this forward ran.");
+  TORCH_CHECK(!consumed, "cgraph: a second backward through the same graphed call "
+              "(retain_graph=True). The backward graph reuses the memory of the forward's "
+              "activations, so each call supports one backward: call the graphed callable "
+              "again before the next backward.");
+  TORCH_CHECK(generation == e.generation, "cgraph: this graphed callable ran forward ",
+              e.generation - generation, " more time(s) before this backward. A CUDA graph "
+              "keeps one set of activations, so run each backward before the next forward "
+              "of the same callable (graph one callable per micro-batch to keep several in "
+              "flight).");
+  consumed = true;
+
+  // 1. Incoming grads into the static grad buffers; a missing grad is zeros.
+  TensorVec dst, src;
+  size_t k = 0;
+  for (size_t slot = 0; slot < e.outputs.size(); ++slot) {
+    if (!e.output_requires_grad[slot]) {
+      continue;
+    }
+    at::Tensor& buffer = e.grad_outputs[slot];
+    const at::Tensor& grad = grads[k++];
+    at::Tensor staged;
+    if (!grad.defined()) {
+      buffer.zero_();
+    } else if (needs_copy(buffer, grad, &staged)) {
+      dst.push_back(buffer);
+      src.push_back(std::move(staged));
+    }
+  }
+  copy_all(dst, src);
+
+  // 2. Replay.
+  e.bwd->replay();
+
+  // 3. Parameter grads: see Note [Parameter gradients].
+  accumulate_param_grads(e, fused_params);
+
+  // 4. Grads for the autograd edges (inputs, hooked parameters): the static
+  //    buffers themselves, still referenced here so nobody steals them.
+  autograd::variable_list out(edge_sources.size());
+  for (size_t m = 0; m < edge_sources.size(); ++m) {
+    const int32_t s = edge_sources[m];
+    out[m] = s >= 0 ? e.grad_inputs[s] : e.grad_params[~s];
+  }
+  return out;
+}
+
+}  // namespace
+}  // namespace cgraph
+
+extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
+                                      Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  using namespace cgraph;
+  const std::shared_ptr<Engine>& shared = engine->ptr;
+  Engine& e = *shared;
+  TORCH_CHECK(e.alive, "cgraph: this graphed callable was reset(); graph the callable "
+              "again to use it.");
+  const size_t n_in = e.inputs.size();
+  TORCH_CHECK_TYPE(static_cast<size_t>(nargs) == n_in, "cgraph: the graph was captured "
+                   "with ", n_in, " tensor argument(s), got ", nargs, ".");
+
+  // 1. Check every input; gather the ones whose memory is not the static one.
+  c10::SmallVector<const at::Tensor*, 16> args_grad;
+  TensorVec dst, src;
+  for (size_t i = 0; i < n_in; ++i) {
+    PyObject* obj = args[i];
+    TORCH_CHECK_TYPE(THPVariable_Check(obj), "cgraph: argument '", e.input_names[i],
+                     "' is a ", Py_TYPE(obj)->tp_name, "; the graph was captured with a tensor.");
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    const at::Tensor& s = e.inputs[i];
+    if (C10_UNLIKELY(!t.sizes().equals(s.sizes()) || t.scalar_type() != s.scalar_type() ||
+                     t.device() != s.device())) {
+      raise_mismatch(e, i, t);
+    }
+    if (t.requires_grad()) {
+      TORCH_CHECK(e.input_requires_grad[i], "cgraph: argument '", e.input_names[i],
+                  "' requires grad, but its sample did not, so the backward graph computes "
+                  "no grad for it. Graph again with a sample that requires grad.");
+      args_grad.push_back(&t);
+    } else {
+      args_grad.push_back(nullptr);
+    }
+    at::Tensor staged;
+    if (needs_copy(s, t, &staged)) {
+      dst.push_back(s);
+      src.push_back(std::move(staged));
+    }
+  }
+  bool params_need_grad = false;
+  for (size_t j = 0; j < e.params.size(); ++j) {
+    const at::Tensor& p = e.params[j];
+    TORCH_CHECK(p.const_data_ptr() == e.param_ptrs[j], "cgraph: parameter ", j,
+                " (shape ", p.sizes(), ") moved to new memory after capture (.to(), "
+                ".data = ..., load_state_dict(assign=True)?); the graph would read the old "
+                "memory. Graph the module again after moving it.");
+    if (p.requires_grad()) {
+      TORCH_CHECK(e.param_requires_grad[j], "cgraph: parameter ", j, " (shape ", p.sizes(),
+                  ") requires grad, but did not at capture, so the backward graph computes "
+                  "no grad for it. Graph the module again after unfreezing it.");
+      params_need_grad = true;
+    }
+  }
+
+  // 2. One copy launch for all moved inputs, then the forward graph.
+  copy_all(dst, src);
+  e.fwd->replay();
+  ++e.generation;
+
+  // 3. Outputs: aliases of the static outputs, wired to a backward node when
+  //    autograd will need one.
+  bool any_arg_grad = false;
+  for (const at::Tensor* t : args_grad) {
+    any_arg_grad |= t != nullptr;
+  }
+  NodePtr node;
+  if (e.has_bwd && (any_arg_grad || params_need_grad) && at::GradMode::is_enabled()) {
+    autograd::edge_list edges;
+    std::vector<int32_t> sources;
+    std::vector<uint32_t> fused;
+    for (size_t i = 0; i < n_in; ++i) {
+      if (args_grad[i]) {
+        edges.push_back(autograd::impl::gradient_edge(*args_grad[i]));
+        sources.push_back(static_cast<int32_t>(i));
+      }
+    }
+    for (size_t j = 0; j < e.params.size(); ++j) {
+      const at::Tensor& p = e.params[j];
+      if (!p.requires_grad()) {
+        continue;
+      }
+      if (delivered_by_autograd(p)) {
+        edges.push_back(autograd::impl::gradient_edge(p));
+        sources.push_back(~static_cast<int32_t>(j));
+      } else {
+        fused.push_back(static_cast<uint32_t>(j));
+      }
+    }
+    node = make_node<GraphedBackward>(shared, std::move(edges), std::move(sources),
+                                      std::move(fused));
+  }
+  const auto n_out = static_cast<Py_ssize_t>(e.outputs.size());
+  PyObject* result = PyTuple_New(n_out);
+  if (!result) {
+    throw python_error();
+  }
+  for (Py_ssize_t k = 0; k < n_out; ++k) {
+    at::Tensor out = e.outputs[k].detach();
+    if (node && e.output_requires_grad[k]) {
+      autograd::set_history(out, node);
+    }
+    PyObject* wrapped = THPVariable_Wrap(std::move(out));
+    if (!wrapped) {
+      Py_DECREF(result);
+      throw python_error();
+    }
+    PyTuple_SET_ITEM(result, k, wrapped);
+  }
+  return result;
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}

@@ -1,0 +1,136 @@
+/*
+ * cgraph.h -- the whole boundary between cgraph's C half and its C++ half.
+ *
+ * The C half (the csrc .c files, compiled as C11) owns everything Python sees: the
+ * module, the `Graphed` type, argument and pytree handling, and the order of
+ * the graph lifecycle (warm-up -> capture -> replay -> reset).
+ * The C++ half (the csrc aten_ .cpp files) owns everything ATen sees: CUDA graphs, the
+ * static tensors they read and write, and the autograd node that replays the
+ * backward graph.  Only this header crosses between them.
+ *
+ * Conventions, for every function below:
+ *   - `int` results are 0 on success and -1 with a Python exception set.
+ *   - `PyObject *` results are NEW references, or NULL with an exception set.
+ *   - `PyObject *` parameters are borrowed.
+ *   - The caller holds the GIL.  No C++ exception crosses this header.
+ */
+#ifndef CGRAPH_H
+#define CGRAPH_H
+
+#include <Python.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One graphed callable's native state: its forward and backward graphs and
+ * their static buffers.  Reference counted on the C++ side: the C half holds
+ * one reference, each pending backward holds another. */
+typedef struct cg_engine cg_engine;
+
+/* The stream that warm-up and capture run on, and the device they run for. */
+typedef struct cg_setup cg_setup;
+
+/* A caching-allocator memory pool id, the pair torch calls MempoolId_t. */
+typedef struct {
+    unsigned long long first;
+    unsigned long long second;
+} cg_pool;
+
+/* How strictly CUDA polices other threads during capture (torch's
+ * capture_error_mode). */
+typedef enum {
+    CG_CAPTURE_GLOBAL = 0,
+    CG_CAPTURE_THREAD_LOCAL = 1,
+    CG_CAPTURE_RELAXED = 2
+} cg_capture_mode;
+
+typedef enum { CG_FORWARD = 0, CG_BACKWARD = 1 } cg_pass;
+
+/* ---- set-up ------------------------------------------------------------ */
+
+/* Number of CUDA devices torch can see; 0 without CUDA.  Never fails. */
+int cg_cuda_device_count(void);
+
+/* A fresh pool id, as torch.cuda.graph_pool_handle() returns.  -1 on error. */
+int cg_new_pool(cg_pool *out);
+
+/* Synchronizes `device_index`'s device and makes a side stream current: the
+ * stream every warm-up and capture of one make_graphed call runs on.
+ * Returns NULL with an exception set on failure. */
+cg_setup *cg_setup_begin(int device_index);
+
+/* Restores the caller's stream and waits for the side stream.  Never raises;
+ * frees `setup`. */
+void cg_setup_end(cg_setup *setup);
+
+/* ---- the engine: one per callable --------------------------------------- */
+
+/* inputs:  tuple of the sample tensors (pytree leaves); they become the
+ *          forward graph's static inputs, as in torch.
+ * names:   tuple of str, one per input, for error messages.
+ * params:  tuple of the module's parameters (may be empty).
+ * buffers: tuple of the module's buffers; warm-up changes them (BatchNorm
+ *          running stats), so they are restored after capture.
+ * Returns NULL with an exception set on failure. */
+cg_engine *cg_engine_new(PyObject *inputs, PyObject *names, PyObject *params,
+                         PyObject *buffers, int allow_unused_input);
+
+/* Drops the C half's reference.  Never raises.  NULL is allowed. */
+void cg_engine_free(cg_engine *engine);
+
+/* Runs one eager backward of a warm-up forward.  `outputs` is a sequence of
+ * the forward's output leaves. */
+int cg_engine_warmup_backward(cg_engine *engine, PyObject *outputs);
+
+/* Starts capturing `pass` on the setup's stream into `pool`. */
+int cg_engine_capture_begin(cg_engine *engine, cg_pass pass, cg_pool pool,
+                            cg_capture_mode mode);
+
+/* Ends the capture begun by cg_engine_capture_begin.  On failure the capture
+ * is abandoned and its memory released. */
+int cg_engine_capture_end(cg_engine *engine, cg_pass pass);
+
+/* Abandons a capture whose callable raised.  Keeps the caller's exception;
+ * never raises. */
+void cg_engine_capture_abort(cg_engine *engine, cg_pass pass);
+
+/* Records the forward graph's output leaves (a sequence of tensors) as its
+ * static outputs. */
+int cg_engine_set_outputs(cg_engine *engine, PyObject *outputs);
+
+/* Captures the backward graph of the captured forward (a no-op when no
+ * output requires grad). */
+int cg_engine_capture_backward(cg_engine *engine, cg_pool pool,
+                               cg_capture_mode mode);
+
+/* Puts back the module buffers that warm-up changed. */
+int cg_engine_restore_buffers(cg_engine *engine);
+
+/* ---- replay ------------------------------------------------------------- */
+
+/* The hot path.  Checks `args[0..nargs)` against the captured inputs, copies
+ * those whose memory differs into the static inputs, replays the forward
+ * graph and returns a NEW tuple of the outputs, wired to a backward node
+ * when autograd needs one. */
+PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args,
+                           Py_ssize_t nargs);
+
+/* ---- reset -------------------------------------------------------------- */
+
+/* Frees the graphs, the static tensors and the pool's cached memory.  Later
+ * replays raise; backward of an earlier call raises.  Never raises. */
+void cg_engine_reset(cg_engine *engine);
+
+/* The pool this engine's graphs live in. */
+cg_pool cg_engine_pool(const cg_engine *engine);
+
+/* Number of static inputs, outputs and parameters (for introspection). */
+Py_ssize_t cg_engine_num_inputs(const cg_engine *engine);
+Py_ssize_t cg_engine_num_params(const cg_engine *engine);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* CGRAPH_H */

@@ -1,0 +1,99 @@
+"""Build cgraph: the C half (csrc/*.c) compiled as C11 into a static library,
+linked with the C++ half (csrc/aten_*.cpp, compiled against torch) into
+cgraph/_C.so.
+
+torch's BuildExtension compiles every source as C++, so the C files go
+through setuptools' build_clib instead and are linked in whole (nothing in
+the C++ half references PyInit__C, so a plain -l would drop it).
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sysconfig
+
+from setuptools import setup
+
+
+def _find_cuda_home():
+    """torch.utils.cpp_extension needs CUDA_HOME; nvcc may be a wrapper
+    script outside the toolkit, so look for the headers as well."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    for path in candidates:
+        if path and os.path.exists(os.path.join(path, "include", "cuda_runtime.h")):
+            return path
+    return None
+
+
+if _find_cuda_home():
+    os.environ["CUDA_HOME"] = _find_cuda_home()
+
+from torch.utils.cpp_extension import BuildExtension, CUDAExtension  # noqa: E402
+
+
+def _shared_libstdcxx():
+    """Link arguments naming the libstdc++ that torch itself runs with, when
+    the C++ compiler has only a static one (seen on the GPU machine's
+    /opt/gcc).  Otherwise parts of a static libstdc++ land in _C.so: two C++
+    runtimes in one process, and the first number streamed into an error
+    message crashes inside std::ostream."""
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or "g++"
+    try:
+        found = subprocess.run([cxx, "-print-file-name=libstdc++.so"],
+                               capture_output=True, text=True, check=False).stdout.strip()
+    except OSError:
+        return []
+    if os.path.isabs(found) and os.path.exists(found):
+        return []
+    with open("/proc/self/maps") as maps:  # torch is imported: its libstdc++ is mapped
+        for line in maps:
+            path = line.split()[-1]
+            if os.path.basename(path).startswith("libstdc++.so"):
+                return [path]
+    return []
+
+C_SOURCES = sorted(glob.glob("csrc/*.c"))
+CXX_SOURCES = sorted(glob.glob("csrc/aten_*.cpp"))
+C_LIBRARY = "cgraph_c"
+
+
+class BuildWithC(BuildExtension):
+    """Builds the C library first and links all of it into the extension."""
+
+    def run(self):
+        self.run_command("build_clib")
+        clib = self.get_finalized_command("build_clib")
+        archive = os.path.join(clib.build_clib, f"lib{C_LIBRARY}.a")
+        for ext in self.extensions:
+            ext.extra_link_args += ["-Wl,--whole-archive", archive, "-Wl,--no-whole-archive"]
+            ext.extra_link_args += _shared_libstdcxx()
+            ext.depends += C_SOURCES + glob.glob("csrc/*.h")
+        super().run()
+
+
+setup(
+    libraries=[
+        (
+            C_LIBRARY,
+            {
+                "sources": C_SOURCES,
+                "include_dirs": [sysconfig.get_paths()["include"], "csrc"],
+                "cflags": ["-std=c11", "-fPIC", "-O2", "-Wall", "-Wextra",
+                           "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
+            },
+        )
+    ],
+    ext_modules=[
+        CUDAExtension(
+            name="cgraph._C",
+            sources=CXX_SOURCES,
+            include_dirs=[os.path.abspath("csrc")],
+            # No -std: torch picks the standard its headers need (C++20 from 2.14).
+            extra_compile_args={"cxx": ["-O2"]},
+        )
+    ],
+    cmdclass={"build_ext": BuildWithC},
+)

@@ -1,0 +1,116 @@
+"""CPU tests: import, torch parity of the public signature, argument checks.
+They run in CI (no GPU); argument checks happen before any CUDA call."""
+
+import inspect
+
+import pytest
+import torch
+
+import cgraph
+
+
+def test_public_names():
+    for name in ("make_graphed_callables", "make_graphed", "GraphedModule",
+                 "CaptureError", "graph_pool_handle"):
+        assert hasattr(cgraph, name), name
+    assert issubclass(cgraph.CaptureError, RuntimeError)
+    assert issubclass(cgraph.GraphedModule, torch.nn.Module)
+
+
+def test_signature_matches_torch():
+    """torch's parameters come first, in order, with the same kinds and
+    defaults; cgraph may only add parameters after them."""
+    ours = list(inspect.signature(cgraph.make_graphed_callables).parameters.values())
+    theirs = list(inspect.signature(torch.cuda.make_graphed_callables).parameters.values())
+    assert len(ours) >= len(theirs)
+    for mine, torch_param in zip(ours, theirs):
+        assert mine.name == torch_param.name
+        assert mine.kind == torch_param.kind
+        assert mine.default == torch_param.default, mine.name
+    for extra in ours[len(theirs):]:
+        # Parameters of newer torch releases, or keyword-only extras.
+        assert extra.kind == inspect.Parameter.KEYWORD_ONLY or extra.name in (
+            "capture_error_mode", "enable_annotations"), extra.name
+
+
+def test_graphed_type_is_not_constructible():
+    with pytest.raises(TypeError):
+        cgraph.Graphed()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, text",
+    [
+        (dict(capture_error_mode="loud"), ValueError, "capture_error_mode"),
+        (dict(num_warmup_iters=-1), ValueError, "num_warmup_iters"),
+        (dict(pool="mine"), TypeError, "pool must be"),
+        (dict(enable_annotations=True), ValueError, "enable_annotations"),
+    ],
+)
+def test_bad_options_are_refused(kwargs, error, text):
+    with pytest.raises(error, match=text):
+        cgraph.make_graphed_callables(torch.nn.Linear(4, 4), (torch.randn(2, 4),), **kwargs)
+
+
+def test_sample_args_must_be_a_tuple():
+    with pytest.raises(TypeError, match=r"write \(x,\)"):
+        cgraph.make_graphed_callables(torch.nn.Linear(4, 4), torch.randn(2, 4))
+
+
+def test_non_tensor_sample_arg_is_named():
+    def f(x, scale):
+        return x * scale
+
+    with pytest.raises(TypeError, match="'scale'.*int"):
+        cgraph.make_graphed_callables(f, (torch.randn(2), 3))
+
+
+def test_tuple_of_callables_needs_matching_samples():
+    layers = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="2 tuples"):
+        cgraph.make_graphed_callables(layers, ((torch.randn(2, 4),),))
+
+
+def test_not_callable():
+    with pytest.raises(TypeError, match="not callable"):
+        cgraph.make_graphed(42, (torch.randn(2),))
+
+
+def test_module_hooks_are_refused_like_torch():
+    layer = torch.nn.Linear(4, 4)
+    layer.register_forward_hook(lambda *a: None)
+    with pytest.raises(ValueError, match="hooks"):
+        cgraph.make_graphed(layer, (torch.randn(2, 4),))
+
+
+def test_trainable_buffer_is_refused():
+    layer = torch.nn.Linear(4, 4)
+    layer.register_buffer("scale", torch.ones(4, requires_grad=True))
+    with pytest.raises(ValueError, match="buffer"):
+        cgraph.make_graphed(layer, (torch.randn(2, 4),))
+
+
+@pytest.mark.gpu
+def test_autocast_cache_is_refused_like_torch():
+    with torch.autocast("cuda", cache_enabled=True):
+        with pytest.raises(RuntimeError, match="cache_enabled=False"):
+            cgraph.make_graphed(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
+def test_clear_error_without_cuda():
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        cgraph.make_graphed(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        cgraph.graph_pool_handle()
+
+
+def test_leaf_names_come_from_forward_signature():
+    from cgraph._api import _leaf_names
+
+    class M(torch.nn.Module):
+        def forward(self, x, batch):
+            return x
+
+    names = _leaf_names(M(), (torch.zeros(1), {"mask": torch.zeros(1), "ids": [torch.zeros(1)]}))
+    assert names == ["x", "batch['mask']", "batch['ids'][0]"]  # pytree keeps dict order

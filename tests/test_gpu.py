@@ -1,0 +1,374 @@
+"""GPU tests: cgraph against eager PyTorch.  Skipped without CUDA.
+
+Comparisons are bitwise (torch.equal) unless a test says otherwise: a graph
+replays the same kernels on the same data as eager mode, so anything else is
+a bug.  Upstream grads are dense random tensors, like a real loss's; the one
+test of `.sum()` explains its tolerance."""
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import cgraph
+
+pytestmark = pytest.mark.gpu
+CUDA = "cuda"
+
+
+# ---- helpers -----------------------------------------------------------------
+
+
+def assert_equal(actual, expected, what):
+    assert actual is not None and expected is not None, f"{what}: missing ({actual}, {expected})"
+    if not torch.equal(actual, expected):
+        diff = (actual.double() - expected.double()).abs().max().item()
+        raise AssertionError(f"{what}: not bitwise equal to eager, max |diff| = {diff:.3g}")
+
+
+def assert_grads_equal(graphed_model, eager_model, step):
+    for (name, p), q in zip(graphed_model.named_parameters(), eager_model.parameters()):
+        assert_equal(p.grad, q.grad, f"step {step}: grad of {name}")
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 16)).to(CUDA), lambda: torch.randn(8, 32, device=CUDA,
+                                                                         requires_grad=True)
+
+
+def layernorm_gelu():
+    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(),
+                         nn.Linear(64, 16)).to(CUDA), lambda: torch.randn(8, 32, device=CUDA,
+                                                                         requires_grad=True)
+
+
+class EmbedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.proj = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, ids):
+        return self.proj(self.embed(ids))
+
+
+def embedding():
+    return EmbedMLP().to(CUDA), lambda: torch.randint(0, 100, (8, 4), device=CUDA)
+
+
+MODELS = {"mlp": mlp, "layernorm_gelu": layernorm_gelu, "embedding": embedding}
+
+
+def twin(x):
+    """An independent copy of an input for the eager run."""
+    return x.detach().clone().requires_grad_(x.requires_grad)
+
+
+def pool_segments(pool):
+    return [s for s in torch.cuda.memory_snapshot()
+            if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool)]
+
+
+# ---- the correctness list of issue 2 -----------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_matches_eager_bitwise_over_steps(name):
+    torch.manual_seed(0)
+    model, make_input = MODELS[name]()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    for step in range(4):
+        x = make_input()
+        xe = twin(x)
+        out, out_e = model(x), eager(xe)
+        assert_equal(out, out_e, f"step {step}: output")
+        upstream = torch.randn_like(out)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        if x.requires_grad:
+            assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        assert_grads_equal(model, eager, step)
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+
+
+def test_grad_accumulation_without_zero_grad():
+    """pytorch issue 181723: torch hands its static grad buffer out as .grad
+    and the next replay overwrites it."""
+    torch.manual_seed(1)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    for step in range(3):  # .grad starts as None, then accumulates
+        x = make_input()
+        upstream = torch.randn(8, 16, device=CUDA)
+        (model(x) * upstream).sum().backward()
+        (eager(twin(x)) * upstream).sum().backward()
+        assert_grads_equal(model, eager, step)
+
+
+def test_held_grad_is_never_overwritten():
+    torch.manual_seed(2)
+    model, make_input = mlp()
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    model(make_input()).sum().backward()
+    held = model[0].weight.grad
+    kept = held.clone()
+    model.zero_grad(set_to_none=True)
+    model(make_input()).sum().backward()
+    assert model[0].weight.grad is not held
+    assert_equal(held, kept, "a .grad the user kept")
+
+
+def test_sum_loss_matches_eager_within_one_ulp():
+    """`out.sum()` sends autograd an expanded (stride-0) grad; the graph
+    copies it into a dense static buffer, and cuBLAS may pick another
+    reduction order for a dense operand.  Tolerance: 1e-6 relative."""
+    torch.manual_seed(3)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    for _ in range(2):
+        x = make_input()
+        xe = twin(x)
+        model(x).sum().backward()
+        eager(xe).sum().backward()
+        torch.testing.assert_close(x.grad, xe.grad, rtol=1e-6, atol=1e-7)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "bad, text",
+    [
+        (lambda: torch.randn(4, 32, device=CUDA), r"shape \[4, 32\].*captured with shape \[8, 32\]"),
+        (lambda: torch.randn(8, 32, device=CUDA, dtype=torch.float64), "Double.*captured.*Float"),
+        (lambda: torch.randn(8, 32), "cpu.*captured.*cuda"),
+    ],
+)
+def test_other_shape_dtype_device_raise_value_error(bad, text):
+    model, make_input = mlp()
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    with pytest.raises(ValueError, match="argument 'input'.*" + text):
+        model(bad())
+
+
+def test_reset_returns_pool_memory():
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    graphed(make_input()).sum().backward()
+    pool = graphed.pool
+    assert pool_segments(pool), "the graphs should own pool memory"
+    graphed.reset()
+    assert pool_segments(pool) == []
+    with pytest.raises(RuntimeError, match="reset"):
+        graphed(make_input())
+
+
+def test_deleting_the_module_returns_pool_memory_without_gc():
+    model, make_input = mlp()
+    gc.disable()  # no cycle: the graphed forward holds its module weakly
+    try:
+        model = cgraph.make_graphed_callables(model, (make_input(),))
+        model(make_input()).sum().backward()
+        pool = model.forward.pool
+        assert pool_segments(pool)
+        del model
+        assert pool_segments(pool) == []
+    finally:
+        gc.enable()
+
+
+def test_dropout_masks_change_per_replay_and_match_backward():
+    drop = nn.Dropout(0.5).to(CUDA)
+    x = torch.randn(4096, device=CUDA, requires_grad=True)
+    graphed = cgraph.make_graphed(drop, (x,))
+    first = graphed(x).detach().clone()
+    second = graphed(x).detach().clone()
+    assert not torch.equal(first != 0, second != 0)
+    assert 0.4 < (first == 0).float().mean().item() < 0.6
+    y = graphed(x)
+    upstream = torch.randn_like(y)
+    (y * upstream).sum().backward()
+    assert_equal(x.grad, upstream * (y != 0) * 2.0, "dropout backward mask")
+
+
+def test_batchnorm_running_stats_update_as_in_eager():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU()).to(CUDA)
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(
+        model, (torch.randn(8, 16, device=CUDA, requires_grad=True),))
+    for step in range(3):
+        x = torch.randn(8, 16, device=CUDA, requires_grad=True)
+        out, out_e = model(x), eager(twin(x))
+        assert_equal(out, out_e, f"step {step}: output")
+        upstream = torch.randn_like(out)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+            assert_equal(b, c, f"step {step}: buffer {name}")
+
+
+def test_several_callables_share_one_pool():
+    """Forwards captured 1..N, backwards N..1, all in one pool."""
+    torch.manual_seed(5)
+    layers = tuple(nn.Sequential(nn.Linear(32, 32), nn.GELU()).to(CUDA) for _ in range(3))
+    eager = copy.deepcopy(layers)
+    samples = tuple((torch.randn(8, 32, device=CUDA, requires_grad=True),) for _ in layers)
+    graphed = cgraph.make_graphed_callables(layers, samples)
+    assert len({g.forward.pool for g in graphed}) == 1
+    for step in range(3):
+        x = torch.randn(8, 32, device=CUDA, requires_grad=True)
+        xe = twin(x)
+        h, he = x, xe
+        for g, e in zip(graphed, eager):
+            h, he = g(h), e(he)
+        assert_equal(h, he, f"step {step}: output")
+        upstream = torch.randn_like(h)
+        (h * upstream).sum().backward()
+        (he * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        for i, (g, e) in enumerate(zip(graphed, eager)):
+            for p, q in zip(g.parameters(), e.parameters()):
+                assert_equal(p.grad, q.grad, f"step {step}: layer {i} grad")
+            g.zero_grad(set_to_none=True)
+            e.zero_grad(set_to_none=True)
+
+
+def test_pool_handle_shared_between_two_calls():
+    torch.manual_seed(6)
+    handle = torch.cuda.graph_pool_handle()
+    nets = [mlp()[0] for _ in range(2)]
+    eager = copy.deepcopy(nets)
+    sample = lambda: torch.randn(8, 32, device=CUDA, requires_grad=True)  # noqa: E731
+    a = cgraph.make_graphed_callables(nets[0], (sample(),), pool=handle)
+    b = cgraph.make_graphed_callables(nets[1], (sample(),), pool=handle)
+    assert a.forward.pool == b.forward.pool == handle
+    for step in range(2):
+        # Replay in capture order: all of a, then all of b.
+        for g, e in ((a, eager[0]), (b, eager[1])):
+            x = sample()
+            out, out_e = g(x), e(twin(x))
+            assert_equal(out, out_e, f"step {step}: output")
+            upstream = torch.randn_like(out)
+            (out * upstream).sum().backward()
+            (out_e * upstream).sum().backward()
+            assert_grads_equal(g, e, step)
+
+
+# ---- torch's conventions ----------------------------------------------------
+
+
+def test_other_train_eval_mode_runs_eagerly():
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)).to(CUDA)
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (torch.randn(8, 16, device=CUDA),))
+    model.eval()
+    eager.eval()
+    x = torch.randn(8, 16, device=CUDA)
+    assert_equal(model(x), eager(x), "eval-mode output")
+    model.train()
+    assert (model(x) == 0).any()  # graphed train mode: dropout is back
+
+
+def test_no_grad_replays_forward_only():
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    x = make_input()
+    with torch.no_grad():
+        out = model(x)
+        expected = eager(x)
+    assert out.grad_fn is None and not out.requires_grad
+    assert_equal(out, expected, "no-grad output")
+
+
+def test_make_graphed_returns_a_graphed_module():
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    assert isinstance(graphed, cgraph.GraphedModule)
+    assert graphed.module is model and model.forward.__class__ is not cgraph.Graphed
+    assert list(graphed.state_dict())[0].startswith("module.")
+    x = make_input()
+    assert_equal(graphed(x), eager(x), "output")
+
+
+def test_closure_leaf_gets_its_grad():
+    """torch's make_graphed_callables differentiates only args and module
+    parameters; a weight in a closure would silently get no grad."""
+    torch.manual_seed(8)
+    w = torch.randn(16, 16, device=CUDA, requires_grad=True)
+    we = twin(w)
+
+    def f(x):
+        return torch.tanh(x @ w)
+
+    graphed = cgraph.make_graphed(f, (torch.randn(8, 16, device=CUDA),))
+    assert graphed.num_params == 1
+    x = torch.randn(8, 16, device=CUDA)
+    upstream = torch.randn(8, 16, device=CUDA)
+    (graphed(x) * upstream).sum().backward()
+    (torch.tanh(x @ we) * upstream).sum().backward()
+    assert_equal(w.grad, we.grad, "closure weight grad")
+
+
+def test_parameter_hooks_run_through_autograd():
+    torch.manual_seed(9)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    calls = []
+    model[0].weight.register_hook(lambda g: calls.append(1) or g * 2)
+    eager[0].weight.register_hook(lambda g: g * 2)
+    x = make_input()
+    upstream = torch.randn(8, 16, device=CUDA)
+    (model(x) * upstream).sum().backward()
+    (eager(twin(x)) * upstream).sum().backward()
+    assert calls == [1]
+    assert_grads_equal(model, eager, 0)
+
+
+def test_backward_after_a_second_forward_raises():
+    model, make_input = mlp()
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    first = model(make_input())
+    model(make_input())
+    with pytest.raises(RuntimeError, match="ran forward 1 more time"):
+        first.sum().backward()
+
+
+def test_input_requiring_grad_unlike_its_sample_raises():
+    model, _ = mlp()
+    model = cgraph.make_graphed_callables(model, (torch.randn(8, 32, device=CUDA),))
+    with pytest.raises(RuntimeError, match="requires grad, but its sample did not"):
+        model(torch.randn(8, 32, device=CUDA, requires_grad=True))
+
+
+def test_moved_parameter_raises():
+    model, make_input = mlp()
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    model[0].weight.data = model[0].weight.data.clone()
+    with pytest.raises(RuntimeError, match="moved to new memory"):
+        model(make_input())
+
+
+def test_capture_failure_is_explained_and_recoverable():
+    x = torch.randn(8, device=CUDA)
+
+    def syncs(t):
+        return t * t.sum().item()
+
+    with pytest.raises(cgraph.CaptureError, match=r"\.item\(\)") as info:
+        cgraph.make_graphed(syncs, (x,))
+    assert info.value.__cause__ is not None
+    # The process is fully usable: eager work, and a new capture.
+    assert_equal(x * 2, x + x, "eager after a failed capture")
+    graphed = cgraph.make_graphed(lambda t: t * 2, (x,))
+    assert_equal(graphed(x), x * 2, "capture after a failed capture")
