@@ -1,0 +1,90 @@
+"""Measure one variant of one workload, in a process of its own.
+
+    python3 -m benchmarks.variant WORKLOAD VARIANT '{"steps": 200, "warmup": 20}'
+
+Prints one JSON object as the last line of stdout.  The runner starts one
+such process per variant, so a CUDA error, a crash or leftover allocator
+state in one variant cannot affect the others.  An exception propagates
+(non-zero exit, traceback on stderr); the runner records it as an error row.
+
+What is measured, all on the current CUDA device:
+
+* ``setup_s``: :func:`benchmarks.workloads.prepare`, synchronized before and
+  after: graph warm-up and capture, or compilation (about 0 for eager).
+* ``host_us``: median time to enqueue one step: synchronize, then
+  ``perf_counter`` around the step with no synchronize inside.
+* ``wall_us``: median time of one step until the GPU has finished it:
+  synchronize, then ``perf_counter`` around the step and a synchronize.
+  Measured in a loop of its own, after the host loop.
+* ``peak_mib``: ``torch.cuda.max_memory_allocated`` over setup, warm-up and
+  both timed loops (peak stats reset after the model and inputs exist, so it
+  counts them, the optimizer state, activations and graph pools).
+* ``peak_reserved_mib``: ``torch.cuda.max_memory_reserved`` over the same
+  span.  A graph's temporaries are free blocks of its pool, so they count as
+  reserved, not allocated: for graphed variants this is the fairer figure.
+
+Both timed loops run ``steps`` steps, after ``warmup`` untimed steps.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from .workloads import WORKLOADS, build, prepare
+
+
+def _median_us(step: Callable[[], object], steps: int, wait_for_gpu: bool) -> float:
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        step()
+        if wait_for_gpu:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6
+
+
+def measure(workload: str, variant: str, steps: int, warmup: int) -> dict:
+    """One result row: setup, host and wall time per step, peak memory."""
+    problem = build(WORKLOADS[workload])
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    step = prepare(problem, variant)
+    torch.cuda.synchronize()
+    setup_s = time.perf_counter() - start
+    for _ in range(warmup):
+        step()
+    host_us = _median_us(step, steps, wait_for_gpu=False)
+    wall_us = _median_us(step, steps, wait_for_gpu=True)
+    return {
+        "workload": workload,
+        "variant": variant,
+        "host_us": host_us,
+        "wall_us": wall_us,
+        "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
+        "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
+        "setup_s": setup_s,
+        "device": torch.cuda.get_device_name(),
+    }
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 3:
+        print("usage:", __doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        return 2
+    workload, variant, options = argv[0], argv[1], json.loads(argv[2])
+    row = measure(workload, variant, steps=options["steps"], warmup=options["warmup"])
+    print(json.dumps(row), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

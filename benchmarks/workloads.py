@@ -1,0 +1,349 @@
+"""The workloads, and the variants that run their training step.
+
+A workload is a model, its inputs (already on the device, the same every step)
+and one training step:
+
+* ``overhead-L``: L x ``Linear(16, 16)`` in a Sequential, input (8, 16) that
+  requires grad; step ``model(x).sum().backward()`` (grads accumulate, no
+  optimizer).  The kernels are tiny, so the step time is launch and framework
+  overhead.
+* ``mlp``: 784 -> 8 x [Linear(., 512), ReLU, Dropout(0.1)] -> Linear(512, 10),
+  batch 64, Adam(lr=1e-3), cross-entropy.
+* ``gpt-N``: N pre-LN transformer blocks (d=256, 4 heads, T=128, vocab 1024,
+  learned position embedding), batch 4, AdamW(lr=1e-3), cross-entropy over
+  the vocab.
+
+The mlp and gpt steps are ``opt.zero_grad(set_to_none=True);
+cross_entropy(model(x), y).backward(); opt.step()``.
+
+A variant is how that step runs (:func:`prepare`): ``eager``;
+``compile-default`` and ``compile-reduce-overhead`` (``torch.compile`` of the
+model); ``torch-mgc-*`` and ``cgraph-*`` (``make_graphed_callables`` of torch
+or cgraph on the whole model or on each layer, loss and optimizer outside);
+``floor`` (raw ``torch.cuda.graph`` captures replayed with no autograd around
+them: the least a step can cost).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VARIANTS = (
+    "eager",
+    "compile-default",
+    "compile-reduce-overhead",
+    "torch-mgc-whole",
+    "torch-mgc-layer",
+    "cgraph-whole",
+    "cgraph-layer",
+    "floor",
+)
+_WHOLE_SCALING = ("eager", "torch-mgc-whole", "cgraph-whole", "floor")
+_LAYER_SCALING = ("eager", "torch-mgc-layer", "cgraph-layer", "floor")
+
+# torch.compile compiles (and reduce-overhead records its graphs) during the
+# first steps; setup time covers this many.
+COMPILE_STEPS = 3
+# Side-stream warm-up iterations before a raw capture, as in the PyTorch docs.
+FLOOR_WARMUP_ITERS = 3
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One row group of the results: a model family at one size.
+
+    ``torch_ref`` is the variant that the "vs torch" ratios divide by.
+    """
+
+    name: str
+    family: str
+    size: int
+    variants: tuple[str, ...]
+    torch_ref: str = "torch-mgc-whole"
+
+
+WORKLOADS = {
+    w.name: w
+    for w in (
+        Workload("overhead-8", "overhead", 8, _WHOLE_SCALING),
+        Workload("overhead-32", "overhead", 32, VARIANTS),
+        Workload("overhead-128", "overhead", 128, _WHOLE_SCALING),
+        Workload("mlp", "mlp", 8, VARIANTS),
+        Workload("gpt-6", "gpt", 6, VARIANTS),
+        Workload("gpt-24", "gpt", 24, _LAYER_SCALING, torch_ref="torch-mgc-layer"),
+    )
+}
+
+
+def smallest_workloads() -> list[str]:
+    """The smallest size of each family, in catalogue order (``--quick``)."""
+    smallest: dict[str, Workload] = {}
+    for w in WORKLOADS.values():
+        if w.family not in smallest or w.size < smallest[w.family].size:
+            smallest[w.family] = w
+    return [w.name for w in smallest.values()]
+
+
+# ---- models and inputs ---------------------------------------------------------
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: causal self-attention, then an MLP, each
+    around a residual."""
+
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # each (b, heads, t, d / heads)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token + learned position embedding, ``blocks`` x :class:`Block`,
+    final LayerNorm and LM head.  Takes token ids (batch, T), returns logits."""
+
+    def __init__(self, blocks: int, vocab: int, d: int, heads: int, context: int):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(context, d)
+        self.blocks = nn.Sequential(*(Block(d, heads) for _ in range(blocks)))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos.weight[: idx.shape[1]]
+        return self.head(self.ln_f(self.blocks(x)))
+
+
+@dataclass
+class Problem:
+    """A built workload: the model and inputs on their device, and what the
+    variants need to run its step."""
+
+    model: nn.Module
+    x: torch.Tensor
+    y: torch.Tensor | None  # targets; None for the backward-only overhead step
+    optimizer: Callable[..., torch.optim.Optimizer] | None  # factory(params, **kwargs)
+    layers: tuple[nn.Module, ...]  # graphed one by one by the *-layer variants
+    layer_samples: Callable[[], tuple[tuple[torch.Tensor], ...]]  # their sample args
+
+
+def _overhead(layers: int, device: str) -> Problem:
+    randn = functools.partial(torch.randn, device=device)
+    model = nn.Sequential(*(nn.Linear(16, 16) for _ in range(layers))).to(device)
+    return Problem(
+        model=model,
+        x=randn(8, 16, requires_grad=True),
+        y=None,
+        optimizer=None,
+        layers=tuple(model),
+        layer_samples=lambda: tuple((randn(8, 16, requires_grad=True),)
+                                    for _ in range(layers)),
+    )
+
+
+def _mlp(blocks: int, device: str) -> Problem:
+    randn = functools.partial(torch.randn, device=device)
+    widths = [784] + [512] * blocks
+    model = nn.Sequential(
+        *(nn.Sequential(nn.Linear(i, o), nn.ReLU(), nn.Dropout(0.1))
+          for i, o in itertools.pairwise(widths)),
+        nn.Linear(512, 10),
+    ).to(device)
+    return Problem(
+        model=model,
+        x=randn(64, 784),
+        y=torch.randint(0, 10, (64,), device=device),
+        optimizer=functools.partial(torch.optim.Adam, lr=1e-3),
+        layers=tuple(model),
+        # The model input needs no grad; later layers receive activations.
+        layer_samples=lambda: ((randn(64, 784),),)
+        + tuple((randn(64, 512, requires_grad=True),) for _ in range(blocks)),
+    )
+
+
+def _gpt(blocks: int, device: str, vocab: int = 1024, d: int = 256, heads: int = 4,
+         context: int = 128, batch: int = 4) -> Problem:
+    model = GPT(blocks, vocab, d, heads, context).to(device)
+    return Problem(
+        model=model,
+        x=torch.randint(0, vocab, (batch, context), device=device),
+        y=torch.randint(0, vocab, (batch, context), device=device),
+        optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+        layers=tuple(model.blocks),  # embeddings, final LayerNorm and head stay eager
+        layer_samples=lambda: tuple((torch.randn(batch, context, d, device=device,
+                                                 requires_grad=True),)
+                                    for _ in range(blocks)),
+    )
+
+
+_FAMILIES = {"overhead": _overhead, "mlp": _mlp, "gpt": _gpt}
+
+
+def build(workload: Workload, device: str = "cuda") -> Problem:
+    """The workload's model and inputs on ``device``, seeded.  (The
+    benchmark runs on CUDA; the tests build on CPU to check shapes.)"""
+    torch.manual_seed(0)
+    return _FAMILIES[workload.family](workload.size, device)
+
+
+# ---- variants ------------------------------------------------------------------
+
+
+def prepare(problem: Problem, variant: str) -> Callable[[], object]:
+    """Set ``variant`` up on ``problem`` and return its training step.
+
+    Everything a variant does before its first timed step happens here, so
+    the time of this call (synchronized) is the variant's setup time: graph
+    warm-up and capture, or ``COMPILE_STEPS`` steps for torch.compile.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; the variants are {', '.join(VARIANTS)}")
+    if variant == "floor":
+        return _floor(problem)
+    step = _train_step(problem, _forward(problem, variant))
+    if variant.startswith("compile-"):
+        for _ in range(COMPILE_STEPS):
+            step()
+    return step
+
+
+def _forward(problem: Problem, variant: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """What the step calls as its forward under ``variant``."""
+    model = problem.model
+    if variant == "eager":
+        return model
+    if variant.startswith("compile-"):
+        return torch.compile(model, mode=variant.removeprefix("compile-"))
+    library, scope = variant.rsplit("-", 1)
+    make_graphed_callables = _graphing_function(library)
+    if scope == "whole":
+        sample = problem.x.detach().clone().requires_grad_(problem.x.requires_grad)
+        return make_graphed_callables(model, (sample,))
+    # Modules come back themselves with forward replaced, so the model now
+    # runs each layer through its graphs.
+    make_graphed_callables(problem.layers, problem.layer_samples())
+    return model
+
+
+def _graphing_function(library: str) -> Callable:
+    if library == "torch-mgc":
+        return torch.cuda.make_graphed_callables
+    import cgraph  # not built: this variant fails alone, as an error row
+
+    return cgraph.make_graphed_callables
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten())
+
+
+def _train_step(problem: Problem, forward: Callable) -> Callable[[], None]:
+    x, y = problem.x, problem.y
+    if problem.optimizer is None:
+
+        def step() -> None:
+            forward(x).sum().backward()
+
+        return step
+    opt = problem.optimizer(problem.model.parameters())
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(forward(x), y).backward()
+        opt.step()
+
+    return step
+
+
+class _Replay:
+    """Replays raw CUDA graphs in order, holding their static tensors alive."""
+
+    def __init__(self, graphs: tuple[torch.cuda.CUDAGraph, ...], static: object):
+        self.graphs = graphs
+        self.static = static
+
+    def __call__(self) -> None:
+        for graph in self.graphs:
+            graph.replay()
+
+
+def _warm_up_on_side_stream(fn: Callable[[], object]) -> None:
+    """Run ``fn`` a few times on a side stream, so lazy initialization
+    (cuBLAS handles, optimizer state) happens before capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(FLOOR_WARMUP_ITERS):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def _floor(problem: Problem) -> _Replay:
+    """The step as raw CUDA graphs with no autograd or Python around them."""
+    if problem.optimizer is None:
+        return _floor_forward_backward(problem)
+    return _floor_whole_step(problem)
+
+
+def _floor_forward_backward(problem: Problem) -> _Replay:
+    """overhead: a forward graph and a backward graph,
+    ``torch.autograd.grad(out, [x, *params], grad_out)`` with a static
+    ``grad_out`` of ones (the gradient of ``.sum()``), sharing one pool."""
+    model, x = problem.model, problem.x
+    inputs = (x, *model.parameters())
+    with torch.no_grad():
+        grad_out = torch.ones_like(model(x))
+    _warm_up_on_side_stream(lambda: torch.autograd.grad(model(x), inputs, grad_out))
+    pool = torch.cuda.graph_pool_handle()
+    fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(fwd, pool=pool):
+        out = model(x)
+    with torch.cuda.graph(bwd, pool=pool):
+        grads = torch.autograd.grad(out, inputs, grad_out)
+    return _Replay((fwd, bwd), static=(out, grads))
+
+
+def _floor_whole_step(problem: Problem) -> _Replay:
+    """mlp, gpt: forward, loss, backward and optimizer step (``capturable=True``)
+    in one graph, by the whole-network capture recipe of the PyTorch CUDA
+    graphs docs: warm up on a side stream, set grads to None, then capture,
+    so that backward allocates the grads from the graph's private pool and
+    each replay refills them."""
+    model, x, y = problem.model, problem.x, problem.y
+    opt = problem.optimizer(model.parameters(), capturable=True)
+
+    def whole_step() -> torch.Tensor:
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def warm_up_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        whole_step()
+
+    _warm_up_on_side_stream(warm_up_step)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        loss = whole_step()
+    return _Replay((graph,), static=loss)

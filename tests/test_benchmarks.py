@@ -1,0 +1,205 @@
+"""Tests of the benchmark runner.  On CPU: the workload catalogue, the plan,
+ratios, table, JSON and chart on made-up rows, a failing variant becoming an
+error row, and the clean exit without CUDA.  On a GPU: a quick run end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import run, variant, workloads
+
+REPO = Path(__file__).resolve().parent.parent
+NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def _row(workload, variant, wall, host):
+    return {"workload": workload, "variant": variant, "wall_us": wall, "host_us": host,
+            "peak_mib": 1.5, "peak_reserved_mib": 2.0, "setup_s": 0.25, "device": "Fake GPU"}
+
+
+def _error(workload, variant):
+    return {"workload": workload, "variant": variant,
+            "error": "exit code 1: RuntimeError: CUDA error: misaligned address"}
+
+
+ROWS = [
+    _row("overhead-32", "eager", 800.0, 700.0),
+    _row("overhead-32", "torch-mgc-whole", 200.0, 100.0),
+    _row("overhead-32", "cgraph-whole", 100.0, 20.0),
+    _error("overhead-32", "cgraph-layer"),
+    _row("overhead-32", "floor", 50.0, 40.0),
+    # No torch reference at all: only the floor ratio exists.
+    _row("overhead-8", "eager", 300.0, 250.0),
+    _row("overhead-8", "floor", 30.0, 25.0),
+    # The torch reference failed: no torch ratio, no floor.
+    _error("mlp", "torch-mgc-whole"),
+    _row("mlp", "eager", 900.0, 800.0),
+    # gpt-24's torch reference is torch-mgc-layer.
+    _row("gpt-24", "torch-mgc-layer", 1000.0, 400.0),
+    _row("gpt-24", "cgraph-layer", 500.0, 100.0),
+]
+
+
+def _ratios(rows, workload, variant):
+    (row,) = (r for r in rows if (r["workload"], r["variant"]) == (workload, variant))
+    return tuple(row[key] for key in run.RATIOS)
+
+
+def test_catalogue():
+    for w in workloads.WORKLOADS.values():
+        assert set(w.variants) <= set(workloads.VARIANTS), w.name
+        assert "floor" in w.variants and w.torch_ref in w.variants, w.name
+    assert workloads.smallest_workloads() == ["overhead-8", "mlp", "gpt-6"]
+    assert workloads.WORKLOADS["gpt-24"].torch_ref == "torch-mgc-layer"
+
+
+@pytest.mark.parametrize("name", list(workloads.WORKLOADS))
+def test_layer_samples_match_the_layers_inputs(name):
+    """On CPU: one eager step runs, and each layer's sample args have the
+    shape, dtype and requires_grad of what the layer really receives."""
+    problem = workloads.build(workloads.WORKLOADS[name], device="cpu")
+    seen = []
+    for layer in problem.layers:
+        layer.register_forward_pre_hook(lambda _, args: seen.append(args))
+    workloads.prepare(problem, "eager")()
+    samples = problem.layer_samples()
+    assert len(seen) == len(samples) == len(problem.layers)
+    for (real,), (sample,) in zip(seen, samples, strict=True):
+        assert (sample.shape, sample.dtype, sample.requires_grad) == (
+            real.shape, real.dtype, real.requires_grad)
+    assert all(p.grad is not None for p in problem.model.parameters())
+
+
+def test_plan():
+    everything = run.plan(None, None, quick=False)
+    assert len(everything) == sum(len(w.variants) for w in workloads.WORKLOADS.values())
+    assert {w for w, _ in run.plan(None, None, quick=True)} == {"overhead-8", "mlp", "gpt-6"}
+    assert run.plan("overhead", "eager", quick=False) == [
+        ("overhead-8", "eager"), ("overhead-32", "eager"), ("overhead-128", "eager")]
+    # Variants that do not apply to a workload are left out for it.
+    assert run.plan("gpt-24", "eager,compile-default", quick=False) == [("gpt-24", "eager")]
+
+
+@pytest.mark.parametrize("workloads_arg, variants_arg, text", [
+    ("gpt-7", None, "unknown workload"),
+    (None, "eager,jit", "unknown variant"),
+    ("overhead-8", "compile-default", "none of the requested variants"),
+])
+def test_plan_refuses(workloads_arg, variants_arg, text):
+    with pytest.raises(ValueError, match=text):
+        run.plan(workloads_arg, variants_arg, quick=False)
+
+
+def test_ratios():
+    rows = run.add_ratios(ROWS)
+    assert _ratios(rows, "overhead-32", "cgraph-whole") == (0.5, 2.0, 0.2, 1.0)
+    assert _ratios(rows, "overhead-32", "torch-mgc-whole") == (1.0, 4.0, 1.0, 1.0)
+    assert _ratios(rows, "overhead-32", "cgraph-layer") == (None, None, None, None)
+    assert _ratios(rows, "overhead-8", "eager") == (None, 10.0, None, 1.0)
+    assert _ratios(rows, "mlp", "eager") == (None, None, None, 1.0)
+    assert _ratios(rows, "gpt-24", "cgraph-layer") == (0.5, None, 0.25, None)
+    assert len(rows) == len(ROWS) and "wall_vs_torch" not in ROWS[0]
+
+
+def test_table():
+    table = run.format_table(run.add_ratios(ROWS))
+    lines = table.splitlines()
+    assert lines[0].split()[:2] == ["workload", "variant"]
+    cgraph = next(line for line in lines if "overhead-32" in line and "cgraph-whole" in line)
+    assert cgraph.split()[2:] == ["20.0", "100.0", "1.5", "2.0", "0.25", "0.50x", "2.00x", "0.20x", "1.00x"]
+    failed = next(line for line in lines if "cgraph-layer" in line and "overhead-32" in line)
+    assert "error: exit code 1: RuntimeError: CUDA error: misaligned address" in failed
+    no_ref = next(line for line in lines if line.startswith("overhead-8") and "eager" in line)
+    assert no_ref.split()[-4:] == ["-", "10.00x", "-", "1.00x"]
+    assert "over torch-mgc-whole" in lines[-1] and "(gpt-24: torch-mgc-layer)" in lines[-1]
+
+
+def test_json(tmp_path):
+    rows = run.add_ratios(ROWS)
+    path = tmp_path / "results.json"
+    run.write_json(path, rows, {"device": "Fake GPU"})
+    data = json.loads(path.read_text())
+    assert data["meta"] == {"device": "Fake GPU"}
+    assert data["results"] == rows
+    assert data["results"][3]["error"].startswith("exit code 1")
+
+
+def test_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "chart.png"
+    assert run.draw_chart(run.add_ratios(ROWS), path, "Fake GPU")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chart_without_matplotlib(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes the import fail
+    path = tmp_path / "chart.png"
+    assert not run.draw_chart(run.add_ratios(ROWS), path, "Fake GPU")
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert not path.exists()
+
+
+def test_main_with_fake_measurements(tmp_path, monkeypatch, capsys):
+    """The runner's whole flow, with each variant's measurement made up."""
+    def fake_run_variant(workload, variant, steps, warmup):
+        assert (steps, warmup) == (7, run.QUICK_WARMUP)
+        if variant == "cgraph-whole":
+            return _error(workload, variant)
+        return _row(workload, variant, 100.0 if variant != "floor" else 25.0, 10.0)
+
+    monkeypatch.setattr(run.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(run, "run_variant", fake_run_variant)
+    copies = tmp_path / "copies"
+    copies.mkdir()
+    monkeypatch.setenv("OUT", str(copies))
+    out = tmp_path / "results"
+    assert run.main(["--quick", "--workloads", "overhead-8", "--steps", "7",
+                     "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "[4/4] overhead-8 floor: 25.0 µs wall" in printed
+    assert "error: exit code 1" in printed
+    data = json.loads((out / "results.json").read_text())
+    assert data["meta"]["device"] == "Fake GPU" and data["meta"]["steps"] == 7
+    assert [r["variant"] for r in data["results"]] == list(workloads.WORKLOADS["overhead-8"].variants)
+    assert data["results"][0]["wall_vs_floor"] == 4.0
+    assert (copies / "results.json").read_text() == (out / "results.json").read_text()
+
+
+def test_variant_usage():
+    assert variant.main([]) == 2
+
+
+def test_failing_variant_becomes_error_row(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    row = run.run_variant("overhead-8", "eager", steps=1, warmup=0)
+    assert (row["workload"], row["variant"]) == ("overhead-8", "eager")
+    assert row["error"].startswith("exit code 1: ")
+    assert row["stderr_tail"]
+
+
+def test_no_cuda_exits_cleanly():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--quick"], cwd=REPO,
+                          env=NO_CUDA, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "no CUDA device" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_quick_run(tmp_path):
+    chosen = ("eager", "floor", "cgraph-whole", "torch-mgc-whole")
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}  # keep $OUT for the caller
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--workloads", "overhead-8",
+         "--variants", ",".join(chosen), "--out", str(tmp_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert sorted(r["variant"] for r in results) == sorted(chosen)
+    for row in results:
+        assert row["workload"] == "overhead-8"
+        assert "error" not in row, row
+        assert row["wall_us"] > 0 and row["host_us"] > 0 and row["peak_mib"] > 0
