@@ -145,6 +145,11 @@ class GraphedModule(nn.Module):
     def is_reset(self) -> bool:
         return self._graphed.is_reset
 
+    @property
+    def stats(self) -> dict[str, int]:
+        """How often each replay path ran (see ``cgraph.Graphed.stats``)."""
+        return self._graphed.stats
+
     def extra_repr(self) -> str:
         g = self._graphed
         state = "reset" if g.is_reset else f"inputs={g.num_inputs}, params={g.num_params}"

@@ -157,6 +157,49 @@ std::vector<at::Tensor> Engine::grad_targets() const {
   return wrt;
 }
 
+// The two tails that turn the backward graph's parameter grads into
+// param.grad: tail_copy writes grad_store, tail_add adds into it.  The grads
+// themselves are temporaries: once the tails are captured their memory goes
+// back to the pool for later graphs, and grad_params keeps only non-owning
+// views of it (read by the slow path, right after bwd's replay).
+void Engine::capture_param_grad_tails(const std::vector<at::Tensor>& grads,
+                                      at::cuda::MempoolId_t graph_pool,
+                                      cudaStreamCaptureMode mode) {
+  std::vector<at::Tensor> stores, sources;
+  for (size_t j = 0; j < params.size(); ++j) {
+    const at::Tensor& g = grads[j];
+    if (!g.defined()) {
+      continue;  // frozen at capture, or unused (allow_unused_input)
+    }
+    // Outside any capture: a regular allocation laid out like the
+    // parameter, as AccumulateGrad's layout contract asks.
+    grad_store[j] = at::zeros_like(params[j], at::MemoryFormat::Preserve);
+    grad_params[j] = at::from_blob(const_cast<void*>(g.const_data_ptr()), g.sizes(), g.strides(),
+                                   [](void*) {}, g.options());
+    stores.push_back(grad_store[j]);
+    sources.push_back(grad_params[j]);
+  }
+  num_tail_params = stores.size();
+  if (stores.empty()) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  for (Graph* tail : {tail_copy.get(), tail_add.get()}) {
+    tail->capture_begin(graph_pool, mode);
+    try {
+      if (tail == tail_copy.get()) {
+        at::_foreach_copy_(stores, sources);
+      } else {
+        at::_foreach_add_(stores, sources);
+      }
+      tail->capture_end();
+    } catch (...) {
+      tail->abandon();
+      throw;
+    }
+  }
+}
+
 // After the backward capture the static outputs' autograd history is dead
 // weight: it keeps the capture's nodes alive, among them the sample inputs'
 // AccumulateGrad nodes, which remember the capture stream and make autograd
@@ -186,6 +229,8 @@ void Engine::reset() noexcept {
     buffer_snapshot.clear();
     fwd.reset();
     bwd.reset();
+    tail_copy.reset();
+    tail_add.reset();
     if (pool.first != 0 || pool.second != 0) {
       empty_pool_cache(pool, 0);
     }
@@ -411,11 +456,13 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
       e.grad_inputs[i] = grads[next++];
     }
   }
+  std::vector<at::Tensor> param_grads(e.params.size());
   for (size_t j = 0; j < e.params.size(); ++j) {
     if (e.param_requires_grad[j]) {
-      e.grad_params[j] = grads[next++];
+      param_grads[j] = grads[next++];
     }
   }
+  e.capture_param_grad_tails(param_grads, {pool.first, pool.second}, cgraph::to_cuda_mode(mode));
   e.has_bwd = true;
   e.forget_capture_autograd();
   return 0;
@@ -448,6 +495,10 @@ Py_ssize_t cg_engine_num_inputs(const cg_engine* engine) {
 
 Py_ssize_t cg_engine_num_params(const cg_engine* engine) {
   return static_cast<Py_ssize_t>(engine->ptr->params.size());
+}
+
+cg_stats cg_engine_stats(const cg_engine* engine) {
+  return engine->ptr->stats;
 }
 
 }  // extern "C"

@@ -94,6 +94,11 @@ struct Engine {
   std::unique_ptr<Graph> fwd = std::make_unique<Graph>();
   std::unique_ptr<Graph> bwd = std::make_unique<Graph>();
   bool has_bwd = false;  // false when no output requires grad
+  // Parameter-grad tails, replayed right after bwd: grad_store = grads, or
+  // grad_store += grads.  See Note [Parameter gradients].
+  std::unique_ptr<Graph> tail_copy = std::make_unique<Graph>();
+  std::unique_ptr<Graph> tail_add = std::make_unique<Graph>();
+  size_t num_tail_params = 0;  // parameters the tails cover (those with a grad)
 
   // -- what the forward graph reads
   std::vector<at::Tensor> inputs;  // the sample tensors, as in torch
@@ -112,9 +117,12 @@ struct Engine {
   // -- what the backward graph reads and writes
   std::vector<at::Tensor> grad_outputs;  // undefined where no grad flows
   std::vector<at::Tensor> grad_inputs;   // aligned with inputs
-  std::vector<at::Tensor> grad_params;   // aligned with params
-  // The tensors handed out as param.grad when it was None; reused when
-  // nobody else holds them.  See Note [Parameter gradients].
+  // Aligned with params.  NON-OWNING views of the backward graph's
+  // temporaries: their memory is the pool's, reused by later graphs, so they
+  // hold the grads only between bwd's replay and the next graph's.
+  std::vector<at::Tensor> grad_params;
+  // Aligned with params: the tensors the tails write and that are handed
+  // out as param.grad.  Regular allocations, so they outlive reset().
   std::vector<at::Tensor> grad_store;
 
   // -- module state that warm-up changes
@@ -125,8 +133,11 @@ struct Engine {
   // Forward replays so far.  A backward replay is valid only for the latest
   // forward: an earlier call's activations have been overwritten.
   uint64_t generation = 0;
+  cg_stats stats{};  // how often each path ran, for introspection and tests
 
   void adopt_hidden_leaves(const std::vector<at::Tensor>& outs);
+  void capture_param_grad_tails(const std::vector<at::Tensor>& grads, at::cuda::MempoolId_t pool,
+                                cudaStreamCaptureMode mode);
   void forget_capture_autograd();
   std::vector<at::Tensor> grad_targets() const;
 };

@@ -21,26 +21,31 @@ namespace autograd = torch::autograd;
 using TensorVec = c10::SmallVector<at::Tensor, 16>;
 
 // Note [Parameter gradients]
-// Q: Why doesn't the backward node hand parameter grads to autograd, as
-//    torch's make_graphed_callables does?
-// A: Correctness and speed.  torch returns its static grad buffer (detached)
-//    and AccumulateGrad *steals* it as param.grad when .grad is None, so the
-//    next replay overwrites a .grad the user holds (pytorch issue 181723:
-//    accumulation over micro-batches goes wrong).  And one AccumulateGrad
-//    node per parameter costs host time and a kernel launch each.
-//    So a parameter without autograd hooks gets its grad from this node:
-//    one fused add into every .grad that exists, one fused copy into
-//    cgraph-owned tensors for every .grad that is None.  An owned tensor is
-//    reused on a later step only while nobody else references it (after
-//    zero_grad(set_to_none=True)), so a .grad anybody holds is never
-//    overwritten.
+// Q: How do parameter grads reach param.grad, and why not through autograd
+//    as torch's make_graphed_callables does?
+// A: torch returns its static grad buffer (detached) from backward, and
+//    AccumulateGrad *steals* it as param.grad when .grad is None: the next
+//    replay overwrites a .grad the user holds (pytorch issue 181723; micro-
+//    batch accumulation goes wrong).  And an AccumulateGrad node per
+//    parameter costs host time and a kernel launch each.
+//    cgraph keeps one tensor per parameter, grad_store[j], and hands it out
+//    as param.grad.  Two small graphs captured after the backward graph
+//    ("tails") fill all of them in one replay:
+//      - every .grad is None and nobody else holds its grad_store: replay
+//        tail_copy (grad_store = grad), then set .grad = grad_store;
+//      - every .grad is its grad_store (accumulation over micro-batches, or
+//        zero_grad(set_to_none=False)): replay tail_add (grad_store += grad).
+//    Anything else (a .grad the user assigned, a grad_store the user still
+//    holds after zero_grad, some parameters frozen since capture, a partial
+//    backward) takes the slow path: fused copies and adds from views of the
+//    backward graph's grads, into fresh tensors where grad_store is held
+//    elsewhere.  No path overwrites a tensor the user holds, and every path
+//    computes what AccumulateGrad would, bit for bit.
+//    The grads themselves are temporaries of the backward graph, so they
+//    cost no memory between backwards.
 //    A parameter with hooks (tensor hooks, post-accumulate-grad hooks, hooks
 //    on its grad accumulator, which DDP registers) stays an ordinary autograd
-//    edge: AccumulateGrad delivers its grad and runs the hooks.  The node
-//    returns its static buffer while still holding a reference to it, which
-//    makes AccumulateGrad copy instead of steal.
-//    Partial backwards (backward(inputs=...), torch.autograd.grad) accumulate
-//    only into the parameters they name.
+//    edge: it gets a copy of its grad and AccumulateGrad runs the hooks.
 bool delivered_by_autograd(const at::Tensor& p) {
   if (!autograd::impl::hooks(p).empty() || autograd::impl::post_acc_grad_hooks(p)) {
     return true;
@@ -49,8 +54,26 @@ bool delivered_by_autograd(const at::Tensor& p) {
   return acc && (!acc->pre_hooks().empty() || !acc->post_hooks().empty());
 }
 
+// Whether nobody but cgraph can reach `t` (or its memory).  A Python
+// wrapper that only the tensor itself keeps alive does not count: torch
+// preserves wrappers this way once Python has seen a tensor (as it has every
+// .grad an optimizer read), and torch releases that carry
+// impl::is_tensor_stealable, the test AccumulateGrad uses, know about it.
+namespace ownership {
+using namespace torch::autograd::impl;
+template <class T>
+auto only_python_wrapper_besides(const T& t, int) -> decltype(is_tensor_stealable(t, 1)) {
+  return is_tensor_stealable(t, 1);
+}
+template <class T>
+bool only_python_wrapper_besides(const T& t, long) {
+  return t.use_count() == 1;
+}
+}  // namespace ownership
+
 bool sole_owner(const at::Tensor& t) {
-  return t.use_count() == 1 && t.unsafeGetTensorImpl()->storage().use_count() == 1;
+  return t.unsafeGetTensorImpl()->storage().use_count() == 1 &&
+         ownership::only_python_wrapper_besides(t, 0);
 }
 
 // During a partial backward, whether it asks for parameter p's gradient.
@@ -71,36 +94,64 @@ bool named_by_partial_backward(const std::unordered_map<autograd::Node*,
   return it->second.should_execute();
 }
 
-void accumulate_param_grads(Engine& e, const std::vector<uint32_t>& fused) {
-  const auto* exec_info = autograd::get_current_graph_task_exec_info();
-  const bool partial = exec_info && !exec_info->empty();
+// The slow path of Note [Parameter gradients].
+void accumulate_param_grads_slowly(Engine& e, const std::vector<uint32_t>& fused,
+                                   const std::unordered_map<autograd::Node*,
+                                       autograd::GraphTask::ExecInfo>* partial) {
   TensorVec add_dst, add_src, copy_dst, copy_src;
   for (const uint32_t j : fused) {
     const at::Tensor& p = e.params[j];
-    const at::Tensor& g = e.grad_params[j];
-    if (!g.defined() || !p.requires_grad() ||
-        (partial && !named_by_partial_backward(*exec_info, p))) {
+    if (partial && !named_by_partial_backward(*partial, p)) {
       continue;
     }
     at::Tensor& grad = p.mutable_grad();
     if (grad.defined()) {
       add_dst.push_back(grad);
-      add_src.push_back(g);
+      add_src.push_back(e.grad_params[j]);
       continue;
     }
-    at::Tensor& store = e.grad_store[j];
-    if (!store.defined() || !sole_owner(store)) {
-      store = at::empty_like(p, at::MemoryFormat::Preserve);
-    }
-    copy_dst.push_back(store);
-    copy_src.push_back(g);
-    grad = store;
+    const at::Tensor& store = e.grad_store[j];
+    grad = sole_owner(store) ? store : at::empty_like(p, at::MemoryFormat::Preserve);
+    copy_dst.push_back(grad);
+    copy_src.push_back(e.grad_params[j]);
   }
   if (!copy_dst.empty()) {
     at::_foreach_copy_(copy_dst, copy_src);
   }
   if (!add_dst.empty()) {
     at::_foreach_add_(add_dst, add_src);
+  }
+}
+
+// Right after the backward replay: param.grad for the parameters in
+// `fused` (those requiring grad, without hooks, with a grad at capture).
+void accumulate_param_grads(Engine& e, const std::vector<uint32_t>& fused) {
+  if (fused.empty()) {
+    return;
+  }
+  const auto* exec_info = autograd::get_current_graph_task_exec_info();
+  const bool partial = exec_info && !exec_info->empty();
+  bool all_fresh = !partial && fused.size() == e.num_tail_params;
+  bool all_ours = all_fresh;
+  for (size_t k = 0; k < fused.size() && (all_fresh || all_ours); ++k) {
+    const uint32_t j = fused[k];
+    const at::Tensor& grad = e.params[j].mutable_grad();
+    const at::Tensor& store = e.grad_store[j];
+    all_ours = all_ours && grad.unsafeGetTensorImpl() == store.unsafeGetTensorImpl();
+    all_fresh = all_fresh && !grad.defined() && sole_owner(store);
+  }
+  if (all_ours) {
+    e.tail_add->replay();
+    ++e.stats.grads_added;
+  } else if (all_fresh) {
+    e.tail_copy->replay();
+    for (const uint32_t j : fused) {
+      e.params[j].mutable_grad() = e.grad_store[j];
+    }
+    ++e.stats.grads_copied;
+  } else {
+    accumulate_param_grads_slowly(e, fused, partial ? exec_info : nullptr);
+    ++e.stats.grads_slow;
   }
 }
 
@@ -193,16 +244,18 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
 
   // 2. Replay.
   e.bwd->replay();
+  ++e.stats.backward;
 
   // 3. Parameter grads: see Note [Parameter gradients].
   accumulate_param_grads(e, fused_params);
 
-  // 4. Grads for the autograd edges (inputs, hooked parameters): the static
-  //    buffers themselves, still referenced here so nobody steals them.
+  // 4. Grads for the autograd edges.  Inputs: the static buffers themselves,
+  //    still referenced here, so AccumulateGrad copies rather than steals.
+  //    Hooked parameters: a copy, since their grads are graph temporaries.
   autograd::variable_list out(edge_sources.size());
   for (size_t m = 0; m < edge_sources.size(); ++m) {
     const int32_t s = edge_sources[m];
-    out[m] = s >= 0 ? e.grad_inputs[s] : e.grad_params[~s];
+    out[m] = s >= 0 ? e.grad_inputs[s] : e.grad_params[~s].clone();
   }
   return out;
 }
@@ -268,6 +321,7 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
   copy_all(dst, src);
   e.fwd->replay();
   ++e.generation;
+  ++e.stats.forward;
 
   // 3. Outputs: aliases of the static outputs, wired to a backward node when
   //    autograd will need one.
@@ -288,7 +342,7 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
     }
     for (size_t j = 0; j < e.params.size(); ++j) {
       const at::Tensor& p = e.params[j];
-      if (!p.requires_grad()) {
+      if (!p.requires_grad() || !e.grad_params[j].defined()) {
         continue;
       }
       if (delivered_by_autograd(p)) {

@@ -7,9 +7,9 @@
  *     def graph_callables(specs, device, pool, num_warmup_iters,
  *                         allow_unused_input, capture_error_mode):
  *         pool = pool or new_pool()           # one pool for all callables
+ *         engines = [Engine(s.leaves, s.names, s.params, s.buffers)
+ *                    for s in specs]
  *         with side_stream(device):           # warm-up and capture share it
- *             engines = [Engine(s.leaves, s.names, s.params, s.buffers)
- *                        for s in specs]
  *             for s, e in zip(specs, engines):                    # warm-up
  *                 for _ in range(num_warmup_iters):
  *                     e.warmup_backward(tree_leaves(s.fn(*s.args)))
@@ -215,16 +215,16 @@ cg_graph_callables(PyObject *self, PyObject *args)
         goto done;
     }
 
-    setup = cg_setup_begin(device);
-    if (setup == NULL) {
-        goto done;
-    }
     for (Py_ssize_t i = 0; i < n; i++) {
         engines[i] = cg_engine_new(spec[i].leaves, spec[i].names, spec[i].params,
                                    spec[i].buffers, allow_unused);
         if (engines[i] == NULL) {
             goto done;
         }
+    }
+    setup = cg_setup_begin(device);
+    if (setup == NULL) {
+        goto done;
     }
 
     /* 1. Warm-up: lazy initialization, autotuning and allocator growth

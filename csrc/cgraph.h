@@ -61,7 +61,7 @@ int cg_new_pool(cg_pool *out);
 cg_setup *cg_setup_begin(int device_index);
 
 /* Restores the caller's stream and waits for the side stream.  Never raises;
- * frees `setup`. */
+ * frees `setup`; NULL is allowed. */
 void cg_setup_end(cg_setup *setup);
 
 /* ---- the engine: one per callable --------------------------------------- */
@@ -125,9 +125,20 @@ void cg_engine_reset(cg_engine *engine);
 /* The pool this engine's graphs live in. */
 cg_pool cg_engine_pool(const cg_engine *engine);
 
-/* Number of static inputs, outputs and parameters (for introspection). */
+/* Number of static inputs and parameters (for introspection). */
 Py_ssize_t cg_engine_num_inputs(const cg_engine *engine);
 Py_ssize_t cg_engine_num_params(const cg_engine *engine);
+
+/* How often each replay path ran (see Note [Parameter gradients]). */
+typedef struct {
+    unsigned long long forward;        /* forward replays */
+    unsigned long long backward;       /* backward replays */
+    unsigned long long grads_copied;   /* backwards whose .grad were None: tail_copy */
+    unsigned long long grads_added;    /* backwards accumulating into .grad: tail_add */
+    unsigned long long grads_slow;     /* backwards that took the slow path */
+} cg_stats;
+
+cg_stats cg_engine_stats(const cg_engine *engine);
 
 #ifdef __cplusplus
 }

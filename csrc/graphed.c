@@ -323,7 +323,24 @@ Graphed_get_num_params(GraphedObject *self, void *closure)
     return PyLong_FromSsize_t(self->engine ? cg_engine_num_params(self->engine) : 0);
 }
 
+/* Returns a NEW reference: a dict of counters. */
+static PyObject *
+Graphed_get_stats(GraphedObject *self, void *closure)
+{
+    cg_stats stats = {0};
+    if (self->engine != NULL) {
+        stats = cg_engine_stats(self->engine);
+    }
+    return Py_BuildValue("{sKsKsKsKsK}", "forward", stats.forward, "backward", stats.backward,
+                         "grads_copied", stats.grads_copied, "grads_added", stats.grads_added,
+                         "grads_slow", stats.grads_slow);
+}
+
 static PyGetSetDef Graphed_getset[] = {
+    {"stats", (getter)Graphed_get_stats, NULL,
+     "How often each replay path ran: forward and backward replays; backwards whose\n"
+     "parameter grads were copied (.grad was None), added (.grad accumulating) or\n"
+     "took the slow path.", NULL},
     {"pool", (getter)Graphed_get_pool, NULL,
      "The graphs' memory pool, usable as pool= for later captures.", NULL},
     {"is_reset", (getter)Graphed_get_is_reset, NULL, "Whether reset() ran.", NULL},
