@@ -283,6 +283,15 @@ cg_setup* cg_setup_begin(int device_index) {
   END_HANDLE_TH_ERRORS_RET(nullptr)
 }
 
+int cg_setup_release_warmup_memory(cg_setup* setup) {
+  HANDLE_TH_ERRORS
+  cgraph::GilRelease nogil;
+  setup->side.synchronize();
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
 void cg_setup_end(cg_setup* setup) {
   if (!setup) {
     return;

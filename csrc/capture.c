@@ -13,6 +13,7 @@
  *             for s, e in zip(specs, engines):                    # warm-up
  *                 for _ in range(num_warmup_iters):
  *                     e.warmup_backward(tree_leaves(s.fn(*s.args)))
+ *             torch.cuda.empty_cache()   # warm-up's cache, not beside the pool
  *             for s, e in zip(specs, engines):            # forwards 1..N
  *                 with e.capture(FORWARD, pool):
  *                     out = s.fn(*s.args)
@@ -249,6 +250,10 @@ cg_graph_callables(PyObject *self, PyObject *args)
             }
             Py_DECREF(leaves);
         }
+    }
+
+    if (cg_setup_release_warmup_memory(setup) < 0) {
+        goto done;
     }
 
     /* 2. Capture forwards in call order... */

@@ -60,6 +60,12 @@ int cg_new_pool(cg_pool *out);
  * Returns NULL with an exception set on failure. */
 cg_setup *cg_setup_begin(int device_index);
 
+/* Between warm-up and capture: waits for the warm-up and returns the
+ * memory it left cached to the device, so the graph pool does not sit on
+ * top of a second copy of the activations.  torch.cuda.graph empties the
+ * cache before every capture; this does it once. */
+int cg_setup_release_warmup_memory(cg_setup *setup);
+
 /* Restores the caller's stream and waits for the side stream.  Never raises;
  * frees `setup`; NULL is allowed. */
 void cg_setup_end(cg_setup *setup);
