@@ -4,6 +4,7 @@ core, and wrap what comes back.  Warm-up, capture and replay are in csrc/."""
 
 from __future__ import annotations
 
+import enum
 import inspect
 from typing import Any, Callable, Sequence
 
@@ -16,6 +17,11 @@ from . import _C
 __all__ = ["make_graphed_callables", "make_graphed", "GraphedModule", "graph_pool_handle"]
 
 _CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
+
+# Non-tensor arguments a graph can bake in as constants: each call must pass
+# the captured value again (checked in C on every call).
+_CONSTANT_TYPES = (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype,
+                   torch.device, torch.layout, torch.memory_format)
 
 
 def graph_pool_handle() -> tuple[int, int]:
@@ -35,6 +41,8 @@ def make_graphed_callables(
     pool=None,
     capture_error_mode: str = "global",
     enable_annotations: bool = False,
+    *,
+    sample_kwargs=None,
 ):
     """Drop-in for :func:`torch.cuda.make_graphed_callables`.
 
@@ -42,6 +50,13 @@ def make_graphed_callables(
     in, a tuple out; modules come back themselves with ``forward`` replaced.
     Graphs of a tuple of callables share one memory pool: capture forwards in
     the order they run, backwards in reverse, and replay in that order.
+
+    ``sample_kwargs`` (keyword-only, as in Transformer Engine): keyword
+    arguments for each callable, a dict (one callable) or a tuple of dicts.
+    Calls must pass the same keywords.  Arguments may be pytrees of tensors
+    and of constants (int, float, bool, str, enum, torch.dtype, ...); a
+    constant is captured into the graph, and a call with another value
+    raises ``ValueError`` naming it.
 
     Differences from torch, all toward eager semantics:
 
@@ -68,14 +83,22 @@ def make_graphed_callables(
         )
     just_one = not isinstance(callables, tuple)
     if just_one:
-        callables, sample_args = (callables,), (sample_args,)
-    elif not isinstance(sample_args, tuple) or len(sample_args) != len(callables):
-        raise ValueError(
-            f"cgraph: got {len(callables)} callables, so sample_args must be a tuple of "
-            f"{len(callables)} tuples of tensors (one per callable)."
-        )
-    graphed = _graph(callables, sample_args, num_warmup_iters, allow_unused_input, pool,
-                     capture_error_mode)
+        callables, sample_args, sample_kwargs = (callables,), (sample_args,), (sample_kwargs,)
+    else:
+        if not isinstance(sample_args, tuple) or len(sample_args) != len(callables):
+            raise ValueError(
+                f"cgraph: got {len(callables)} callables, so sample_args must be a tuple of "
+                f"{len(callables)} tuples of tensors (one per callable)."
+            )
+        if sample_kwargs is None:
+            sample_kwargs = (None,) * len(callables)
+        elif not isinstance(sample_kwargs, tuple) or len(sample_kwargs) != len(callables):
+            raise ValueError(
+                f"cgraph: got {len(callables)} callables, so sample_kwargs must be a tuple of "
+                f"{len(callables)} dicts (or None), one per callable."
+            )
+    graphed = _graph(callables, sample_args, sample_kwargs, num_warmup_iters,
+                     allow_unused_input, pool, capture_error_mode)
     out = []
     for fn, g in zip(callables, graphed):
         if isinstance(fn, nn.Module):
@@ -90,6 +113,7 @@ def make_graphed(
     fn: Callable[..., Any],
     sample_args: tuple,
     *,
+    sample_kwargs: dict | None = None,
     num_warmup_iters: int = 3,
     allow_unused_input: bool = False,
     pool=None,
@@ -97,7 +121,9 @@ def make_graphed(
 ):
     """Graph one callable.
 
-    Returns a :class:`GraphedModule` for an ``nn.Module`` (the module stays
+    ``sample_kwargs`` and constant arguments work as in
+    :func:`make_graphed_callables`.  Returns a :class:`GraphedModule` for an
+    ``nn.Module`` (the module stays
     untouched inside it) and a graphed callable for anything else.  Both have
     ``reset()``, which frees the graphs and their pool, and ``pool``, a
     handle to share with later captures.
@@ -111,8 +137,8 @@ def make_graphed(
         torch.testing.assert_close(graphed(x), mlp(x))
         graphed.reset()
     """
-    (g,) = _graph((fn,), (sample_args,), num_warmup_iters, allow_unused_input, pool,
-                  capture_error_mode)
+    (g,) = _graph((fn,), (sample_args,), (sample_kwargs,), num_warmup_iters,
+                  allow_unused_input, pool, capture_error_mode)
     return GraphedModule(fn, g) if isinstance(fn, nn.Module) else g
 
 
@@ -185,7 +211,7 @@ def _pool_id(pool) -> tuple[int, int] | None:
     )
 
 
-def _graph(callables, sample_args, num_warmup_iters, allow_unused_input, pool,
+def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused_input, pool,
            capture_error_mode):
     if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
         raise RuntimeError(
@@ -201,7 +227,8 @@ def _graph(callables, sample_args, num_warmup_iters, allow_unused_input, pool,
         raise ValueError(
             f"cgraph: num_warmup_iters must be a non-negative int, got {num_warmup_iters!r}."
         )
-    specs = tuple(_describe(i, fn, args) for i, (fn, args) in enumerate(zip(callables, sample_args)))
+    specs = tuple(_describe(i, fn, args, kwargs)
+                  for i, (fn, args, kwargs) in enumerate(zip(callables, sample_args, sample_kwargs)))
     pool_id = _pool_id(pool)
     _require_cuda()
     device = _device_of(specs)
@@ -209,7 +236,7 @@ def _graph(callables, sample_args, num_warmup_iters, allow_unused_input, pool,
                               bool(allow_unused_input), _CAPTURE_MODES[capture_error_mode])
 
 
-def _describe(index: int, fn, args) -> tuple:
+def _describe(index: int, fn, args, kwargs) -> tuple:
     """The spec tuple capture.c parses (see callable_spec there)."""
     if not callable(fn):
         raise TypeError(f"cgraph: callable {index} is a {type(fn).__name__}, not callable.")
@@ -219,16 +246,31 @@ def _describe(index: int, fn, args) -> tuple:
             f"cgraph: sample args of callable {index} must be a tuple{hint}, "
             f"got {type(args).__name__}."
         )
-    leaves, in_spec = pytree.tree_flatten(args)
-    names = _leaf_names(fn, args)
-    for name, leaf in zip(names, leaves):
-        if not isinstance(leaf, torch.Tensor):
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(
+            f"cgraph: sample_kwargs of callable {index} must be a dict of keyword "
+            f"arguments, got {type(kwargs).__name__}."
+        )
+    kwargs = dict(sorted(kwargs.items()))  # calls are flattened in this order too
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    names = _leaf_names(fn, args, kwargs)
+    tensors, tensor_names, constants = [], [], []
+    for position, (name, leaf) in enumerate(zip(names, leaves)):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            tensor_names.append(name)
+        elif isinstance(leaf, _CONSTANT_TYPES):
+            constants.append((position, name, leaf))
+        else:
             raise TypeError(
                 f"cgraph: sample argument '{name}' of callable {index} is a "
-                f"{type(leaf).__name__}; graphed callables take tensors (nested in tuples, "
-                "lists or dicts). Bind other values with functools.partial."
+                f"{type(leaf).__name__}; graphed callables take tensors and constants "
+                "(int, float, bool, str, enum, torch.dtype, ...) nested in tuples, lists or "
+                "dicts. Bind other values with functools.partial."
             )
-    flat = all(isinstance(a, torch.Tensor) for a in args)
+    flat = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
     module, eager, eager_takes_module = None, None, False
     params: tuple = ()
     buffers: tuple = ()
@@ -251,30 +293,34 @@ def _describe(index: int, fn, args) -> tuple:
             eager = fn.__dict__["forward"]
         else:
             eager, eager_takes_module = type(fn).forward, True
-    return (fn, args, tuple(leaves), tuple(names), params, buffers, flat,
-            None if flat else in_spec, module, eager, eager_takes_module)
+    return (fn, args, kwargs, tuple(tensors), tuple(tensor_names), params, buffers, flat,
+            None if flat else in_spec, tuple(constants), module, eager, eager_takes_module)
 
 
-def _leaf_names(fn, args) -> list[str]:
-    """A readable name per pytree leaf: the forward's parameter name where it
-    can be bound ('x', "batch['mask']"), else the leaf's path ('args[0]')."""
+def _leaf_names(fn, args, kwargs=None) -> list[str]:
+    """A readable name per pytree leaf of ``(args, kwargs)``: the forward's
+    parameter name for positional arguments ('x', "batch['mask']"), the
+    keyword for keyword arguments, else the leaf's path ('args[2]')."""
     try:
         target = fn.forward if isinstance(fn, nn.Module) else fn
-        bound = list(inspect.signature(target).bind(*args).arguments)
+        positional = [p.name for p in inspect.signature(target).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     except (TypeError, ValueError):
-        bound = []
+        positional = []
     names = []
-    for path, _ in pytree.tree_flatten_with_path(args)[0]:
-        head, rest = path[0], path[1:]
-        idx = getattr(head, "idx", None)
-        base = bound[idx] if idx is not None and idx < len(bound) else f"args[{idx}]"
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs or {}))[0]:
+        (part, head), rest = path[:2], path[2:]
+        if part.idx == 1:  # a keyword argument
+            base = str(head.key)
+        else:
+            base = positional[head.idx] if head.idx < len(positional) else f"args[{head.idx}]"
         names.append(base + "".join(str(k) for k in rest))
     return names
 
 
 def _device_of(specs: Sequence[tuple]) -> int:
     for spec in specs:
-        for t in spec[2] + spec[4]:
+        for t in spec[3] + spec[5]:  # tensor leaves, parameters
             if t.is_cuda:
                 return t.device.index
     return torch.cuda.current_device()

@@ -12,11 +12,11 @@
  *         with side_stream(device):           # warm-up and capture share it
  *             for s, e in zip(specs, engines):                    # warm-up
  *                 for _ in range(num_warmup_iters):
- *                     e.warmup_backward(tree_leaves(s.fn(*s.args)))
+ *                     e.warmup_backward(tree_leaves(s.fn(*s.args, **s.kwargs)))
  *             torch.cuda.empty_cache()   # warm-up's cache, not beside the pool
  *             for s, e in zip(specs, engines):            # forwards 1..N
  *                 with e.capture(FORWARD, pool):
- *                     out = s.fn(*s.args)
+ *                     out = s.fn(*s.args, **s.kwargs)
  *                 e.set_outputs(tree_leaves(out))
  *             for e in reversed(engines):                # backwards N..1
  *                 e.capture_backward(pool)
@@ -34,31 +34,43 @@
 
 #include "module.h"
 
-/* One callable, as make_graphed_callables (cgraph/_api.py) describes it. */
+/* One callable, as make_graphed_callables (cgraph/_api.py _describe)
+ * describes it.  All borrowed from the spec tuple. */
 typedef struct {
     PyObject *fn;            /* what to call: the module or function */
     PyObject *args;          /* tuple: the sample args, as given */
-    PyObject *leaves;        /* tuple of tensors: the args' pytree leaves */
-    PyObject *names;         /* tuple of str: a name per leaf */
+    PyObject *kwargs;        /* dict: the sample kwargs, sorted by name */
+    PyObject *leaves;        /* tuple of tensors: the tensor leaves of (args, kwargs) */
+    PyObject *names;         /* tuple of str: a name per tensor leaf */
     PyObject *params;        /* tuple of parameters */
     PyObject *buffers;       /* tuple of buffers */
-    int flat_args;
-    PyObject *in_spec;       /* TreeSpec of args */
+    int flat_args;           /* args are all tensors and there are no kwargs */
+    PyObject *in_spec;       /* TreeSpec of (args, kwargs), or None if flat */
+    PyObject *constants;     /* tuple of (leaf position, name, value) */
     PyObject *module;        /* the nn.Module or None */
     PyObject *eager;         /* forward for the other train/eval mode, or None */
     int eager_takes_module;
 } callable_spec;
 
-/* All borrowed from the spec tuple.  0 on success, -1 with an exception. */
+/* 0 on success, -1 with an exception. */
 static int
 parse_spec(PyObject *tuple, callable_spec *spec)
 {
-    return PyArg_ParseTuple(tuple, "OO!O!O!O!O!pOOOp;cgraph: malformed callable spec",
-                            &spec->fn, &PyTuple_Type, &spec->args,
+    return PyArg_ParseTuple(tuple, "OO!O!O!O!O!O!pOO!OOp;cgraph: malformed callable spec",
+                            &spec->fn, &PyTuple_Type, &spec->args, &PyDict_Type, &spec->kwargs,
                             &PyTuple_Type, &spec->leaves, &PyTuple_Type, &spec->names,
                             &PyTuple_Type, &spec->params, &PyTuple_Type, &spec->buffers,
-                            &spec->flat_args, &spec->in_spec, &spec->module,
-                            &spec->eager, &spec->eager_takes_module) ? 0 : -1;
+                            &spec->flat_args, &spec->in_spec, &PyTuple_Type, &spec->constants,
+                            &spec->module, &spec->eager, &spec->eager_takes_module) ? 0 : -1;
+}
+
+/* Calls the callable with its sample arguments.  Returns a NEW reference,
+ * or NULL with an exception set. */
+static PyObject *
+call_sample(const callable_spec *spec)
+{
+    return PyObject_Call(spec->fn, spec->args,
+                         PyDict_GET_SIZE(spec->kwargs) ? spec->kwargs : NULL);
 }
 
 /* The pytree leaves of `out` and how to rebuild it.  Returns a NEW
@@ -234,7 +246,7 @@ cg_graph_callables(PyObject *self, PyObject *args)
         for (int k = 0; k < warmup_iters; k++) {
             cg_out_kind kind;
             PyObject *spec_out, *leaves;
-            PyObject *out = PyObject_Call(spec[i].fn, spec[i].args, NULL);
+            PyObject *out = call_sample(&spec[i]);
             if (out == NULL) {
                 goto done;
             }
@@ -263,7 +275,7 @@ cg_graph_callables(PyObject *self, PyObject *args)
             raise_capture_error(i, "forward");
             goto done;
         }
-        out = PyObject_Call(spec[i].fn, spec[i].args, NULL);
+        out = call_sample(&spec[i]);
         if (out == NULL) {
             cg_engine_capture_abort(engines[i], CG_FORWARD);
             raise_capture_error(i, "forward");
@@ -305,6 +317,8 @@ cg_graph_callables(PyObject *self, PyObject *args)
         PyObject *graphed;
         infos[built].flat_args = spec[built].flat_args;
         infos[built].in_spec = spec[built].in_spec;
+        infos[built].kwargs = spec[built].kwargs;
+        infos[built].constants = spec[built].constants;
         infos[built].module = spec[built].module;
         infos[built].eager = spec[built].eager;
         infos[built].eager_takes_module = spec[built].eager_takes_module;

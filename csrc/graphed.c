@@ -6,11 +6,12 @@
  * Python equivalent (the contract; the real thing is below):
  *
  *     class Graphed:
- *         def __call__(self, *args):
+ *         def __call__(self, *args, **kwargs):
  *             module = self._module()      # weakref; absent for functions
  *             if module is not None and module.training != self._training:
  *                 return self._eager(module, *args)   # as torch does
- *             leaves = args if self._flat_args else checked_leaves(args)
+ *             leaves = args if self._flat_args else checked_leaves(args, kwargs)
+ *                      # structure, keywords and constants as captured
  *             outs = self._engine.replay(leaves)      # aten_replay.cpp
  *             return outs[0] | outs | tree_unflatten(outs, self._out_spec)
  *
@@ -31,7 +32,9 @@ typedef struct {
     cg_engine *engine;      /* owned; NULL once reset() */
     cg_pool pool;           /* the engine's pool, kept after reset() */
     int flat_args;          /* the sample args were a flat tuple of tensors */
-    PyObject *in_spec;      /* owned TreeSpec of the sample args, or NULL */
+    PyObject *in_spec;      /* owned TreeSpec of (args, kwargs), or NULL */
+    PyObject *kw_names;     /* owned tuple of the captured keywords, sorted */
+    PyObject *constants;    /* owned tuple of (leaf position, name, value) */
     cg_out_kind out_kind;
     PyObject *out_spec;     /* owned TreeSpec of the outputs, or NULL */
     PyObject *module_ref;   /* owned weakref to the nn.Module, or NULL */
@@ -55,17 +58,28 @@ Graphed_create(cg_engine *engine, const cg_graphed_info *info)
         return NULL;
     }
     self->vectorcall = NULL;  /* set last: a half-built object is not callable */
+    self->in_spec = self->kw_names = self->constants = NULL;
+    self->out_spec = self->module_ref = self->eager = self->weakreflist = NULL;
     self->engine = engine;
     self->pool = cg_engine_pool(engine);
     self->flat_args = info->flat_args;
     self->in_spec = Py_XNewRef(info->in_spec);
+    self->kw_names = info->kwargs ? PyDict_Keys(info->kwargs) : PyList_New(0);
+    self->constants = Py_XNewRef(info->constants);
     self->out_kind = info->out_kind;
     self->out_spec = Py_XNewRef(info->out_spec);
-    self->module_ref = NULL;
     self->eager = Py_XNewRef(info->eager);
     self->eager_takes_module = info->eager_takes_module;
     self->training = 0;
-    self->weakreflist = NULL;
+    if (self->kw_names == NULL || PyList_Sort(self->kw_names) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    Py_SETREF(self->kw_names, PyList_AsTuple(self->kw_names));
+    if (self->kw_names == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
     if (info->module != NULL && info->module != Py_None) {
         /* A weak reference: module.forward holds this object, and a strong
          * one back would keep the module (and its graphs) alive until the
@@ -88,6 +102,8 @@ static int
 Graphed_traverse(GraphedObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(self->in_spec);
+    Py_VISIT(self->kw_names);
+    Py_VISIT(self->constants);
     Py_VISIT(self->out_spec);
     Py_VISIT(self->module_ref);
     Py_VISIT(self->eager);
@@ -98,6 +114,8 @@ static int
 Graphed_clear(GraphedObject *self)
 {
     Py_CLEAR(self->in_spec);
+    Py_CLEAR(self->kw_names);
+    Py_CLEAR(self->constants);
     Py_CLEAR(self->out_spec);
     Py_CLEAR(self->module_ref);
     Py_CLEAR(self->eager);
@@ -173,41 +191,134 @@ call_eager(GraphedObject *self, PyObject *module, PyObject *const *args,
     return result;
 }
 
-/* The leaves of nested arguments, checked against the captured structure.
- * Returns a NEW reference to a list, or NULL with an exception set. */
-static PyObject *
-nested_leaves(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* 0 if the call passes exactly the captured keywords, else -1 with a
+ * TypeError naming a missing or an unexpected one. */
+static int
+check_keywords(GraphedObject *self, PyObject *kwnames)
 {
-    PyObject *tuple = NULL, *flat = NULL, *leaves = NULL;
+    Py_ssize_t ncaptured = PyTuple_GET_SIZE(self->kw_names);
+    Py_ssize_t ngiven = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+
+    for (Py_ssize_t i = 0; i < ngiven; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        int known = PySequence_Contains(self->kw_names, name);
+        if (known <= 0) {
+            if (known == 0) {
+                PyErr_Format(PyExc_TypeError,
+                             "cgraph: unexpected keyword argument %R; the graph was captured "
+                             "with keywords %R (sample_kwargs).", name, self->kw_names);
+            }
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < ncaptured; i++) {
+        PyObject *name = PyTuple_GET_ITEM(self->kw_names, i);
+        int given = kwnames ? PySequence_Contains(kwnames, name) : 0;
+        if (given <= 0) {
+            if (given == 0) {
+                PyErr_Format(PyExc_TypeError,
+                             "cgraph: missing keyword argument %R; the graph was captured "
+                             "with keywords %R (sample_kwargs).", name, self->kw_names);
+            }
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* 0 if every captured constant is passed again (same type, equal value),
+ * else -1 with a ValueError naming the argument. */
+static int
+check_constants(GraphedObject *self, PyObject *leaves)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->constants); i++) {
+        PyObject *entry = PyTuple_GET_ITEM(self->constants, i);
+        Py_ssize_t position = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 0));
+        PyObject *captured = PyTuple_GET_ITEM(entry, 2);
+        PyObject *given = PyList_GET_ITEM(leaves, position);
+        int same = Py_TYPE(given) == Py_TYPE(captured)
+                       ? PyObject_RichCompareBool(given, captured, Py_EQ) : 0;
+        if (same <= 0) {
+            if (same == 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "cgraph: argument '%U' was captured as %R, got %R. A graph "
+                             "replays the value it was captured with: pass %R, pass the "
+                             "value as a tensor, or graph once per value.",
+                             PyTuple_GET_ITEM(entry, 1), captured, given, captured);
+            }
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The tensor leaves of a call with nested arguments, keywords or constants,
+ * checked against what was captured.  Returns a NEW reference to a list,
+ * or NULL with an exception set. */
+static PyObject *
+call_leaves(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *positional = NULL, *keywords = NULL, *tree = NULL, *flat = NULL;
+    PyObject *leaves, *tensors = NULL;
     int same;
 
-    tuple = PyTuple_New(nargs);
-    if (tuple == NULL) {
+    if (check_keywords(self, kwnames) < 0) {
         return NULL;
     }
-    for (Py_ssize_t i = 0; i < nargs; i++) {
-        PyTuple_SET_ITEM(tuple, i, Py_NewRef(args[i]));
+    positional = PyTuple_New(nargs);
+    keywords = PyDict_New();
+    if (positional == NULL || keywords == NULL) {
+        goto done;
     }
-    flat = PyObject_CallOneArg(cgm.tree_flatten, tuple);
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyTuple_SET_ITEM(positional, i, Py_NewRef(args[i]));
+    }
+    /* In the captured (sorted) order, so the flattened leaves line up. */
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(self->kw_names); i++) {
+        PyObject *name = PyTuple_GET_ITEM(self->kw_names, i);
+        for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(kwnames); k++) {
+            if (PyUnicode_Compare(name, PyTuple_GET_ITEM(kwnames, k)) == 0 &&
+                PyDict_SetItem(keywords, name, args[nargs + k]) < 0) {
+                goto done;
+            }
+        }
+    }
+    tree = PyTuple_Pack(2, positional, keywords);
+    flat = tree ? PyObject_CallOneArg(cgm.tree_flatten, tree) : NULL;
     if (flat == NULL) {
         goto done;
     }
     same = PyObject_RichCompareBool(PyTuple_GET_ITEM(flat, 1), self->in_spec, Py_EQ);
-    if (same < 0) {
+    if (same <= 0) {
+        if (same == 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "cgraph: the arguments are structured as %R, but the graph was "
+                         "captured with %R. Pass arguments nested as the samples were.",
+                         PyTuple_GET_ITEM(flat, 1), self->in_spec);
+        }
         goto done;
     }
-    if (!same) {
-        PyErr_Format(PyExc_TypeError,
-                     "cgraph: the arguments are structured as %R, but the graph was "
-                     "captured with %R. Pass arguments nested as the sample args were.",
-                     PyTuple_GET_ITEM(flat, 1), self->in_spec);
+    leaves = PyTuple_GET_ITEM(flat, 0);
+    if (check_constants(self, leaves) < 0) {
         goto done;
     }
-    leaves = Py_NewRef(PyTuple_GET_ITEM(flat, 0));
+    tensors = PyList_New(0);
+    for (Py_ssize_t i = 0, c = 0; tensors != NULL && i < PyList_GET_SIZE(leaves); i++) {
+        /* Constants are listed in leaf order: skip each at its position. */
+        PyObject *constant = c < PyTuple_GET_SIZE(self->constants)
+                                 ? PyTuple_GET_ITEM(self->constants, c) : NULL;
+        if (constant && PyLong_AsSsize_t(PyTuple_GET_ITEM(constant, 0)) == i) {
+            c++;
+        } else if (PyList_Append(tensors, PyList_GET_ITEM(leaves, i)) < 0) {
+            Py_CLEAR(tensors);
+        }
+    }
 done:
     Py_XDECREF(flat);
-    Py_DECREF(tuple);
-    return leaves;
+    Py_XDECREF(tree);
+    Py_XDECREF(keywords);
+    Py_XDECREF(positional);
+    return tensors;
 }
 
 /* The call path.  Returns a NEW reference, or NULL with an exception set. */
@@ -229,10 +340,10 @@ Graphed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
             return call_eager(self, module, args, nargs, kwnames);
         }
     }
-    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+    if (self->flat_args && kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
         PyErr_Format(PyExc_TypeError,
-                     "cgraph: keyword argument %R was not captured; pass the "
-                     "arguments positionally, as in sample_args.",
+                     "cgraph: unexpected keyword argument %R: the graph was captured "
+                     "without keywords. Capture with sample_kwargs= to pass keywords.",
                      PyTuple_GET_ITEM(kwnames, 0));
         return NULL;
     }
@@ -246,7 +357,7 @@ Graphed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     if (self->flat_args) {
         outs = cg_engine_replay(self->engine, args, nargs);
     } else {
-        leaves = nested_leaves(self, args, nargs);
+        leaves = call_leaves(self, args, nargs, kwnames);
         if (leaves == NULL) {
             return NULL;
         }

@@ -34,7 +34,9 @@ typedef enum {
  * is borrowed here and may be NULL where noted. */
 typedef struct {
     int flat_args;          /* the sample args were a flat tuple of tensors */
-    PyObject *in_spec;      /* TreeSpec of the sample args (NULL if flat) */
+    PyObject *in_spec;      /* TreeSpec of (args, kwargs) (NULL/None if flat) */
+    PyObject *kwargs;       /* the sample kwargs, sorted by name (a dict) */
+    PyObject *constants;    /* tuple of (leaf position, name, value) */
     cg_out_kind out_kind;
     PyObject *out_spec;     /* TreeSpec of the outputs (NULL unless TREE) */
     PyObject *module;       /* the nn.Module, or NULL/None for a function */

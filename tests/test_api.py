@@ -57,12 +57,35 @@ def test_sample_args_must_be_a_tuple():
         cgraph.make_graphed_callables(torch.nn.Linear(4, 4), torch.randn(2, 4))
 
 
-def test_non_tensor_sample_arg_is_named():
+def test_unsupported_sample_arg_is_named():
     def f(x, scale):
         return x * scale
 
-    with pytest.raises(TypeError, match="'scale'.*int"):
-        cgraph.make_graphed_callables(f, (torch.randn(2), 3))
+    with pytest.raises(TypeError, match="'scale'.*object"):
+        cgraph.make_graphed_callables(f, (torch.randn(2), object()))
+
+
+def test_constants_and_keywords_are_described_in_leaf_order():
+    from cgraph._api import _describe
+
+    def f(x, n, *, mask, dtype):
+        return x
+
+    x, mask = torch.zeros(2), torch.ones(2)
+    spec = _describe(0, f, (x, 3), {"mask": mask, "dtype": torch.float16})
+    kwargs, tensors, names, flat, constants = spec[2], spec[3], spec[4], spec[7], spec[9]
+    assert list(kwargs) == ["dtype", "mask"]  # sorted: calls flatten in this order
+    assert tensors == (x, mask) and names == ("x", "mask") and not flat
+    assert constants == ((1, "n", 3), (2, "dtype", torch.float16))
+
+
+def test_sample_kwargs_must_be_dicts():
+    with pytest.raises(TypeError, match="sample_kwargs of callable 0 must be a dict"):
+        cgraph.make_graphed(torch.nn.Linear(4, 4), (torch.randn(2, 4),), sample_kwargs=[1])
+    layers = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    samples = ((torch.randn(2, 4),), (torch.randn(2, 4),))
+    with pytest.raises(ValueError, match="sample_kwargs must be a tuple of 2"):
+        cgraph.make_graphed_callables(layers, samples, sample_kwargs=({},))
 
 
 def test_tuple_of_callables_needs_matching_samples():

@@ -431,3 +431,99 @@ def test_unusual_grad_states_take_the_slow_path_and_match_eager(twist):
     for grad, value in held:
         assert_equal(grad, value, "a .grad kept across zero_grad")
     assert graphed.stats["grads_slow"] >= 1
+
+
+# ---- keywords, constants and pytrees ------------------------------------------
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, *, mask, scale=1.0):
+        return self.lin(x) * mask * scale
+
+
+def test_keyword_arguments_match_eager():
+    torch.manual_seed(12)
+    model = Gated().to(CUDA)
+    eager = copy.deepcopy(model)
+    sample = torch.randn(8, 16, device=CUDA, requires_grad=True)
+    graphed = cgraph.make_graphed(
+        model, (sample,), sample_kwargs={"mask": torch.ones(8, 16, device=CUDA), "scale": 2.0})
+    for step in range(2):
+        x = torch.randn(8, 16, device=CUDA, requires_grad=True)
+        xe = twin(x)
+        mask = (torch.rand(8, 16, device=CUDA) > 0.5).float()
+        out, out_e = graphed(x, scale=2.0, mask=mask), eager(xe, mask=mask, scale=2.0)
+        assert_equal(out, out_e, f"step {step}: output")
+        upstream = torch.randn_like(out)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        assert_grads_equal(model, eager, step)
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize(
+    "call, error, text",
+    [
+        (lambda g, x, m: g(x, mask=m), TypeError, "missing keyword argument 'scale'"),
+        (lambda g, x, m: g(x, mask=m, scale=2.0, bias=1), TypeError, "unexpected keyword.*'bias'"),
+        (lambda g, x, m: g(x, mask=m, scale=3.0), ValueError, "'scale' was captured as 2.0, got 3.0"),
+        (lambda g, x, m: g(x, mask=m, scale=2), ValueError, "'scale' was captured as 2.0, got 2"),
+    ],
+)
+def test_keyword_and_constant_mismatches_raise(call, error, text):
+    model = Gated().to(CUDA)
+    mask = torch.ones(8, 16, device=CUDA)
+    graphed = cgraph.make_graphed(model, (torch.randn(8, 16, device=CUDA),),
+                                  sample_kwargs={"mask": mask, "scale": 2.0})
+    with pytest.raises(error, match=text):
+        call(graphed, torch.randn(8, 16, device=CUDA), mask)
+
+
+def test_positional_constants_are_guarded():
+    def scaled(x, n, flag, dtype):
+        y = x * n if flag else x
+        return y.to(dtype)
+
+    x = torch.randn(8, device=CUDA)
+    graphed = cgraph.make_graphed(scaled, (x, 3, True, torch.float16))
+    y = torch.randn(8, device=CUDA)
+    assert_equal(graphed(y, 3, True, torch.float16), scaled(y, 3, True, torch.float16), "output")
+    with pytest.raises(ValueError, match="argument 'n' was captured as 3, got 4"):
+        graphed(y, 4, True, torch.float16)
+    with pytest.raises(ValueError, match="'dtype' was captured as torch.float16"):
+        graphed(y, 3, True, torch.bfloat16)
+
+
+def test_pytrees_in_and_out():
+    torch.manual_seed(13)
+    lin = nn.Linear(16, 16).to(CUDA)
+    eager = copy.deepcopy(lin)
+
+    def f(batch, layers):
+        h = layers[0](batch["x"]) + batch["skip"][0]
+        return {"h": h, "parts": (h.sum(-1), [h * 2])}
+
+    def sample():
+        return {"x": torch.randn(4, 16, device=CUDA, requires_grad=True),
+                "skip": [torch.randn(4, 16, device=CUDA)]}
+
+    graphed = cgraph.make_graphed(lambda batch: f(batch, [lin]), (sample(),))
+    batch = sample()
+    twin_batch = {"x": twin(batch["x"]), "skip": [batch["skip"][0].clone()]}
+    out, out_e = graphed(batch), f(twin_batch, [eager])
+    assert list(out) == ["h", "parts"] and isinstance(out["parts"][1], list)
+    for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(out_e)):
+        assert_equal(a, b, "output leaf")
+    u1, u2 = torch.randn(4, 16, device=CUDA), torch.randn(4, device=CUDA)
+    ((out["h"] * u1).sum() + (out["parts"][0] * u2).sum()).backward()
+    ((out_e["h"] * u1).sum() + (out_e["parts"][0] * u2).sum()).backward()
+    assert_equal(batch["x"].grad, twin_batch["x"].grad, "input grad")
+    assert_equal(lin.weight.grad, eager.weight.grad, "closure module's weight grad")
+    with pytest.raises(TypeError, match="structured as"):
+        graphed({"x": batch["x"]})
