@@ -27,6 +27,7 @@ them: the least a step can cost).
 from __future__ import annotations
 
 import functools
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,10 +43,14 @@ VARIANTS = (
     "torch-mgc-whole",
     "torch-mgc-layer",
     "cgraph-whole",
+    "cgraph-whole-unguarded",
     "cgraph-layer",
     "floor",
 )
-_WHOLE_SCALING = ("eager", "torch-mgc-whole", "cgraph-whole", "floor")
+# cgraph-whole-unguarded: guard_outputs=False, to measure what guarding the
+# outputs of earlier calls costs (csrc/aten_replay.cpp, Note [Outputs of
+# earlier calls]).
+_WHOLE_SCALING = ("eager", "torch-mgc-whole", "cgraph-whole", "cgraph-whole-unguarded", "floor")
 _LAYER_SCALING = ("eager", "torch-mgc-layer", "cgraph-layer", "floor")
 
 # torch.compile compiles (and reduce-overhead records its graphs) during the
@@ -233,8 +238,9 @@ def _forward(problem: Problem, variant: str) -> Callable[[torch.Tensor], torch.T
         return model
     if variant.startswith("compile-"):
         return torch.compile(model, mode=variant.removeprefix("compile-"))
-    library, scope = variant.rsplit("-", 1)
-    make_graphed_callables = _graphing_function(library)
+    guarded = not variant.endswith("-unguarded")
+    library, scope = variant.removesuffix("-unguarded").rsplit("-", 1)
+    make_graphed_callables = _graphing_function(library, guarded)
     if scope == "whole":
         sample = problem.x.detach().clone().requires_grad_(problem.x.requires_grad)
         return make_graphed_callables(model, (sample,))
@@ -244,12 +250,12 @@ def _forward(problem: Problem, variant: str) -> Callable[[torch.Tensor], torch.T
     return model
 
 
-def _graphing_function(library: str) -> Callable:
+def _graphing_function(library: str, guard_outputs: bool) -> Callable:
     if library == "torch-mgc":
         return torch.cuda.make_graphed_callables
     import cgraph  # not built: this variant fails alone, as an error row
 
-    return cgraph.make_graphed_callables
+    return functools.partial(cgraph.make_graphed_callables, guard_outputs=guard_outputs)
 
 
 def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,8 @@ Example::
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
-from ._api import GraphedModule, graph_pool_handle, make_graphed, make_graphed_callables
+from ._api import (GraphedModule, graph_pool_handle, make_graphed, make_graphed_callables,
+                   reset_all)
 
 CaptureError = _C.CaptureError
 Graphed = _C.Graphed
@@ -32,5 +33,6 @@ __all__ = [
     "graph_pool_handle",
     "make_graphed",
     "make_graphed_callables",
+    "reset_all",
 ]
 __version__ = "0.1.0"

@@ -4,17 +4,22 @@ core, and wrap what comes back.  Warm-up, capture and replay are in csrc/."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import enum
 import inspect
+import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
 from . import _C
 
-__all__ = ["make_graphed_callables", "make_graphed", "GraphedModule", "graph_pool_handle"]
+__all__ = ["make_graphed_callables", "make_graphed", "GraphedModule", "graph_pool_handle",
+           "reset_all"]
 
 _CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
 
@@ -22,6 +27,24 @@ _CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
 # the captured value again (checked in C on every call).
 _CONSTANT_TYPES = (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype,
                    torch.device, torch.layout, torch.memory_format)
+
+
+# Every graphed callable not yet freed, for reset_all().
+_live: "weakref.WeakSet[_C.Graphed]" = weakref.WeakSet()
+
+
+def reset_all() -> None:
+    """Free every live graphed callable's graphs, static tensors and pool memory.
+
+    Call it before ``torch.distributed.destroy_process_group()`` or before
+    re-graphing a whole model.  Later calls of a reset callable raise.  It also
+    runs at interpreter exit, so graphs are freed while CUDA is still up.
+    """
+    for graphed in list(_live):
+        graphed.reset()
+
+
+atexit.register(reset_all)
 
 
 def graph_pool_handle() -> tuple[int, int]:
@@ -43,6 +66,7 @@ def make_graphed_callables(
     enable_annotations: bool = False,
     *,
     sample_kwargs=None,
+    guard_outputs: bool = True,
 ):
     """Drop-in for :func:`torch.cuda.make_graphed_callables`.
 
@@ -58,6 +82,12 @@ def make_graphed_callables(
     constant is captured into the graph, and a call with another value
     raises ``ValueError`` naming it.
 
+    ``guard_outputs`` (keyword-only, default True): outputs live in the
+    graph's memory, which the next call overwrites.  Reading an earlier
+    call's output after that raises an error saying so, where torch silently
+    returns the new values; clone what you keep.  False hands out the
+    outputs unguarded, as torch does.
+
     Differences from torch, all toward eager semantics:
 
     * ``param.grad`` accumulates across backward passes exactly as in eager
@@ -67,6 +97,11 @@ def make_graphed_callables(
       tensor in a closure) get their grads; torch drops them silently.
     * Warm-up leaves module buffers (BatchNorm running stats) as they were.
     * Deleting the graphed callable returns its pool memory to the device.
+    * Autocast works with its weight cache on (torch requires it off).
+    * ``torch.utils.checkpoint`` (``use_reentrant=False``) works inside,
+      dropout included: the recompute redraws the forward's masks.
+    * Replacing a parameter after capture (``load_state_dict(assign=True)``)
+      raises on the next call instead of reading the old tensor.
 
     Example::
 
@@ -97,12 +132,13 @@ def make_graphed_callables(
                 f"cgraph: got {len(callables)} callables, so sample_kwargs must be a tuple of "
                 f"{len(callables)} dicts (or None), one per callable."
             )
-    graphed = _graph(callables, sample_args, sample_kwargs, num_warmup_iters,
-                     allow_unused_input, pool, capture_error_mode)
+    targets = tuple(_unwrap_ddp(fn) for fn in callables)
+    graphed = _graph(targets, sample_args, sample_kwargs, num_warmup_iters,
+                     allow_unused_input, pool, capture_error_mode, guard_outputs)
     out = []
-    for fn, g in zip(callables, graphed):
-        if isinstance(fn, nn.Module):
-            fn.forward = g
+    for fn, target, g in zip(callables, targets, graphed):
+        if isinstance(target, nn.Module):
+            target.forward = g
             out.append(fn)
         else:
             out.append(g)
@@ -118,13 +154,16 @@ def make_graphed(
     allow_unused_input: bool = False,
     pool=None,
     capture_error_mode: str = "global",
+    guard_outputs: bool = True,
 ):
     """Graph one callable.
 
-    ``sample_kwargs`` and constant arguments work as in
+    ``sample_kwargs``, ``guard_outputs`` and constant arguments work as in
     :func:`make_graphed_callables`.  Returns a :class:`GraphedModule` for an
-    ``nn.Module`` (the module stays
-    untouched inside it) and a graphed callable for anything else.  Both have
+    ``nn.Module`` (the module stays untouched inside it) and a graphed
+    callable for anything else.  A ``DistributedDataParallel`` model comes
+    back itself, with the module it wraps graphed: DDP's per-call
+    bookkeeping and its gradient hooks keep running around the graphs.  Both have
     ``reset()``, which frees the graphs and their pool, and ``pool``, a
     handle to share with later captures.
 
@@ -137,8 +176,12 @@ def make_graphed(
         torch.testing.assert_close(graphed(x), mlp(x))
         graphed.reset()
     """
-    (g,) = _graph((fn,), (sample_args,), (sample_kwargs,), num_warmup_iters,
-                  allow_unused_input, pool, capture_error_mode)
+    target = _unwrap_ddp(fn)
+    (g,) = _graph((target,), (sample_args,), (sample_kwargs,), num_warmup_iters,
+                  allow_unused_input, pool, capture_error_mode, guard_outputs)
+    if target is not fn:  # DistributedDataParallel: see _unwrap_ddp
+        target.forward = g
+        return fn
     return GraphedModule(fn, g) if isinstance(fn, nn.Module) else g
 
 
@@ -185,6 +228,14 @@ class GraphedModule(nn.Module):
 # ---- describing callables to the native core --------------------------------
 
 
+def _unwrap_ddp(fn):
+    """DistributedDataParallel's forward does per-call bookkeeping in Python
+    (prepare_for_backward) that its gradient hooks rely on, so cgraph graphs
+    the module inside and leaves DDP around it.  Collectives then run from
+    DDP's hooks outside the graphs; none is ever captured."""
+    return fn.module if isinstance(fn, DistributedDataParallel) else fn
+
+
 def _require_cuda() -> None:
     if _C.device_count() == 0 or not torch.cuda.is_available():
         raise RuntimeError(
@@ -212,12 +263,7 @@ def _pool_id(pool) -> tuple[int, int] | None:
 
 
 def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused_input, pool,
-           capture_error_mode):
-    if torch.is_autocast_enabled() and torch.is_autocast_cache_enabled():
-        raise RuntimeError(
-            "cgraph: autocast with its weight cache is active; graphed callables need "
-            "torch.autocast(..., cache_enabled=False) during capture and replay."
-        )
+           capture_error_mode, guard_outputs):
     if capture_error_mode not in _CAPTURE_MODES:
         raise ValueError(
             f"cgraph: capture_error_mode must be one of {sorted(_CAPTURE_MODES)}, "
@@ -227,16 +273,133 @@ def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused
         raise ValueError(
             f"cgraph: num_warmup_iters must be a non-negative int, got {num_warmup_iters!r}."
         )
-    specs = tuple(_describe(i, fn, args, kwargs)
+    claimed: set[int] = set()  # sample memory already used as a static input
+    specs = tuple(_describe(i, fn, args, kwargs, claimed)
                   for i, (fn, args, kwargs) in enumerate(zip(callables, sample_args, sample_kwargs)))
     pool_id = _pool_id(pool)
     _require_cuda()
     device = _device_of(specs)
-    return _C.graph_callables(specs, device, pool_id, num_warmup_iters,
-                              bool(allow_unused_input), _CAPTURE_MODES[capture_error_mode])
+    with _autocast_cache_off(), _rng_hooks():
+        graphed = _C.graph_callables(specs, device, pool_id, num_warmup_iters,
+                                     bool(allow_unused_input), _CAPTURE_MODES[capture_error_mode],
+                                     bool(guard_outputs))
+    _live.update(graphed)
+    return graphed
 
 
-def _describe(index: int, fn, args, kwargs) -> tuple:
+@contextlib.contextmanager
+def _autocast_cache_off():
+    """Note [Autocast's weight cache]: inside an autocast region torch caches
+    the low-precision copy of each weight until the region ends.  A copy
+    cached during capture is freed at the region's exit while the graph keeps
+    reading its memory, and a copy cached before capture is never refreshed
+    after an optimizer step; so torch refuses cache_enabled=True.  cgraph
+    turns the cache off while it warms up and captures: the graph then casts
+    the weights on every replay, and the caller's region keeps its cache."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+@contextlib.contextmanager
+def _rng_hooks():
+    """While cgraph warms up and captures:
+
+    * torch.cuda.get_rng_state and set_rng_state ask the native core first,
+      so torch.utils.checkpoint's recompute redraws its forward's masks:
+      Note [RNG in checkpointed regions] in csrc/aten_rng.cpp.  Anything the
+      core does not claim goes to torch.
+    * seeding during a capture raises: a graph would not reseed on replay.
+      (The native core also compares the host generators before and after
+      each capture; a reseed to the state they already had escapes that.)
+    """
+    saved = {(module, name): getattr(module, name)
+             for module, name in ((torch.cuda, "get_rng_state"), (torch.cuda, "set_rng_state"),
+                                  (torch, "manual_seed"), (torch.random, "manual_seed"),
+                                  (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"))}
+    torch_get, torch_set = saved[torch.cuda, "get_rng_state"], saved[torch.cuda, "set_rng_state"]
+
+    def get_rng_state(device="cuda"):
+        state = _C.rng_get_state(_cuda_index(device))
+        return torch_get(device) if state is None else state
+
+    def set_rng_state(new_state, device="cuda"):
+        if not _C.rng_set_state(new_state, _cuda_index(device)):
+            torch_set(new_state, device)
+
+    def refuse_while_capturing(seed_fn):
+        def seed(*args, **kwargs):
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(
+                    f"cgraph: random generator state changed during capture: "
+                    f"{seed_fn.__module__}.{seed_fn.__name__} was called."
+                )
+            return seed_fn(*args, **kwargs)
+        return seed
+
+    hooks = {"get_rng_state": get_rng_state, "set_rng_state": set_rng_state}
+    for (module, name), original in saved.items():
+        setattr(module, name, hooks.get(name) or refuse_while_capturing(original))
+    try:
+        yield
+    finally:
+        for (module, name), original in saved.items():
+            setattr(module, name, original)
+
+
+def _cuda_index(device) -> int:
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+class _StateCheck:
+    """verify(module), called by graphed.c after any module anywhere registered
+    a parameter, buffer or submodule: raises if this module's parameters or
+    buffers are no longer the tensors its graphs read."""
+
+    __slots__ = ("index", "captured")
+
+    def __init__(self, index: int, module: nn.Module):
+        self.index = index
+        self.captured = dict(_named_state(module))
+
+    def __call__(self, module: nn.Module) -> None:
+        now = dict(_named_state(module))
+        for name in [*self.captured, *(k for k in now if k not in self.captured)]:
+            if self.captured.get(name) is not now.get(name):
+                raise RuntimeError(
+                    f"cgraph: '{name}' of graphed module {self.index} "
+                    f"({type(module).__name__}) was replaced after capture "
+                    "(load_state_dict(assign=True), a new nn.Parameter or buffer, or a "
+                    "removed one); the graphs would keep reading the old tensor. Graph the "
+                    "module again after replacing it, or load weights in place "
+                    "(load_state_dict without assign=True)."
+                )
+
+
+def _named_state(module: nn.Module):
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _modules_changed(*_):
+    _C.modules_changed()
+
+
+# Any parameter, buffer or submodule registered anywhere tells the native
+# core to re-check graphed modules on their next call (see _StateCheck).
+for _register in (nn.modules.module.register_module_parameter_registration_hook,
+                  nn.modules.module.register_module_buffer_registration_hook,
+                  nn.modules.module.register_module_module_registration_hook):
+    _register(_modules_changed)
+
+
+def _describe(index: int, fn, args, kwargs, claimed: set[int]) -> tuple:
     """The spec tuple capture.c parses (see callable_spec there)."""
     if not callable(fn):
         raise TypeError(f"cgraph: callable {index} is a {type(fn).__name__}, not callable.")
@@ -255,6 +418,9 @@ def _describe(index: int, fn, args, kwargs) -> tuple:
         )
     kwargs = dict(sorted(kwargs.items()))  # calls are flattened in this order too
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    leaves = [_own_memory(leaf, claimed) if isinstance(leaf, torch.Tensor) else leaf
+              for leaf in leaves]
+    args, kwargs = pytree.tree_unflatten(leaves, in_spec)
     names = _leaf_names(fn, args, kwargs)
     tensors, tensor_names, constants = [], [], []
     for position, (name, leaf) in enumerate(zip(names, leaves)):
@@ -271,7 +437,7 @@ def _describe(index: int, fn, args, kwargs) -> tuple:
                 "dicts. Bind other values with functools.partial."
             )
     flat = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
-    module, eager, eager_takes_module = None, None, False
+    module, eager, eager_takes_module, verify = None, None, False, None
     params: tuple = ()
     buffers: tuple = ()
     if isinstance(fn, nn.Module):
@@ -289,12 +455,27 @@ def _describe(index: int, fn, args, kwargs) -> tuple:
             )
         params = tuple(fn.parameters())
         module = fn
+        verify = _StateCheck(index, fn)
         if "forward" in fn.__dict__:
             eager = fn.__dict__["forward"]
         else:
             eager, eager_takes_module = type(fn).forward, True
     return (fn, args, kwargs, tuple(tensors), tuple(tensor_names), params, buffers, flat,
-            None if flat else in_spec, tuple(constants), module, eager, eager_takes_module)
+            None if flat else in_spec, tuple(constants), module, eager, eager_takes_module, verify)
+
+
+def _own_memory(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
+    """Samples become the graphs' static input buffers.  Two that share memory
+    (one tensor passed to several callables, or twice to one) would overwrite
+    each other at replay, and backward would read the wrong activations; torch
+    computes wrong grads without a word.  A sample whose memory an earlier
+    sample already uses is replaced by a clone."""
+    key = sample.untyped_storage().data_ptr()
+    if sample.numel() and key in claimed:
+        sample = sample.detach().clone().requires_grad_(sample.requires_grad)
+        key = sample.untyped_storage().data_ptr()
+    claimed.add(key)
+    return sample
 
 
 def _leaf_names(fn, args, kwargs=None) -> list[str]:

@@ -4,6 +4,7 @@
 // C++ and c10 exceptions into Python exceptions: none crosses into C.
 #include "aten_engine.hpp"
 
+#include <ATen/autocast_mode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -12,6 +13,8 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <mutex>
+#include <unordered_map>
 #include <unordered_set>
 
 namespace cgraph {
@@ -64,9 +67,36 @@ void empty_pool_cache(const Pool&, long) {
   c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
+// Note [The capture stream]
+// Every warm-up and capture on a device runs on one stream, created once:
+//  - a *blocking* stream (torch's pool streams are non-blocking), so work the
+//    callable puts on the legacy default stream during capture fails with
+//    cudaErrorStreamCaptureImplicit instead of running once, outside the
+//    graph, without a word;
+//  - the same stream for every capture, because the caching allocator reuses
+//    a pool's free blocks only on the stream that freed them: graphs captured
+//    by separate calls that share a pool (pool=) can then share its memory,
+//    as torch.cuda.graph's class-wide capture stream allows.
+c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::DeviceIndex, cudaStream_t> streams;
+  std::lock_guard<std::mutex> lock(mutex);
+  cudaStream_t& stream = streams[device];
+  if (stream == nullptr) {
+    c10::cuda::CUDAGuard guard(device);
+    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamDefault));
+  }
+  return c10::cuda::getStreamFromExternal(stream, device);
+}
+
+Graph& graph_of(Engine& e, cg_pass pass) {
+  return pass == CG_FORWARD ? *e.fwd : *e.bwd;
+}
+
 }  // namespace
 
 void Graph::abandon() noexcept {
+  bool invalidated = false;
   try {
     // Succeeds when only Python code failed and the stream capture is
     // intact; then torch's own bookkeeping unwinds everything.
@@ -75,6 +105,7 @@ void Graph::abandon() noexcept {
     // The capture was invalidated.  cudaStreamEndCapture has ended it all
     // the same; clear the error it left and undo the allocator routing.
     // See Note [Abandoning a capture].
+    invalidated = true;
     (void)cudaGetLastError();
     if (!reset_ends_pool_routing(*this, 0)) {
       try {
@@ -90,6 +121,36 @@ void Graph::abandon() noexcept {
   } catch (...) {
   }
   (void)cudaGetLastError();
+  if (invalidated) {
+    finish_generator_capture();
+  }
+}
+
+namespace {
+// Swallows torch warnings while alive ("The CUDA Graph is empty").
+struct QuietWarnings : c10::WarningHandler {
+  void process(const c10::Warning&) override {}
+};
+}  // namespace
+
+// Note [Generators after a failed capture]
+// torch ends a capture's RNG bookkeeping (the capture epilogue) only after
+// cudaStreamEndCapture succeeds.  An invalidated capture skips it, which
+// leaves the default CUDA generator marked as capturing: every later random
+// op (dropout, randn) then fails with "Offset increment outside graph
+// capture encountered unexpectedly".  Capturing an empty graph on the same
+// stream runs prologue and epilogue once more and clears the mark.
+void Graph::finish_generator_capture() noexcept {
+  try {
+    QuietWarnings quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    at::cuda::CUDAGraph empty;
+    empty.capture_begin();
+    empty.capture_end();
+  } catch (const std::exception& e) {
+    (void)cudaGetLastError();
+    TORCH_WARN("cgraph: random ops may fail after this failed capture: ", e.what());
+  }
 }
 
 // Leaves that require grad and that the forward reads, but that are neither
@@ -138,6 +199,41 @@ void Engine::adopt_hidden_leaves(const std::vector<at::Tensor>& outs) {
       }
     }
   }
+}
+
+// Note [Grad accumulators during capture]
+// A parameter's grad accumulator (the AccumulateGrad node autograd ends at)
+// remembers the stream that was current when it was made, and the backward
+// pass makes that stream wait for the producer of the grad.  DDP makes the
+// accumulators at construction, to hang its hooks on them, usually on the
+// legacy default stream; a backward capture then asks the legacy stream to
+// wait on the capture stream, which CUDA refuses (cudaError 906; NVIDIA's
+// guide has users build DDP on a side stream).  cgraph sets each parameter's
+// accumulator aside from engine creation to the end of capture, so autograd
+// makes fresh ones on the capture stream, then puts the originals back:
+// replays deliver grads to them, DDP's hooks included.
+void Engine::set_aside_grad_accumulators() {
+  for (const at::Tensor& p : params) {
+    auto* meta = torch::autograd::impl::get_autograd_meta(p);
+    if (meta == nullptr) {
+      accumulators_aside.emplace_back(NodePtr());
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(meta->mutex_);
+    accumulators_aside.push_back(std::move(meta->grad_accumulator_));
+    meta->grad_accumulator_ = WeakNodePtr(NodePtr());
+  }
+}
+
+void Engine::restore_grad_accumulators() noexcept {
+  for (size_t j = 0; j < accumulators_aside.size(); ++j) {
+    auto* meta = torch::autograd::impl::get_autograd_meta(params[j]);
+    if (meta != nullptr) {
+      std::lock_guard<std::mutex> lock(meta->mutex_);
+      meta->grad_accumulator_ = std::move(accumulators_aside[j]);
+    }
+  }
+  accumulators_aside.clear();
 }
 
 // What the backward graph differentiates with respect to, in order: inputs
@@ -215,6 +311,7 @@ void Engine::reset() noexcept {
     return;
   }
   alive = false;
+  restore_grad_accumulators();  // after a failed capture
   try {
     // Tensors first, so the pool's blocks are free when the graphs let go
     // of the pool; then the pool's cached memory goes back to the device.
@@ -225,6 +322,7 @@ void Engine::reset() noexcept {
     grad_inputs.clear();
     grad_params.clear();
     grad_store.clear();
+    handed_out.clear();
     buffers.clear();
     buffer_snapshot.clear();
     fwd.reset();
@@ -277,7 +375,7 @@ cg_setup* cg_setup_begin(int device_index) {
     c10::cuda::device_synchronize();
   }
   auto* setup = new cg_setup{device, c10::cuda::getCurrentCUDAStream(device),
-                             c10::cuda::getStreamFromPool(false, device)};
+                             cgraph::capture_stream(device)};
   c10::cuda::setCurrentCUDAStream(setup->side);
   return setup;
   END_HANDLE_TH_ERRORS_RET(nullptr)
@@ -307,10 +405,11 @@ void cg_setup_end(cg_setup* setup) {
 }
 
 cg_engine* cg_engine_new(PyObject* inputs, PyObject* names, PyObject* params,
-                         PyObject* buffers, int allow_unused_input) {
+                         PyObject* buffers, int allow_unused_input, int guard_outputs) {
   HANDLE_TH_ERRORS
   auto e = std::make_shared<Engine>();
   e->allow_unused = allow_unused_input != 0;
+  e->guard_outputs = guard_outputs != 0;
   e->device = c10::cuda::current_device();
   e->inputs = cgraph::unpack_tensors(inputs, "argument");
   for (size_t i = 0; i < e->inputs.size(); ++i) {
@@ -331,6 +430,7 @@ cg_engine* cg_engine_new(PyObject* inputs, PyObject* names, PyObject* params,
     e->param_ptrs.push_back(p.const_data_ptr());
     e->param_requires_grad.push_back(p.requires_grad());
   }
+  e->set_aside_grad_accumulators();
   e->buffers = cgraph::unpack_tensors(buffers, "buffer");
   for (const at::Tensor& b : e->buffers) {
     e->buffer_snapshot.push_back(b.clone());
@@ -341,6 +441,25 @@ cg_engine* cg_engine_new(PyObject* inputs, PyObject* names, PyObject* params,
 
 void cg_engine_free(cg_engine* engine) {
   delete engine;  // the last reference resets the engine; reset never throws
+}
+
+int cg_engine_warmup_begin(cg_engine* engine) {
+  HANDLE_TH_ERRORS
+  engine->ptr->rng_warmup_begin();
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_engine_warmup_end(cg_engine* engine, int completed) {
+  HANDLE_TH_ERRORS
+  Engine& e = *engine->ptr;
+  if (!completed) {
+    e.rng_capture_end();  // leaves the RNG hooks; keeps the caller's exception
+    return 0;
+  }
+  e.rng_warmup_end();
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
 }
 
 int cg_engine_warmup_backward(cg_engine* engine, PyObject* outputs) {
@@ -372,8 +491,15 @@ int cg_engine_capture_begin(cg_engine* engine, cg_pass pass, cg_pool pool,
   HANDLE_TH_ERRORS
   Engine& e = *engine->ptr;
   e.pool = {pool.first, pool.second};
-  cgraph::Graph& g = pass == CG_FORWARD ? *e.fwd : *e.bwd;
-  g.capture_begin(e.pool, cgraph::to_cuda_mode(mode));
+  e.autocast_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
+  e.autocast_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+  e.rng_capture_begin(pass);
+  try {
+    cgraph::graph_of(e, pass).capture_begin(e.pool, cgraph::to_cuda_mode(mode));
+  } catch (...) {
+    e.rng_capture_end();
+    throw;
+  }
   return 0;
   END_HANDLE_TH_ERRORS_RET(-1)
 }
@@ -381,12 +507,18 @@ int cg_engine_capture_begin(cg_engine* engine, cg_pass pass, cg_pool pool,
 int cg_engine_capture_end(cg_engine* engine, cg_pass pass) {
   HANDLE_TH_ERRORS
   Engine& e = *engine->ptr;
-  cgraph::Graph& g = pass == CG_FORWARD ? *e.fwd : *e.bwd;
+  cgraph::Graph& g = cgraph::graph_of(e, pass);
   try {
     g.capture_end();
   } catch (...) {
+    e.rng_capture_end();  // first: abandon() may repair the default generator
     g.abandon();
     throw;
+  }
+  e.rng_capture_end();
+  e.check_host_rng_untouched(e.rng.host_before);
+  if (pass == CG_FORWARD) {
+    e.check_rng_regions_entered();
   }
   return 0;
   END_HANDLE_TH_ERRORS_RET(-1)
@@ -398,7 +530,8 @@ void cg_engine_capture_abort(cg_engine* engine, cg_pass pass) {
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);
   Engine& e = *engine->ptr;
-  (pass == CG_FORWARD ? *e.fwd : *e.bwd).abandon();
+  e.rng_capture_end();  // first: abandon() may repair the default generator
+  cgraph::graph_of(e, pass).abandon();
   PyErr_Restore(type, value, traceback);
 }
 
@@ -407,7 +540,12 @@ int cg_engine_set_outputs(cg_engine* engine, PyObject* outputs) {
   Engine& e = *engine->ptr;
   e.outputs = cgraph::unpack_tensors(outputs, "output");
   e.output_requires_grad.clear();
-  for (const at::Tensor& o : e.outputs) {
+  for (size_t k = 0; k < e.outputs.size(); ++k) {
+    const at::Tensor& o = e.outputs[k];
+    TORCH_CHECK_VALUE(o.is_cuda(), "cgraph: output ", k, " of the callable is on ", o.device(),
+                      ". A graph's outputs live in its CUDA memory, and a copy to the host "
+                      "inside a graph is replayed without a sync the caller could wait on: "
+                      "return the CUDA tensor and call .cpu() after the graphed call.");
     e.output_requires_grad.push_back(o.requires_grad());
   }
   return 0;
@@ -437,7 +575,13 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
   }
 
   cgraph::Graph& g = *e.bwd;
-  g.capture_begin({pool.first, pool.second}, cgraph::to_cuda_mode(mode));
+  e.rng_capture_begin(CG_BACKWARD);
+  try {
+    g.capture_begin({pool.first, pool.second}, cgraph::to_cuda_mode(mode));
+  } catch (...) {
+    e.rng_capture_end();
+    throw;
+  }
   std::vector<at::Tensor> grads;
   try {
     // Allocated inside the capture, so they live in the graph pool and
@@ -456,9 +600,12 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
     }
     g.capture_end();
   } catch (...) {
+    e.rng_capture_end();  // first: abandon() may repair the default generator
     g.abandon();
     throw;
   }
+  e.rng_capture_end();
+  e.check_host_rng_untouched(e.rng.host_before);
   size_t next = 0;
   for (size_t i = 0; i < e.inputs.size(); ++i) {
     if (e.input_requires_grad[i]) {
@@ -481,6 +628,7 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
 int cg_engine_restore_buffers(cg_engine* engine) {
   HANDLE_TH_ERRORS
   Engine& e = *engine->ptr;
+  e.restore_grad_accumulators();
   for (size_t i = 0; i < e.buffers.size(); ++i) {
     e.buffers[i].copy_(e.buffer_snapshot[i]);
   }

@@ -4,9 +4,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <Python.h>
 
@@ -66,6 +68,8 @@ class Graph : public at::cuda::CUDAGraph {
   void abandon() noexcept;
 
  private:
+  static void finish_generator_capture() noexcept;
+
   template <class G>
   static auto reset_ends_pool_routing(G& g, int)
       -> decltype(g.capturing_to_pool_, bool()) {
@@ -76,6 +80,10 @@ class Graph : public at::cuda::CUDAGraph {
     return false;
   }
 };
+
+// Where the engine is in warm-up and capture, for the RNG hooks of
+// Note [RNG in checkpointed regions] (aten_rng.cpp).
+enum class RngPhase { Off, Warmup, Forward, Backward };
 
 // One graphed callable.  Shared between the C half (through cg_engine) and
 // every backward node still pending, so a live autograd graph keeps the
@@ -125,9 +133,55 @@ struct Engine {
   // out as param.grad.  Regular allocations, so they outlive reset().
   std::vector<at::Tensor> grad_store;
 
+  // -- the parameters' own grad accumulators, set aside from engine creation
+  //    to the end of capture: see Note [Grad accumulators during capture]
+  using WeakNodePtr = decltype(torch::autograd::AutogradMeta::grad_accumulator_);
+  std::vector<WeakNodePtr> accumulators_aside;
+  void set_aside_grad_accumulators();
+  void restore_grad_accumulators() noexcept;
+
   // -- module state that warm-up changes
   std::vector<at::Tensor> buffers;
   std::vector<at::Tensor> buffer_snapshot;
+
+  // -- random numbers: see Note [RNG in checkpointed regions]
+  struct RngSnapshot {
+    at::Tensor cpu_state;
+    uint64_t cuda_seed = 0;
+    uint64_t cuda_offset = 0;
+  };
+  struct {
+    RngPhase phase = RngPhase::Off;
+    uint64_t warmup_start = 0;
+    std::vector<uint64_t> warmup_offsets;   // this warm-up call's, so far
+    std::vector<uint64_t> entry_offsets;    // per region: where eager mode is at its start
+    uint64_t forward_increment = 0;         // how far one eager forward moves the stream
+    std::vector<c10::intrusive_ptr<at::CUDAGeneratorState>> states;  // per region
+    std::vector<at::Generator> generators;  // per region, over states[k]
+    at::Generator default_state;            // the default generator's own, during capture
+    size_t entered = 0;                     // regions entered so far in the forward capture
+    std::vector<std::pair<at::Tensor, at::Generator>> tokens;  // handed out as RNG states
+    RngSnapshot host_before;                // host generators before this capture
+    uint64_t replay_seed = 0;               // the latest forward replay's seed and base
+    uint64_t replay_base = 0;
+  } rng;
+  RngSnapshot host_rng_snapshot() const;
+  void check_host_rng_untouched(const RngSnapshot& before) const;
+  void rng_warmup_begin();
+  void rng_warmup_end();
+  void check_rng_regions_entered() const;
+  void rng_capture_begin(cg_pass pass);
+  void rng_capture_end() noexcept;
+  void rng_before_forward_replay();
+  void rng_after_forward_replay();
+  void rng_before_backward_replay();
+
+  // -- outputs handed to the caller: see Note [Outputs of earlier calls]
+  bool guard_outputs = true;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;  // latest call's
+  // The autocast state at capture: the graph replays the casts it recorded.
+  bool autocast_enabled = false;
+  at::ScalarType autocast_dtype = at::kHalf;
 
   // -- replay bookkeeping
   // Forward replays so far.  A backward replay is valid only for the latest

@@ -6,6 +6,7 @@
 // forward, GraphedBackward::apply() for the backward.
 #include "aten_engine.hpp"
 
+#include <ATen/autocast_mode.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -189,6 +190,54 @@ bool needs_copy(const at::Tensor& dst, const at::Tensor& src, at::Tensor* staged
                     "sample (pad it to the captured shape), or graph the callable once per shape.");
 }
 
+// Note [Outputs of earlier calls]
+// Q: The forward graph writes its outputs into the same memory on every
+//    replay.  What happens to an output the caller kept from an earlier call?
+// A: torch hands out the static outputs themselves, so a kept output silently
+//    changes value at the next replay.  cgraph hands out, per call, tensors
+//    with their own StorageImpl over the static memory (keeping that memory
+//    alive), and at the next replay marks the earlier call's storages so that
+//    any read of them, or of a view of them, raises an error that says what
+//    happened (as torch.compile's cudagraph trees do).  Cost: one small host
+//    allocation per output per call and no GPU work.  outputs="alias" hands
+//    out the static outputs unguarded, as torch does.
+constexpr const char* kOverwrittenOutput =
+    "cgraph: this tensor is an output of a graphed callable that has replayed since, "
+    "which overwrote its memory. Clone outputs you keep across calls (out.clone()), or "
+    "finish using them (including their backward) before calling the graphed callable again.";
+
+at::Tensor guarded_alias(const at::Tensor& static_output) {
+  auto* keep = new c10::Storage(static_output.storage());
+  return at::for_blob(const_cast<void*>(keep->data()), static_output.sizes())
+      .strides(static_output.strides())
+      .storage_offset(static_output.storage_offset())
+      .context(keep, [](void* ctx) { delete static_cast<c10::Storage*>(ctx); })
+      .options(static_output.options())
+      .make_tensor();
+}
+
+void invalidate_earlier_outputs(Engine& e) {
+  for (const auto& weak : e.handed_out) {
+    if (auto storage = weak.lock()) {
+      storage->release_data_and_set_meta_custom_data_ptr_error_msg_(kOverwrittenOutput);
+    }
+  }
+  e.handed_out.clear();
+}
+
+std::string describe_autocast(bool enabled, at::ScalarType dtype) {
+  return enabled ? std::string("enabled (dtype ") + c10::toString(dtype) + ")" : "disabled";
+}
+
+[[noreturn]] void raise_autocast_mismatch(const Engine& e) {
+  TORCH_CHECK(false, "cgraph: the graph was captured with CUDA autocast ",
+              describe_autocast(e.autocast_enabled, e.autocast_dtype), " but is called with it ",
+              describe_autocast(at::autocast::is_autocast_enabled(at::kCUDA),
+                                at::autocast::get_autocast_dtype(at::kCUDA)),
+              ". A graph replays the casts it captured: call it under the same autocast as "
+              "the capture, or graph it again under this one.");
+}
+
 struct GraphedBackward final : autograd::Node {
   GraphedBackward(std::shared_ptr<Engine> engine, autograd::edge_list&& edges,
                   std::vector<int32_t>&& edge_sources, std::vector<uint32_t>&& fused_params)
@@ -243,6 +292,9 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
   copy_all(dst, src);
 
   // 2. Replay.
+  if (!e.rng.generators.empty()) {
+    e.rng_before_backward_replay();
+  }
   e.bwd->replay();
   ++e.stats.backward;
 
@@ -271,6 +323,11 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
   Engine& e = *shared;
   TORCH_CHECK(e.alive, "cgraph: this graphed callable was reset(); graph the callable "
               "again to use it.");
+  if (C10_UNLIKELY(at::autocast::is_autocast_enabled(at::kCUDA) != e.autocast_enabled ||
+                   (e.autocast_enabled &&
+                    at::autocast::get_autocast_dtype(at::kCUDA) != e.autocast_dtype))) {
+    raise_autocast_mismatch(e);
+  }
   const size_t n_in = e.inputs.size();
   TORCH_CHECK_TYPE(static_cast<size_t>(nargs) == n_in, "cgraph: the graph was captured "
                    "with ", n_in, " tensor argument(s), got ", nargs, ".");
@@ -319,12 +376,19 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
 
   // 2. One copy launch for all moved inputs, then the forward graph.
   copy_all(dst, src);
-  e.fwd->replay();
+  invalidate_earlier_outputs(e);
+  if (e.rng.generators.empty()) {
+    e.fwd->replay();
+  } else {
+    e.rng_before_forward_replay();
+    e.fwd->replay();
+    e.rng_after_forward_replay();
+  }
   ++e.generation;
   ++e.stats.forward;
 
-  // 3. Outputs: aliases of the static outputs, wired to a backward node when
-  //    autograd will need one.
+  // 3. Outputs: aliases of the static outputs (Note [Outputs of earlier
+  //    calls]), wired to a backward node when autograd will need one.
   bool any_arg_grad = false;
   for (const at::Tensor* t : args_grad) {
     any_arg_grad |= t != nullptr;
@@ -361,7 +425,13 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
     throw python_error();
   }
   for (Py_ssize_t k = 0; k < n_out; ++k) {
-    at::Tensor out = e.outputs[k].detach();
+    at::Tensor out;
+    if (e.guard_outputs) {
+      out = guarded_alias(e.outputs[k]);
+      e.handed_out.push_back(out.storage().getWeakStorageImpl());
+    } else {
+      out = e.outputs[k].detach();
+    }
     if (node && e.output_requires_grad[k]) {
       autograd::set_history(out, node);
     }

@@ -5,14 +5,16 @@
  * Python equivalent (the contract; the real thing is below):
  *
  *     def graph_callables(specs, device, pool, num_warmup_iters,
- *                         allow_unused_input, capture_error_mode):
+ *                         allow_unused_input, capture_error_mode, guard_outputs):
  *         pool = pool or new_pool()           # one pool for all callables
  *         engines = [Engine(s.leaves, s.names, s.params, s.buffers)
  *                    for s in specs]
- *         with side_stream(device):           # warm-up and capture share it
+ *         with capture_stream(device):        # warm-up and capture share it
  *             for s, e in zip(specs, engines):                    # warm-up
  *                 for _ in range(num_warmup_iters):
- *                     e.warmup_backward(tree_leaves(s.fn(*s.args, **s.kwargs)))
+ *                     with e.warmup():        # notes RNG use (aten_rng.cpp)
+ *                         out = s.fn(*s.args, **s.kwargs)
+ *                     e.warmup_backward(tree_leaves(out))
  *             torch.cuda.empty_cache()   # warm-up's cache, not beside the pool
  *             for s, e in zip(specs, engines):            # forwards 1..N
  *                 with e.capture(FORWARD, pool):
@@ -21,7 +23,7 @@
  *             for e in reversed(engines):                # backwards N..1
  *                 e.capture_backward(pool)
  *             for e in engines:
- *                 e.restore_buffers()   # undo warm-up's BatchNorm updates
+ *                 e.restore_buffers()   # BatchNorm stats, grad accumulators
  *         return tuple(Graphed(e, ...) for e in engines)
  *
  * Capturing in the order the graphs will replay is what makes sharing one
@@ -50,18 +52,20 @@ typedef struct {
     PyObject *module;        /* the nn.Module or None */
     PyObject *eager;         /* forward for the other train/eval mode, or None */
     int eager_takes_module;
+    PyObject *verify;        /* verify(module): raises if parameters were replaced */
 } callable_spec;
 
 /* 0 on success, -1 with an exception. */
 static int
 parse_spec(PyObject *tuple, callable_spec *spec)
 {
-    return PyArg_ParseTuple(tuple, "OO!O!O!O!O!O!pOO!OOp;cgraph: malformed callable spec",
+    return PyArg_ParseTuple(tuple, "OO!O!O!O!O!O!pOO!OOpO;cgraph: malformed callable spec",
                             &spec->fn, &PyTuple_Type, &spec->args, &PyDict_Type, &spec->kwargs,
                             &PyTuple_Type, &spec->leaves, &PyTuple_Type, &spec->names,
                             &PyTuple_Type, &spec->params, &PyTuple_Type, &spec->buffers,
                             &spec->flat_args, &spec->in_spec, &PyTuple_Type, &spec->constants,
-                            &spec->module, &spec->eager, &spec->eager_takes_module) ? 0 : -1;
+                            &spec->module, &spec->eager, &spec->eager_takes_module,
+                            &spec->verify) ? 0 : -1;
 }
 
 /* Calls the callable with its sample arguments.  Returns a NEW reference,
@@ -131,6 +135,11 @@ static const struct {
      "typically a GPU sync (.item(), .cpu(), print(tensor)) or work on another "
      "thread. Move syncs out of the graphed callable; use capture_error_mode="
      "'thread_local' if another thread (a DataLoader's pin_memory) uses CUDA."},
+    {"Cannot copy between CPU and CUDA",
+     "the callable copies between the host and the GPU during capture: .cpu(), "
+     ".item(), .tolist(), print(tensor), or a CPU tensor used on the GPU. A graph replays GPU work "
+     "only: move the copy out of the graphed callable, or pass the data in as a CUDA "
+     "tensor argument."},
     {"capture was invalidated",
      "another thread used CUDA during the capture (cudaError 901): a DataLoader "
      "pin_memory thread or a second stream. Pass capture_error_mode='thread_local'."},
@@ -138,13 +147,27 @@ static const struct {
      "work forked onto another stream was not joined back before the capture ended "
      "(cudaError 904): make the capture stream wait for it "
      "(torch.cuda.current_stream().wait_stream(side_stream))."},
-    {"implicit",
-     "the callable used the default (legacy) stream during capture (cudaError 906): "
-     "use torch.cuda.current_stream(), not torch.cuda.default_stream() or stream 0."},
+    {"legacy stream",
+     "the callable put work on the default (legacy) stream during capture (cudaError "
+     "906), where it would run once instead of in the graph: use "
+     "torch.cuda.current_stream(), not torch.cuda.default_stream() or stream 0 "
+     "(a library or extension may launch there: pass it the current stream)."},
+    {"Cannot prepare for replay during capturing",
+     "the callable contains torch.compile(mode='reduce-overhead') (or another "
+     "cudagraph-trees user), which records and replays CUDA graphs of its own; those "
+     "cannot run inside cgraph's capture. Compile with mode='default' or "
+     "'max-autotune-no-cudagraphs' inside cgraph: cgraph's graph already removes the "
+     "launch overhead reduce-overhead would."},
+    {"random generator state changed during capture",
+     "the callable seeded a random generator (torch.manual_seed, torch.cuda.manual_seed, "
+     "set_rng_state) or drew host-side random numbers (torch.rand on the CPU, Python's "
+     "random) during capture. That ran once, at capture; replays would not repeat it. "
+     "Seed outside the graphed callable and draw random numbers on the GPU "
+     "(device='cuda'). torch.utils.checkpoint is handled by cgraph."},
     {"CUDAGeneratorImpl",
-     "a random-number generator was queried on the CPU during capture: "
-     "torch.compile(mode='reduce-overhead') or code reading the CUDA seed inside the "
-     "callable. Use the default mode of torch.compile inside cgraph."},
+     "the callable seeded a random generator or read its seed during capture "
+     "(torch.cuda.manual_seed, torch.cuda.initial_seed(), a custom RNG tracker). Do it "
+     "outside the graphed callable; torch.utils.checkpoint is handled by cgraph."},
 };
 
 /* Replaces the pending exception with CaptureError naming the callable,
@@ -194,7 +217,7 @@ PyObject *
 cg_graph_callables(PyObject *self, PyObject *args)
 {
     PyObject *specs, *pool_obj, *result = NULL;
-    int device, warmup_iters, allow_unused, mode;
+    int device, warmup_iters, allow_unused, mode, guard_outputs;
     Py_ssize_t n = 0, built = 0;
     callable_spec *spec = NULL;
     cg_engine **engines = NULL;
@@ -202,8 +225,8 @@ cg_graph_callables(PyObject *self, PyObject *args)
     cg_setup *setup = NULL;
     cg_pool pool = {0, 0};
 
-    if (!PyArg_ParseTuple(args, "O!iOipi", &PyTuple_Type, &specs, &device, &pool_obj,
-                          &warmup_iters, &allow_unused, &mode)) {
+    if (!PyArg_ParseTuple(args, "O!iOipip", &PyTuple_Type, &specs, &device, &pool_obj,
+                          &warmup_iters, &allow_unused, &mode, &guard_outputs)) {
         return NULL;
     }
     n = PyTuple_GET_SIZE(specs);
@@ -230,7 +253,7 @@ cg_graph_callables(PyObject *self, PyObject *args)
 
     for (Py_ssize_t i = 0; i < n; i++) {
         engines[i] = cg_engine_new(spec[i].leaves, spec[i].names, spec[i].params,
-                                   spec[i].buffers, allow_unused);
+                                   spec[i].buffers, allow_unused, guard_outputs);
         if (engines[i] == NULL) {
             goto done;
         }
@@ -245,9 +268,13 @@ cg_graph_callables(PyObject *self, PyObject *args)
     for (Py_ssize_t i = 0; i < n; i++) {
         for (int k = 0; k < warmup_iters; k++) {
             cg_out_kind kind;
-            PyObject *spec_out, *leaves;
-            PyObject *out = call_sample(&spec[i]);
-            if (out == NULL) {
+            PyObject *spec_out, *leaves, *out;
+            if (cg_engine_warmup_begin(engines[i]) < 0) {
+                goto done;
+            }
+            out = call_sample(&spec[i]);
+            if (cg_engine_warmup_end(engines[i], out != NULL) < 0 || out == NULL) {
+                Py_XDECREF(out);
                 goto done;
             }
             leaves = output_leaves(out, &kind, &spec_out);
@@ -322,6 +349,7 @@ cg_graph_callables(PyObject *self, PyObject *args)
         infos[built].module = spec[built].module;
         infos[built].eager = spec[built].eager;
         infos[built].eager_takes_module = spec[built].eager_takes_module;
+        infos[built].verify = spec[built].verify;
         graphed = Graphed_create(engines[built], &infos[built]);  /* takes the engine */
         engines[built] = NULL;
         if (graphed == NULL) {

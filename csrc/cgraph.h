@@ -78,23 +78,34 @@ void cg_setup_end(cg_setup *setup);
  * params:  tuple of the module's parameters (may be empty).
  * buffers: tuple of the module's buffers; warm-up changes them (BatchNorm
  *          running stats), so they are restored after capture.
+ * guard_outputs: 1 to make outputs of earlier calls raise when read after a
+ *          later replay (Note [Outputs of earlier calls]); 0 to hand out the
+ *          static outputs as torch does.
  * Returns NULL with an exception set on failure. */
 cg_engine *cg_engine_new(PyObject *inputs, PyObject *names, PyObject *params,
-                         PyObject *buffers, int allow_unused_input);
+                         PyObject *buffers, int allow_unused_input, int guard_outputs);
 
 /* Drops the C half's reference.  Never raises.  NULL is allowed. */
 void cg_engine_free(cg_engine *engine);
+
+/* Bracket each warm-up forward: cgraph notes where checkpointed regions
+ * start in the RNG stream (Note [RNG in checkpointed regions]).  Pass
+ * completed=0 when the forward raised: the caller's exception is kept. */
+int cg_engine_warmup_begin(cg_engine *engine);
+int cg_engine_warmup_end(cg_engine *engine, int completed);
 
 /* Runs one eager backward of a warm-up forward.  `outputs` is a sequence of
  * the forward's output leaves. */
 int cg_engine_warmup_backward(cg_engine *engine, PyObject *outputs);
 
-/* Starts capturing `pass` on the setup's stream into `pool`. */
+/* Starts capturing `pass` on the setup's stream into `pool`.  The autocast
+ * state at the forward's capture is the one every replay must run under. */
 int cg_engine_capture_begin(cg_engine *engine, cg_pass pass, cg_pool pool,
                             cg_capture_mode mode);
 
 /* Ends the capture begun by cg_engine_capture_begin.  On failure the capture
- * is abandoned and its memory released. */
+ * is abandoned and its memory released.  Fails too when the callable seeded
+ * a random generator or drew host-side random numbers during capture. */
 int cg_engine_capture_end(cg_engine *engine, cg_pass pass);
 
 /* Abandons a capture whose callable raised.  Keeps the caller's exception;
@@ -110,7 +121,8 @@ int cg_engine_set_outputs(cg_engine *engine, PyObject *outputs);
 int cg_engine_capture_backward(cg_engine *engine, cg_pool pool,
                                cg_capture_mode mode);
 
-/* Puts back the module buffers that warm-up changed. */
+/* Ends set-up: puts back the module buffers that warm-up changed and the
+ * parameters' own grad accumulators (Note [Grad accumulators during capture]). */
 int cg_engine_restore_buffers(cg_engine *engine);
 
 /* ---- replay ------------------------------------------------------------- */
@@ -121,6 +133,18 @@ int cg_engine_restore_buffers(cg_engine *engine);
  * when autograd needs one. */
 PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args,
                            Py_ssize_t nargs);
+
+/* ---- random numbers ----------------------------------------------------- */
+
+/* torch.cuda.get_rng_state(device) while cgraph warms up or captures a
+ * callable (Note [RNG in checkpointed regions]).  Returns a
+ * NEW reference to a state tensor; a NEW reference to None when torch should
+ * answer; NULL with an exception set on failure. */
+PyObject *cg_rng_get_state(int device);
+
+/* torch.cuda.set_rng_state(state, device), likewise: 1 if cgraph handled it,
+ * 0 if torch should, -1 with an exception set. */
+int cg_rng_set_state(PyObject *state, int device);
 
 /* ---- reset -------------------------------------------------------------- */
 

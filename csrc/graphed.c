@@ -10,6 +10,8 @@
  *             module = self._module()      # weakref; absent for functions
  *             if module is not None and module.training != self._training:
  *                 return self._eager(module, *args)   # as torch does
+ *             if module is not None and modules_changed_since_last_check:
+ *                 self._verify(module)    # parameters replaced? then raise
  *             leaves = args if self._flat_args else checked_leaves(args, kwargs)
  *                      # structure, keywords and constants as captured
  *             outs = self._engine.replay(leaves)      # aten_replay.cpp
@@ -41,6 +43,9 @@ typedef struct {
     PyObject *eager;        /* owned forward for the other train/eval mode */
     int eager_takes_module; /* `eager` is unbound: pass the module first */
     int training;           /* module.training at capture */
+    PyObject *verify;       /* owned verify(module), or NULL: raises if the
+                               module's parameters were replaced */
+    unsigned long long verified_epoch;  /* cgm.module_epoch at the last check */
     PyObject *weakreflist;
 } GraphedObject;
 
@@ -60,6 +65,8 @@ Graphed_create(cg_engine *engine, const cg_graphed_info *info)
     self->vectorcall = NULL;  /* set last: a half-built object is not callable */
     self->in_spec = self->kw_names = self->constants = NULL;
     self->out_spec = self->module_ref = self->eager = self->weakreflist = NULL;
+    self->verify = NULL;
+    self->verified_epoch = 0;
     self->engine = engine;
     self->pool = cg_engine_pool(engine);
     self->flat_args = info->flat_args;
@@ -70,6 +77,7 @@ Graphed_create(cg_engine *engine, const cg_graphed_info *info)
     self->out_spec = Py_XNewRef(info->out_spec);
     self->eager = Py_XNewRef(info->eager);
     self->eager_takes_module = info->eager_takes_module;
+    self->verify = info->verify != Py_None ? Py_XNewRef(info->verify) : NULL;
     self->training = 0;
     if (self->kw_names == NULL || PyList_Sort(self->kw_names) < 0) {
         Py_DECREF(self);
@@ -107,6 +115,7 @@ Graphed_traverse(GraphedObject *self, visitproc visit, void *arg)
     Py_VISIT(self->out_spec);
     Py_VISIT(self->module_ref);
     Py_VISIT(self->eager);
+    Py_VISIT(self->verify);
     return 0;
 }
 
@@ -119,6 +128,7 @@ Graphed_clear(GraphedObject *self)
     Py_CLEAR(self->out_spec);
     Py_CLEAR(self->module_ref);
     Py_CLEAR(self->eager);
+    Py_CLEAR(self->verify);
     return 0;
 }
 
@@ -189,6 +199,26 @@ call_eager(GraphedObject *self, PyObject *module, PyObject *const *args,
     result = PyObject_Vectorcall(self->eager, full, (size_t)(nargs + 1), kwnames);
     PyMem_Free(full);
     return result;
+}
+
+/* Re-checks the module's parameters and buffers after some module anywhere
+ * registered new ones (cgm.module_epoch moved): load_state_dict(assign=True)
+ * or `module.weight = nn.Parameter(...)` would leave the graph reading the
+ * old tensors.  0 if they are the captured ones, else -1 with the error. */
+static int
+verify_module(GraphedObject *self, PyObject *module)
+{
+    PyObject *ok;
+
+    Py_INCREF(module);
+    ok = PyObject_CallOneArg(self->verify, module);
+    Py_DECREF(module);
+    if (ok == NULL) {
+        return -1;
+    }
+    Py_DECREF(ok);
+    self->verified_epoch = cgm.module_epoch;
+    return 0;
 }
 
 /* 0 if the call passes exactly the captured keywords, else -1 with a
@@ -338,6 +368,10 @@ Graphed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
         }
         if (differs) {
             return call_eager(self, module, args, nargs, kwnames);
+        }
+        if (self->verify != NULL && self->verified_epoch != cgm.module_epoch &&
+            verify_module(self, module) < 0) {
+            return NULL;
         }
     }
     if (self->flat_args && kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {

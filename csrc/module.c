@@ -6,10 +6,14 @@
  *     class CaptureError(RuntimeError): ...   # a capture failed; says why
  *     class Graphed: ...                      # graphed.c
  *     def graph_callables(specs, device, pool, num_warmup_iters,
- *                         allow_unused_input, capture_error_mode): ...
+ *                         allow_unused_input, capture_error_mode,
+ *                         guard_outputs): ...
  *                                              # capture.c
  *     def device_count() -> int: ...
  *     def new_pool() -> tuple[int, int]: ...  # torch.cuda.graph_pool_handle()
+ *     def rng_get_state(device: int) -> Tensor | None: ...   # aten_rng.cpp
+ *     def rng_set_state(state: Tensor, device: int) -> bool: ...
+ *     def modules_changed() -> None: ...      # see cgm.module_epoch
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -44,9 +48,58 @@ cgm_new_pool(PyObject *self, PyObject *unused)
     return Py_BuildValue("(KK)", pool.first, pool.second);
 }
 
+PyDoc_STRVAR(cgm_rng_get_state_doc,
+"rng_get_state(device: int) -> Tensor | None\n\n"
+"cgraph's answer to torch.cuda.get_rng_state while it warms up or\n"
+"captures; None when torch should answer.");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+cgm_rng_get_state(PyObject *self, PyObject *args)
+{
+    int device;
+
+    if (!PyArg_ParseTuple(args, "i", &device)) {
+        return NULL;
+    }
+    return cg_rng_get_state(device);
+}
+
+PyDoc_STRVAR(cgm_rng_set_state_doc,
+"rng_set_state(state: Tensor, device: int) -> bool\n\n"
+"cgraph's handling of torch.cuda.set_rng_state while it warms up or\n"
+"captures; False when torch should handle it.");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+cgm_rng_set_state(PyObject *self, PyObject *args)
+{
+    PyObject *state;
+    int device, handled;
+
+    if (!PyArg_ParseTuple(args, "Oi", &state, &device)) {
+        return NULL;
+    }
+    handled = cg_rng_set_state(state, device);
+    return handled < 0 ? NULL : PyBool_FromLong(handled);
+}
+
+PyDoc_STRVAR(cgm_modules_changed_doc,
+"modules_changed() -> None\n\n"
+"Called by torch's global module hooks whenever a parameter, buffer or\n"
+"submodule is registered anywhere: graphed modules re-check theirs.");
+
+/* Returns a NEW reference (None). */
+static PyObject *
+cgm_modules_changed(PyObject *self, PyObject *unused)
+{
+    cgm.module_epoch++;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(cgm_graph_callables_doc,
 "graph_callables(specs, device, pool, num_warmup_iters, allow_unused_input,\n"
-"                capture_error_mode) -> tuple[Graphed, ...]\n\n"
+"                capture_error_mode, guard_outputs) -> tuple[Graphed, ...]\n\n"
 "Warm up, then capture forward graphs 1..N and backward graphs N..1 into\n"
 "one memory pool.  Called by cgraph.make_graphed_callables, which builds\n"
 "`specs`; not a public API.");
@@ -55,6 +108,9 @@ static PyMethodDef cgm_methods[] = {
     {"graph_callables", cg_graph_callables, METH_VARARGS, cgm_graph_callables_doc},
     {"device_count", cgm_device_count, METH_NOARGS, cgm_device_count_doc},
     {"new_pool", cgm_new_pool, METH_NOARGS, cgm_new_pool_doc},
+    {"rng_get_state", cgm_rng_get_state, METH_VARARGS, cgm_rng_get_state_doc},
+    {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},
+    {"modules_changed", cgm_modules_changed, METH_NOARGS, cgm_modules_changed_doc},
     {NULL, NULL, 0, NULL}
 };
 
@@ -85,6 +141,7 @@ cgm_exec(PyObject *module)
     cgm.tree_flatten = PyObject_GetAttrString(pytree, "tree_flatten");
     cgm.tree_unflatten = PyObject_GetAttrString(pytree, "tree_unflatten");
     Py_DECREF(pytree);
+    cgm.module_epoch = 1;
     cgm.str_training = PyUnicode_InternFromString("training");
     if (cgm.tree_flatten == NULL || cgm.tree_unflatten == NULL ||
         cgm.str_training == NULL) {

@@ -15,6 +15,11 @@ typedef struct {
     PyObject *tree_flatten;   /* torch.utils._pytree.tree_flatten */
     PyObject *tree_unflatten; /* torch.utils._pytree.tree_unflatten */
     PyObject *str_training;   /* interned "training" */
+    /* Bumped whenever any module registers a parameter, buffer or submodule
+     * (torch's global registration hooks, installed by cgraph/_api.py).  A
+     * graphed module re-checks its parameters only when this moved, so the
+     * call path pays one comparison. */
+    unsigned long long module_epoch;
 } cgm_state;
 
 extern cgm_state cgm;
@@ -42,6 +47,8 @@ typedef struct {
     PyObject *module;       /* the nn.Module, or NULL/None for a function */
     PyObject *eager;        /* forward to run in the other train/eval mode */
     int eager_takes_module; /* `eager` is unbound: pass the module first */
+    PyObject *verify;       /* verify(module) raises if its parameters or
+                               buffers were replaced since capture; or None */
 } cg_graphed_info;
 
 /* Wraps `engine`, taking ownership of it (also on failure).

@@ -72,11 +72,27 @@ def test_constants_and_keywords_are_described_in_leaf_order():
         return x
 
     x, mask = torch.zeros(2), torch.ones(2)
-    spec = _describe(0, f, (x, 3), {"mask": mask, "dtype": torch.float16})
+    spec = _describe(0, f, (x, 3), {"mask": mask, "dtype": torch.float16}, set())
     kwargs, tensors, names, flat, constants = spec[2], spec[3], spec[4], spec[7], spec[9]
     assert list(kwargs) == ["dtype", "mask"]  # sorted: calls flatten in this order
     assert tensors == (x, mask) and names == ("x", "mask") and not flat
     assert constants == ((1, "n", 3), (2, "dtype", torch.float16))
+
+
+def test_samples_sharing_memory_get_their_own_static_buffers():
+    from cgraph._api import _describe
+
+    x = torch.randn(2, 4, requires_grad=True)
+    claimed = set()
+    first = _describe(0, torch.nn.Linear(4, 4), (x,), None, claimed)
+    second = _describe(1, torch.nn.Linear(4, 4), (x, x[0]), None, claimed)
+    assert first[3] == (x,) and first[1][0] is x  # the first use keeps the sample
+    a, b = second[3]
+    assert second[1] == (a, b)  # the callable is called with the same tensors
+    for t in (a, b):
+        assert t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+        assert t.requires_grad
+    assert torch.equal(a, x) and torch.equal(b, x[0])
 
 
 def test_sample_kwargs_must_be_dicts():
@@ -114,10 +130,24 @@ def test_trainable_buffer_is_refused():
 
 
 @pytest.mark.gpu
-def test_autocast_cache_is_refused_like_torch():
+def test_autocast_cache_setting_is_left_as_found():
     with torch.autocast("cuda", cache_enabled=True):
-        with pytest.raises(RuntimeError, match="cache_enabled=False"):
-            cgraph.make_graphed(torch.nn.Linear(4, 4), (torch.randn(2, 4),))
+        cgraph.make_graphed(torch.nn.Linear(4, 4).cuda(), (torch.randn(2, 4, device="cuda"),))
+        assert torch.is_autocast_cache_enabled()
+
+
+def test_rng_hooks_are_removed_even_after_an_error():
+    from cgraph import _api
+
+    originals = (torch.cuda.get_rng_state, torch.cuda.set_rng_state, torch.manual_seed,
+                 torch.cuda.manual_seed)
+    with pytest.raises(KeyError):
+        with _api._rng_hooks():
+            assert torch.cuda.get_rng_state is not originals[0]
+            assert torch.manual_seed is not originals[2]
+            raise KeyError("the capture failed")
+    assert (torch.cuda.get_rng_state, torch.cuda.set_rng_state, torch.manual_seed,
+            torch.cuda.manual_seed) == originals
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

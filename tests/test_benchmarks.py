@@ -160,7 +160,7 @@ def test_main_with_fake_measurements(tmp_path, monkeypatch, capsys):
     assert run.main(["--quick", "--workloads", "overhead-8", "--steps", "7",
                      "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "[4/4] overhead-8 floor: 25.0 µs wall" in printed
+    assert "[5/5] overhead-8 floor: 25.0 µs wall" in printed
     assert "error: exit code 1" in printed
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["device"] == "Fake GPU" and data["meta"]["steps"] == 7

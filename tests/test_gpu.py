@@ -340,10 +340,10 @@ def test_parameter_hooks_run_through_autograd():
 def test_backward_after_a_second_forward_raises():
     model, make_input = mlp()
     model = cgraph.make_graphed_callables(model, (make_input(),))
-    first = model(make_input())
+    first_loss = model(make_input()).sum()
     model(make_input())
     with pytest.raises(RuntimeError, match="ran forward 1 more time"):
-        first.sum().backward()
+        first_loss.backward()
 
 
 def test_input_requiring_grad_unlike_its_sample_raises():
