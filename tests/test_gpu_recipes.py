@@ -101,6 +101,12 @@ def test_reentrant_checkpoint_is_refused_with_advice():
 
 @pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
 def test_compiled_module_inside_matches_the_compiled_module_run_eagerly(mode):
+    """Bitwise in default mode.  max-autotune may pick GEMM kernels that
+    reduce in a run-dependent order (split-K); measured on an H200: a 1-ulp
+    (2.4e-7) weight-grad difference in one run of three.  Its grads get a
+    tolerance of a few ulps; its outputs stay bitwise."""
+    grads_equal = assert_equal if mode == "default" else (
+        lambda a, e, what: torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=what))
     torch.manual_seed(0)
     block = nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(),
                           nn.Linear(64, 64)).to(CUDA)
@@ -126,7 +132,7 @@ def test_compiled_module_inside_matches_the_compiled_module_run_eagerly(mode):
         (actual * upstream).sum().backward()
         assert_equal(actual, expected.detach(), f"call {i}: output")
         for k, (p, g) in enumerate(zip(params, expected_grads)):
-            assert_equal(p.grad, g, f"call {i}: grad {k}")
+            grads_equal(p.grad, g, f"call {i}: grad {k}")
         for p in params:
             p.grad = None
 
