@@ -27,7 +27,6 @@ them: the least a step can cost).
 from __future__ import annotations
 
 import functools
-import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass

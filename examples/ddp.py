@@ -21,7 +21,6 @@ TORCH_NCCL_ASYNC_ERROR_HANDLING=0).  Teardown: cgraph.reset_all() and then
 dist.destroy_process_group().
 """
 
-import copy
 import os
 
 import torch

@@ -13,19 +13,13 @@ import torch
 from torch import nn
 
 import cgraph
+from _helpers import assert_equal
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
 
 
 # ---- helpers -----------------------------------------------------------------
-
-
-def assert_equal(actual, expected, what):
-    assert actual is not None and expected is not None, f"{what}: missing ({actual}, {expected})"
-    if not torch.equal(actual, expected):
-        diff = (actual.double() - expected.double()).abs().max().item()
-        raise AssertionError(f"{what}: not bitwise equal to eager, max |diff| = {diff:.3g}")
 
 
 def assert_grads_equal(graphed_model, eager_model, step):

@@ -16,15 +16,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import cgraph
+from _helpers import assert_equal
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
-
-
-def assert_equal(actual, expected, what):
-    if not torch.equal(actual, expected):
-        diff = (actual.double() - expected.double()).abs().max().item()
-        raise AssertionError(f"{what}: not bitwise equal to eager, max |diff| = {diff:.3g}")
 
 
 class Checkpointed(nn.Module):

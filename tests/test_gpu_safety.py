@@ -11,15 +11,10 @@ import torch
 from torch import nn
 
 import cgraph
+from _helpers import assert_equal
 
 pytestmark = pytest.mark.gpu
 CUDA = "cuda"
-
-
-def assert_equal(actual, expected, what):
-    if not torch.equal(actual, expected):
-        diff = (actual.double() - expected.double()).abs().max().item()
-        raise AssertionError(f"{what}: not bitwise equal to eager, max |diff| = {diff:.3g}")
 
 
 def stack(width=64, depth=3):
