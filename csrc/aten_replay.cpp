@@ -199,7 +199,7 @@ bool needs_copy(const at::Tensor& dst, const at::Tensor& src, at::Tensor* staged
 //    alive), and at the next replay marks the earlier call's storages so that
 //    any read of them, or of a view of them, raises an error that says what
 //    happened (as torch.compile's cudagraph trees do).  Cost: one small host
-//    allocation per output per call and no GPU work.  outputs="alias" hands
+//    allocation per output per call and no GPU work.  guard_outputs=False hands
 //    out the static outputs unguarded, as torch does.
 constexpr const char* kOverwrittenOutput =
     "cgraph: this tensor is an output of a graphed callable that has replayed since, "

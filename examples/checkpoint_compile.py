@@ -1,6 +1,9 @@
 """Activation checkpointing and torch.compile inside one graphed callable,
-checked against eager mode: run with `python examples/checkpoint_compile.py`
-on one GPU.
+checked against eager mode.  On one GPU, from the repository root after a
+build (`bash scripts/gpu.sh` builds in place):
+
+    python3 -m examples.checkpoint_compile
+
 
 The model: dropout, two transformer-style MLP blocks under
 torch.utils.checkpoint (use_reentrant=False, dropout inside: the recompute

@@ -1,6 +1,6 @@
-"""DDP on two GPUs with cgraph: run with
+"""DDP on two GPUs with cgraph: from the repository root after a build,
 
-    torchrun --nproc_per_node=2 examples/ddp.py
+    PYTHONPATH=. torchrun --nproc_per_node=2 examples/ddp.py
 
 Two recipes, each checked against an eager DDP twin (same weights, same
 data, same comm hook), gradients compared bit for bit:
