@@ -4,7 +4,6 @@ build (`bash scripts/gpu.sh` builds in place):
 
     python3 -m examples.checkpoint_compile
 
-
 The model: dropout, two transformer-style MLP blocks under
 torch.utils.checkpoint (use_reentrant=False, dropout inside: the recompute
 must redraw the forward's masks), and a torch.compile'd head (default mode;
