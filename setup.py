@@ -55,6 +55,21 @@ def _shared_libstdcxx():
                 return [path]
     return []
 
+def _cuda_library_includes():
+    """Include folders for CUDA library headers (cusparse.h, cublas_v2.h)
+    that torch's ATen/cuda headers include, where the toolkit lacks them:
+    pip's CUDA wheels (nvidia/*/include), which torch itself runs with."""
+    home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    if os.path.exists(os.path.join(home, "include", "cusparse.h")):
+        return []
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted({os.path.dirname(h) for root in nvidia.__path__
+                   for h in glob.glob(os.path.join(root, "*", "include", "cusparse.h"))})
+
+
 C_SOURCES = sorted(glob.glob("csrc/*.c"))
 CXX_SOURCES = sorted(glob.glob("csrc/aten_*.cpp"))
 C_LIBRARY = "cgraph_c"
@@ -90,7 +105,7 @@ setup(
         CUDAExtension(
             name="cgraph._C",
             sources=CXX_SOURCES,
-            include_dirs=[os.path.abspath("csrc")],
+            include_dirs=[os.path.abspath("csrc"), *_cuda_library_includes()],
             # No -std: torch picks the standard its headers need (C++20 from 2.14).
             extra_compile_args={"cxx": ["-O2"]},
         )

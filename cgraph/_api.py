@@ -98,8 +98,8 @@ def make_graphed_callables(
     * Warm-up leaves module buffers (BatchNorm running stats) as they were.
     * Deleting the graphed callable returns its pool memory to the device.
     * Autocast works with its weight cache on (torch requires it off).
-    * ``torch.utils.checkpoint`` (``use_reentrant=False``) works inside,
-      dropout included: the recompute redraws the forward's masks.
+    * ``torch.utils.checkpoint`` works inside (``use_reentrant`` False or
+      True), dropout included: the recompute redraws the forward's masks.
     * Replacing a parameter after capture (``load_state_dict(assign=True)``)
       raises on the next call instead of reading the old tensor.
 
@@ -279,7 +279,7 @@ def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused
     pool_id = _pool_id(pool)
     _require_cuda()
     device = _device_of(specs)
-    with _autocast_cache_off(), _rng_hooks():
+    with _autocast_cache_off(), _rng_hooks(), _reentrant_regions_checked(specs):
         graphed = _C.graph_callables(specs, device, pool_id, num_warmup_iters,
                                      bool(allow_unused_input), _CAPTURE_MODES[capture_error_mode],
                                      bool(guard_outputs))
@@ -350,6 +350,60 @@ def _rng_hooks():
             setattr(module, name, original)
 
 
+@contextlib.contextmanager
+def _reentrant_regions_checked(specs):
+    """While cgraph warms up and captures, a torch.utils.checkpoint region
+    with use_reentrant=True may read leaves that require grad only if they
+    are arguments or parameters of the graphed callables.  Its backward
+    rebuilds the region's autograd graph and runs .backward() on it, so
+    another leaf (a tensor in a closure) would get a grad at capture time and
+    none at replay: that raises here instead (csrc/aten_capture.cpp, Note
+    [Backward capture runs .backward()])."""
+    import torch.utils.checkpoint as ckpt
+
+    known = {id(t) for spec in specs for t in (*spec[3], *spec[5])}  # tensor leaves, params
+    region_inputs: set[int] = set()
+    detach_variable, backward = ckpt.detach_variable, torch.autograd.backward
+
+    def detach_and_note(inputs):
+        detached = detach_variable(inputs)
+        region_inputs.update(id(t) for t in detached if isinstance(t, torch.Tensor))
+        return detached
+
+    def checked_backward(tensors, *args, **kwargs):
+        for leaf in _leaves_requiring_grad(tensors):
+            if id(leaf) not in known and id(leaf) not in region_inputs:
+                raise RuntimeError(
+                    f"cgraph: a tensor of shape {tuple(leaf.shape)} that requires grad is "
+                    "read inside a torch.utils.checkpoint(use_reentrant=True) region but is "
+                    "neither an argument nor a parameter of the graphed callable, so its "
+                    "grad would be computed once, at capture. Make it an nn.Parameter of the "
+                    "module, pass it as an argument, or use use_reentrant=False."
+                )
+        return backward(tensors, *args, **kwargs)
+
+    ckpt.detach_variable, torch.autograd.backward = detach_and_note, checked_backward
+    try:
+        yield
+    finally:
+        ckpt.detach_variable, torch.autograd.backward = detach_variable, backward
+
+
+def _leaves_requiring_grad(tensors):
+    """The leaves an autograd graph ends at (AccumulateGrad nodes)."""
+    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tensors
+    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):
+            yield node.variable
+        stack.extend(next_node for next_node, _ in node.next_functions)
+
+
 def _cuda_index(device) -> int:
     if isinstance(device, int):
         return device
@@ -418,7 +472,7 @@ def _describe(index: int, fn, args, kwargs, claimed: set[int]) -> tuple:
         )
     kwargs = dict(sorted(kwargs.items()))  # calls are flattened in this order too
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    leaves = [_own_memory(leaf, claimed) if isinstance(leaf, torch.Tensor) else leaf
+    leaves = [_static_input(leaf, claimed) if isinstance(leaf, torch.Tensor) else leaf
               for leaf in leaves]
     args, kwargs = pytree.tree_unflatten(leaves, in_spec)
     names = _leaf_names(fn, args, kwargs)
@@ -464,16 +518,24 @@ def _describe(index: int, fn, args, kwargs, claimed: set[int]) -> tuple:
             None if flat else in_spec, tuple(constants), module, eager, eager_takes_module, verify)
 
 
-def _own_memory(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
-    """Samples become the graphs' static input buffers.  Two that share memory
-    (one tensor passed to several callables, or twice to one) would overwrite
-    each other at replay, and backward would read the wrong activations; torch
-    computes wrong grads without a word.  A sample whose memory an earlier
-    sample already uses is replaced by a clone."""
+def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
+    """Samples become the graphs' static input buffers.
+
+    * Two that share memory (one tensor passed to several callables, or twice
+      to one) would overwrite each other at replay, and backward would read
+      the wrong activations; torch computes wrong grads without a word.  A
+      sample whose memory an earlier sample already uses is replaced by a
+      clone.
+    * A sample with autograd history (the output of other ops) is replaced
+      by a leaf over the same memory: the backward capture runs a plain
+      .backward() that must stop at the graph's inputs (csrc/aten_capture.cpp,
+      Note [Backward capture runs .backward()])."""
     key = sample.untyped_storage().data_ptr()
     if sample.numel() and key in claimed:
         sample = sample.detach().clone().requires_grad_(sample.requires_grad)
         key = sample.untyped_storage().data_ptr()
+    elif sample.grad_fn is not None:
+        sample = sample.detach().requires_grad_()
     claimed.add(key)
     return sample
 

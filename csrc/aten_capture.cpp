@@ -5,6 +5,7 @@
 #include "aten_engine.hpp"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -13,7 +14,10 @@
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <iterator>
 #include <mutex>
+#include <shared_mutex>
+#include <tuple>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -93,7 +97,46 @@ Graph& graph_of(Engine& e, cg_pass pass) {
   return pass == CG_FORWARD ? *e.fwd : *e.bwd;
 }
 
+// Note [cuBLAS workspaces during capture]
+// Q: Why does cgraph drop the capture stream's cuBLAS workspaces?
+// A: torch keeps a cuBLAS and a cuBLASLt workspace (32 MiB each on Hopper)
+//    per (handle, stream), and each thread has its own handle: a forward
+//    captured on the caller's thread and a backward captured on autograd's
+//    device thread would pin up to four workspaces to the capture stream for
+//    the life of the process, beside those of the caller's stream that
+//    eager GEMMs use: 64-128 MiB more than eager mode holds.  cgraph drops
+//    the capture stream's entries after warm-up and around every capture.
+//    The first GEMM of a capture then allocates its workspace from the graph
+//    pool, and dropping it at the capture's end frees that block like any
+//    other temporary of the graph: later captures reuse it (for their own
+//    workspace, among others), which is safe for the same reason sharing a
+//    pool is (Note at the top of capture.c): graphs replay in the order they
+//    were captured, one at a time.
+template <class WorkspaceMap>
+void drop_stream_entries(WorkspaceMap& workspaces, cudaStream_t stream) {
+  std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
+  for (auto it = workspaces.map.begin(); it != workspaces.map.end();) {
+    it = std::get<1>(it->first) == static_cast<void*>(stream) ? workspaces.map.erase(it)
+                                                               : std::next(it);
+  }
+}
+
+void drop_blas_workspaces(cudaStream_t stream) {
+  drop_stream_entries(at::cuda::cublas_handle_stream_to_workspace(), stream);
+  drop_stream_entries(at::cuda::cublaslt_handle_stream_to_workspace(), stream);
+}
+
 }  // namespace
+
+void Graph::capture_begin(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode) {
+  drop_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
+  at::cuda::CUDAGraph::capture_begin(pool, mode);
+}
+
+void Graph::capture_end() {
+  at::cuda::CUDAGraph::capture_end();
+  drop_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
+}
 
 void Graph::abandon() noexcept {
   bool invalidated = false;
@@ -118,6 +161,7 @@ void Graph::abandon() noexcept {
   }
   try {
     reset();
+    drop_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
   } catch (...) {
   }
   (void)cudaGetLastError();
@@ -211,9 +255,13 @@ void Engine::adopt_hidden_leaves(const std::vector<at::Tensor>& outs) {
 // guide has users build DDP on a side stream).  cgraph sets each parameter's
 // accumulator aside from engine creation to the end of capture, so autograd
 // makes fresh ones on the capture stream, then puts the originals back:
-// replays deliver grads to them, DDP's hooks included.
+// replays deliver grads to them, DDP's hooks included.  Post-accumulate-grad
+// hooks (register_post_accumulate_grad_hook) go aside with them: warm-up and
+// capture run AccumulateGrad (Note [Backward capture runs .backward()]),
+// and the hooks must run at each replay, not once at capture.
 void Engine::set_aside_grad_accumulators() {
   for (const at::Tensor& p : params) {
+    post_acc_hooks_aside.push_back(std::move(torch::autograd::impl::post_acc_grad_hooks(p)));
     auto* meta = torch::autograd::impl::get_autograd_meta(p);
     if (meta == nullptr) {
       accumulators_aside.emplace_back(NodePtr());
@@ -232,8 +280,12 @@ void Engine::restore_grad_accumulators() noexcept {
       std::lock_guard<std::mutex> lock(meta->mutex_);
       meta->grad_accumulator_ = std::move(accumulators_aside[j]);
     }
+    if (post_acc_hooks_aside[j]) {
+      torch::autograd::impl::post_acc_grad_hooks(params[j]) = std::move(post_acc_hooks_aside[j]);
+    }
   }
   accumulators_aside.clear();
+  post_acc_hooks_aside.clear();
 }
 
 // What the backward graph differentiates with respect to, in order: inputs
@@ -253,6 +305,71 @@ std::vector<at::Tensor> Engine::grad_targets() const {
   return wrt;
 }
 
+// Note [Backward capture runs .backward()]
+// Q: Why not torch.autograd.grad(outputs, inputs), as torch does?
+// A: A backward that names the tensors it wants grads for (autograd.grad,
+//    or .backward(inputs=...)) refuses torch.utils.checkpoint with
+//    use_reentrant=True, whose backward re-enters autograd with a plain
+//    .backward() (as Megatron's and DeepSpeed's checkpointing do).  So the
+//    warm-up and the capture run a plain .backward(), as the training loop
+//    would, and collect the grads where AccumulateGrad leaves them: in the
+//    .grad of the static inputs and parameters, each set aside before and
+//    put back after.  The static inputs are leaves (cgraph/_api.py detaches
+//    a sample that has autograd history), so backward stops at them.  A
+//    leaf the forward reads outside its parameters is found by
+//    adopt_hidden_leaves(), except one read only inside a reentrant region:
+//    its history is built by the recompute, during backward, out of sight.
+// Returns the grads of grad_targets(), in order; undefined where none flowed.
+std::vector<at::Tensor> Engine::run_backward(const std::vector<at::Tensor>& outs,
+                                             const std::vector<at::Tensor>& grad_outs) {
+  std::vector<at::Tensor> wrt = grad_targets();
+  // A tensor both argument and parameter appears twice: one slot per tensor.
+  std::unordered_map<const c10::TensorImpl*, size_t> first;
+  std::vector<at::Tensor> aside(wrt.size());
+  for (size_t k = 0; k < wrt.size(); ++k) {
+    if (first.emplace(wrt[k].unsafeGetTensorImpl(), k).second) {
+      aside[k] = std::exchange(wrt[k].mutable_grad(), at::Tensor());
+    }
+  }
+  auto put_back = [&](std::vector<at::Tensor>* grads) {
+    for (size_t k = 0; k < wrt.size(); ++k) {
+      const size_t f = first.at(wrt[k].unsafeGetTensorImpl());
+      if (f == k) {
+        at::Tensor g = std::exchange(wrt[k].mutable_grad(), std::move(aside[k]));
+        if (grads) {
+          (*grads)[k] = std::move(g);
+        }
+      } else if (grads) {
+        (*grads)[k] = (*grads)[f];
+      }
+    }
+  };
+  std::vector<at::Tensor> grads(wrt.size());
+  try {
+    cgraph::GilRelease nogil;
+    torch::autograd::backward(outs, grad_outs, /*retain_graph=*/false, /*create_graph=*/false);
+  } catch (...) {
+    put_back(nullptr);
+    throw;
+  }
+  put_back(&grads);
+  if (!allow_unused) {
+    const char* advice = " requires grad, but the callable's outputs do not depend on it "
+                         "(differentiably). Pass allow_unused_input=True to accept that, as "
+                         "with torch's make_graphed_callables, or set requires_grad=False.";
+    size_t k = 0;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      TORCH_CHECK(!input_requires_grad[i] || grads[k++].defined(), "cgraph: argument '",
+                  input_names[i], "'", advice);
+    }
+    for (size_t j = 0; j < params.size(); ++j) {
+      TORCH_CHECK(!param_requires_grad[j] || grads[k++].defined(), "cgraph: parameter ", j,
+                  " (shape ", params[j].sizes(), ")", advice);
+    }
+  }
+  return grads;
+}
+
 // The two tails that turn the backward graph's parameter grads into
 // param.grad: tail_copy writes grad_store, tail_add adds into it.  The grads
 // themselves are temporaries: once the tails are captured their memory goes
@@ -268,8 +385,12 @@ void Engine::capture_param_grad_tails(const std::vector<at::Tensor>& grads,
       continue;  // frozen at capture, or unused (allow_unused_input)
     }
     // Outside any capture: a regular allocation laid out like the
-    // parameter, as AccumulateGrad's layout contract asks.
-    grad_store[j] = at::zeros_like(params[j], at::MemoryFormat::Preserve);
+    // parameter, as AccumulateGrad's layout contract asks, on the stream
+    // that will read it as param.grad.
+    {
+      c10::cuda::CUDAStreamGuard on_caller(*caller_stream);
+      grad_store[j] = at::zeros_like(params[j], at::MemoryFormat::Preserve);
+    }
     grad_params[j] = at::from_blob(const_cast<void*>(g.const_data_ptr()), g.sizes(), g.strides(),
                                    [](void*) {}, g.options());
     stores.push_back(grad_store[j]);
@@ -385,6 +506,7 @@ int cg_setup_release_warmup_memory(cg_setup* setup) {
   HANDLE_TH_ERRORS
   cgraph::GilRelease nogil;
   setup->side.synchronize();
+  cgraph::drop_blas_workspaces(setup->side.stream());  // Note [cuBLAS workspaces during capture]
   c10::cuda::CUDACachingAllocator::emptyCache();
   return 0;
   END_HANDLE_TH_ERRORS_RET(-1)
@@ -430,6 +552,7 @@ cg_engine* cg_engine_new(PyObject* inputs, PyObject* names, PyObject* params,
     e->param_ptrs.push_back(p.const_data_ptr());
     e->param_requires_grad.push_back(p.requires_grad());
   }
+  e->caller_stream = c10::cuda::getCurrentCUDAStream(e->device);
   e->set_aside_grad_accumulators();
   e->buffers = cgraph::unpack_tensors(buffers, "buffer");
   for (const at::Tensor& b : e->buffers) {
@@ -476,11 +599,8 @@ int cg_engine_warmup_backward(cg_engine* engine, PyObject* outputs) {
     return 0;
   }
   e.adopt_hidden_leaves(diff);
-  const auto wrt = e.grad_targets();
-  if (!wrt.empty()) {
-    cgraph::GilRelease nogil;
-    torch::autograd::grad(diff, wrt, grads, /*retain_graph=*/false,
-                          /*create_graph=*/false, e.allow_unused);
+  if (!e.grad_targets().empty()) {
+    e.run_backward(diff, grads);
   }
   return 0;
   END_HANDLE_TH_ERRORS_RET(-1)
@@ -593,11 +713,7 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
         grad_outputs.push_back(e.grad_outputs[k]);
       }
     }
-    {
-      cgraph::GilRelease nogil;
-      grads = torch::autograd::grad(diff, wrt, grad_outputs, /*retain_graph=*/false,
-                                    /*create_graph=*/false, e.allow_unused);
-    }
+    grads = e.run_backward(diff, grad_outputs);
     g.capture_end();
   } catch (...) {
     e.rng_capture_end();  // first: abandon() may repair the default generator

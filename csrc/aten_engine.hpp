@@ -13,6 +13,7 @@
 #include <Python.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -65,6 +66,10 @@ class GilRelease {
 //    part only where this torch's reset() will not.
 class Graph : public at::cuda::CUDAGraph {
  public:
+  // torch's, with the capture stream's cuBLAS workspaces made temporaries
+  // of this graph: Note [cuBLAS workspaces during capture].
+  void capture_begin(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode);
+  void capture_end();
   void abandon() noexcept;
 
  private:
@@ -132,11 +137,16 @@ struct Engine {
   // Aligned with params: the tensors the tails write and that are handed
   // out as param.grad.  Regular allocations, so they outlive reset().
   std::vector<at::Tensor> grad_store;
+  // The stream current when the callable was graphed: grad_store lives
+  // there, beside the optimizer's state, not on the capture stream.
+  std::optional<c10::cuda::CUDAStream> caller_stream;
 
   // -- the parameters' own grad accumulators, set aside from engine creation
   //    to the end of capture: see Note [Grad accumulators during capture]
   using WeakNodePtr = decltype(torch::autograd::AutogradMeta::grad_accumulator_);
   std::vector<WeakNodePtr> accumulators_aside;
+  using PostAccHookPtr = std::unique_ptr<torch::autograd::PostAccumulateGradHook>;
+  std::vector<PostAccHookPtr> post_acc_hooks_aside;  // likewise: they run at replay
   void set_aside_grad_accumulators();
   void restore_grad_accumulators() noexcept;
 
@@ -194,6 +204,8 @@ struct Engine {
                                 cudaStreamCaptureMode mode);
   void forget_capture_autograd();
   std::vector<at::Tensor> grad_targets() const;
+  std::vector<at::Tensor> run_backward(const std::vector<at::Tensor>& outs,
+                                       const std::vector<at::Tensor>& grad_outs);
 };
 
 }  // namespace cgraph

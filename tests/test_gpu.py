@@ -331,6 +331,52 @@ def test_parameter_hooks_run_through_autograd():
     assert_grads_equal(model, eager, 0)
 
 
+def test_post_accumulate_grad_hooks_run_per_replay_not_at_capture():
+    torch.manual_seed(10)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    assert seen == [], "the hook ran during warm-up or capture"
+    for step in range(2):
+        x = make_input()
+        upstream = torch.randn(8, 16, device=CUDA)
+        (model(x) * upstream).sum().backward()
+        (eager(twin(x)) * upstream).sum().backward()
+        assert len(seen) == step + 1
+        assert_equal(seen[-1], eager[0].weight.grad, f"step {step}: grad the hook saw")
+    assert_grads_equal(model, eager, 1)
+
+
+def test_sample_with_autograd_history_grads_reach_that_history():
+    """The sample is the output of other ops; the backward graph stops at
+    it, and its grad flows on through the caller's autograd graph."""
+    torch.manual_seed(11)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    scale = torch.full((), 2.0, device=CUDA, requires_grad=True)
+    scale_e = twin(scale)
+    model = cgraph.make_graphed_callables(model, (make_input() * scale,))
+    x = make_input()
+    upstream = torch.randn(8, 16, device=CUDA)
+    (model(x * scale) * upstream).sum().backward()
+    (eager(x * scale_e) * upstream).sum().backward()
+    assert_equal(scale.grad, scale_e.grad, "grad of the caller's leaf")
+    assert_grads_equal(model, eager, 0)
+
+
+def test_unused_parameter_needs_allow_unused_input():
+    torch.manual_seed(12)
+    model, make_input = mlp()
+    model.unused = nn.Parameter(torch.zeros(3, device=CUDA))
+    with pytest.raises(RuntimeError, match=r"parameter \d+ \(shape \[3\]\).*allow_unused_input"):
+        cgraph.make_graphed_callables(model, (make_input(),))
+    graphed = cgraph.make_graphed_callables(model, (make_input(),), allow_unused_input=True)
+    graphed(make_input()).sum().backward()
+    assert model.unused.grad is None
+
+
 def test_backward_after_a_second_forward_raises():
     model, make_input = mlp()
     model = cgraph.make_graphed_callables(model, (make_input(),))

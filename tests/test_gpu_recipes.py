@@ -50,10 +50,11 @@ def run_step(model, x, upstream, seed):
     return out.detach().clone(), x.grad.clone(), torch.cuda.get_rng_state()
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("p", [0.0, 0.25], ids=["no-dropout", "dropout"])
-def test_checkpoint_matches_eager_checkpoint_bitwise(p):
+def test_checkpoint_matches_eager_checkpoint_bitwise(p, reentrant):
     torch.manual_seed(0)
-    eager = Checkpointed(p).to(CUDA)
+    eager = Checkpointed(p, use_reentrant=reentrant).to(CUDA)
     graphed_model = copy.deepcopy(eager)
     graphed = cgraph.make_graphed(graphed_model,
                                   (torch.randn(32, 64, device=CUDA, requires_grad=True),))
@@ -81,13 +82,21 @@ def test_checkpointed_dropout_masks_differ_per_call():
     assert not torch.equal(first, second)
 
 
-def test_reentrant_checkpoint_is_refused_with_advice():
-    model = Checkpointed(0.0, use_reentrant=True).to(CUDA)
-    with pytest.raises(RuntimeError, match="use_reentrant=False"):
-        cgraph.make_graphed(model, (torch.randn(32, 64, device=CUDA, requires_grad=True),))
-    # The process stays usable.
-    graphed = cgraph.make_graphed(Checkpointed(0.0).to(CUDA),
-                                  (torch.randn(32, 64, device=CUDA, requires_grad=True),))
+def test_reentrant_region_reading_a_closure_leaf_is_refused_with_advice():
+    """Its grad would be computed at capture only (Note [Backward capture
+    runs .backward()])."""
+    w = torch.randn(64, 64, device=CUDA, requires_grad=True)
+
+    def f(x):
+        return checkpoint(lambda t: torch.tanh(t @ w), x, use_reentrant=True)
+
+    with pytest.raises(RuntimeError) as info:  # in warm-up, before any capture
+        cgraph.make_graphed(f, (torch.randn(8, 64, device=CUDA, requires_grad=True),))
+    text = f"{info.value} {info.value.__cause__}"
+    assert "use_reentrant=True" in text and "nn.Parameter" in text, text
+    # The process stays usable, reentrant regions included.
+    model = Checkpointed(0.25, use_reentrant=True).to(CUDA)
+    graphed = cgraph.make_graphed(model, (torch.randn(32, 64, device=CUDA, requires_grad=True),))
     graphed(torch.randn(32, 64, device=CUDA)).sum().backward()
 
 
