@@ -39,7 +39,7 @@ QUICK_STEPS, QUICK_WARMUP = 10, 3
 VARIANT_TIMEOUT_S = 300  # generous for a cold torch.compile of gpt-6
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-RATIOS = ("wall_vs_torch", "wall_vs_floor", "host_vs_torch", "mem_vs_eager")
+RATIOS = ("wall_vs_torch", "wall_vs_floor", "host_vs_torch", "peak_vs_eager", "mem_vs_eager")
 
 
 # ---- what to run -------------------------------------------------------------
@@ -148,6 +148,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
                     "wall_vs_torch": ratio(row, torch_ref, "wall_us"),
                     "wall_vs_floor": ratio(row, "floor", "wall_us"),
                     "host_vs_torch": ratio(row, torch_ref, "host_us"),
+                    "peak_vs_eager": ratio(row, "eager", "peak_mib"),
                     "mem_vs_eager": ratio(row, "eager", "peak_reserved_mib")})
     return out
 
@@ -166,6 +167,7 @@ _COLUMNS = (  # header, key, format
     ("wall/torch", "wall_vs_torch", "{:.2f}x"),
     ("wall/floor", "wall_vs_floor", "{:.2f}x"),
     ("host/torch", "host_vs_torch", "{:.2f}x"),
+    ("peak/eager", "peak_vs_eager", "{:.2f}x"),
     ("resv/eager", "mem_vs_eager", "{:.2f}x"),
 )
 
@@ -188,8 +190,8 @@ def format_table(rows: list[dict]) -> str:
         "",
         f"wall/torch, host/torch: over {default} of the same workload"
         + (f" ({others})" if others else "")
-        + "; wall/floor: over floor of the same workload; resv/eager: peak reserved "
-        "memory over eager's; -: reference missing or failed.",
+        + "; wall/floor: over floor of the same workload; peak/eager, resv/eager: peak "
+        "allocated and peak reserved memory over eager's; -: reference missing or failed.",
     ]
     return "\n".join(lines)
 

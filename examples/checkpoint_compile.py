@@ -5,8 +5,8 @@ build (`bash scripts/gpu.sh` builds in place):
     python3 -m examples.checkpoint_compile
 
 The model: dropout, two transformer-style MLP blocks under
-torch.utils.checkpoint (use_reentrant=False, dropout inside: the recompute
-must redraw the forward's masks), and a torch.compile'd head (default mode;
+torch.utils.checkpoint (dropout inside: the recompute must redraw the
+forward's masks; run once with use_reentrant=False, once with True), and a torch.compile'd head (default mode;
 'max-autotune-no-cudagraphs' works too; 'reduce-overhead' is refused: cgraph
 already removes the launch overhead it targets).  Both runs start each step
 from the same generator state, so outputs and grads must match bit for bit.
@@ -22,8 +22,9 @@ import cgraph
 
 
 class Model(nn.Module):
-    def __init__(self, width=256):
+    def __init__(self, use_reentrant, width=256):
         super().__init__()
+        self.use_reentrant = use_reentrant
         self.drop = nn.Dropout(0.1)
         self.blocks = nn.ModuleList(
             nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
@@ -34,7 +35,7 @@ class Model(nn.Module):
     def forward(self, x):
         h = self.drop(x)
         for block in self.blocks:
-            h = h + checkpoint(block, h, use_reentrant=False)
+            h = h + checkpoint(block, h, use_reentrant=self.use_reentrant)
         return self.head(h)
 
 
@@ -45,9 +46,9 @@ def step(model, x, upstream, seed):
     return out.detach().clone()
 
 
-def main():
+def check(use_reentrant):
     torch.manual_seed(0)
-    eager = Model().cuda()
+    eager = Model(use_reentrant).cuda()
     twin = copy.deepcopy(eager)
     sample = torch.randn(64, 256, device="cuda", requires_grad=True)
     graphed = cgraph.make_graphed(twin, (sample,))
@@ -58,13 +59,19 @@ def main():
         actual = step(graphed, x.detach().requires_grad_(), upstream, seed=i)
         same = torch.equal(actual, expected) and all(
             torch.equal(p.grad, q.grad) for p, q in zip(twin.parameters(), eager.parameters()))
-        print(f"step {i}: output and {sum(1 for _ in eager.parameters())} grads bitwise equal "
-              f"to eager: {'OK' if same else 'MISMATCH'}")
+        print(f"use_reentrant={use_reentrant} step {i}: output and "
+              f"{sum(1 for _ in eager.parameters())} grads bitwise equal to eager: "
+              f"{'OK' if same else 'MISMATCH'}")
         if not same:
             raise SystemExit(1)
         for p in (*twin.parameters(), *eager.parameters()):
             p.grad = None
     graphed.reset()
+
+
+def main():
+    for use_reentrant in (False, True):
+        check(use_reentrant)
 
 
 if __name__ == "__main__":

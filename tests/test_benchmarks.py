@@ -16,9 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
-def _row(workload, variant, wall, host):
+def _row(workload, variant, wall, host, peak=1.5):
     return {"workload": workload, "variant": variant, "wall_us": wall, "host_us": host,
-            "peak_mib": 1.5, "peak_reserved_mib": 2.0, "setup_s": 0.25, "device": "Fake GPU"}
+            "peak_mib": peak, "peak_reserved_mib": 2.0, "setup_s": 0.25, "device": "Fake GPU"}
 
 
 def _error(workload, variant):
@@ -29,7 +29,7 @@ def _error(workload, variant):
 ROWS = [
     _row("overhead-32", "eager", 800.0, 700.0),
     _row("overhead-32", "torch-mgc-whole", 200.0, 100.0),
-    _row("overhead-32", "cgraph-whole", 100.0, 20.0),
+    _row("overhead-32", "cgraph-whole", 100.0, 20.0, peak=0.75),
     _error("overhead-32", "cgraph-layer"),
     _row("overhead-32", "floor", 50.0, 40.0),
     # No torch reference at all: only the floor ratio exists.
@@ -96,12 +96,12 @@ def test_plan_refuses(workloads_arg, variants_arg, text):
 
 def test_ratios():
     rows = run.add_ratios(ROWS)
-    assert _ratios(rows, "overhead-32", "cgraph-whole") == (0.5, 2.0, 0.2, 1.0)
-    assert _ratios(rows, "overhead-32", "torch-mgc-whole") == (1.0, 4.0, 1.0, 1.0)
-    assert _ratios(rows, "overhead-32", "cgraph-layer") == (None, None, None, None)
-    assert _ratios(rows, "overhead-8", "eager") == (None, 10.0, None, 1.0)
-    assert _ratios(rows, "mlp", "eager") == (None, None, None, 1.0)
-    assert _ratios(rows, "gpt-24", "cgraph-layer") == (0.5, None, 0.25, None)
+    assert _ratios(rows, "overhead-32", "cgraph-whole") == (0.5, 2.0, 0.2, 0.5, 1.0)
+    assert _ratios(rows, "overhead-32", "torch-mgc-whole") == (1.0, 4.0, 1.0, 1.0, 1.0)
+    assert _ratios(rows, "overhead-32", "cgraph-layer") == (None,) * 5
+    assert _ratios(rows, "overhead-8", "eager") == (None, 10.0, None, 1.0, 1.0)
+    assert _ratios(rows, "mlp", "eager") == (None, None, None, 1.0, 1.0)
+    assert _ratios(rows, "gpt-24", "cgraph-layer") == (0.5, None, 0.25, None, None)
     assert len(rows) == len(ROWS) and "wall_vs_torch" not in ROWS[0]
 
 
@@ -110,11 +110,12 @@ def test_table():
     lines = table.splitlines()
     assert lines[0].split()[:2] == ["workload", "variant"]
     cgraph = next(line for line in lines if "overhead-32" in line and "cgraph-whole" in line)
-    assert cgraph.split()[2:] == ["20.0", "100.0", "1.5", "2.0", "0.25", "0.50x", "2.00x", "0.20x", "1.00x"]
+    assert cgraph.split()[2:] == ["20.0", "100.0", "0.8", "2.0", "0.25", "0.50x", "2.00x", "0.20x",
+                                "0.50x", "1.00x"]
     failed = next(line for line in lines if "cgraph-layer" in line and "overhead-32" in line)
     assert "error: exit code 1: RuntimeError: CUDA error: misaligned address" in failed
     no_ref = next(line for line in lines if line.startswith("overhead-8") and "eager" in line)
-    assert no_ref.split()[-4:] == ["-", "10.00x", "-", "1.00x"]
+    assert no_ref.split()[-5:] == ["-", "10.00x", "-", "1.00x", "1.00x"]
     assert "over torch-mgc-whole" in lines[-1] and "(gpt-24: torch-mgc-layer)" in lines[-1]
 
 

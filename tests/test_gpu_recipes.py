@@ -6,6 +6,7 @@ Comparisons are bitwise: with the same generator state, a graph replays the
 same kernels on the same data and the same random streams as eager mode."""
 
 import copy
+import os
 import subprocess
 import sys
 import textwrap
@@ -188,3 +189,11 @@ def test_interpreter_exit_with_live_graphs_is_clean():
     noisy = [line for line in run.stderr.splitlines()
              if any(w in line for w in ("Error", "error", "terminate", "Segmentation"))]
     assert not noisy, run.stderr
+
+
+def test_checkpoint_compile_example_checks_out():
+    run = subprocess.run([sys.executable, "-m", "examples.checkpoint_compile"],
+                         capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.count(": OK") == 10, run.stdout
