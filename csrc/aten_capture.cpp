@@ -136,6 +136,10 @@ void Graph::capture_begin(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode
 void Graph::capture_end() {
   at::cuda::CUDAGraph::capture_end();
   drop_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
+  if (!has_graph_exec_) {
+    instantiate();  // a graph that keeps its cudaGraph_t: torch leaves this to us
+  }
+  disable_copy_ins();  // until a replay points them at its arguments
 }
 
 void Graph::abandon() noexcept {
@@ -204,13 +208,11 @@ void Graph::finish_generator_capture() noexcept {
 void Engine::adopt_hidden_leaves(const std::vector<at::Tensor>& outs) {
   using torch::autograd::AccumulateGrad;
   using torch::autograd::Node;
+  // Inputs are leaves (cgraph/_api.py _static_input), so the walk below
+  // stops at their AccumulateGrad nodes.
   std::unordered_set<const c10::TensorImpl*> known;
-  std::unordered_set<const Node*> stops;
   for (const at::Tensor& t : inputs) {
     known.insert(t.unsafeGetTensorImpl());
-    if (t.grad_fn()) {
-      stops.insert(t.grad_fn().get());  // a non-leaf input: its history is the caller's
-    }
   }
   for (const at::Tensor& p : params) {
     known.insert(p.unsafeGetTensorImpl());
@@ -225,7 +227,7 @@ void Engine::adopt_hidden_leaves(const std::vector<at::Tensor>& outs) {
   while (!stack.empty()) {
     Node* node = stack.back();
     stack.pop_back();
-    if (!seen.insert(node).second || stops.count(node)) {
+    if (!seen.insert(node).second) {
       continue;
     }
     if (auto* acc = dynamic_cast<AccumulateGrad*>(node)) {
@@ -613,11 +615,22 @@ int cg_engine_capture_begin(cg_engine* engine, cg_pass pass, cg_pool pool,
   e.pool = {pool.first, pool.second};
   e.autocast_enabled = at::autocast::is_autocast_enabled(at::kCUDA);
   e.autocast_dtype = at::autocast::get_autocast_dtype(at::kCUDA);
+  cgraph::Graph& g = cgraph::graph_of(e, pass);
   e.rng_capture_begin(pass);
   try {
-    cgraph::graph_of(e, pass).capture_begin(e.pool, cgraph::to_cuda_mode(mode));
+    g.capture_begin(e.pool, cgraph::to_cuda_mode(mode));
   } catch (...) {
     e.rng_capture_end();
+    throw;
+  }
+  try {
+    // Note [Argument copies inside the graph]
+    for (size_t i = 0; pass == CG_FORWARD && i < e.inputs.size(); ++i) {
+      g.capture_copy_in(e.inputs[i]);
+    }
+  } catch (...) {
+    e.rng_capture_end();  // first: abandon() may repair the default generator
+    g.abandon();
     throw;
   }
   return 0;
@@ -711,6 +724,7 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
       if (e.output_requires_grad[k]) {
         e.grad_outputs[k] = at::empty_like(e.outputs[k]);
         grad_outputs.push_back(e.grad_outputs[k]);
+        g.capture_copy_in(e.grad_outputs[k]);  // Note [Argument copies inside the graph]
       }
     }
     grads = e.run_backward(diff, grad_outputs);

@@ -66,14 +66,41 @@ class GilRelease {
 //    part only where this torch's reset() will not.
 class Graph : public at::cuda::CUDAGraph {
  public:
+  // copies_in: the graph may start with copies into its static buffers,
+  // pointed at each replay's arguments (Note [Argument copies inside the
+  // graph], aten_copy_in.cpp).  Such a graph keeps its cudaGraph_t, whose
+  // nodes those copies are.
+  explicit Graph(bool copies_in = false) : at::cuda::CUDAGraph(/*keep_graph=*/copies_in) {}
+
   // torch's, with the capture stream's cuBLAS workspaces made temporaries
-  // of this graph: Note [cuBLAS workspaces during capture].
+  // of this graph: Note [cuBLAS workspaces during capture].  capture_end()
+  // also instantiates a graph that keeps its cudaGraph_t.
   void capture_begin(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode);
   void capture_end();
   void abandon() noexcept;
 
+  // During capture, before the callable's first operation: copy-in slot
+  // number copy_ins_.size(), writing `dst`.
+  void capture_copy_in(const at::Tensor& dst);
+  // Before a replay: the graph copies `src` into `dst` (slot k's buffer)
+  // itself.  False when it cannot (a layout a memcpy cannot copy, or the
+  // driver refused): the slot is then off and the caller copies.
+  bool copy_in(size_t k, const at::Tensor& dst, const at::Tensor& src);
+  // Before a replay: slot k copies nothing this time.
+  void skip_copy_in(size_t k);
+
  private:
   static void finish_generator_capture() noexcept;
+  void disable_copy_ins();
+
+  struct CopyIn {
+    cudaGraphNode_t node = nullptr;  // nullptr: this slot always falls back
+    void* dst = nullptr;
+    size_t bytes = 0;
+    const void* src = nullptr;  // what the executable node copies from now
+    bool enabled = true;        // as instantiated
+  };
+  std::vector<CopyIn> copy_ins_;
 
   template <class G>
   static auto reset_ends_pool_routing(G& g, int)
@@ -104,8 +131,9 @@ struct Engine {
   bool alive = true;  // false after reset(): replays and backwards raise
 
   // -- graphs
-  std::unique_ptr<Graph> fwd = std::make_unique<Graph>();
-  std::unique_ptr<Graph> bwd = std::make_unique<Graph>();
+  // Both start with copies of their arguments (inputs; incoming grads).
+  std::unique_ptr<Graph> fwd = std::make_unique<Graph>(/*copies_in=*/true);
+  std::unique_ptr<Graph> bwd = std::make_unique<Graph>(/*copies_in=*/true);
   bool has_bwd = false;  // false when no output requires grad
   // Parameter-grad tails, replayed right after bwd: grad_store = grads, or
   // grad_store += grads.  See Note [Parameter gradients].

@@ -176,8 +176,21 @@ bool needs_copy(const at::Tensor& dst, const at::Tensor& src, at::Tensor* staged
   if (same_memory && src.strides().equals(dst.strides())) {
     return false;
   }
-  *staged = same_memory ? src.clone() : src;
+  *staged = same_memory ? src.detach().clone() : src;
   return true;
+}
+
+// Whether argument i lives in another argument's static buffer (a caller
+// passing one static input as another argument).  That buffer may be
+// overwritten by its own copy first, so the argument is staged as a clone.
+bool reads_another_input(const Engine& e, size_t i, const at::Tensor& src) {
+  const c10::StorageImpl* storage = src.storage().unsafeGetStorageImpl();
+  for (size_t j = 0; j < e.inputs.size(); ++j) {
+    if (j != i && e.inputs[j].storage().unsafeGetStorageImpl() == storage) {
+      return true;
+    }
+  }
+  return false;
 }
 
 [[noreturn]] void raise_mismatch(const Engine& e, size_t i, const at::Tensor& got) {
@@ -272,23 +285,30 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
               "flight).");
   consumed = true;
 
-  // 1. Incoming grads into the static grad buffers; a missing grad is zeros.
+  // 1. Incoming grads into the static grad buffers, by the graph where it
+  //    can (Note [Argument copies inside the graph]); a missing grad is zeros.
   TensorVec dst, src;
-  size_t k = 0;
-  for (size_t slot = 0; slot < e.outputs.size(); ++slot) {
+  for (size_t slot = 0, k = 0; slot < e.outputs.size(); ++slot) {
     if (!e.output_requires_grad[slot]) {
       continue;
     }
     at::Tensor& buffer = e.grad_outputs[slot];
-    const at::Tensor& grad = grads[k++];
+    const at::Tensor& grad = grads[k];
     at::Tensor staged;
     if (!grad.defined()) {
+      e.bwd->skip_copy_in(k);
       buffer.zero_();
-    } else if (needs_copy(buffer, grad, &staged)) {
+    } else if (!needs_copy(buffer, grad, &staged)) {
+      e.bwd->skip_copy_in(k);
+    } else if (e.bwd->copy_in(k, buffer, grad)) {
+      ++e.stats.copied_in_graph;
+    } else {
       dst.push_back(buffer);
       src.push_back(std::move(staged));
     }
+    ++k;
   }
+  e.stats.copied_before += dst.size();
   copy_all(dst, src);
 
   // 2. Replay.
@@ -354,7 +374,16 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
       args_grad.push_back(nullptr);
     }
     at::Tensor staged;
-    if (needs_copy(s, t, &staged)) {
+    if (!needs_copy(s, t, &staged)) {
+      e.fwd->skip_copy_in(i);
+      continue;
+    }
+    if (C10_UNLIKELY(reads_another_input(e, i, t))) {
+      staged = t.detach().clone();
+    }
+    if (e.fwd->copy_in(i, s, staged)) {
+      ++e.stats.copied_in_graph;
+    } else {
       dst.push_back(s);
       src.push_back(std::move(staged));
     }
@@ -374,7 +403,9 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
     }
   }
 
-  // 2. One copy launch for all moved inputs, then the forward graph.
+  // 2. One copy launch for the moved inputs the graph does not copy itself,
+  //    then the forward graph.
+  e.stats.copied_before += dst.size();
   copy_all(dst, src);
   invalidate_earlier_outputs(e);
   if (e.rng.generators.empty()) {

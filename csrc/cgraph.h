@@ -166,6 +166,11 @@ typedef struct {
     unsigned long long grads_copied;   /* backwards whose .grad were None: tail_copy */
     unsigned long long grads_added;    /* backwards accumulating into .grad: tail_add */
     unsigned long long grads_slow;     /* backwards that took the slow path */
+    /* Arguments and incoming grads copied into static buffers: by the graph
+     * itself, or by ATen before the replay (Note [Argument copies inside
+     * the graph]). */
+    unsigned long long copied_in_graph;
+    unsigned long long copied_before;
 } cg_stats;
 
 cg_stats cg_engine_stats(const cg_engine *engine);

@@ -476,16 +476,19 @@ Graphed_get_stats(GraphedObject *self, void *closure)
     if (self->engine != NULL) {
         stats = cg_engine_stats(self->engine);
     }
-    return Py_BuildValue("{sKsKsKsKsK}", "forward", stats.forward, "backward", stats.backward,
-                         "grads_copied", stats.grads_copied, "grads_added", stats.grads_added,
-                         "grads_slow", stats.grads_slow);
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "forward", stats.forward,
+                         "backward", stats.backward, "grads_copied", stats.grads_copied,
+                         "grads_added", stats.grads_added, "grads_slow", stats.grads_slow,
+                         "copied_in_graph", stats.copied_in_graph,
+                         "copied_before", stats.copied_before);
 }
 
 static PyGetSetDef Graphed_getset[] = {
     {"stats", (getter)Graphed_get_stats, NULL,
      "How often each replay path ran: forward and backward replays; backwards whose\n"
      "parameter grads were copied (.grad was None), added (.grad accumulating) or\n"
-     "took the slow path.", NULL},
+     "took the slow path; arguments and incoming grads copied into the static\n"
+     "buffers by the graph itself or, for layouts a memcpy cannot copy, before it.", NULL},
     {"pool", (getter)Graphed_get_pool, NULL,
      "The graphs' memory pool, usable as pool= for later captures.", NULL},
     {"is_reset", (getter)Graphed_get_is_reset, NULL, "Whether reset() ran.", NULL},

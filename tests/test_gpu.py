@@ -434,8 +434,65 @@ def test_training_with_adam_uses_the_copy_tail_and_matches_eager():
             opt.step()
         for p, q in zip(model.parameters(), eager.parameters()):
             assert_equal(p, q, f"step {step}: parameter after Adam")
+    # Each step's input and incoming grad are dense: the graphs copy them in.
     assert graphed.stats == {"forward": 3, "backward": 3, "grads_copied": 3,
-                             "grads_added": 0, "grads_slow": 0}
+                             "grads_added": 0, "grads_slow": 0,
+                             "copied_in_graph": 6, "copied_before": 0}
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return self.a(x) * self.b(y), self.b(x)
+
+
+def test_argument_copies_follow_every_call_and_match_eager():
+    """Note [Argument copies inside the graph]: per call, each argument and
+    incoming grad is copied by the graph (dense: a fresh tensor, the same
+    tensor again), not copied (the static buffer itself) or copied before
+    the replay (a transposed view, the stride-0 grad of .sum()); an argument
+    that is another argument's buffer is read before that buffer is
+    refilled.  The sequence switches every slot between these states.  The
+    eager twin gets the same values, dense, so the kernels match bitwise."""
+    torch.manual_seed(13)
+    model = TwoInputs().to(CUDA)
+    eager = copy.deepcopy(model)
+    static_x, static_y = (torch.randn(8, 16, device=CUDA, requires_grad=True) for _ in range(2))
+    graphed = cgraph.make_graphed(model, (static_x, static_y))  # samples become the buffers
+    same = torch.randn(8, 16, device=CUDA)
+    transposed = lambda: torch.randn(16, 8, device=CUDA).t()  # noqa: E731
+    fresh = lambda: torch.randn(8, 16, device=CUDA)  # noqa: E731
+    calls = [(fresh(), fresh()),           # graph, graph
+             (same, static_y),             # graph, none
+             (same, transposed()),         # graph (same address), ATen
+             (static_x, fresh()),          # none, graph
+             (transposed(), same),         # ATen, graph
+             (fresh(), static_x)]          # graph, graph from a clone taken first
+    for step, (x, y) in enumerate(calls):
+        with torch.no_grad():  # refill the buffers, as a caller feeding them would
+            static_x.copy_(torch.randn(8, 16, device=CUDA))
+            static_y.copy_(torch.randn(8, 16, device=CUDA))
+        dense = [t.detach().clone(memory_format=torch.contiguous_format) for t in (x, y)]
+        out, side = graphed(x, y)
+        out_e, side_e = eager(*dense)
+        assert_equal(out, out_e, f"step {step}: output")
+        assert_equal(side, side_e, f"step {step}: second output")
+        if step % 2:  # the second output's grad: stride 0 here, dense ones in eager
+            loss = (out * 3).sum() + side.sum()
+            loss_e = (out_e * 3).sum() + (side_e * torch.ones_like(side_e)).sum()
+        else:  # no grad for the second output: its buffer is zeroed
+            upstream = torch.randn(8, 16, device=CUDA)
+            loss, loss_e = (out * upstream).sum(), (out_e * upstream).sum()
+        loss.backward()
+        loss_e.backward()
+        assert_grads_equal(model, eager, step)
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+    stats = graphed.stats
+    assert stats["copied_in_graph"] == 14 and stats["copied_before"] == 5, stats
 
 
 def test_accumulation_uses_the_add_tail():
