@@ -22,6 +22,14 @@ model); ``torch-mgc-*`` and ``cgraph-*`` (``make_graphed_callables`` of torch
 or cgraph on the whole model or on each layer, loss and optimizer outside);
 ``floor`` (raw ``torch.cuda.graph`` captures replayed with no autograd around
 them: the least a step can cost).
+
+``compile-reduce-overhead`` fails on the overhead workloads, by torch's
+design: their step accumulates ``.grad`` across steps, and under
+cudagraph trees those grads are outputs of the backward graph that its
+next replay overwrites, so torch raises "accessing tensor output of
+CUDAGraphs that has been overwritten" at the second step
+(``torch.compiler.cudagraph_mark_step_begin()`` per step does not change
+that).  cgraph accumulates them as eager mode does.
 """
 
 from __future__ import annotations

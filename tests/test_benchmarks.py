@@ -204,3 +204,16 @@ def test_quick_run(tmp_path):
         assert row["workload"] == "overhead-8"
         assert "error" not in row, row
         assert row["wall_us"] > 0 and row["host_us"] > 0 and row["peak_mib"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["overhead-8", "mlp"])
+def test_one_time_costs_leave_no_memory_behind(name):
+    """The throwaway eager step that pays CUDA and cuBLAS initialization
+    before a variant's clock starts must not count in its memory columns."""
+    import torch
+
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    variant._pay_one_time_costs(name)
+    assert torch.cuda.memory_allocated() == before
