@@ -21,7 +21,10 @@ A variant is how that step runs (:func:`prepare`): ``eager``;
 model); ``torch-mgc-*`` and ``cgraph-*`` (``make_graphed_callables`` of torch
 or cgraph on the whole model or on each layer, loss and optimizer outside);
 ``floor`` (raw ``torch.cuda.graph`` captures replayed with no autograd around
-them: the least a step can cost).
+them: the least a step can cost); ``floor-eager-opt`` (mlp, gpt: forward,
+loss and backward as one raw graph, then the same eager optimizer step as
+every graphed variant: the least a step costs when only the model is
+graphed).
 
 ``compile-reduce-overhead`` fails on the overhead workloads, by torch's
 design: their step accumulates ``.grad`` across steps, and under
@@ -53,12 +56,15 @@ VARIANTS = (
     "cgraph-whole-unguarded",
     "cgraph-layer",
     "floor",
+    "floor-eager-opt",
 )
 # cgraph-whole-unguarded: guard_outputs=False, to measure what guarding the
 # outputs of earlier calls costs (csrc/aten_replay.cpp, Note [Outputs of
 # earlier calls]).
 _WHOLE_SCALING = ("eager", "torch-mgc-whole", "cgraph-whole", "cgraph-whole-unguarded", "floor")
 _LAYER_SCALING = ("eager", "torch-mgc-layer", "cgraph-layer", "floor")
+# floor-eager-opt needs an optimizer step, which the overhead step has not.
+_NO_OPTIMIZER = tuple(v for v in VARIANTS if v != "floor-eager-opt")
 
 # torch.compile compiles (and reduce-overhead records its graphs) during the
 # first steps; setup time covers this many.
@@ -85,7 +91,7 @@ WORKLOADS = {
     w.name: w
     for w in (
         Workload("overhead-8", "overhead", 8, _WHOLE_SCALING),
-        Workload("overhead-32", "overhead", 32, VARIANTS),
+        Workload("overhead-32", "overhead", 32, _NO_OPTIMIZER),
         Workload("overhead-128", "overhead", 128, _WHOLE_SCALING),
         Workload("mlp", "mlp", 8, VARIANTS),
         Workload("gpt-6", "gpt", 6, VARIANTS),
@@ -231,6 +237,8 @@ def prepare(problem: Problem, variant: str) -> Callable[[], object]:
         raise ValueError(f"unknown variant {variant!r}; the variants are {', '.join(VARIANTS)}")
     if variant == "floor":
         return _floor(problem)
+    if variant == "floor-eager-opt":
+        return _floor_eager_optimizer(problem)
     step = _train_step(problem, _forward(problem, variant))
     if variant.startswith("compile-"):
         for _ in range(COMPILE_STEPS):
@@ -333,6 +341,31 @@ def _floor_forward_backward(problem: Problem) -> _Replay:
     with torch.cuda.graph(bwd, pool=pool):
         grads = torch.autograd.grad(out, inputs, grad_out)
     return _Replay((fwd, bwd), static=(out, grads))
+
+
+def _floor_eager_optimizer(problem: Problem) -> Callable[[], None]:
+    """mlp, gpt: forward, loss and backward in one raw graph, captured as in
+    :func:`_floor_whole_step` (grads allocated by the capture, refilled by
+    each replay), then the eager optimizer step the graphed variants run."""
+    model, x, y = problem.model, problem.x, problem.y
+    opt = problem.optimizer(model.parameters())
+
+    def warm_up_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(model(x), y).backward()
+
+    _warm_up_on_side_stream(warm_up_step)
+    graph = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(graph):
+        _loss(model(x), y).backward()
+    replay = _Replay((graph,), static=None)
+
+    def step() -> None:
+        replay()
+        opt.step()
+
+    return step
 
 
 def _floor_whole_step(problem: Problem) -> _Replay:
