@@ -25,7 +25,7 @@ What is measured, all on the current CUDA device:
   ``perf_counter`` around the step with no synchronize inside.
 * ``wall_us``: median time of one step until the GPU has finished it:
   synchronize, then ``perf_counter`` around the step and a synchronize.
-  Measured in a loop of its own, after the host loop.
+  The host and wall loops alternate in ``ROUNDS`` rounds.
 * ``peak_mib``: ``torch.cuda.max_memory_allocated`` over setup, warm-up and
   both timed loops (peak stats reset after the model and inputs exist, so it
   counts them, the optimizer state, activations and graph pools).
@@ -33,7 +33,7 @@ What is measured, all on the current CUDA device:
   span.  A graph's temporaries are free blocks of its pool, so they count as
   reserved, not allocated: for graphed variants this is the fairer figure.
 
-Both timed loops run ``steps`` steps, after ``warmup`` untimed steps.
+Both timed loops run ``steps`` steps in all, after ``warmup`` untimed steps.
 """
 
 from __future__ import annotations
@@ -47,12 +47,13 @@ from collections.abc import Callable
 
 import torch
 
-from .workloads import WORKLOADS, build, prepare
+from .workloads import WORKLOADS, Problem, build, prepare
 
-SETUP_REPEATS = 3  # set-ups timed per graph variant (see the module docstring)
+SETUP_REPEATS = 5  # set-ups timed per graph variant (see the module docstring)
+ROUNDS = 5  # the host and wall loops alternate in this many rounds
 
 
-def _median_us(step: Callable[[], object], steps: int, wait_for_gpu: bool) -> float:
+def _times(step: Callable[[], object], steps: int, wait_for_gpu: bool) -> list[float]:
     times = []
     for _ in range(steps):
         torch.cuda.synchronize()
@@ -61,7 +62,19 @@ def _median_us(step: Callable[[], object], steps: int, wait_for_gpu: bool) -> fl
         if wait_for_gpu:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    return times
+
+
+def _host_and_wall_us(step: Callable[[], object], steps: int) -> tuple[float, float]:
+    """Median host and wall time of ``steps`` steps each, the two loops
+    interleaved in ``ROUNDS`` rounds so that a slow spell of the host
+    (it is shared) weighs on both alike."""
+    host, wall = [], []
+    for r in range(ROUNDS):
+        n = steps // ROUNDS + (r < steps % ROUNDS)
+        host += _times(step, n, wait_for_gpu=False)
+        wall += _times(step, n, wait_for_gpu=True)
+    return statistics.median(host) * 1e6, statistics.median(wall) * 1e6
 
 
 def _pay_one_time_costs(workload: str) -> None:
@@ -83,26 +96,26 @@ def _pay_one_time_costs(workload: str) -> None:
     torch.cuda.empty_cache()
 
 
-def _timed_setup(workload: str, variant: str) -> tuple[Callable[[], object], float]:
-    """The variant's step on a fresh copy of the workload, and the seconds
-    its set-up took."""
+def _timed_setup(workload: str, variant: str) -> tuple[Problem, Callable[[], object], float]:
+    """A fresh copy of the workload (keep it alive while the step runs: raw
+    graphs read its inputs), the variant's step on it, and the seconds the
+    set-up took."""
     problem = build(WORKLOADS[workload])
     torch.cuda.synchronize()
     start = time.perf_counter()
     step = prepare(problem, variant)
     torch.cuda.synchronize()
-    return step, time.perf_counter() - start
+    return problem, step, time.perf_counter() - start
 
 
 def measure(workload: str, variant: str, steps: int, warmup: int) -> dict:
     """One result row: setup, host and wall time per step, peak memory."""
     _pay_one_time_costs(workload)
     torch.cuda.reset_peak_memory_stats()
-    step, setup_s = _timed_setup(workload, variant)
+    problem, step, setup_s = _timed_setup(workload, variant)
     for _ in range(warmup):
         step()
-    host_us = _median_us(step, steps, wait_for_gpu=False)
-    wall_us = _median_us(step, steps, wait_for_gpu=True)
+    host_us, wall_us = _host_and_wall_us(step, steps)
     row = {
         "workload": workload,
         "variant": variant,
@@ -114,7 +127,7 @@ def measure(workload: str, variant: str, steps: int, warmup: int) -> dict:
         "device": torch.cuda.get_device_name(),
     }
     if variant.startswith(("torch-mgc-", "cgraph-")):
-        setups = [setup_s] + [_timed_setup(workload, variant)[1]
+        setups = [setup_s] + [_timed_setup(workload, variant)[2]
                               for _ in range(SETUP_REPEATS - 1)]
         row["setup_s"] = statistics.median(setups)
     return row

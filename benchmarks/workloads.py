@@ -296,7 +296,8 @@ def _train_step(problem: Problem, forward: Callable) -> Callable[[], None]:
 
 
 class _Replay:
-    """Replays raw CUDA graphs in order, holding their static tensors alive."""
+    """Replays raw CUDA graphs in order, holding their static tensors alive
+    (the inputs they read among them)."""
 
     def __init__(self, graphs: tuple[torch.cuda.CUDAGraph, ...], static: object):
         self.graphs = graphs
@@ -340,7 +341,7 @@ def _floor_forward_backward(problem: Problem) -> _Replay:
         out = model(x)
     with torch.cuda.graph(bwd, pool=pool):
         grads = torch.autograd.grad(out, inputs, grad_out)
-    return _Replay((fwd, bwd), static=(out, grads))
+    return _Replay((fwd, bwd), static=(x, out, grads))
 
 
 def _floor_eager_optimizer(problem: Problem) -> Callable[[], None]:
@@ -359,7 +360,7 @@ def _floor_eager_optimizer(problem: Problem) -> Callable[[], None]:
     opt.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):
         _loss(model(x), y).backward()
-    replay = _Replay((graph,), static=None)
+    replay = _Replay((graph,), static=(x, y))
 
     def step() -> None:
         replay()
@@ -392,4 +393,4 @@ def _floor_whole_step(problem: Problem) -> _Replay:
     opt.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):
         loss = whole_step()
-    return _Replay((graph,), static=loss)
+    return _Replay((graph,), static=(x, y, loss))

@@ -217,3 +217,22 @@ def test_one_time_costs_leave_no_memory_behind(name):
     before = torch.cuda.memory_allocated()
     variant._pay_one_time_costs(name)
     assert torch.cuda.memory_allocated() == before
+
+
+def test_host_and_wall_loops_share_the_steps(monkeypatch):
+    """steps=7 over 5 rounds: 7 host steps (one synchronize each) and 7 wall
+    steps (two each), alternating."""
+    calls = []
+    monkeypatch.setattr(variant.torch.cuda, "synchronize", lambda: calls.append("sync"))
+    host, wall = variant._host_and_wall_us(lambda: calls.append("step"), steps=7)
+    assert calls.count("step") == 14 and calls.count("sync") == 7 + 14
+    assert host >= 0 and wall >= 0
+
+
+@pytest.mark.gpu
+def test_raw_graph_floors_keep_their_inputs_alive():
+    """The floors' raw graphs read the workload's inputs: freed, their memory
+    went to the eager optimizer's tensors and gpt's embedding read garbage
+    token ids (a device-side assert)."""
+    row = run.run_variant("gpt-6", "floor-eager-opt", steps=5, warmup=2)
+    assert "error" not in row, row
