@@ -219,6 +219,12 @@ class GraphedModule(nn.Module):
         """How often each replay path ran (see ``cgraph.Graphed.stats``)."""
         return self._graphed.stats
 
+    @property
+    def graphs(self) -> dict[str, dict[str, int] | None]:
+        """What the forward and backward graphs are made of (see
+        ``cgraph.Graphed.graphs``)."""
+        return self._graphed.graphs
+
     def extra_repr(self) -> str:
         g = self._graphed
         state = "reset" if g.is_reset else f"inputs={g.num_inputs}, params={g.num_params}"

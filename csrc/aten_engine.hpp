@@ -89,6 +89,10 @@ class Graph : public at::cuda::CUDAGraph {
   // Before a replay: slot k copies nothing this time.
   void skip_copy_in(size_t k);
 
+  // What the captured graph is made of (aten_inspect.cpp); false if this
+  // graph keeps no cudaGraph_t or was not captured.
+  bool shape(cg_graph_shape* out) const;
+
  private:
   static void finish_generator_capture() noexcept;
   void disable_copy_ins();

@@ -7,6 +7,7 @@
 #include "aten_engine.hpp"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/record_function.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/utils.h>
@@ -315,11 +316,17 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
   if (!e.rng.generators.empty()) {
     e.rng_before_backward_replay();
   }
-  e.bwd->replay();
+  {
+    RECORD_FUNCTION("cgraph::replay_backward_graph", std::vector<c10::IValue>());
+    e.bwd->replay();
+  }
   ++e.stats.backward;
 
   // 3. Parameter grads: see Note [Parameter gradients].
-  accumulate_param_grads(e, fused_params);
+  {
+    RECORD_FUNCTION("cgraph::parameter_grads", std::vector<c10::IValue>());
+    accumulate_param_grads(e, fused_params);
+  }
 
   // 4. Grads for the autograd edges.  Inputs: the static buffers themselves,
   //    still referenced here, so AccumulateGrad copies rather than steals.
@@ -339,6 +346,7 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
                                       Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
   using namespace cgraph;
+  RECORD_FUNCTION("cgraph::forward", std::vector<c10::IValue>());
   const std::shared_ptr<Engine>& shared = engine->ptr;
   Engine& e = *shared;
   TORCH_CHECK(e.alive, "cgraph: this graphed callable was reset(); graph the callable "
@@ -409,6 +417,7 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
   copy_all(dst, src);
   invalidate_earlier_outputs(e);
   if (e.rng.generators.empty()) {
+    RECORD_FUNCTION("cgraph::replay_forward_graph", std::vector<c10::IValue>());
     e.fwd->replay();
   } else {
     e.rng_before_forward_replay();

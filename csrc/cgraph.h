@@ -175,6 +175,23 @@ typedef struct {
 
 cg_stats cg_engine_stats(const cg_engine *engine);
 
+/* What one captured graph is made of, for introspection (Graphed.graphs):
+ * its nodes by type and its topology.  A straight line of work has one root
+ * and nodes - 1 edges. */
+typedef struct {
+    unsigned long long nodes;
+    unsigned long long kernels;
+    unsigned long long memcpys;
+    unsigned long long memsets;
+    unsigned long long others;  /* event, host, empty and other nodes */
+    unsigned long long roots;   /* nodes that depend on nothing */
+    unsigned long long edges;
+} cg_graph_shape;
+
+/* 1 and *out filled if `pass` has a graph, 0 if it has none (a backward
+ * with nothing to differentiate, or after reset()), -1 with an exception. */
+int cg_engine_graph_shape(const cg_engine *engine, cg_pass pass, cg_graph_shape *out);
+
 #ifdef __cplusplus
 }
 #endif

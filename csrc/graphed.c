@@ -483,12 +483,48 @@ Graphed_get_stats(GraphedObject *self, void *closure)
                          "copied_before", stats.copied_before);
 }
 
+/* A NEW reference to a dict describing one pass's graph, to None if the
+ * pass has no graph, or NULL with an exception set. */
+static PyObject *
+graph_shape_dict(cg_engine *engine, cg_pass pass)
+{
+    cg_graph_shape shape;
+    int found = engine ? cg_engine_graph_shape(engine, pass, &shape) : 0;
+
+    if (found < 0) {
+        return NULL;
+    }
+    if (found == 0) {
+        Py_RETURN_NONE;
+    }
+    return Py_BuildValue("{sKsKsKsKsKsKsK}", "nodes", shape.nodes, "kernels", shape.kernels,
+                         "memcpys", shape.memcpys, "memsets", shape.memsets,
+                         "others", shape.others, "roots", shape.roots, "edges", shape.edges);
+}
+
+/* Returns a NEW reference: {"forward": ..., "backward": ...}. */
+static PyObject *
+Graphed_get_graphs(GraphedObject *self, void *closure)
+{
+    PyObject *forward = graph_shape_dict(self->engine, CG_FORWARD);
+    PyObject *backward = forward ? graph_shape_dict(self->engine, CG_BACKWARD) : NULL;
+    PyObject *result = backward ? Py_BuildValue("{sOsO}", "forward", forward,
+                                                "backward", backward) : NULL;
+    Py_XDECREF(forward);
+    Py_XDECREF(backward);
+    return result;
+}
+
 static PyGetSetDef Graphed_getset[] = {
     {"stats", (getter)Graphed_get_stats, NULL,
      "How often each replay path ran: forward and backward replays; backwards whose\n"
      "parameter grads were copied (.grad was None), added (.grad accumulating) or\n"
      "took the slow path; arguments and incoming grads copied into the static\n"
      "buffers by the graph itself or, for layouts a memcpy cannot copy, before it.", NULL},
+    {"graphs", (getter)Graphed_get_graphs, NULL,
+     "What the forward and backward graphs are made of: node counts by type\n"
+     "(kernels, memcpys, memsets, others), roots and edges; None for a pass\n"
+     "without a graph.", NULL},
     {"pool", (getter)Graphed_get_pool, NULL,
      "The graphs' memory pool, usable as pool= for later captures.", NULL},
     {"is_reset", (getter)Graphed_get_is_reset, NULL, "Whether reset() ran.", NULL},

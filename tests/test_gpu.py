@@ -296,6 +296,42 @@ def test_make_graphed_returns_a_graphed_module():
     assert_equal(graphed(x), eager(x), "output")
 
 
+def test_graphs_describe_what_was_captured():
+    """Graphed.graphs reads the captured graphs: each starts with one copy node
+    per argument (Note [Argument copies inside the graph]) and is a straight
+    line of work; a pass with nothing to differentiate has no graph."""
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    shapes = graphed.graphs
+    for name, shape in shapes.items():
+        assert shape["memcpys"] == 1, (name, shape)
+        assert shape["kernels"] >= 3, (name, shape)  # three Linear layers each way
+        assert shape["nodes"] == (shape["kernels"] + shape["memcpys"] + shape["memsets"]
+                                  + shape["others"]), (name, shape)
+        assert shape["roots"] == 1 and shape["edges"] == shape["nodes"] - 1, (name, shape)
+    frozen, _ = mlp()
+    frozen.requires_grad_(False)
+    no_grad = cgraph.make_graphed(frozen, (torch.randn(8, 32, device=CUDA),))
+    assert no_grad.graphs["forward"] is not None and no_grad.graphs["backward"] is None
+    graphed.reset()
+    assert graphed.graphs == {"forward": None, "backward": None}
+
+
+def test_profiler_shows_cgraph_ranges():
+    """A graphed call shows up in torch.profiler under cgraph:: names, with the
+    forward and backward graph launches as ranges of their own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    x = make_input()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        graphed(x).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert {"cgraph::forward", "cgraph::replay_forward_graph",
+            "cgraph::replay_backward_graph", "cgraph::parameter_grads"} <= names, names
+
+
 def test_closure_leaf_gets_its_grad():
     """torch's make_graphed_callables differentiates only args and module
     parameters; a weight in a closure would silently get no grad."""

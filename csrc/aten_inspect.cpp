@@ -1,0 +1,63 @@
+// aten_inspect.cpp -- what a captured graph is made of, for introspection.
+//
+// Read from the cudaGraph_t that graphs with argument copies keep (Note
+// [Argument copies inside the graph]); nothing here runs on the replay path.
+#include "aten_engine.hpp"
+
+#include <c10/cuda/CUDAException.h>
+#include <torch/csrc/Exceptions.h>
+
+namespace cgraph {
+
+bool Graph::shape(cg_graph_shape* out) const {
+  if (!has_graph_ || graph_ == nullptr) {
+    return false;
+  }
+  *out = cg_graph_shape{};
+  size_t count = 0;
+  C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  C10_CUDA_CHECK(cudaGraphGetNodes(graph_, nodes.data(), &count));
+  out->nodes = count;
+  for (cudaGraphNode_t node : nodes) {
+    cudaGraphNodeType type;
+    C10_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+    switch (type) {
+      case cudaGraphNodeTypeKernel:
+        ++out->kernels;
+        break;
+      case cudaGraphNodeTypeMemcpy:
+        ++out->memcpys;
+        break;
+      case cudaGraphNodeTypeMemset:
+        ++out->memsets;
+        break;
+      default:
+        ++out->others;
+    }
+  }
+  size_t roots = 0, edges = 0;
+  C10_CUDA_CHECK(cudaGraphGetRootNodes(graph_, nullptr, &roots));
+#if CUDART_VERSION >= 13000
+  C10_CUDA_CHECK(cudaGraphGetEdges(graph_, nullptr, nullptr, nullptr, &edges));
+#else
+  C10_CUDA_CHECK(cudaGraphGetEdges(graph_, nullptr, nullptr, &edges));
+#endif
+  out->roots = roots;
+  out->edges = edges;
+  return true;
+}
+
+}  // namespace cgraph
+
+extern "C" int cg_engine_graph_shape(const cg_engine* engine, cg_pass pass,
+                                     cg_graph_shape* out) {
+  HANDLE_TH_ERRORS
+  const cgraph::Engine& e = *engine->ptr;
+  if (!e.alive || (pass == CG_BACKWARD && !e.has_bwd)) {
+    return 0;
+  }
+  const cgraph::Graph& g = pass == CG_FORWARD ? *e.fwd : *e.bwd;
+  return g.shape(out) ? 1 : 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
