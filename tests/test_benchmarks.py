@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import run, variant, workloads
+from benchmarks import breakdown, run, variant, workloads
 
 REPO = Path(__file__).resolve().parent.parent
 NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -236,3 +236,25 @@ def test_raw_graph_floors_keep_their_inputs_alive():
     token ids (a device-side assert)."""
     row = run.run_variant("gpt-6", "floor-eager-opt", steps=5, warmup=2)
     assert "error" not in row, row
+
+
+@pytest.mark.parametrize("name", ["overhead-8", "mlp"])
+def test_breakdown_phases_make_up_the_step(name):
+    """On CPU: the breakdown's phases, run in order, do what the step does:
+    every parameter gets a grad, and the optimizer (if any) moves the weights."""
+    problem = workloads.build(workloads.WORKLOADS[name], device="cpu")
+    before = [p.detach().clone() for p in problem.model.parameters()]
+    steps = breakdown.phases(problem, "eager")
+    assert [n for n, _ in steps][-1] == ("backward" if problem.optimizer is None else "step")
+    for _, fn in steps:
+        fn()
+    params = list(problem.model.parameters())
+    assert all(p.grad is not None for p in params)
+    moved = any(not p.detach().equal(b) for p, b in zip(params, before))
+    assert moved == (problem.optimizer is not None)
+
+
+def test_breakdown_without_cuda_says_so():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.breakdown"], cwd=REPO, env=NO_CUDA,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "no CUDA device" in proc.stdout
