@@ -139,7 +139,7 @@ void Graph::capture_end() {
   if (!has_graph_exec_) {
     instantiate();  // a graph that keeps its cudaGraph_t: torch leaves this to us
   }
-  disable_copy_ins();  // until a replay points them at its arguments
+  switch_off_optional_nodes();  // until a replay asks for them
 }
 
 void Graph::abandon() noexcept {
@@ -372,26 +372,32 @@ std::vector<at::Tensor> Engine::run_backward(const std::vector<at::Tensor>& outs
   return grads;
 }
 
-// The two tails that turn the backward graph's parameter grads into
-// param.grad: tail_copy writes grad_store, tail_add adds into it.  The grads
-// themselves are temporaries: once the tails are captured their memory goes
-// back to the pool for later graphs, and grad_params keeps only non-owning
-// views of it (read by the slow path, right after bwd's replay).
-void Engine::capture_param_grad_tails(const std::vector<at::Tensor>& grads,
-                                      at::cuda::MempoolId_t graph_pool,
-                                      cudaStreamCaptureMode mode) {
+// Before the backward capture, outside it: grad_store, one regular
+// allocation per parameter that requires grad, laid out like the parameter
+// (AccumulateGrad's layout contract) on the stream that will read it as
+// param.grad.  Those the backward leaves without a grad are released after
+// the capture.
+void Engine::allocate_grad_store() {
+  c10::cuda::CUDAStreamGuard on_caller(*caller_stream);
+  for (size_t j = 0; j < params.size(); ++j) {
+    if (param_requires_grad[j]) {
+      grad_store[j] = at::zeros_like(params[j], at::MemoryFormat::Preserve);
+    }
+  }
+}
+
+// During the backward capture, once it has the parameter grads: the two
+// tails that turn them into param.grad, recorded as optional segments at the
+// end of the backward graph (kTailCopy writes grad_store, kTailAdd adds into
+// it; a replay runs at most one).  The grads are temporaries of the graph,
+// whose memory later graphs reuse: grad_params keeps non-owning views of
+// them, read by the slow path right after a replay.
+void Engine::capture_param_grad_tails(const std::vector<at::Tensor>& grads) {
   std::vector<at::Tensor> stores, sources;
   for (size_t j = 0; j < params.size(); ++j) {
     const at::Tensor& g = grads[j];
     if (!g.defined()) {
       continue;  // frozen at capture, or unused (allow_unused_input)
-    }
-    // Outside any capture: a regular allocation laid out like the
-    // parameter, as AccumulateGrad's layout contract asks, on the stream
-    // that will read it as param.grad.
-    {
-      c10::cuda::CUDAStreamGuard on_caller(*caller_stream);
-      grad_store[j] = at::zeros_like(params[j], at::MemoryFormat::Preserve);
     }
     grad_params[j] = at::from_blob(const_cast<void*>(g.const_data_ptr()), g.sizes(), g.strides(),
                                    [](void*) {}, g.options());
@@ -399,24 +405,18 @@ void Engine::capture_param_grad_tails(const std::vector<at::Tensor>& grads,
     sources.push_back(grad_params[j]);
   }
   num_tail_params = stores.size();
-  if (stores.empty()) {
-    return;
-  }
   at::NoGradGuard no_grad;
-  for (Graph* tail : {tail_copy.get(), tail_add.get()}) {
-    tail->capture_begin(graph_pool, mode);
-    try {
-      if (tail == tail_copy.get()) {
-        at::_foreach_copy_(stores, sources);
-      } else {
-        at::_foreach_add_(stores, sources);
-      }
-      tail->capture_end();
-    } catch (...) {
-      tail->abandon();
-      throw;
+  const size_t copy = bwd->capture_segment([&] {
+    if (!stores.empty()) {
+      at::_foreach_copy_(stores, sources);
     }
-  }
+  });
+  const size_t add = bwd->capture_segment([&] {
+    if (!stores.empty()) {
+      at::_foreach_add_(stores, sources);
+    }
+  });
+  TORCH_INTERNAL_ASSERT(copy == kTailCopy && add == kTailAdd);
 }
 
 // After the backward capture the static outputs' autograd history is dead
@@ -450,8 +450,6 @@ void Engine::reset() noexcept {
     buffer_snapshot.clear();
     fwd.reset();
     bwd.reset();
-    tail_copy.reset();
-    tail_add.reset();
     if (pool.first != 0 || pool.second != 0) {
       empty_pool_cache(pool, 0);
     }
@@ -708,6 +706,7 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
   }
 
   cgraph::Graph& g = *e.bwd;
+  e.allocate_grad_store();
   e.rng_capture_begin(CG_BACKWARD);
   try {
     g.capture_begin({pool.first, pool.second}, cgraph::to_cuda_mode(mode));
@@ -728,6 +727,19 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
       }
     }
     grads = e.run_backward(diff, grad_outputs);
+    size_t next = 0;
+    for (size_t i = 0; i < e.inputs.size(); ++i) {
+      if (e.input_requires_grad[i]) {
+        e.grad_inputs[i] = grads[next++];
+      }
+    }
+    std::vector<at::Tensor> param_grads(e.params.size());
+    for (size_t j = 0; j < e.params.size(); ++j) {
+      if (e.param_requires_grad[j]) {
+        param_grads[j] = grads[next++];
+      }
+    }
+    e.capture_param_grad_tails(param_grads);
     g.capture_end();
   } catch (...) {
     e.rng_capture_end();  // first: abandon() may repair the default generator
@@ -736,19 +748,11 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
   }
   e.rng_capture_end();
   e.check_host_rng_untouched(e.rng.host_before);
-  size_t next = 0;
-  for (size_t i = 0; i < e.inputs.size(); ++i) {
-    if (e.input_requires_grad[i]) {
-      e.grad_inputs[i] = grads[next++];
-    }
-  }
-  std::vector<at::Tensor> param_grads(e.params.size());
   for (size_t j = 0; j < e.params.size(); ++j) {
-    if (e.param_requires_grad[j]) {
-      param_grads[j] = grads[next++];
+    if (!e.grad_params[j].defined()) {
+      e.grad_store[j] = at::Tensor();  // no grad flows to it
     }
   }
-  e.capture_param_grad_tails(param_grads, {pool.first, pool.second}, cgraph::to_cuda_mode(mode));
   e.has_bwd = true;
   e.forget_capture_autograd();
   return 0;

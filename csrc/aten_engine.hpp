@@ -12,6 +12,7 @@
 
 #include <Python.h>
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -66,11 +67,9 @@ class GilRelease {
 //    part only where this torch's reset() will not.
 class Graph : public at::cuda::CUDAGraph {
  public:
-  // copies_in: the graph may start with copies into its static buffers,
-  // pointed at each replay's arguments (Note [Argument copies inside the
-  // graph], aten_copy_in.cpp).  Such a graph keeps its cudaGraph_t, whose
-  // nodes those copies are.
-  explicit Graph(bool copies_in = false) : at::cuda::CUDAGraph(/*keep_graph=*/copies_in) {}
+  // The graph keeps its cudaGraph_t: its nodes are what each replay
+  // switches on and off (aten_graph_nodes.cpp).
+  Graph() : at::cuda::CUDAGraph(/*keep_graph=*/true) {}
 
   // torch's, with the capture stream's cuBLAS workspaces made temporaries
   // of this graph: Note [cuBLAS workspaces during capture].  capture_end()
@@ -89,13 +88,21 @@ class Graph : public at::cuda::CUDAGraph {
   // Before a replay: slot k copies nothing this time.
   void skip_copy_in(size_t k);
 
+  // During capture: runs `record` and makes the nodes it records an optional
+  // segment, number segments_.size(), off until set_segment() turns it on.
+  // Only kernel, memcpy and memset nodes can be switched: anything else
+  // raises.
+  size_t capture_segment(const std::function<void()>& record);
+  // Before a replay: whether segment s runs this time.
+  void set_segment(size_t s, bool enabled);
+
   // What the captured graph is made of (aten_inspect.cpp); false if this
   // graph keeps no cudaGraph_t or was not captured.
   bool shape(cg_graph_shape* out) const;
 
  private:
   static void finish_generator_capture() noexcept;
-  void disable_copy_ins();
+  void switch_off_optional_nodes();
 
   struct CopyIn {
     cudaGraphNode_t node = nullptr;  // nullptr: this slot always falls back
@@ -105,6 +112,12 @@ class Graph : public at::cuda::CUDAGraph {
     bool enabled = true;        // as instantiated
   };
   std::vector<CopyIn> copy_ins_;
+
+  struct Segment {
+    std::vector<cudaGraphNode_t> nodes;
+    bool enabled = true;  // as instantiated
+  };
+  std::vector<Segment> segments_;
 
   template <class G>
   static auto reset_ends_pool_routing(G& g, int)
@@ -136,13 +149,13 @@ struct Engine {
 
   // -- graphs
   // Both start with copies of their arguments (inputs; incoming grads).
-  std::unique_ptr<Graph> fwd = std::make_unique<Graph>(/*copies_in=*/true);
-  std::unique_ptr<Graph> bwd = std::make_unique<Graph>(/*copies_in=*/true);
+  std::unique_ptr<Graph> fwd = std::make_unique<Graph>();
+  std::unique_ptr<Graph> bwd = std::make_unique<Graph>();
   bool has_bwd = false;  // false when no output requires grad
-  // Parameter-grad tails, replayed right after bwd: grad_store = grads, or
-  // grad_store += grads.  See Note [Parameter gradients].
-  std::unique_ptr<Graph> tail_copy = std::make_unique<Graph>();
-  std::unique_ptr<Graph> tail_add = std::make_unique<Graph>();
+  // bwd ends with two optional segments, the parameter-grad tails:
+  // grad_store = grads, or grad_store += grads.  See Note [Parameter gradients].
+  static constexpr size_t kTailCopy = 0;
+  static constexpr size_t kTailAdd = 1;
   size_t num_tail_params = 0;  // parameters the tails cover (those with a grad)
 
   // -- what the forward graph reads
@@ -232,8 +245,8 @@ struct Engine {
   cg_stats stats{};  // how often each path ran, for introspection and tests
 
   void adopt_hidden_leaves(const std::vector<at::Tensor>& outs);
-  void capture_param_grad_tails(const std::vector<at::Tensor>& grads, at::cuda::MempoolId_t pool,
-                                cudaStreamCaptureMode mode);
+  void allocate_grad_store();
+  void capture_param_grad_tails(const std::vector<at::Tensor>& grads);
   void forget_capture_autograd();
   std::vector<at::Tensor> grad_targets() const;
   std::vector<at::Tensor> run_backward(const std::vector<at::Tensor>& outs,

@@ -31,12 +31,15 @@ using TensorVec = c10::SmallVector<at::Tensor, 16>;
 //    batch accumulation goes wrong).  And an AccumulateGrad node per
 //    parameter costs host time and a kernel launch each.
 //    cgraph keeps one tensor per parameter, grad_store[j], and hands it out
-//    as param.grad.  Two small graphs captured after the backward graph
-//    ("tails") fill all of them in one replay:
-//      - every .grad is None and nobody else holds its grad_store: replay
-//        tail_copy (grad_store = grad), then set .grad = grad_store;
+//    as param.grad.  The backward graph ends with two optional segments
+//    ("tails"), each one fused launch for all parameters, and every replay
+//    switches on at most one of them before it launches:
+//      - every .grad is None and nobody else holds its grad_store: the copy
+//        tail (grad_store = grad), then .grad = grad_store;
 //      - every .grad is its grad_store (accumulation over micro-batches, or
-//        zero_grad(set_to_none=False)): replay tail_add (grad_store += grad).
+//        zero_grad(set_to_none=False)): the add tail (grad_store += grad).
+//    So parameter grads cost no launch of their own, and no graph beyond the
+//    backward one is captured for them.
 //    Anything else (a .grad the user assigned, a grad_store the user still
 //    holds after zero_grad, some parameters frozen since capture, a partial
 //    backward) takes the slow path: fused copies and adds from views of the
@@ -125,15 +128,25 @@ void accumulate_param_grads_slowly(Engine& e, const std::vector<uint32_t>& fused
   }
 }
 
-// Right after the backward replay: param.grad for the parameters in
-// `fused` (those requiring grad, without hooks, with a grad at capture).
-void accumulate_param_grads(Engine& e, const std::vector<uint32_t>& fused) {
-  if (fused.empty()) {
-    return;
-  }
+// How a backward delivers the grads of the parameters cgraph accumulates
+// (Note [Parameter gradients]).
+enum class GradPath { None, CopyTail, AddTail, Slow };
+
+// The partial backward running now (torch.autograd.grad, .backward(inputs=)),
+// or nullptr for a full one.
+const std::unordered_map<autograd::Node*, autograd::GraphTask::ExecInfo>* partial_backward() {
   const auto* exec_info = autograd::get_current_graph_task_exec_info();
-  const bool partial = exec_info && !exec_info->empty();
-  bool all_fresh = !partial && fused.size() == e.num_tail_params;
+  return exec_info && !exec_info->empty() ? exec_info : nullptr;
+}
+
+// Before the backward replay, since the tails are part of it: the path for
+// the parameters in `fused` (those requiring grad, without hooks, with a
+// grad at capture).
+GradPath choose_grad_path(const Engine& e, const std::vector<uint32_t>& fused) {
+  if (fused.empty()) {
+    return GradPath::None;
+  }
+  bool all_fresh = !partial_backward() && fused.size() == e.num_tail_params;
   bool all_ours = all_fresh;
   for (size_t k = 0; k < fused.size() && (all_fresh || all_ours); ++k) {
     const uint32_t j = fused[k];
@@ -142,18 +155,27 @@ void accumulate_param_grads(Engine& e, const std::vector<uint32_t>& fused) {
     all_ours = all_ours && grad.unsafeGetTensorImpl() == store.unsafeGetTensorImpl();
     all_fresh = all_fresh && !grad.defined() && sole_owner(store);
   }
-  if (all_ours) {
-    e.tail_add->replay();
-    ++e.stats.grads_added;
-  } else if (all_fresh) {
-    e.tail_copy->replay();
-    for (const uint32_t j : fused) {
-      e.params[j].mutable_grad() = e.grad_store[j];
-    }
-    ++e.stats.grads_copied;
-  } else {
-    accumulate_param_grads_slowly(e, fused, partial ? exec_info : nullptr);
-    ++e.stats.grads_slow;
+  return all_ours ? GradPath::AddTail : all_fresh ? GradPath::CopyTail : GradPath::Slow;
+}
+
+// After the backward replay: param.grad for the parameters in `fused`.
+void deliver_param_grads(Engine& e, const std::vector<uint32_t>& fused, GradPath path) {
+  switch (path) {
+    case GradPath::None:
+      return;
+    case GradPath::AddTail:
+      ++e.stats.grads_added;
+      return;
+    case GradPath::CopyTail:
+      for (const uint32_t j : fused) {
+        e.params[j].mutable_grad() = e.grad_store[j];
+      }
+      ++e.stats.grads_copied;
+      return;
+    case GradPath::Slow:
+      accumulate_param_grads_slowly(e, fused, partial_backward());
+      ++e.stats.grads_slow;
+      return;
   }
 }
 
@@ -312,7 +334,13 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
   e.stats.copied_before += dst.size();
   copy_all(dst, src);
 
-  // 2. Replay.
+  // 2. Which tail of the graph delivers the parameter grads: Note
+  //    [Parameter gradients].
+  const GradPath path = choose_grad_path(e, fused_params);
+  e.bwd->set_segment(Engine::kTailCopy, path == GradPath::CopyTail);
+  e.bwd->set_segment(Engine::kTailAdd, path == GradPath::AddTail);
+
+  // 3. Replay.
   if (!e.rng.generators.empty()) {
     e.rng_before_backward_replay();
   }
@@ -321,11 +349,9 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
     e.bwd->replay();
   }
   ++e.stats.backward;
-
-  // 3. Parameter grads: see Note [Parameter gradients].
   {
     RECORD_FUNCTION("cgraph::parameter_grads", std::vector<c10::IValue>());
-    accumulate_param_grads(e, fused_params);
+    deliver_param_grads(e, fused_params, path);
   }
 
   // 4. Grads for the autograd edges.  Inputs: the static buffers themselves,

@@ -303,6 +303,9 @@ def test_graphs_describe_what_was_captured():
     model, make_input = mlp()
     graphed = cgraph.make_graphed(model, (make_input(),))
     shapes = graphed.graphs
+    # The backward graph ends with both tails of Note [Parameter gradients]:
+    # one fused launch each, for the six parameters.
+    assert shapes["backward"]["kernels"] >= shapes["forward"]["kernels"] + 2, shapes
     for name, shape in shapes.items():
         assert shape["memcpys"] == 1, (name, shape)
         assert shape["kernels"] >= 3, (name, shape)  # three Linear layers each way
@@ -537,6 +540,36 @@ def test_accumulation_uses_the_add_tail():
     for _ in range(3):
         graphed(make_input()).sum().backward()
     assert graphed.stats["grads_copied"] == 1 and graphed.stats["grads_added"] == 2
+
+
+def test_grad_paths_switch_between_backwards_of_one_graph():
+    """The tails are optional parts of the backward graph, switched before
+    each replay: copy, add, the slow path (neither tail) and back, in every
+    order, each matching eager accumulation bitwise.  A tail left on would
+    add twice or overwrite; one left off would leave a stale grad."""
+    torch.manual_seed(12)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    # Every switch: copy->add, add->add, add->copy, copy->slow, slow->copy,
+    # add->slow, copy->copy.  (The slow path leaves a .grad that is not
+    # cgraph's, so only zero_grad leads back to the tails.)
+    plan = ["copy", "add", "add", "copy", "slow", "copy", "add", "slow", "copy", "copy", "add"]
+    expected = {"copy": "grads_copied", "add": "grads_added", "slow": "grads_slow"}
+    for step, path in enumerate(plan):
+        for net in (model, eager):
+            if path == "copy":
+                net.zero_grad(set_to_none=True)
+            elif path == "slow":
+                net[0].weight.grad = torch.full_like(net[0].weight, 0.5)
+        before = graphed.stats
+        x = make_input()
+        upstream = torch.randn(8, 16, device=CUDA)
+        (graphed(x) * upstream).sum().backward()
+        (eager(twin(x)) * upstream).sum().backward()
+        assert_grads_equal(model, eager, f"{step} ({path})")
+        after = graphed.stats
+        assert after[expected[path]] == before[expected[path]] + 1, (step, path, after)
 
 
 @pytest.mark.parametrize("twist", ["assigned_grad", "frozen_after_capture", "held_grad"])

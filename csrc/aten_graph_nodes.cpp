@@ -1,5 +1,7 @@
-// aten_copy_in.cpp -- copies of a call's arguments into the static buffers,
-// done by the graph itself.
+// aten_graph_nodes.cpp -- the nodes of a captured graph that each replay
+// switches: copies of the call's arguments into the static buffers, done by
+// the graph itself, and optional segments (the parameter-grad tails of Note
+// [Parameter gradients]).
 //
 // Note [Argument copies inside the graph]
 // Q: A graph reads its inputs from static buffers, so a call whose argument
@@ -27,6 +29,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
+
 namespace cgraph {
 namespace {
 
@@ -43,6 +47,34 @@ cudaGraphNode_t last_captured_node(cudaStream_t stream) {
   C10_CUDA_CHECK(cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, nullptr, &deps, &count));
 #endif
   return status == cudaStreamCaptureStatusActive && count == 1 ? deps[0] : nullptr;
+}
+
+// The nodes recorded so far into the graph `stream` is capturing.
+std::vector<cudaGraphNode_t> captured_nodes(cudaStream_t stream) {
+  cudaStreamCaptureStatus status;
+  cudaGraph_t graph = nullptr;
+#if CUDART_VERSION >= 13000
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, nullptr, nullptr,
+                                          nullptr));
+#else
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, &graph, nullptr, nullptr));
+#endif
+  TORCH_CHECK(status == cudaStreamCaptureStatusActive && graph != nullptr,
+              "cgraph: internal error: no capture is active on the current stream.");
+  size_t count = 0;
+  C10_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &count));
+  std::vector<cudaGraphNode_t> nodes(count);
+  C10_CUDA_CHECK(cudaGraphGetNodes(graph, nodes.data(), &count));
+  nodes.resize(count);
+  return nodes;
+}
+
+// Whether a replay can switch `node` off (cudaGraphNodeSetEnabled).
+bool switchable(cudaGraphNode_t node) {
+  cudaGraphNodeType type;
+  C10_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+  return type == cudaGraphNodeTypeKernel || type == cudaGraphNodeTypeMemcpy ||
+         type == cudaGraphNodeTypeMemset;
 }
 
 // Whether `node` is a 1-D device-to-device memcpy writing `dst`.
@@ -91,10 +123,43 @@ void Graph::capture_copy_in(const at::Tensor& dst) {
   copy_ins_.push_back(slot);
 }
 
-void Graph::disable_copy_ins() {
+void Graph::switch_off_optional_nodes() {
   for (size_t k = 0; k < copy_ins_.size(); ++k) {
     skip_copy_in(k);
   }
+  for (size_t s = 0; s < segments_.size(); ++s) {
+    set_segment(s, false);
+  }
+}
+
+size_t Graph::capture_segment(const std::function<void()>& record) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  std::vector<cudaGraphNode_t> before = captured_nodes(stream);
+  std::sort(before.begin(), before.end());
+  record();
+  Segment segment;
+  for (cudaGraphNode_t node : captured_nodes(stream)) {
+    if (std::binary_search(before.begin(), before.end(), node)) {
+      continue;
+    }
+    TORCH_CHECK(switchable(node), "cgraph: internal error: an optional part of a graph "
+                "recorded a node that a replay cannot switch off. Please report this with "
+                "your torch and CUDA versions.");
+    segment.nodes.push_back(node);
+  }
+  segments_.push_back(std::move(segment));
+  return segments_.size() - 1;
+}
+
+void Graph::set_segment(size_t s, bool enabled) {
+  Segment& segment = segments_[s];
+  if (segment.enabled == enabled) {
+    return;
+  }
+  for (cudaGraphNode_t node : segment.nodes) {
+    C10_CUDA_CHECK(cudaGraphNodeSetEnabled(graph_exec_, node, enabled ? 1 : 0));
+  }
+  segment.enabled = enabled;
 }
 
 bool Graph::copy_in(size_t k, const at::Tensor& dst, const at::Tensor& src) {
