@@ -139,7 +139,6 @@ void Graph::capture_end() {
   if (!has_graph_exec_) {
     instantiate();  // a graph that keeps its cudaGraph_t: torch leaves this to us
   }
-  switch_off_optional_nodes();  // until a replay asks for them
 }
 
 void Graph::abandon() noexcept {

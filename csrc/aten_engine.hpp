@@ -89,9 +89,9 @@ class Graph : public at::cuda::CUDAGraph {
   void skip_copy_in(size_t k);
 
   // During capture: runs `record` and makes the nodes it records an optional
-  // segment, number segments_.size(), off until set_segment() turns it on.
-  // Only kernel, memcpy and memset nodes can be switched: anything else
-  // raises.
+  // segment, number segments_.size().  Every replay must say whether it runs
+  // (set_segment).  Only kernel, memcpy and memset nodes can be switched:
+  // anything else raises.
   size_t capture_segment(const std::function<void()>& record);
   // Before a replay: whether segment s runs this time.
   void set_segment(size_t s, bool enabled);
@@ -102,7 +102,6 @@ class Graph : public at::cuda::CUDAGraph {
 
  private:
   static void finish_generator_capture() noexcept;
-  void switch_off_optional_nodes();
 
   struct CopyIn {
     cudaGraphNode_t node = nullptr;  // nullptr: this slot always falls back

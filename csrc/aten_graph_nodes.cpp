@@ -19,8 +19,10 @@
 //    address changed since the last call) and is enabled; a slot whose
 //    argument is the buffer itself is disabled (cudaGraphNodeSetEnabled).
 //    Every replay sets every slot, so a node never copies from a stale
-//    address.  The copy then runs inside the launch, ordered before every
-//    kernel that reads the buffer, on the caller's stream as copy_() would.
+//    address (and none is switched at capture: the first replay moves each
+//    from the state it was instantiated in, a self-copy).  The copy then
+//    runs inside the launch, ordered before every kernel that reads the
+//    buffer, on the caller's stream as copy_() would.
 //    Arguments a memcpy cannot copy byte for byte (another layout, a view
 //    overlapping the buffer, memory the driver will not take) are copied by
 //    ATen before the replay, as before, with their slot disabled.
@@ -121,15 +123,6 @@ void Graph::capture_copy_in(const at::Tensor& dst) {
     }
   }
   copy_ins_.push_back(slot);
-}
-
-void Graph::switch_off_optional_nodes() {
-  for (size_t k = 0; k < copy_ins_.size(); ++k) {
-    skip_copy_in(k);
-  }
-  for (size_t s = 0; s < segments_.size(); ++s) {
-    set_segment(s, false);
-  }
 }
 
 size_t Graph::capture_segment(const std::function<void()>& record) {
