@@ -97,6 +97,25 @@ Graph& graph_of(Engine& e, cg_pass pass) {
   return pass == CG_FORWARD ? *e.fwd : *e.bwd;
 }
 
+// Abandons a capture whose recording failed.  Never throws.
+void abandon_capture(Engine& e, Graph& g) noexcept {
+  e.rng_capture_end();  // first: abandon() may repair the default generator
+  g.abandon();
+}
+
+// Ends a capture whose recording succeeded, abandoning it if ending fails,
+// and checks that the callable left the host's generators alone.
+void end_capture(Engine& e, Graph& g) {
+  try {
+    g.capture_end();
+  } catch (...) {
+    abandon_capture(e, g);
+    throw;
+  }
+  e.rng_capture_end();
+  e.check_host_rng_untouched(e.rng.host_before);
+}
+
 // Note [cuBLAS workspaces during capture]
 // Q: Why does cgraph drop the capture stream's cuBLAS workspaces?
 // A: torch keeps a cuBLAS and a cuBLASLt workspace (32 MiB each on Hopper)
@@ -626,8 +645,7 @@ int cg_engine_capture_begin(cg_engine* engine, cg_pass pass, cg_pool pool,
       g.capture_copy_in(e.inputs[i]);
     }
   } catch (...) {
-    e.rng_capture_end();  // first: abandon() may repair the default generator
-    g.abandon();
+    cgraph::abandon_capture(e, g);
     throw;
   }
   return 0;
@@ -637,16 +655,7 @@ int cg_engine_capture_begin(cg_engine* engine, cg_pass pass, cg_pool pool,
 int cg_engine_capture_end(cg_engine* engine, cg_pass pass) {
   HANDLE_TH_ERRORS
   Engine& e = *engine->ptr;
-  cgraph::Graph& g = cgraph::graph_of(e, pass);
-  try {
-    g.capture_end();
-  } catch (...) {
-    e.rng_capture_end();  // first: abandon() may repair the default generator
-    g.abandon();
-    throw;
-  }
-  e.rng_capture_end();
-  e.check_host_rng_untouched(e.rng.host_before);
+  cgraph::end_capture(e, cgraph::graph_of(e, pass));
   if (pass == CG_FORWARD) {
     e.check_rng_regions_entered();
   }
@@ -660,8 +669,7 @@ void cg_engine_capture_abort(cg_engine* engine, cg_pass pass) {
   PyObject *type, *value, *traceback;
   PyErr_Fetch(&type, &value, &traceback);
   Engine& e = *engine->ptr;
-  e.rng_capture_end();  // first: abandon() may repair the default generator
-  cgraph::graph_of(e, pass).abandon();
+  cgraph::abandon_capture(e, cgraph::graph_of(e, pass));
   PyErr_Restore(type, value, traceback);
 }
 
@@ -739,14 +747,11 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
       }
     }
     e.capture_param_grad_tails(param_grads);
-    g.capture_end();
   } catch (...) {
-    e.rng_capture_end();  // first: abandon() may repair the default generator
-    g.abandon();
+    cgraph::abandon_capture(e, g);
     throw;
   }
-  e.rng_capture_end();
-  e.check_host_rng_untouched(e.rng.host_before);
+  cgraph::end_capture(e, g);
   for (size_t j = 0; j < e.params.size(); ++j) {
     if (!e.grad_params[j].defined()) {
       e.grad_store[j] = at::Tensor();  // no grad flows to it

@@ -442,13 +442,15 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
   e.stats.copied_before += dst.size();
   copy_all(dst, src);
   invalidate_earlier_outputs(e);
-  if (e.rng.generators.empty()) {
+  {
     RECORD_FUNCTION("cgraph::replay_forward_graph", std::vector<c10::IValue>());
-    e.fwd->replay();
-  } else {
-    e.rng_before_forward_replay();
-    e.fwd->replay();
-    e.rng_after_forward_replay();
+    if (e.rng.generators.empty()) {
+      e.fwd->replay();
+    } else {
+      e.rng_before_forward_replay();
+      e.fwd->replay();
+      e.rng_after_forward_replay();
+    }
   }
   ++e.generation;
   ++e.stats.forward;
