@@ -96,8 +96,8 @@ class Graph : public at::cuda::CUDAGraph {
   // Before a replay: whether segment s runs this time.
   void set_segment(size_t s, bool enabled);
 
-  // What the captured graph is made of (aten_inspect.cpp); false if this
-  // graph keeps no cudaGraph_t or was not captured.
+  // What the captured graph is made of (aten_inspect.cpp); false if it was
+  // not captured (or was reset).
   bool shape(cg_graph_shape* out) const;
 
  private:

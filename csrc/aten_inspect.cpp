@@ -1,7 +1,7 @@
 // aten_inspect.cpp -- what a captured graph is made of, for introspection.
 //
-// Read from the cudaGraph_t that graphs with argument copies keep (Note
-// [Argument copies inside the graph]); nothing here runs on the replay path.
+// Read from the cudaGraph_t every cgraph Graph keeps (its switchable nodes
+// live there, aten_graph_nodes.cpp); nothing here runs on the replay path.
 #include "aten_engine.hpp"
 
 #include <c10/cuda/CUDAException.h>

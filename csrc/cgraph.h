@@ -163,8 +163,8 @@ Py_ssize_t cg_engine_num_params(const cg_engine *engine);
 typedef struct {
     unsigned long long forward;        /* forward replays */
     unsigned long long backward;       /* backward replays */
-    unsigned long long grads_copied;   /* backwards whose .grad were None: tail_copy */
-    unsigned long long grads_added;    /* backwards accumulating into .grad: tail_add */
+    unsigned long long grads_copied;   /* backwards whose .grad were None: copy tail */
+    unsigned long long grads_added;    /* backwards accumulating into .grad: add tail */
     unsigned long long grads_slow;     /* backwards that took the slow path */
     /* Arguments and incoming grads copied into static buffers: by the graph
      * itself, or by ATen before the replay (Note [Argument copies inside
