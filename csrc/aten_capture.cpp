@@ -156,7 +156,10 @@ void Graph::capture_end() {
   at::cuda::CUDAGraph::capture_end();
   drop_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
   if (!has_graph_exec_) {
+    capture_rng_seeds();
     instantiate();  // a graph that keeps its cudaGraph_t: torch leaves this to us
+  } else {
+    seeds_in_graph_ = false;  // instantiated already: torch's replay() seeds it
   }
 }
 

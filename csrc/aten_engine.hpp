@@ -96,12 +96,32 @@ class Graph : public at::cuda::CUDAGraph {
   // Before a replay: whether segment s runs this time.
   void set_segment(size_t s, bool enabled);
 
+  // Replays the graph on the current stream: torch's replay() without its
+  // ATen calls.  See Note [Seeding random numbers inside the graph].
+  void launch();
+
   // What the captured graph is made of (aten_inspect.cpp); false if it was
   // not captured (or was reset).
   bool shape(cg_graph_shape* out) const;
 
  private:
   static void finish_generator_capture() noexcept;
+  // At capture end, before instantiation: the nodes that write the seeds and
+  // offsets the graph's random ops read.
+  void capture_rng_seeds();
+
+  // One generator state the graph draws from: four memset nodes ahead of
+  // the graph's roots write its seed and base offset, as 32-bit halves.
+  struct RngSeed {
+    c10::intrusive_ptr<at::CUDAGeneratorState> state;
+    uint64_t increment = 0;  // how far one replay moves the state's offset
+    cudaGraphNode_t nodes[4] = {};       // seed low, seed high, offset low, offset high
+    cudaMemsetParams params[4] = {};     // as the executable graph holds them now
+  };
+  std::vector<RngSeed> rng_seeds_;
+  // False when this torch keeps a graph's seed and offset where cgraph does
+  // not know to look: launch() then leaves them to torch's replay().
+  bool seeds_in_graph_ = true;
 
   struct CopyIn {
     cudaGraphNode_t node = nullptr;  // nullptr: this slot always falls back

@@ -1,7 +1,7 @@
 // aten_graph_nodes.cpp -- the nodes of a captured graph that each replay
-// switches: copies of the call's arguments into the static buffers, done by
-// the graph itself, and optional segments (the parameter-grad tails of Note
-// [Parameter gradients]).
+// sets: copies of the call's arguments into the static buffers, done by the
+// graph itself; optional segments (the parameter-grad tails of Note
+// [Parameter gradients]); and the seeds of its random ops.  Then the launch.
 //
 // Note [Argument copies inside the graph]
 // Q: A graph reads its inputs from static buffers, so a call whose argument
@@ -26,12 +26,36 @@
 //    Arguments a memcpy cannot copy byte for byte (another layout, a view
 //    overlapping the buffer, memory the driver will not take) are copied by
 //    ATen before the replay, as before, with their slot disabled.
+//
+// Note [Seeding random numbers inside the graph]
+// Q: Why does cgraph launch its graphs itself rather than call torch's
+//    CUDAGraph::replay()?
+// A: A captured random op (dropout) reads its Philox seed and base offset
+//    from two one-element device tensors, and before every launch of a graph
+//    that draws random numbers, torch's replay() fills both with ATen fill_:
+//    two dispatches and two kernel launches, about 14 us of host time on an
+//    H100 host, more than the launch itself, paid by the forward and the
+//    backward of every dropout layer.  cgraph writes them from inside the
+//    graph instead: at capture end, before instantiation, four memset nodes
+//    per generator state (each 64-bit value as two 32-bit halves, the widest
+//    element a memset writes) go ahead of the graph's roots.  launch() then
+//    does what torch's replay prologue does (read the state's seed and
+//    offset, move the offset on by the graph's whole increment) and hands
+//    each memset node whose value changed its new value
+//    (cudaGraphExecMemsetNodeSetParams, host-side: the offset's low half
+//    every replay, the rest when it changes).  The values are those torch
+//    would write, so the random streams are bitwise torch's, and eager
+//    mode's.  Where the two tensors live is torch internals (one pair per
+//    generator state up to torch 2.11, one per state and capture since): a
+//    torch where cgraph finds neither keeps torch's replay().
 #include "aten_engine.hpp"
 
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
 #include <algorithm>
+#include <mutex>
 
 namespace cgraph {
 namespace {
@@ -102,6 +126,73 @@ bool memcpy_copies(const at::Tensor& dst, const at::Tensor& src) {
   const auto* d = static_cast<const char*>(dst.const_data_ptr());
   const size_t n = dst.nbytes();
   return s + n <= d || d + n <= s;
+}
+
+// The device tensors holding the seed and base offset that a graph's random
+// ops read, for one generator state: Note [Seeding random numbers inside the
+// graph].  Both undefined where this torch keeps them elsewhere.
+using SeedTensors = std::pair<at::TensorBase, at::TensorBase>;
+
+// torch <= 2.11: one pair per generator state, shared by all its graphs.
+template <class State, class Id>
+auto seed_tensors(State& state, Id, int)
+    -> decltype(state.offset_extragraph_, SeedTensors()) {
+  return {state.seed_extragraph_, state.offset_extragraph_};
+}
+// Later releases: one pair per generator state and capture.
+template <class State, class Id>
+auto seed_tensors(State& state, Id capture_id, long)
+    -> decltype(state.capture_states_.find(capture_id)->second->rng_state_offset_extragraph_,
+                SeedTensors()) {
+  std::lock_guard<std::mutex> lock(state.capture_states_mutex_);
+  const auto it = state.capture_states_.find(capture_id);
+  if (it == state.capture_states_.end()) {
+    return {};
+  }
+  return {it->second->rng_state_seed_extragraph_, it->second->rng_state_offset_extragraph_};
+}
+template <class State, class Id>
+SeedTensors seed_tensors(State&, Id, ...) {
+  return {};
+}
+
+// The lock torch's replay prologue holds while it reads a state's seed and
+// offset and moves the offset on; releases that take none get none.
+template <class State>
+auto replay_lock(State& state, int)
+    -> decltype(std::unique_lock<std::mutex>(state.capture_states_mutex_)) {
+  return std::unique_lock<std::mutex>(state.capture_states_mutex_);
+}
+template <class State>
+std::unique_lock<std::mutex> replay_lock(State&, long) {
+  return {};
+}
+
+// One 32-bit memset of `value` at `dst`.
+cudaMemsetParams word_memset(void* dst) {
+  cudaMemsetParams p{};
+  p.dst = dst;
+  p.elementSize = 4;
+  p.width = 1;
+  p.height = 1;
+  return p;
+}
+
+// Makes every node in `to` wait for every node in `from`.
+void add_edges(cudaGraph_t graph, const std::vector<cudaGraphNode_t>& from,
+               const std::vector<cudaGraphNode_t>& to) {
+  std::vector<cudaGraphNode_t> a, b;
+  for (cudaGraphNode_t f : from) {
+    for (cudaGraphNode_t t : to) {
+      a.push_back(f);
+      b.push_back(t);
+    }
+  }
+#if CUDART_VERSION >= 13000
+  C10_CUDA_CHECK(cudaGraphAddDependencies(graph, a.data(), b.data(), nullptr, a.size()));
+#else
+  C10_CUDA_CHECK(cudaGraphAddDependencies(graph, a.data(), b.data(), a.size()));
+#endif
 }
 
 }  // namespace
@@ -184,6 +275,90 @@ void Graph::skip_copy_in(size_t k) {
     C10_CUDA_CHECK(cudaGraphNodeSetEnabled(graph_exec_, slot.node, 0));
     slot.enabled = false;
   }
+}
+
+
+void Graph::capture_rng_seeds() {
+  rng_seeds_.clear();
+  seeds_in_graph_ = true;
+  for (const auto& [state, increment] : captured_generator_states_) {
+    if (increment == 0) {
+      continue;  // draws nothing: torch's prologue skips it too
+    }
+    const auto [seed, offset] = seed_tensors(*state, capture_id_, 0);
+    if (!seed.defined() || !offset.defined()) {
+      rng_seeds_.clear();
+      seeds_in_graph_ = false;
+      return;
+    }
+    RngSeed r;
+    r.state = state;
+    r.increment = increment;
+    auto* s = static_cast<char*>(seed.data_ptr());
+    auto* o = static_cast<char*>(offset.data_ptr());
+    r.params[0] = word_memset(s);  // little-endian: the low half first
+    r.params[1] = word_memset(s + 4);
+    r.params[2] = word_memset(o);
+    r.params[3] = word_memset(o + 4);
+    rng_seeds_.push_back(r);
+  }
+  if (rng_seeds_.empty()) {
+    return;
+  }
+  size_t count = 0;
+  C10_CUDA_CHECK(cudaGraphGetRootNodes(graph_, nullptr, &count));
+  std::vector<cudaGraphNode_t> roots(count);
+  C10_CUDA_CHECK(cudaGraphGetRootNodes(graph_, roots.data(), &count));
+  roots.resize(count);
+  std::vector<cudaGraphNode_t> writes;
+  for (RngSeed& r : rng_seeds_) {
+    for (int k = 0; k < 4; ++k) {
+      C10_CUDA_CHECK(cudaGraphAddMemsetNode(&r.nodes[k], graph_, nullptr, 0, &r.params[k]));
+      writes.push_back(r.nodes[k]);
+    }
+  }
+  if (roots.size() > 1) {
+    // One join node: edges writes + roots rather than writes x roots.
+    cudaGraphNode_t join = nullptr;
+    C10_CUDA_CHECK(cudaGraphAddEmptyNode(&join, graph_, writes.data(), writes.size()));
+    writes = {join};
+  }
+  add_edges(graph_, writes, roots);
+}
+
+void Graph::launch() {
+  if (!seeds_in_graph_) {
+    replay();
+    return;
+  }
+  c10::cuda::CUDAGuard guard(capture_dev_);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(capture_dev_).stream();
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
+  TORCH_CHECK(status == cudaStreamCaptureStatusNone, "cgraph: a graphed callable was called "
+              "while its stream is capturing a CUDA graph; a replay cannot be recorded into "
+              "another graph. Inside a capture, call the eager callable instead.");
+  for (RngSeed& r : rng_seeds_) {
+    uint64_t seed = 0, offset = 0;
+    {
+      auto lock = replay_lock(*r.state, 0);
+      seed = r.state->seed_;
+      offset = r.state->philox_offset_per_thread_;
+      r.state->philox_offset_per_thread_ += r.increment;
+    }
+    const uint32_t words[4] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                               static_cast<uint32_t>(offset),
+                               static_cast<uint32_t>(offset >> 32)};
+    for (int k = 0; k < 4; ++k) {
+      if (r.params[k].value != words[k]) {
+        cudaMemsetParams p = r.params[k];
+        p.value = words[k];
+        C10_CUDA_CHECK(cudaGraphExecMemsetNodeSetParams(graph_exec_, r.nodes[k], &p));
+        r.params[k] = p;
+      }
+    }
+  }
+  C10_CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream));
 }
 
 }  // namespace cgraph

@@ -346,7 +346,7 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
   }
   {
     RECORD_FUNCTION("cgraph::replay_backward_graph", std::vector<c10::IValue>());
-    e.bwd->replay();
+    e.bwd->launch();
   }
   ++e.stats.backward;
   {
@@ -445,10 +445,10 @@ extern "C" PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args,
   {
     RECORD_FUNCTION("cgraph::replay_forward_graph", std::vector<c10::IValue>());
     if (e.rng.generators.empty()) {
-      e.fwd->replay();
+      e.fwd->launch();
     } else {
       e.rng_before_forward_replay();
-      e.fwd->replay();
+      e.fwd->launch();
       e.rng_after_forward_replay();
     }
   }

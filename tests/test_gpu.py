@@ -193,6 +193,55 @@ def test_dropout_masks_change_per_replay_and_match_backward():
     assert_equal(x.grad, upstream * (y != 0) * 2.0, "dropout backward mask")
 
 
+def test_graph_written_seeds_match_eager_across_reseeds_and_large_offsets():
+    """The graph writes its own Philox seed and base offset (Note [Seeding
+    random numbers inside the graph]).  Masks, grads and the generator's
+    position after each call are eager mode's, bit for bit, after a reseed
+    and with the offset crossing 2**32 (the memset nodes of the high halves)."""
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Dropout(0.3), nn.Linear(256, 16),
+                          nn.Dropout(0.3)).to(CUDA)
+    eager = copy.deepcopy(model)
+    sample = lambda: torch.randn(8, 32, device=CUDA, requires_grad=True)  # noqa: E731
+    graphed = cgraph.make_graphed(model, (sample(),))
+    assert graphed.graphs["forward"]["memsets"] == 4, graphed.graphs  # seed, offset: 2 halves
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    for step, (seed, offset) in enumerate([(None, None), (123, None), (None, 2**32 - 4),
+                                           (None, None), (7, 2**33 + 4), (None, None)]):
+        if seed is not None:
+            torch.cuda.manual_seed(seed)
+        if offset is not None:
+            generator.set_offset(offset)
+        x = sample()
+        start = torch.cuda.get_rng_state()
+        out = graphed(x)
+        after_graphed = torch.cuda.get_rng_state()
+        torch.cuda.set_rng_state(start)
+        xe = twin(x)
+        out_e = eager(xe)
+        assert torch.equal(after_graphed, torch.cuda.get_rng_state()), f"step {step}: offset"
+        assert_equal(out, out_e, f"step {step}: output (dropout masks)")
+        upstream = torch.randn_like(out)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        assert_grads_equal(graphed.module, eager, step)
+    assert generator.get_offset() > 2**33
+
+
+def test_a_replay_inside_another_capture_is_refused():
+    """A launch cannot be recorded into another graph; torch.cuda.graph around
+    a graphed callable fails with what to do, and the callable still works."""
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    x = make_input()
+    with pytest.raises(RuntimeError, match="call the eager callable"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            graphed(x)
+    eager = copy.deepcopy(model)
+    assert_equal(graphed(x), eager(x), "output after the refusal")
+
+
 def test_batchnorm_running_stats_update_as_in_eager():
     torch.manual_seed(4)
     model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU()).to(CUDA)
