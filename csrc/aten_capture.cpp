@@ -409,7 +409,7 @@ void Engine::allocate_grad_store() {
 
 // During the backward capture, once it has the parameter grads: the two
 // tails that turn them into param.grad, recorded as optional segments at the
-// end of the backward graph (kTailCopy writes grad_store, kTailAdd adds into
+// end of the backward graph (tail_copy writes grad_store, tail_add adds into
 // it; a replay runs at most one).  The grads are temporaries of the graph,
 // whose memory later graphs reuse: grad_params keeps non-owning views of
 // them, read by the slow path right after a replay.
@@ -427,17 +427,30 @@ void Engine::capture_param_grad_tails(const std::vector<at::Tensor>& grads) {
   }
   num_tail_params = stores.size();
   at::NoGradGuard no_grad;
-  const size_t copy = bwd->capture_segment([&] {
+  tail_copy = bwd->capture_segment([&] {
     if (!stores.empty()) {
       at::_foreach_copy_(stores, sources);
     }
   });
-  const size_t add = bwd->capture_segment([&] {
+  tail_add = bwd->capture_segment([&] {
     if (!stores.empty()) {
       at::_foreach_add_(stores, sources);
     }
   });
-  TORCH_INTERNAL_ASSERT(copy == kTailCopy && add == kTailAdd);
+}
+
+// During the backward capture, before the callable's backward: the ways the
+// graph fills the buffer of one incoming grad itself (Note [Incoming grads]):
+// a copy of the grad, a broadcast of its one element, or zeros.
+Engine::GradIn Engine::capture_grad_in(const at::Tensor& buffer) {
+  at::NoGradGuard no_grad;
+  GradIn in;
+  in.copy = bwd->capture_copy_in(buffer);
+  in.scalar = at::empty({}, buffer.options());
+  in.element = bwd->capture_copy_in(in.scalar);
+  in.broadcast = bwd->capture_segment([&] { buffer.copy_(in.scalar.expand(buffer.sizes())); });
+  in.zero = bwd->capture_segment([&] { buffer.zero_(); });
+  return in;
 }
 
 // After the backward capture the static outputs' autograd history is dead
@@ -463,6 +476,7 @@ void Engine::reset() noexcept {
     params.clear();
     outputs.clear();
     grad_outputs.clear();
+    grad_ins.clear();
     grad_inputs.clear();
     grad_params.clear();
     grad_store.clear();
@@ -729,11 +743,12 @@ int cg_engine_capture_backward(cg_engine* engine, cg_pool pool,
     // Allocated inside the capture, so they live in the graph pool and
     // reset() returns them with it.
     std::vector<at::Tensor> grad_outputs;
+    e.grad_ins.clear();
     for (size_t k = 0; k < e.outputs.size(); ++k) {
       if (e.output_requires_grad[k]) {
         e.grad_outputs[k] = at::empty_like(e.outputs[k]);
         grad_outputs.push_back(e.grad_outputs[k]);
-        g.capture_copy_in(e.grad_outputs[k]);  // Note [Argument copies inside the graph]
+        e.grad_ins.push_back(e.capture_grad_in(e.grad_outputs[k]));
       }
     }
     grads = e.run_backward(diff, grad_outputs);

@@ -78,13 +78,15 @@ class Graph : public at::cuda::CUDAGraph {
   void capture_end();
   void abandon() noexcept;
 
-  // During capture, before the callable's first operation: copy-in slot
-  // number copy_ins_.size(), writing `dst`.
-  void capture_copy_in(const at::Tensor& dst);
+  // During capture, before the callable's first operation: a copy-in slot
+  // writing `dst`.  Returns its number.
+  size_t capture_copy_in(const at::Tensor& dst);
   // Before a replay: the graph copies `src` into `dst` (slot k's buffer)
   // itself.  False when it cannot (a layout a memcpy cannot copy, or the
   // driver refused): the slot is then off and the caller copies.
   bool copy_in(size_t k, const at::Tensor& dst, const at::Tensor& src);
+  // The same for raw memory: slot k's buffer's size in bytes from `src`.
+  bool copy_in_from(size_t k, const void* src);
   // Before a replay: slot k copies nothing this time.
   void skip_copy_in(size_t k);
 
@@ -171,10 +173,11 @@ struct Engine {
   std::unique_ptr<Graph> fwd = std::make_unique<Graph>();
   std::unique_ptr<Graph> bwd = std::make_unique<Graph>();
   bool has_bwd = false;  // false when no output requires grad
-  // bwd ends with two optional segments, the parameter-grad tails:
-  // grad_store = grads, or grad_store += grads.  See Note [Parameter gradients].
-  static constexpr size_t kTailCopy = 0;
-  static constexpr size_t kTailAdd = 1;
+  // bwd begins with the incoming grads' ways in (grad_ins), and ends with
+  // two optional segments, the parameter-grad tails: grad_store = grads, or
+  // grad_store += grads.  See Note [Parameter gradients].
+  size_t tail_copy = 0;        // segment numbers
+  size_t tail_add = 0;
   size_t num_tail_params = 0;  // parameters the tails cover (those with a grad)
 
   // -- what the forward graph reads
@@ -193,6 +196,16 @@ struct Engine {
 
   // -- what the backward graph reads and writes
   std::vector<at::Tensor> grad_outputs;  // undefined where no grad flows
+  // Per output that requires grad, in order: the ways the backward graph
+  // fills its grad_outputs buffer itself.  See Note [Incoming grads].
+  struct GradIn {
+    size_t copy = 0;       // copy-in slot: the grad, when a memcpy copies it
+    size_t element = 0;    // copy-in slot: `scalar` = the grad's one element ...
+    size_t broadcast = 0;  // ... and this segment: buffer = scalar, everywhere
+    size_t zero = 0;       // segment: buffer = 0, when no grad flowed
+    at::Tensor scalar;     // one element, in the graph pool
+  };
+  std::vector<GradIn> grad_ins;
   std::vector<at::Tensor> grad_inputs;   // aligned with inputs
   // Aligned with params.  NON-OWNING views of the backward graph's
   // temporaries: their memory is the pool's, reused by later graphs, so they
@@ -266,6 +279,7 @@ struct Engine {
   void adopt_hidden_leaves(const std::vector<at::Tensor>& outs);
   void allocate_grad_store();
   void capture_param_grad_tails(const std::vector<at::Tensor>& grads);
+  GradIn capture_grad_in(const at::Tensor& buffer);
   void forget_capture_autograd();
   std::vector<at::Tensor> grad_targets() const;
   std::vector<at::Tensor> run_backward(const std::vector<at::Tensor>& outs,

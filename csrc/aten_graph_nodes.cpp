@@ -197,7 +197,7 @@ void add_edges(cudaGraph_t graph, const std::vector<cudaGraphNode_t>& from,
 
 }  // namespace
 
-void Graph::capture_copy_in(const at::Tensor& dst) {
+size_t Graph::capture_copy_in(const at::Tensor& dst) {
   CopyIn slot;
   slot.dst = dst.data_ptr();
   slot.bytes = dst.nbytes();
@@ -214,6 +214,7 @@ void Graph::capture_copy_in(const at::Tensor& dst) {
     }
   }
   copy_ins_.push_back(slot);
+  return copy_ins_.size() - 1;
 }
 
 size_t Graph::capture_segment(const std::function<void()>& record) {
@@ -247,12 +248,18 @@ void Graph::set_segment(size_t s, bool enabled) {
 }
 
 bool Graph::copy_in(size_t k, const at::Tensor& dst, const at::Tensor& src) {
-  CopyIn& slot = copy_ins_[k];
-  if (slot.node == nullptr || !memcpy_copies(dst, src)) {
+  if (!memcpy_copies(dst, src)) {
     skip_copy_in(k);
     return false;
   }
-  const void* from = src.const_data_ptr();
+  return copy_in_from(k, src.const_data_ptr());
+}
+
+bool Graph::copy_in_from(size_t k, const void* from) {
+  CopyIn& slot = copy_ins_[k];
+  if (slot.node == nullptr) {
+    return false;
+  }
   if (from != slot.src) {
     if (cudaGraphExecMemcpyNodeSetParams1D(graph_exec_, slot.node, slot.dst, from, slot.bytes,
                                            cudaMemcpyDeviceToDevice) != cudaSuccess) {

@@ -203,6 +203,58 @@ bool needs_copy(const at::Tensor& dst, const at::Tensor& src, at::Tensor* staged
   return true;
 }
 
+// Note [Incoming grads]
+// Q: How does an incoming grad reach the backward graph's buffer for it?
+// A: As an argument reaches the forward's (Note [Argument copies inside the
+//    graph]), with two more ways in, since autograd hands a backward node
+//    grads that no memcpy can copy:
+//      - dense, laid out as the buffer: the buffer's copy slot;
+//      - every element one element in memory (the expanded grad of .sum(),
+//        of a broadcast): the graph copies that element into a one-element
+//        buffer (a second copy slot), then broadcasts it into the buffer (an
+//        optional segment, one kernel);
+//      - no grad at all (an output the loss does not use): an optional
+//        segment zeroes the buffer;
+//      - anything else (a transposed grad): ATen copies it before the replay.
+//    Every replay sets all four, so the graph's own ways cost no ATen call
+//    and no launch of their own.
+bool aliases_one_element(const at::Tensor& t) {
+  if (t.numel() <= 1) {
+    return false;
+  }
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1 && t.stride(d) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Before the backward replay: sets every way into `buffer` for `grad`.
+// Returns true if the caller must copy *staged into buffer before the replay.
+bool route_incoming_grad(Engine& e, const Engine::GradIn& in, const at::Tensor& buffer,
+                         const at::Tensor& grad, at::Tensor* staged) {
+  Graph& g = *e.bwd;
+  bool copy = false, element = false, zero = false, before = false;
+  if (!grad.defined()) {
+    zero = true;
+  } else if (needs_copy(buffer, grad, staged)) {
+    element = aliases_one_element(grad) && g.copy_in_from(in.element, grad.const_data_ptr());
+    copy = !element && g.copy_in(in.copy, buffer, *staged);
+    before = !element && !copy;
+  }
+  if (!copy) {
+    g.skip_copy_in(in.copy);
+  }
+  if (!element) {
+    g.skip_copy_in(in.element);
+  }
+  g.set_segment(in.broadcast, element);
+  g.set_segment(in.zero, zero);
+  e.stats.copied_in_graph += copy || element;
+  return before;
+}
+
 // Whether argument i lives in another argument's static buffer (a caller
 // passing one static input as another argument).  That buffer may be
 // overwritten by its own copy first, so the argument is staged as a clone.
@@ -309,24 +361,15 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
   consumed = true;
 
   // 1. Incoming grads into the static grad buffers, by the graph where it
-  //    can (Note [Argument copies inside the graph]); a missing grad is zeros.
+  //    can: Note [Incoming grads].
   TensorVec dst, src;
   for (size_t slot = 0, k = 0; slot < e.outputs.size(); ++slot) {
     if (!e.output_requires_grad[slot]) {
       continue;
     }
-    at::Tensor& buffer = e.grad_outputs[slot];
-    const at::Tensor& grad = grads[k];
     at::Tensor staged;
-    if (!grad.defined()) {
-      e.bwd->skip_copy_in(k);
-      buffer.zero_();
-    } else if (!needs_copy(buffer, grad, &staged)) {
-      e.bwd->skip_copy_in(k);
-    } else if (e.bwd->copy_in(k, buffer, grad)) {
-      ++e.stats.copied_in_graph;
-    } else {
-      dst.push_back(buffer);
+    if (route_incoming_grad(e, e.grad_ins[k], e.grad_outputs[slot], grads[k], &staged)) {
+      dst.push_back(e.grad_outputs[slot]);
       src.push_back(std::move(staged));
     }
     ++k;
@@ -337,8 +380,8 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
   // 2. Which tail of the graph delivers the parameter grads: Note
   //    [Parameter gradients].
   const GradPath path = choose_grad_path(e, fused_params);
-  e.bwd->set_segment(Engine::kTailCopy, path == GradPath::CopyTail);
-  e.bwd->set_segment(Engine::kTailAdd, path == GradPath::AddTail);
+  e.bwd->set_segment(e.tail_copy, path == GradPath::CopyTail);
+  e.bwd->set_segment(e.tail_add, path == GradPath::AddTail);
 
   // 3. Replay.
   if (!e.rng.generators.empty()) {
