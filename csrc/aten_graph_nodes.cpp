@@ -33,8 +33,8 @@
 // A: A captured random op (dropout) reads its Philox seed and base offset
 //    from two one-element device tensors, and before every launch of a graph
 //    that draws random numbers, torch's replay() fills both with ATen fill_:
-//    two dispatches and two kernel launches, about 14 us of host time on an
-//    H100 host, more than the launch itself, paid by the forward and the
+//    two dispatches and two kernel launches, about 14 us of host time on the
+//    hosts measured, more than the launch itself, paid by the forward and the
 //    backward of every dropout layer.  cgraph writes them from inside the
 //    graph instead: at capture end, before instantiation, four memset nodes
 //    per generator state (each 64-bit value as two 32-bit halves, the widest
@@ -168,7 +168,7 @@ std::unique_lock<std::mutex> replay_lock(State&, long) {
   return {};
 }
 
-// One 32-bit memset of `value` at `dst`.
+// A one-word memset node's parameters, writing `dst`; launch() sets the value.
 cudaMemsetParams word_memset(void* dst) {
   cudaMemsetParams p{};
   p.dst = dst;
@@ -283,7 +283,6 @@ void Graph::skip_copy_in(size_t k) {
     slot.enabled = false;
   }
 }
-
 
 void Graph::capture_rng_seeds() {
   rng_seeds_.clear();
