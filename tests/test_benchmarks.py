@@ -111,12 +111,24 @@ def test_table():
     assert lines[0].split()[:2] == ["workload", "variant"]
     cgraph = next(line for line in lines if "overhead-32" in line and "cgraph-whole" in line)
     assert cgraph.split()[2:] == ["20.0", "100.0", "0.8", "2.0", "0.25", "0.50x", "2.00x", "0.20x",
-                                "0.50x", "1.00x"]
+                                "0.50x", "1.00x", "-"]
     failed = next(line for line in lines if "cgraph-layer" in line and "overhead-32" in line)
     assert "error: exit code 1: RuntimeError: CUDA error: misaligned address" in failed
     no_ref = next(line for line in lines if line.startswith("overhead-8") and "eager" in line)
-    assert no_ref.split()[-5:] == ["-", "10.00x", "-", "1.00x", "1.00x"]
+    assert no_ref.split()[-6:] == ["-", "10.00x", "-", "1.00x", "1.00x", "-"]
     assert "over torch-mgc-whole" in lines[-1] and "(gpt-24: torch-mgc-layer)" in lines[-1]
+
+
+def test_best_of_repeats():
+    slow, fast = _row("mlp", "eager", 900.0, 800.0), _row("mlp", "eager", 600.0, 500.0)
+    slow["setup_s"], fast["setup_s"] = 0.5, 0.1
+    third = {**slow, "wall_us": 700.0, "setup_s": 0.3}
+    best = run.best_of([slow, fast, third])
+    assert (best["wall_us"], best["host_us"]) == (600.0, 500.0)  # one process's pair
+    assert best["setup_s"] == 0.3 and best["repeats"] == 3 and best["wall_spread"] == 1.5
+    assert run.best_of([fast]) == {**fast, "repeats": 1, "wall_spread": 1.0}
+    # Any failed process makes the row an error, however fast the others were.
+    assert run.best_of([fast, _error("mlp", "eager"), slow]) == _error("mlp", "eager")
 
 
 def test_json(tmp_path):
@@ -146,11 +158,15 @@ def test_chart_without_matplotlib(tmp_path, monkeypatch, capsys):
 
 def test_main_with_fake_measurements(tmp_path, monkeypatch, capsys):
     """The runner's whole flow, with each variant's measurement made up."""
+    calls = []
+
     def fake_run_variant(workload, variant, steps, warmup):
         assert (steps, warmup) == (7, run.QUICK_WARMUP)
+        calls.append(variant)
         if variant == "cgraph-whole":
             return _error(workload, variant)
-        return _row(workload, variant, 100.0 if variant != "floor" else 25.0, 10.0)
+        wall = 100.0 if variant != "floor" else 25.0
+        return _row(workload, variant, wall + (len(calls) < 6) * 50.0, 10.0)
 
     monkeypatch.setattr(run.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(run, "run_variant", fake_run_variant)
@@ -158,14 +174,19 @@ def test_main_with_fake_measurements(tmp_path, monkeypatch, capsys):
     copies.mkdir()
     monkeypatch.setenv("OUT", str(copies))
     out = tmp_path / "results"
-    assert run.main(["--quick", "--workloads", "overhead-8", "--steps", "7",
+    assert run.main(["--quick", "--workloads", "overhead-8", "--steps", "7", "--repeats", "2",
                      "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "[5/5] overhead-8 floor: 25.0 µs wall" in printed
+    variants = list(workloads.WORKLOADS["overhead-8"].variants)
+    assert calls == variants * 2  # the variants take turns
+    assert "[5/10] overhead-8 floor: 75.0 µs wall" in printed
+    assert "[10/10] overhead-8 floor: 25.0 µs wall" in printed
     assert "error: exit code 1" in printed
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["device"] == "Fake GPU" and data["meta"]["steps"] == 7
-    assert [r["variant"] for r in data["results"]] == list(workloads.WORKLOADS["overhead-8"].variants)
+    assert data["meta"]["repeats"] == 2
+    assert [r["variant"] for r in data["results"]] == variants
+    assert data["results"][0]["wall_us"] == 100.0 and data["results"][0]["wall_spread"] == 1.5
     assert data["results"][0]["wall_vs_floor"] == 4.0
     assert (copies / "results.json").read_text() == (out / "results.json").read_text()
 
