@@ -144,16 +144,17 @@ def best_of(repeats: list[dict]) -> dict:
     (slowest wall time over fastest).  The first error row if any process
     failed: a flaky variant is reported, not hidden.
 
-    Why the fastest process: the lent machines are virtual, and a process
-    whose threads land on a vCPU that another tenant keeps busy runs all its
-    Python 1.5 to 2 times slower for its whole life (measured on one H100
+    Why the fastest process: the lent machines are virtual machines whose
+    vCPUs other tenants share, and one process can run all its Python up to
+    twice as slowly as the next, for its whole life (measured on one H100
     host: the same variant's host time per step 314 µs in one process, 725
-    in the next).  That noise only ever adds time, it hits the host-bound
+    in the next; two of its sixteen vCPUs ran a Python loop 1.5 times slower
+    than the rest).  That noise only ever adds time, it hits the host-bound
     rows (eager, graphed layers) and not the GPU-bound floors, and one
     process per variant left ratios to chance.  The least of a few repeats
-    is what the machine does when nobody else is using it, as timeit
-    reports the least of its repeats for the same reason; every variant is
-    measured the same way, and ``spread`` shows how much noise there was.
+    is the nearest to what the machine does undisturbed, which is why
+    timeit reports the least of its repeats too; every variant is measured
+    the same way, and ``spread`` shows how much noise there was.
     """
     errors = [r for r in repeats if "error" in r]
     if errors:
@@ -326,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = next((r["device"] for r in rows if "device" in r), "unknown device")
     meta = {"device": device, "torch": torch.__version__, "python": platform.python_version(),
-            "steps": steps, "warmup": warmup, "repeats": repeats, "torch_reference": torch_references(rows)}
+            "steps": steps, "warmup": warmup, "repeats": repeats,
+            "torch_reference": torch_references(rows)}
     print(f"\n{device}, torch {torch.__version__}: medians of {steps} steps "
           f"after {warmup} warm-up steps, the fastest of {repeats} processes\n")
     print(format_table(rows))
