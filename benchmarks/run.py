@@ -145,11 +145,11 @@ def best_of(repeats: list[dict]) -> dict:
     failed: a flaky variant is reported, not hidden.
 
     Why the fastest process: the lent machines are virtual machines whose
-    vCPUs other tenants share, and one process can run all its Python up to
-    twice as slowly as the next, for its whole life (measured on one H100
+    vCPUs do not run at one speed, and one process can run all its Python up
+    to twice as slowly as the next, for its whole life (measured on one H100
     host: the same variant's host time per step 314 µs in one process, 725
-    in the next; two of its sixteen vCPUs ran a Python loop 1.5 times slower
-    than the rest).  That noise only ever adds time, it hits the host-bound
+    in the next; a Python loop pinned to vCPU 0 or 3 ran 1.5 times slower
+    than on vCPUs 7, 8 or 15).  That noise only ever adds time, it hits the host-bound
     rows (eager, graphed layers) and not the GPU-bound floors, and one
     process per variant left ratios to chance.  The least of a few repeats
     is the nearest to what the machine does undisturbed, which is why
