@@ -397,12 +397,14 @@ std::vector<at::Tensor> Engine::run_backward(const std::vector<at::Tensor>& outs
 // allocation per parameter that requires grad, laid out like the parameter
 // (AccumulateGrad's layout contract) on the stream that will read it as
 // param.grad.  Those the backward leaves without a grad are released after
-// the capture.
+// the capture.  Left unfilled (a fill launch per parameter is set-up time):
+// every path of Note [Parameter gradients] writes a grad_store before it
+// hands it out, and adds into it only once handed out.
 void Engine::allocate_grad_store() {
   c10::cuda::CUDAStreamGuard on_caller(*caller_stream);
   for (size_t j = 0; j < params.size(); ++j) {
     if (param_requires_grad[j]) {
-      grad_store[j] = at::zeros_like(params[j], at::MemoryFormat::Preserve);
+      grad_store[j] = at::empty_like(params[j], at::MemoryFormat::Preserve);
     }
   }
 }
