@@ -25,19 +25,16 @@ from collections.abc import Callable
 
 import torch
 
+from .variant import _times
 from .workloads import WORKLOADS, _forward, _loss, build
 
 DEFAULT_VARIANTS = "eager,torch-mgc-whole,cgraph-whole,cgraph-layer"
 
 
 def _median_us(fn: Callable[[], object], steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
+    """Median host µs of ``fn``, each call after a synchronize (the runner's
+    host loop)."""
+    return statistics.median(_times(fn, steps, wait_for_gpu=False)) * 1e6
 
 
 def primitives(steps: int) -> dict[str, float]:
