@@ -70,8 +70,27 @@ def _cuda_library_includes():
                    for h in glob.glob(os.path.join(root, "*", "include", "cusparse.h"))})
 
 
+def _default_cuda_archs():
+    """Where no GPU is visible (CI), torch's cpp_extension finds no arch to
+    build the kernels for and fails: build them for the archs torch itself
+    was built for.  With a GPU, torch picks that GPU's arch."""
+    import torch
+
+    if os.environ.get("TORCH_CUDA_ARCH_LIST") or torch.cuda.device_count() > 0:
+        return
+    try:
+        flags = torch._C._cuda_getArchFlags().split()  # "sm_75 sm_80 ..."
+    except (AttributeError, RuntimeError):
+        flags = []
+    archs = [f"{f[3:-1]}.{f[-1]}" for f in flags if f.startswith("sm_") and f[3:].isdigit()]
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(archs or ["8.0", "9.0"]) + "+PTX"
+
+
+_default_cuda_archs()
+
 C_SOURCES = sorted(glob.glob("csrc/*.c"))
 CXX_SOURCES = sorted(glob.glob("csrc/aten_*.cpp"))
+CUDA_SOURCES = sorted(glob.glob("csrc/*.cu"))  # kernels, compiled by nvcc
 C_LIBRARY = "cgraph_c"
 
 
@@ -104,10 +123,10 @@ setup(
     ext_modules=[
         CUDAExtension(
             name="cgraph._C",
-            sources=CXX_SOURCES,
+            sources=CXX_SOURCES + CUDA_SOURCES,
             include_dirs=[os.path.abspath("csrc"), *_cuda_library_includes()],
             # No -std: torch picks the standard its headers need (C++20 from 2.14).
-            extra_compile_args={"cxx": ["-O2"]},
+            extra_compile_args={"cxx": ["-O2"], "nvcc": ["-O3"]},
         )
     ],
     cmdclass={"build_ext": BuildWithC},

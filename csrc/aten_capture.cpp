@@ -3,10 +3,12 @@
 // Every extern "C" function here sits inside HANDLE_TH_ERRORS, which turns
 // C++ and c10 exceptions into Python exceptions: none crosses into C.
 #include "aten_engine.hpp"
+#include "tensor_lists.h"
 
 #include <ATen/autocast_mode.h>
 #include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/Exceptions.h>
@@ -15,7 +17,9 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <iterator>
+#include <map>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <tuple>
 #include <unordered_map>
@@ -200,6 +204,57 @@ namespace {
 struct QuietWarnings : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
+// The operation tensor_lists.cu applies to `dst` and `src` for a tail (add
+// or copy), if it can: the same dtype and dense layout, and for an add a
+// floating type it adds.
+std::optional<cg_list_op> list_op(bool add, const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.scalar_type() != src.scalar_type() || !dst.is_non_overlapping_and_dense() ||
+      !src.is_non_overlapping_and_dense() || !dst.strides().equals(src.strides())) {
+    return std::nullopt;
+  }
+  if (!add) {
+    return CG_LIST_COPY;
+  }
+  switch (dst.scalar_type()) {
+    case at::kFloat:
+      return CG_LIST_ADD_F32;
+    case at::kDouble:
+      return CG_LIST_ADD_F64;
+    case at::kHalf:
+      return CG_LIST_ADD_F16;
+    case at::kBFloat16:
+      return CG_LIST_ADD_BF16;
+    default:
+      return std::nullopt;
+  }
+}
+
+// One tail of Note [Parameter gradients], recorded into the capture:
+// stores[j] = sources[j], or += with `add`.  tensor_lists.cu takes each
+// (dtype, op) group in one launch; what it cannot take, ATen's foreach ops.
+void record_tail(bool add, const std::vector<at::Tensor>& stores,
+                 const std::vector<at::Tensor>& sources) {
+  std::map<cg_list_op, std::vector<cg_list_item>> lists;
+  std::vector<at::Tensor> aten_stores, aten_sources;
+  for (size_t j = 0; j < stores.size(); ++j) {
+    if (const auto op = list_op(add, stores[j], sources[j])) {
+      lists[*op].push_back({stores[j].data_ptr(), sources[j].const_data_ptr(),
+                            stores[j].nbytes()});
+    } else {
+      aten_stores.push_back(stores[j]);
+      aten_sources.push_back(sources[j]);
+    }
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  for (const auto& [op, items] : lists) {
+    C10_CUDA_CHECK(cg_list_apply(op, items.data(), items.size(), stream));
+  }
+  if (!aten_stores.empty()) {
+    add ? at::_foreach_add_(aten_stores, aten_sources)
+        : at::_foreach_copy_(aten_stores, aten_sources);
+  }
+}
+
 }  // namespace
 
 // Note [Generators after a failed capture]
@@ -429,16 +484,8 @@ void Engine::capture_param_grad_tails(const std::vector<at::Tensor>& grads) {
   }
   num_tail_params = stores.size();
   at::NoGradGuard no_grad;
-  tail_copy = bwd->capture_segment([&] {
-    if (!stores.empty()) {
-      at::_foreach_copy_(stores, sources);
-    }
-  });
-  tail_add = bwd->capture_segment([&] {
-    if (!stores.empty()) {
-      at::_foreach_add_(stores, sources);
-    }
-  });
+  tail_copy = bwd->capture_segment([&] { record_tail(false, stores, sources); });
+  tail_add = bwd->capture_segment([&] { record_tail(true, stores, sources); });
 }
 
 // During the backward capture, before the callable's backward: the ways the

@@ -32,7 +32,8 @@ using TensorVec = c10::SmallVector<at::Tensor, 16>;
 //    parameter costs host time and a kernel launch each.
 //    cgraph keeps one tensor per parameter, grad_store[j], and hands it out
 //    as param.grad.  The backward graph ends with two optional segments
-//    ("tails"), each one fused launch for all parameters, and every replay
+//    ("tails"), each one launch of tensor_lists.cu for all parameters of a
+//    dtype (ATen's foreach ops for what it cannot take), and every replay
 //    switches on at most one of them before it launches:
 //      - every .grad is None and nobody else holds its grad_store: the copy
 //        tail (grad_store = grad), then .grad = grad_store;

@@ -107,6 +107,26 @@ def test_grad_accumulation_without_zero_grad():
         assert_grads_equal(model, eager, step)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_grad_tails_match_eager_in_every_float_dtype(dtype):
+    """The tails are cgraph's own kernel (csrc/tensor_lists.cu): a copy,
+    then adds in the parameters' dtype, rounded once as ATen's add_ rounds.
+    The 1000 x 600 weight spreads over many blocks; the biases' sizes are
+    not multiples of 16 bytes (the kernel's byte path)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(600, 1000), nn.ReLU(), nn.Linear(1000, 7)).to(CUDA, dtype)
+    eager = copy.deepcopy(model)
+    make_input = lambda: torch.randn(8, 600, device=CUDA, dtype=dtype)  # noqa: E731
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    for step in range(3):  # .grad starts as None (copy tail), then accumulates (add tail)
+        x = make_input()
+        upstream = torch.randn(8, 7, device=CUDA, dtype=dtype)
+        (graphed(x) * upstream).sum().backward()
+        (eager(x) * upstream).sum().backward()
+        assert_grads_equal(model, eager, step)
+    assert graphed.stats["grads_copied"] == 1 and graphed.stats["grads_added"] == 2
+
+
 def test_held_grad_is_never_overwritten():
     torch.manual_seed(2)
     model, make_input = mlp()
