@@ -103,6 +103,12 @@ void launch(const ListArgs& args, unsigned blocks, cudaStream_t stream) {
   apply_list<Op><<<blocks, kThreads, 0, stream>>>(args);
 }
 
+// Indexed by cg_list_op.
+using Launcher = void (*)(const ListArgs&, unsigned, cudaStream_t);
+constexpr Launcher kLaunchers[] = {launch<CG_LIST_COPY>, launch<CG_LIST_ADD_F32>,
+                                   launch<CG_LIST_ADD_F64>, launch<CG_LIST_ADD_F16>,
+                                   launch<CG_LIST_ADD_BF16>};
+
 }  // namespace
 
 extern "C" cudaError_t cg_list_apply(cg_list_op op, const cg_list_item* items, size_t count,
@@ -124,23 +130,7 @@ extern "C" cudaError_t cg_list_apply(cg_list_op op, const cg_list_item* items, s
       break;
     }
     args.first_block[args.count] = blocks;
-    switch (op) {
-      case CG_LIST_COPY:
-        launch<CG_LIST_COPY>(args, blocks, stream);
-        break;
-      case CG_LIST_ADD_F32:
-        launch<CG_LIST_ADD_F32>(args, blocks, stream);
-        break;
-      case CG_LIST_ADD_F64:
-        launch<CG_LIST_ADD_F64>(args, blocks, stream);
-        break;
-      case CG_LIST_ADD_F16:
-        launch<CG_LIST_ADD_F16>(args, blocks, stream);
-        break;
-      case CG_LIST_ADD_BF16:
-        launch<CG_LIST_ADD_BF16>(args, blocks, stream);
-        break;
-    }
+    kLaunchers[op](args, blocks, stream);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) {
       return err;
