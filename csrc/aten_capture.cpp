@@ -205,11 +205,11 @@ struct QuietWarnings : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
 // The operation tensor_lists.cu applies to `dst` and `src` for a tail (add
-// or copy), if it can: the same dtype and dense layout, and for an add a
-// floating type it adds.
+// or copy), if it can: the same dtype, memory a memcpy could copy, and for
+// an add a floating type it adds.
 std::optional<cg_list_op> list_op(bool add, const at::Tensor& dst, const at::Tensor& src) {
   if (dst.scalar_type() != src.scalar_type() || !dst.is_non_overlapping_and_dense() ||
-      !src.is_non_overlapping_and_dense() || !dst.strides().equals(src.strides())) {
+      !memcpy_copies(dst, src)) {
     return std::nullopt;
   }
   if (!add) {
@@ -230,8 +230,9 @@ std::optional<cg_list_op> list_op(bool add, const at::Tensor& dst, const at::Ten
 }
 
 // One tail of Note [Parameter gradients], recorded into the capture:
-// stores[j] = sources[j], or += with `add`.  tensor_lists.cu takes each
-// (dtype, op) group in one launch; what it cannot take, ATen's foreach ops.
+// stores[j] = sources[j], or += with `add`.  tensor_lists.cu takes the copy,
+// or the adds of each dtype, in one launch; what it cannot take, ATen's
+// foreach ops.
 void record_tail(bool add, const std::vector<at::Tensor>& stores,
                  const std::vector<at::Tensor>& sources) {
   std::map<cg_list_op, std::vector<cg_list_item>> lists;

@@ -286,6 +286,10 @@ struct Engine {
                                        const std::vector<at::Tensor>& grad_outs);
 };
 
+// Whether a memcpy of dst.nbytes() bytes from src's first element copies
+// `src` into `dst` element for element (aten_graph_nodes.cpp).
+bool memcpy_copies(const at::Tensor& dst, const at::Tensor& src);
+
 }  // namespace cgraph
 
 struct cg_engine {

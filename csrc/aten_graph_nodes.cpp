@@ -116,19 +116,6 @@ bool is_copy_into(cudaGraphNode_t node, const void* dst) {
   return params.dstPtr.ptr == dst && params.kind == cudaMemcpyDeviceToDevice;
 }
 
-// Whether a memcpy of dst.nbytes() bytes from src's first element copies
-// `src` into `dst` element for element: the same dense layout, and memory
-// that does not overlap (the caller has checked sizes, dtype and device).
-bool memcpy_copies(const at::Tensor& dst, const at::Tensor& src) {
-  if (!src.is_non_overlapping_and_dense() || !src.strides().equals(dst.strides())) {
-    return false;
-  }
-  const auto* s = static_cast<const char*>(src.const_data_ptr());
-  const auto* d = static_cast<const char*>(dst.const_data_ptr());
-  const size_t n = dst.nbytes();
-  return s + n <= d || d + n <= s;
-}
-
 // The device tensors holding the seed and base offset that a graph's random
 // ops read, for one generator state: Note [Seeding random numbers inside the
 // graph].  Both undefined where this torch keeps them elsewhere.
@@ -179,24 +166,32 @@ cudaMemsetParams word_memset(void* dst) {
   return p;
 }
 
-// Makes every node in `to` wait for every node in `from`.
-void add_edges(cudaGraph_t graph, const std::vector<cudaGraphNode_t>& from,
-               const std::vector<cudaGraphNode_t>& to) {
-  std::vector<cudaGraphNode_t> a, b;
-  for (cudaGraphNode_t f : from) {
-    for (cudaGraphNode_t t : to) {
-      a.push_back(f);
-      b.push_back(t);
-    }
-  }
+// Makes every node in `later` wait for `first`.
+void precede(cudaGraph_t graph, cudaGraphNode_t first,
+             const std::vector<cudaGraphNode_t>& later) {
+  const std::vector<cudaGraphNode_t> from(later.size(), first);
 #if CUDART_VERSION >= 13000
-  C10_CUDA_CHECK(cudaGraphAddDependencies(graph, a.data(), b.data(), nullptr, a.size()));
+  C10_CUDA_CHECK(cudaGraphAddDependencies(graph, from.data(), later.data(), nullptr,
+                                          later.size()));
 #else
-  C10_CUDA_CHECK(cudaGraphAddDependencies(graph, a.data(), b.data(), a.size()));
+  C10_CUDA_CHECK(cudaGraphAddDependencies(graph, from.data(), later.data(), later.size()));
 #endif
 }
 
 }  // namespace
+
+// Whether a memcpy of dst.nbytes() bytes from src's first element copies
+// `src` into `dst` element for element: the same dense layout, and memory
+// that does not overlap (the caller has checked sizes, dtype and device).
+bool memcpy_copies(const at::Tensor& dst, const at::Tensor& src) {
+  if (!src.is_non_overlapping_and_dense() || !src.strides().equals(dst.strides())) {
+    return false;
+  }
+  const auto* s = static_cast<const char*>(src.const_data_ptr());
+  const auto* d = static_cast<const char*>(dst.const_data_ptr());
+  const size_t n = dst.nbytes();
+  return s + n <= d || d + n <= s;
+}
 
 size_t Graph::capture_copy_in(const at::Tensor& dst) {
   CopyIn slot;
@@ -327,7 +322,7 @@ void Graph::capture_rng_seeds() {
       last = r.nodes[k];
     }
   }
-  add_edges(graph_, {last}, roots);
+  precede(graph_, last, roots);
 }
 
 void Graph::launch() {
