@@ -5,13 +5,14 @@ its own, then a table, a JSON file and a chart.
                               [--steps N] [--repeats R] [--quick] [--out DIR]
 
 Per variant (see :mod:`benchmarks.variant` for how each is measured): median
-host and wall time per step in µs, peak allocated memory in MiB and setup
-time in s, plus the ratios
+host, wall and pipelined time per step in µs, peak allocated memory in MiB
+and setup time in s, plus the ratios
 
 * wall/torch, host/torch: to torch's make_graphed_callables on the same
   workload (``torch-mgc-whole``; for workloads graphed only per layer, such
   as gpt-24, ``torch-mgc-layer``);
-* wall/floor: to the raw-CUDA-graph floor of the same workload.
+* wall/floor, pipe/floor: to the raw-CUDA-graph floor of the same workload,
+  for a step from an idle GPU (wall) and for steps back to back (pipe).
 
 Each variant runs in ``--repeats`` processes (default 3), the variants
 taking turns, and its row is that of the process with the least wall time:
@@ -46,7 +47,8 @@ QUICK_STEPS, QUICK_WARMUP, QUICK_REPEATS = 10, 3, 1
 VARIANT_TIMEOUT_S = 300  # generous for a cold torch.compile of gpt-6
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
-RATIOS = ("wall_vs_torch", "wall_vs_floor", "host_vs_torch", "peak_vs_eager", "mem_vs_eager")
+RATIOS = ("wall_vs_torch", "wall_vs_floor", "pipe_vs_floor", "host_vs_torch", "peak_vs_eager",
+          "mem_vs_eager")
 
 
 # ---- what to run -------------------------------------------------------------
@@ -169,15 +171,18 @@ def best_of(repeats: list[dict]) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """The rows with ``wall_vs_torch``, ``wall_vs_floor`` and ``host_vs_torch``
-    added: a row's time over its reference's (the workload's ``torch_ref``
-    variant, or ``floor``) in the same workload; None for an error row or
-    where the reference is missing or failed."""
+    """The rows with the ``RATIOS`` added: a row's time or memory over its
+    reference's (the workload's ``torch_ref`` variant, ``floor`` or
+    ``eager``) in the same workload; None for an error row, where the
+    reference is missing or failed, or where either lacks the measure
+    (results from before it was measured)."""
     ok = {(r["workload"], r["variant"]): r for r in rows if "error" not in r}
 
     def ratio(row: dict, ref_variant: str, key: str) -> float | None:
         ref = ok.get((row["workload"], ref_variant))
-        return None if "error" in row or ref is None else row[key] / ref[key]
+        if "error" in row or ref is None or row.get(key) is None or ref.get(key) is None:
+            return None
+        return row[key] / ref[key]
 
     out = []
     for row in rows:
@@ -185,6 +190,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         out.append({**row,
                     "wall_vs_torch": ratio(row, torch_ref, "wall_us"),
                     "wall_vs_floor": ratio(row, "floor", "wall_us"),
+                    "pipe_vs_floor": ratio(row, "floor", "pipe_us"),
                     "host_vs_torch": ratio(row, torch_ref, "host_us"),
                     "peak_vs_eager": ratio(row, "eager", "peak_mib"),
                     "mem_vs_eager": ratio(row, "eager", "peak_reserved_mib")})
@@ -199,11 +205,13 @@ def torch_references(rows: list[dict]) -> dict[str, str]:
 _COLUMNS = (  # header, key, format
     ("host µs", "host_us", "{:.1f}"),
     ("wall µs", "wall_us", "{:.1f}"),
+    ("pipe µs", "pipe_us", "{:.1f}"),
     ("peak MiB", "peak_mib", "{:.1f}"),
     ("resv MiB", "peak_reserved_mib", "{:.1f}"),
     ("setup s", "setup_s", "{:.2f}"),
     ("wall/torch", "wall_vs_torch", "{:.2f}x"),
     ("wall/floor", "wall_vs_floor", "{:.2f}x"),
+    ("pipe/floor", "pipe_vs_floor", "{:.2f}x"),
     ("host/torch", "host_vs_torch", "{:.2f}x"),
     ("peak/eager", "peak_vs_eager", "{:.2f}x"),
     ("resv/eager", "mem_vs_eager", "{:.2f}x"),
@@ -229,9 +237,11 @@ def format_table(rows: list[dict]) -> str:
         "",
         f"wall/torch, host/torch: over {default} of the same workload"
         + (f" ({others})" if others else "")
-        + "; wall/floor: over floor of the same workload; peak/eager, resv/eager: peak "
-        "allocated and peak reserved memory over eager's; spread: slowest process's wall "
-        "time over the fastest's, whose row this is; -: reference missing or failed.",
+        + "; wall/floor, pipe/floor: over floor of the same workload (wall: one step "
+        "from an idle GPU; pipe: steps back to back, no synchronize between); peak/eager, "
+        "resv/eager: peak allocated and peak reserved memory over eager's; spread: slowest "
+        "process's wall time over the fastest's, whose row this is; -: reference missing "
+        "or failed.",
     ]
     return "\n".join(lines)
 

@@ -25,7 +25,14 @@ What is measured, all on the current CUDA device:
   ``perf_counter`` around the step with no synchronize inside.
 * ``wall_us``: median time of one step until the GPU has finished it:
   synchronize, then ``perf_counter`` around the step and a synchronize.
-  The host and wall loops alternate in ``ROUNDS`` rounds.
+  This is the step of a loop that synchronizes every step (``loss.item()``
+  for logging): the GPU idles while the host runs up to its first launch,
+  and wherever the host falls behind.
+* ``pipe_us``: time per step of steps run back to back, synchronized only
+  before the first and after the last: the step of a loop that never
+  synchronizes, where the host runs ahead across steps, so a step costs
+  about the larger of its host and its GPU time.  The median over rounds.
+  The host, wall and pipelined loops alternate in ``ROUNDS`` rounds.
 * ``peak_mib``: ``torch.cuda.max_memory_allocated`` over setup, warm-up and
   both timed loops (peak stats reset after the model and inputs exist, so it
   counts them, the optimizer state, activations and graph pools).
@@ -50,7 +57,7 @@ import torch
 from .workloads import WORKLOADS, Problem, build, prepare
 
 SETUP_REPEATS = 5  # set-ups timed per graph variant (see the module docstring)
-ROUNDS = 5  # the host and wall loops alternate in this many rounds
+ROUNDS = 5  # the host, wall and pipelined loops alternate in this many rounds
 
 
 def _times(step: Callable[[], object], steps: int, wait_for_gpu: bool) -> list[float]:
@@ -65,16 +72,28 @@ def _times(step: Callable[[], object], steps: int, wait_for_gpu: bool) -> list[f
     return times
 
 
-def _host_and_wall_us(step: Callable[[], object], steps: int) -> tuple[float, float]:
-    """Median host and wall time of ``steps`` steps each, the two loops
-    interleaved in ``ROUNDS`` rounds so that a slow spell of the host
-    (it is shared) weighs on both alike."""
-    host, wall = [], []
+def _pipelined(step: Callable[[], object], steps: int) -> float:
+    """Seconds per step of ``steps`` steps with no synchronize between them."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps
+
+
+def _step_times_us(step: Callable[[], object], steps: int) -> tuple[float, float, float]:
+    """Median host, wall and pipelined time per step (µs) of ``steps``
+    steps each, the three loops interleaved in ``ROUNDS`` rounds so that a
+    slow spell of the host (it is shared) weighs on all alike."""
+    host, wall, pipe = [], [], []
     for r in range(ROUNDS):
         n = steps // ROUNDS + (r < steps % ROUNDS)
         host += _times(step, n, wait_for_gpu=False)
         wall += _times(step, n, wait_for_gpu=True)
-    return statistics.median(host) * 1e6, statistics.median(wall) * 1e6
+        if n:
+            pipe.append(_pipelined(step, n))
+    return tuple(statistics.median(t) * 1e6 for t in (host, wall, pipe))
 
 
 def _pay_one_time_costs(workload: str) -> None:
@@ -115,12 +134,13 @@ def measure(workload: str, variant: str, steps: int, warmup: int) -> dict:
     problem, step, setup_s = _timed_setup(workload, variant)
     for _ in range(warmup):
         step()
-    host_us, wall_us = _host_and_wall_us(step, steps)
+    host_us, wall_us, pipe_us = _step_times_us(step, steps)
     row = {
         "workload": workload,
         "variant": variant,
         "host_us": host_us,
         "wall_us": wall_us,
+        "pipe_us": pipe_us,
         "peak_mib": torch.cuda.max_memory_allocated() / 2**20,
         "peak_reserved_mib": torch.cuda.max_memory_reserved() / 2**20,
         "setup_s": setup_s,

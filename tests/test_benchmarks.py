@@ -16,9 +16,12 @@ REPO = Path(__file__).resolve().parent.parent
 NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
 
 
-def _row(workload, variant, wall, host, peak=1.5):
+def _row(workload, variant, wall, host, peak=1.5, pipe=None):
+    """A made-up result row; its pipelined time is 0.8 x its wall time
+    unless given."""
     return {"workload": workload, "variant": variant, "wall_us": wall, "host_us": host,
-            "peak_mib": peak, "peak_reserved_mib": 2.0, "setup_s": 0.25, "device": "Fake GPU"}
+            "pipe_us": 0.8 * wall if pipe is None else pipe, "peak_mib": peak,
+            "peak_reserved_mib": 2.0, "setup_s": 0.25, "device": "Fake GPU"}
 
 
 def _error(workload, variant):
@@ -29,7 +32,7 @@ def _error(workload, variant):
 ROWS = [
     _row("overhead-32", "eager", 800.0, 700.0),
     _row("overhead-32", "torch-mgc-whole", 200.0, 100.0),
-    _row("overhead-32", "cgraph-whole", 100.0, 20.0, peak=0.75),
+    _row("overhead-32", "cgraph-whole", 100.0, 20.0, peak=0.75, pipe=60.0),
     _error("overhead-32", "cgraph-layer"),
     _row("overhead-32", "floor", 50.0, 40.0),
     # No torch reference at all: only the floor ratio exists.
@@ -96,13 +99,18 @@ def test_plan_refuses(workloads_arg, variants_arg, text):
 
 def test_ratios():
     rows = run.add_ratios(ROWS)
-    assert _ratios(rows, "overhead-32", "cgraph-whole") == (0.5, 2.0, 0.2, 0.5, 1.0)
-    assert _ratios(rows, "overhead-32", "torch-mgc-whole") == (1.0, 4.0, 1.0, 1.0, 1.0)
-    assert _ratios(rows, "overhead-32", "cgraph-layer") == (None,) * 5
-    assert _ratios(rows, "overhead-8", "eager") == (None, 10.0, None, 1.0, 1.0)
-    assert _ratios(rows, "mlp", "eager") == (None, None, None, 1.0, 1.0)
-    assert _ratios(rows, "gpt-24", "cgraph-layer") == (0.5, None, 0.25, None, None)
+    # (wall/torch, wall/floor, pipe/floor, host/torch, peak/eager, resv/eager)
+    assert _ratios(rows, "overhead-32", "cgraph-whole") == (0.5, 2.0, 1.5, 0.2, 0.5, 1.0)
+    assert _ratios(rows, "overhead-32", "torch-mgc-whole") == (1.0, 4.0, 4.0, 1.0, 1.0, 1.0)
+    assert _ratios(rows, "overhead-32", "cgraph-layer") == (None,) * 6
+    assert _ratios(rows, "overhead-8", "eager") == (None, 10.0, 10.0, None, 1.0, 1.0)
+    assert _ratios(rows, "mlp", "eager") == (None, None, None, None, 1.0, 1.0)
+    assert _ratios(rows, "gpt-24", "cgraph-layer") == (0.5, None, None, 0.25, None, None)
     assert len(rows) == len(ROWS) and "wall_vs_torch" not in ROWS[0]
+    # Results from before pipelined times were measured: no pipe ratio.
+    old = [{k: v for k, v in r.items() if k != "pipe_us"} for r in ROWS]
+    assert _ratios(run.add_ratios(old), "overhead-32", "cgraph-whole") == (
+        0.5, 2.0, None, 0.2, 0.5, 1.0)
 
 
 def test_table():
@@ -110,12 +118,12 @@ def test_table():
     lines = table.splitlines()
     assert lines[0].split()[:2] == ["workload", "variant"]
     cgraph = next(line for line in lines if "overhead-32" in line and "cgraph-whole" in line)
-    assert cgraph.split()[2:] == ["20.0", "100.0", "0.8", "2.0", "0.25", "0.50x", "2.00x", "0.20x",
-                                "0.50x", "1.00x", "-"]
+    assert cgraph.split()[2:] == ["20.0", "100.0", "60.0", "0.8", "2.0", "0.25", "0.50x",
+                                  "2.00x", "1.50x", "0.20x", "0.50x", "1.00x", "-"]
     failed = next(line for line in lines if "cgraph-layer" in line and "overhead-32" in line)
     assert "error: exit code 1: RuntimeError: CUDA error: misaligned address" in failed
     no_ref = next(line for line in lines if line.startswith("overhead-8") and "eager" in line)
-    assert no_ref.split()[-6:] == ["-", "10.00x", "-", "1.00x", "1.00x", "-"]
+    assert no_ref.split()[-7:] == ["-", "10.00x", "10.00x", "-", "1.00x", "1.00x", "-"]
     assert "over torch-mgc-whole" in lines[-1] and "(gpt-24: torch-mgc-layer)" in lines[-1]
 
 
@@ -225,6 +233,7 @@ def test_quick_run(tmp_path):
         assert row["workload"] == "overhead-8"
         assert "error" not in row, row
         assert row["wall_us"] > 0 and row["host_us"] > 0 and row["peak_mib"] > 0
+        assert row["pipe_us"] > 0
 
 
 @pytest.mark.gpu
@@ -240,14 +249,19 @@ def test_one_time_costs_leave_no_memory_behind(name):
     assert torch.cuda.memory_allocated() == before
 
 
-def test_host_and_wall_loops_share_the_steps(monkeypatch):
-    """steps=7 over 5 rounds: 7 host steps (one synchronize each) and 7 wall
-    steps (two each), alternating."""
+def test_host_wall_and_pipelined_loops_share_the_steps(monkeypatch):
+    """steps=7 over 5 rounds: 7 host steps (one synchronize each), 7 wall
+    steps (two each) and 7 pipelined steps (two synchronizes per round that
+    has steps: 2, 2, 1, 1, 1), alternating."""
     calls = []
     monkeypatch.setattr(variant.torch.cuda, "synchronize", lambda: calls.append("sync"))
-    host, wall = variant._host_and_wall_us(lambda: calls.append("step"), steps=7)
-    assert calls.count("step") == 14 and calls.count("sync") == 7 + 14
-    assert host >= 0 and wall >= 0
+    host, wall, pipe = variant._step_times_us(lambda: calls.append("step"), steps=7)
+    assert calls.count("step") == 21 and calls.count("sync") == 7 + 14 + 2 * 5
+    assert host >= 0 and wall >= 0 and pipe >= 0
+    # Fewer steps than rounds: the rounds without steps time nothing.
+    calls.clear()
+    variant._step_times_us(lambda: calls.append("step"), steps=2)
+    assert calls.count("step") == 6 and calls.count("sync") == 2 + 4 + 2 * 2
 
 
 @pytest.mark.gpu
@@ -279,3 +293,22 @@ def test_breakdown_without_cuda_says_so():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.breakdown"], cwd=REPO, env=NO_CUDA,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "no CUDA device" in proc.stdout
+
+
+@pytest.mark.gpu
+def test_breakdown_runs_on_a_gpu():
+    """Each (workload, variant) gets a host line and a waits line; the waits
+    are GPU idle times, so never negative, and the step's GPU time from an
+    idle GPU is at least nearly its time with the host ahead."""
+    waits = breakdown.gpu_waits("overhead-8", "cgraph-whole", steps=6, warmup=2, host_us=200.0)
+    assert list(waits) == ["forward", "sum", "backward", "gpu", "wall"]
+    assert all(v >= 0 for v in waits.values()) and waits["gpu"] > 0
+    assert waits["wall"] > 0.9 * waits["gpu"]
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.breakdown", "--workloads",
+                           "overhead-8", "--variants", "eager,cgraph-whole", "--steps", "3"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("primitives, host µs:") and "calling thread" in lines[0]
+    for v in ("eager", "cgraph-whole"):
+        assert [line.split()[2] for line in lines if line.split()[1:2] == [v]] == ["host", "waits"]
