@@ -29,8 +29,11 @@ or cgraph on the whole model or on each layer, loss and optimizer outside);
 ``floor`` (raw ``torch.cuda.graph`` captures replayed with no autograd around
 them: the least a step can cost); ``floor-eager-opt`` (mlp, gpt: forward,
 loss and backward as one raw graph, then the same eager optimizer step as
-every graphed variant: the least a step costs when only the model is
-graphed).
+every graphed variant); ``floor-eager-loss`` (mlp, gpt: the model's forward
+and backward as two raw graphs with the eager loss and its autograd
+backward between them, then the eager optimizer: the least a step costs
+when only the model is graphed, as in the ``*-whole`` variants).  Neither
+eager-part floor runs ``zero_grad``: their grads are the graphs' own.
 
 ``compile-reduce-overhead`` fails on the overhead workloads, by torch's
 design: their step accumulates ``.grad`` across steps, and under
@@ -63,14 +66,16 @@ VARIANTS = (
     "cgraph-layer",
     "floor",
     "floor-eager-opt",
+    "floor-eager-loss",
 )
 # cgraph-whole-unguarded: guard_outputs=False, to measure what guarding the
 # outputs of earlier calls costs (csrc/aten_replay.cpp, Note [Outputs of
 # earlier calls]).
 _WHOLE_SCALING = ("eager", "torch-mgc-whole", "cgraph-whole", "cgraph-whole-unguarded", "floor")
 _LAYER_SCALING = ("eager", "torch-mgc-layer", "cgraph-layer", "floor")
-# floor-eager-opt needs an optimizer step, which the overhead step has not.
-_NO_OPTIMIZER = tuple(v for v in VARIANTS if v != "floor-eager-opt")
+# The eager-part floors need a loss and an optimizer step, which the overhead
+# step has not.
+_NO_OPTIMIZER = tuple(v for v in VARIANTS if v not in ("floor-eager-opt", "floor-eager-loss"))
 
 # torch.compile compiles (and reduce-overhead records its graphs) during the
 # first steps; setup time covers this many.
@@ -245,6 +250,8 @@ def prepare(problem: Problem, variant: str) -> Callable[[], object]:
         return _floor(problem)
     if variant == "floor-eager-opt":
         return _floor_eager_optimizer(problem)
+    if variant == "floor-eager-loss":
+        return _floor_eager_loss(problem)
     step = _train_step(problem, _forward(problem, variant))
     if variant.startswith("compile-"):
         for _ in range(COMPILE_STEPS):
@@ -370,6 +377,46 @@ def _floor_eager_optimizer(problem: Problem) -> Callable[[], None]:
 
     def step() -> None:
         replay()
+        opt.step()
+
+    return step
+
+
+def _floor_eager_loss(problem: Problem) -> Callable[[], None]:
+    """mlp, gpt: the model's forward and backward as two raw graphs sharing
+    one pool, the loss eager between them: the forward graph's logits go
+    into the loss as a leaf, autograd computes its grad, which is copied
+    into the backward graph's static grad_out.  The backward graph's
+    ``backward(grad_out)``, captured with grads set to None, allocates the
+    parameters' grads from the pool, and each replay refills them.  What is
+    left is what a step of the model graphed as a whole cannot avoid
+    (except ``zero_grad``): the loss, the autograd engine around its
+    backward, and the optimizer."""
+    model, x, y = problem.model, problem.x, problem.y
+    opt = problem.optimizer(model.parameters())
+    with torch.no_grad():
+        grad_out = torch.ones_like(model(x))
+
+    def warm_up_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        model(x).backward(grad_out)
+
+    _warm_up_on_side_stream(warm_up_step)
+    pool = torch.cuda.graph_pool_handle()
+    fwd, bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.cuda.graph(fwd, pool=pool):
+        logits = model(x)
+    with torch.cuda.graph(bwd, pool=pool):
+        logits.backward(grad_out)
+    forward = _Replay((fwd,), static=(x, logits))
+
+    def step() -> None:
+        forward()
+        leaf = logits.detach().requires_grad_()
+        _loss(leaf, y).backward()
+        grad_out.copy_(leaf.grad)
+        bwd.replay()
         opt.step()
 
     return step

@@ -265,12 +265,33 @@ def test_host_wall_and_pipelined_loops_share_the_steps(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_raw_graph_floors_keep_their_inputs_alive():
+@pytest.mark.parametrize("floor", ["floor-eager-opt", "floor-eager-loss"])
+def test_raw_graph_floors_keep_their_inputs_alive(floor):
     """The floors' raw graphs read the workload's inputs: freed, their memory
     went to the eager optimizer's tensors and gpt's embedding read garbage
     token ids (a device-side assert)."""
-    row = run.run_variant("gpt-6", "floor-eager-opt", steps=5, warmup=2)
+    row = run.run_variant("gpt-6", floor, steps=5, warmup=2)
     assert "error" not in row, row
+
+
+@pytest.mark.gpu
+def test_eager_loss_floor_trains_as_eager_does():
+    """floor-eager-loss is a floor of the same step, not of a cheaper one:
+    without dropout its steps move the weights as eager steps do (the
+    graphs' kernels are eager's, so to float rounding)."""
+    import torch
+
+    def trained(variant):
+        problem = workloads.build(workloads.WORKLOADS["mlp"])
+        problem.model.eval()  # dropout off: the same masks are no masks
+        step = workloads.prepare(problem, variant)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        return [p.detach().clone() for p in problem.model.parameters()]
+
+    for got, want in zip(trained("floor-eager-loss"), trained("eager"), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["overhead-8", "mlp"])
