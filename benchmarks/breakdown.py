@@ -13,9 +13,10 @@ the overhead ones) and prints two lines:
   whole step run from an idle GPU, as the runner's wall loop runs it: the
   phase's GPU time (CUDA events between the phases) minus the same with the
   host far ahead (a sleep kernel first, so every launch is queued before the
-  GPU gets there).  The step's wall time over its GPU time is the sum of
-  these waits, which name the phases that make a step host-bound.  Each
-  wait includes the host time of recording one event (a few µs).
+  GPU gets there).  What the step's wall time has beyond its GPU time is
+  the sum of these waits, which name the phases that make a step
+  host-bound.  Each wait includes the host time of recording one event
+  (a few µs).
 
 It also times a few primitives of this host (one ATen op, one raw graph
 replay, the autograd engine's least backward, with and without its device
