@@ -302,7 +302,8 @@ at::Tensor guarded_alias(const at::Tensor& static_output) {
       .storage_offset(static_output.storage_offset())
       .context(keep, [](void* ctx) { delete static_cast<c10::Storage*>(ctx); })
       .options(static_output.options())
-      .target_device(static_output.device())  // else ATen asks the driver (cudaPointerGetAttributes)
+      // Named, or ATen asks the driver where the memory is (cudaPointerGetAttributes).
+      .target_device(static_output.device())
       .make_tensor();
 }
 
