@@ -1,6 +1,14 @@
-"""Shared by the GPU test files."""
+"""Helpers shared by the test files, one copy each: bitwise comparison with
+eager PyTorch (outputs, parameter grads, an eager twin of an input), the
+probe of a graph pool's memory, and the models more than one file builds
+(with a seeded forward-and-backward step for the checkpointed one).  A
+helper that one file alone uses lives in that file."""
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+CUDA = "cuda"
 
 
 def assert_equal(actual, expected, what):
@@ -9,3 +17,64 @@ def assert_equal(actual, expected, what):
     if not torch.equal(actual, expected):
         diff = (actual.double() - expected.double()).abs().max().item()
         raise AssertionError(f"{what}: not bitwise equal to eager, max |diff| = {diff:.3g}")
+
+
+def assert_grads_equal(graphed_model, eager_model, step):
+    for (name, p), q in zip(graphed_model.named_parameters(), eager_model.parameters()):
+        if p.grad is None and q.grad is None:
+            continue  # frozen in both
+        assert_equal(p.grad, q.grad, f"step {step}: grad of {name}")
+
+
+def twin(x):
+    """An independent copy of an input for the eager run."""
+    return x.detach().clone().requires_grad_(x.requires_grad)
+
+
+def pool_segments(pool):
+    return [s for s in torch.cuda.memory_snapshot()
+            if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool)]
+
+
+# ---- models -----------------------------------------------------------------
+
+
+def mlp():
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 64), nn.ReLU(),
+                         nn.Linear(64, 16)).to(CUDA), lambda: torch.randn(8, 32, device=CUDA,
+                                                                         requires_grad=True)
+
+
+def stack(width=64, depth=3):
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers).to(CUDA)
+
+
+class Checkpointed(nn.Module):
+    """Dropout before, inside and after two checkpointed regions."""
+
+    def __init__(self, p=0.25, use_reentrant=False):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.inp = nn.Dropout(p)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Dropout(p), nn.Linear(128, 64))
+            for _ in range(2))
+        self.out = nn.Dropout(p)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=self.use_reentrant)
+        return self.out(h)
+
+
+def run_step(model, x, upstream, seed):
+    """One forward and backward from a known generator state; returns the
+    output, the input's grad and the generator state after the step."""
+    torch.cuda.manual_seed(seed)
+    out = model(x)
+    (out * upstream).sum().backward()
+    return out.detach().clone(), x.grad.clone(), torch.cuda.get_rng_state()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -252,16 +253,33 @@ def test_one_time_costs_leave_no_memory_behind(name):
 def test_host_wall_and_pipelined_loops_share_the_steps(monkeypatch):
     """steps=7 over 5 rounds: 7 host steps (one synchronize each), 7 wall
     steps (two each) and 7 pipelined steps (two synchronizes per round that
-    has steps: 2, 2, 1, 1, 1), alternating."""
-    calls = []
-    monkeypatch.setattr(variant.torch.cuda, "synchronize", lambda: calls.append("sync"))
-    host, wall, pipe = variant._step_times_us(lambda: calls.append("step"), steps=7)
+    has steps: 2, 2, 1, 1, 1), alternating.  On a made-up clock where a step
+    takes 10 µs (the very first one 1000 µs) and a synchronize 3 µs, the
+    times per step are known: host 10 (a step with no synchronize; the
+    median, so the slow first step does not count), wall 13 (a step and the
+    synchronize after it) and pipelined, per round, (n steps + the final
+    synchronize) / n, of which the median over rounds."""
+    calls, clock, first = [], [0.0], [1000.0]
+
+    def spend(what, us):
+        calls.append(what)
+        clock[0] += us * 1e-6
+
+    def step():
+        spend("step", first.pop() if first else 10.0)
+
+    monkeypatch.setattr(variant.torch.cuda, "synchronize", lambda: spend("sync", 3.0))
+    monkeypatch.setattr(variant, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    host, wall, pipe = variant._step_times_us(step, steps=7)
     assert calls.count("step") == 21 and calls.count("sync") == 7 + 14 + 2 * 5
-    assert host >= 0 and wall >= 0 and pipe >= 0
+    # Pipelined rounds of 2, 2, 1, 1, 1 steps: 11.5, 11.5, 13, 13, 13 µs a step.
+    assert (host, wall, pipe) == pytest.approx((10.0, 13.0, 13.0))
     # Fewer steps than rounds: the rounds without steps time nothing.
     calls.clear()
-    variant._step_times_us(lambda: calls.append("step"), steps=2)
+    assert variant._step_times_us(step, steps=2) == pytest.approx((10.0, 13.0, 13.0))
     assert calls.count("step") == 6 and calls.count("sync") == 2 + 4 + 2 * 2
+    # Rounds of 2 steps each: the pipelined step shares its synchronize.
+    assert variant._step_times_us(step, steps=10) == pytest.approx((10.0, 13.0, 11.5))
 
 
 @pytest.mark.gpu

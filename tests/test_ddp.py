@@ -1,6 +1,9 @@
-"""The two-GPU test of issue 6: examples/ddp.py under torchrun checks both
-DDP recipes against eager DDP (bitwise grads), allreduce overlap and
-teardown.  Skipped with fewer than two GPUs."""
+"""DDP on two GPUs, in a file of its own because it needs two: the test runs
+examples/ddp.py under torchrun, which checks both DDP recipes (graphed layers
+inside DDP, and a graphed model wrapped in DDP) against eager DDP with
+bitwise-equal grads, that the allreduce overlaps the backward, and teardown;
+the test asserts each rank's report of every check.  Skipped with fewer than
+two GPUs."""
 
 import os
 import subprocess

@@ -1,9 +1,9 @@
-"""GPU tests of issue 6 on one GPU: activation checkpointing and torch.compile
-inside graphed callables, and teardown.  The two-GPU DDP test is
-tests/test_ddp.py.
-
-Comparisons are bitwise: with the same generator state, a graph replays the
-same kernels on the same data and the same random streams as eager mode."""
+"""Integration on one GPU: activation checkpointing (both use_reentrant
+modes, with dropout inside and around the regions) and torch.compile inside
+graphed callables, the checkpoint_compile example, and teardown (reset_all,
+interpreter exit with live graphs).  Comparisons are bitwise against the
+same model run eagerly from the same generator state, unless a test states
+a tolerance.  The two-GPU DDP test is tests/test_ddp.py."""
 
 import copy
 import os
@@ -14,41 +14,14 @@ import textwrap
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 import cgraph
-from _helpers import assert_equal
+from _helpers import CUDA, Checkpointed, assert_equal, pool_segments, run_step
 
 pytestmark = pytest.mark.gpu
-CUDA = "cuda"
 
 
-class Checkpointed(nn.Module):
-    """Dropout before, inside and after two checkpointed regions."""
-
-    def __init__(self, p=0.25, use_reentrant=False):
-        super().__init__()
-        self.use_reentrant = use_reentrant
-        self.inp = nn.Dropout(p)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Dropout(p), nn.Linear(128, 64))
-            for _ in range(2))
-        self.out = nn.Dropout(p)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = h + checkpoint(block, h, use_reentrant=self.use_reentrant)
-        return self.out(h)
-
-
-def run_step(model, x, upstream, seed):
-    """One forward and backward from a known generator state; returns the
-    output, the input's grad and the generator state after the step."""
-    torch.cuda.manual_seed(seed)
-    out = model(x)
-    (out * upstream).sum().backward()
-    return out.detach().clone(), x.grad.clone(), torch.cuda.get_rng_state()
+# ---- activation checkpointing -----------------------------------------------
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
@@ -75,33 +48,22 @@ def test_checkpoint_matches_eager_checkpoint_bitwise(p, reentrant):
 
 
 def test_checkpointed_dropout_masks_differ_per_call():
+    """Two calls after one seeding draw new masks, the ones two eager calls
+    draw after the same seeding."""
     model = Checkpointed(0.5).to(CUDA)
+    eager = copy.deepcopy(model)
     x = torch.randn(32, 64, device=CUDA)
     graphed = cgraph.make_graphed(model, (x,))
+    torch.cuda.manual_seed(5)
     first = graphed(x).clone()
     second = graphed(x).clone()
     assert not torch.equal(first, second)
+    torch.cuda.manual_seed(5)
+    assert_equal(first, eager(x), "first call")
+    assert_equal(second, eager(x), "second call")
 
 
-def test_reentrant_region_reading_a_closure_leaf_is_refused_with_advice():
-    """Its grad would be computed at capture only (Note [Backward capture
-    runs .backward()])."""
-    w = torch.randn(64, 64, device=CUDA, requires_grad=True)
-
-    def f(x):
-        return checkpoint(lambda t: torch.tanh(t @ w), x, use_reentrant=True)
-
-    with pytest.raises(RuntimeError) as info:  # in warm-up, before any capture
-        cgraph.make_graphed(f, (torch.randn(8, 64, device=CUDA, requires_grad=True),))
-    text = f"{info.value} {info.value.__cause__}"
-    assert "use_reentrant=True" in text and "nn.Parameter" in text, text
-    # The process stays usable, reentrant regions included.
-    model = Checkpointed(0.25, use_reentrant=True).to(CUDA)
-    graphed = cgraph.make_graphed(model, (torch.randn(32, 64, device=CUDA, requires_grad=True),))
-    graphed(torch.randn(32, 64, device=CUDA)).sum().backward()
-
-
-# ---- torch.compile inside ------------------------------------------------------------
+# ---- torch.compile inside ---------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
@@ -142,16 +104,18 @@ def test_compiled_module_inside_matches_the_compiled_module_run_eagerly(mode):
             p.grad = None
 
 
-def test_reduce_overhead_inside_is_refused_with_advice():
-    block = nn.Sequential(nn.Linear(64, 64), nn.GELU()).to(CUDA)
-    compiled = torch.compile(block, mode="reduce-overhead")
-    x = torch.randn(16, 64, device=CUDA, requires_grad=True)
-    with pytest.raises(cgraph.CaptureError, match="max-autotune-no-cudagraphs"):
-        cgraph.make_graphed(compiled, (x,))
-    assert_equal(block(x), block(x), "eager after the refusal")
+# ---- examples ---------------------------------------------------------------
 
 
-# ---- teardown ---------------------------------------------------------------------------
+def test_checkpoint_compile_example_checks_out():
+    run = subprocess.run([sys.executable, "-m", "examples.checkpoint_compile"],
+                         capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.count(": OK") == 10, run.stdout
+
+
+# ---- teardown ---------------------------------------------------------------
 
 
 def test_reset_all_frees_every_graph_and_its_pool():
@@ -165,8 +129,7 @@ def test_reset_all_frees_every_graph_and_its_pool():
     torch.cuda.synchronize()
     assert all(g.is_reset for g in graphed)
     for pool in pools:
-        assert not [s for s in torch.cuda.memory_snapshot()
-                    if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool)]
+        assert not pool_segments(pool)
     with pytest.raises(RuntimeError, match="reset"):
         graphed[0](x)
 
@@ -189,11 +152,3 @@ def test_interpreter_exit_with_live_graphs_is_clean():
     noisy = [line for line in run.stderr.splitlines()
              if any(w in line for w in ("Error", "error", "terminate", "Segmentation"))]
     assert not noisy, run.stderr
-
-
-def test_checkpoint_compile_example_checks_out():
-    run = subprocess.run([sys.executable, "-m", "examples.checkpoint_compile"],
-                         capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert run.stdout.count(": OK") == 10, run.stdout

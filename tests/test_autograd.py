@@ -1,0 +1,320 @@
+"""Autograd through graphed callables: the parameter-grad paths of Note
+[Parameter gradients] (the copy tail, the add tail and the slow path,
+switched per backward, with an optimizer, in every float dtype), grads that
+accumulate or are held by the caller, tensor and post-accumulate hooks,
+grads reaching closure leaves and the caller's autograd history, unused
+parameters, backward-order and requires-grad errors, and autocast with its
+weight cache.  Grads, parameters and what hooks see are compared with the
+same steps run in eager mode on a deep copy of the model, bitwise
+(torch.equal); the autocast tests state their tolerance; the error tests
+check the error's text, the path tests the `stats` counters."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cgraph
+from _helpers import CUDA, assert_equal, assert_grads_equal, mlp, stack, twin
+
+pytestmark = pytest.mark.gpu
+
+
+# ---- parameter grads: the copy tail, the add tail and the slow path ---------
+
+
+def test_grad_accumulation_without_zero_grad():
+    """pytorch issue 181723: torch hands its static grad buffer out as .grad
+    and the next replay overwrites it."""
+    torch.manual_seed(1)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    for step in range(3):  # .grad starts as None, then accumulates
+        x = make_input()
+        upstream = torch.randn(8, 16, device=CUDA)
+        (model(x) * upstream).sum().backward()
+        (eager(twin(x)) * upstream).sum().backward()
+        assert_grads_equal(model, eager, step)
+
+
+def test_accumulation_uses_the_add_tail():
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    for _ in range(3):
+        graphed(make_input()).sum().backward()
+    assert graphed.stats["grads_copied"] == 1 and graphed.stats["grads_added"] == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_grad_tails_match_eager_in_every_float_dtype(dtype):
+    """The tails are cgraph's own kernel (csrc/tensor_lists.cu): a copy,
+    then adds in the parameters' dtype, rounded once as ATen's add_ rounds.
+    The 1000 x 600 weight spreads over many blocks; the biases' sizes are
+    not multiples of 16 bytes (the kernel's byte path)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(600, 1000), nn.ReLU(), nn.Linear(1000, 7)).to(CUDA, dtype)
+    eager = copy.deepcopy(model)
+    make_input = lambda: torch.randn(8, 600, device=CUDA, dtype=dtype)  # noqa: E731
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    for step in range(3):  # .grad starts as None (copy tail), then accumulates (add tail)
+        x = make_input()
+        upstream = torch.randn(8, 7, device=CUDA, dtype=dtype)
+        (graphed(x) * upstream).sum().backward()
+        (eager(x) * upstream).sum().backward()
+        assert_grads_equal(model, eager, step)
+    assert graphed.stats["grads_copied"] == 1 and graphed.stats["grads_added"] == 2
+
+
+def test_held_grad_is_never_overwritten():
+    torch.manual_seed(2)
+    model, make_input = mlp()
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    model(make_input()).sum().backward()
+    held = model[0].weight.grad
+    kept = held.clone()
+    model.zero_grad(set_to_none=True)
+    model(make_input()).sum().backward()
+    assert model[0].weight.grad is not held
+    assert_equal(held, kept, "a .grad the user kept")
+
+
+def test_training_with_adam_uses_the_copy_tail_and_matches_eager():
+    torch.manual_seed(10)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (model, eager)]
+    for step in range(3):
+        x = make_input()
+        upstream = torch.randn(8, 16, device=CUDA)
+        for net, opt, inp in ((graphed, opts[0], x), (eager, opts[1], twin(x))):
+            opt.zero_grad(set_to_none=True)
+            (net(inp) * upstream).sum().backward()
+            opt.step()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert_equal(p, q, f"step {step}: parameter after Adam")
+    # Each step's input and incoming grad are dense: the graphs copy them in.
+    assert graphed.stats == {"forward": 3, "backward": 3, "grads_copied": 3,
+                             "grads_added": 0, "grads_slow": 0,
+                             "copied_in_graph": 6, "copied_before": 0}
+
+
+def test_grad_paths_switch_between_backwards_of_one_graph():
+    """The tails are optional parts of the backward graph, switched before
+    each replay: copy, add, the slow path (neither tail) and back, in every
+    order, each matching eager accumulation bitwise.  A tail left on would
+    add twice or overwrite; one left off would leave a stale grad."""
+    torch.manual_seed(12)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    # Every switch: copy->add, add->add, add->copy, copy->slow, slow->copy,
+    # add->slow, copy->copy.  (The slow path leaves a .grad that is not
+    # cgraph's, so only zero_grad leads back to the tails.)
+    plan = ["copy", "add", "add", "copy", "slow", "copy", "add", "slow", "copy", "copy", "add"]
+    expected = {"copy": "grads_copied", "add": "grads_added", "slow": "grads_slow"}
+    for step, path in enumerate(plan):
+        for net in (model, eager):
+            if path == "copy":
+                net.zero_grad(set_to_none=True)
+            elif path == "slow":
+                net[0].weight.grad = torch.full_like(net[0].weight, 0.5)
+        before = graphed.stats
+        x = make_input()
+        upstream = torch.randn(8, 16, device=CUDA)
+        (graphed(x) * upstream).sum().backward()
+        (eager(twin(x)) * upstream).sum().backward()
+        assert_grads_equal(model, eager, f"{step} ({path})")
+        after = graphed.stats
+        assert after[expected[path]] == before[expected[path]] + 1, (step, path, after)
+
+
+@pytest.mark.parametrize("twist", ["assigned_grad", "frozen_after_capture", "held_grad"])
+def test_unusual_grad_states_take_the_slow_path_and_match_eager(twist):
+    torch.manual_seed(11)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    held = []
+    for step in range(3):
+        for net in (model, eager):
+            if twist == "assigned_grad":
+                net[0].weight.grad = torch.ones_like(net[0].weight)
+            if twist == "frozen_after_capture" and step == 1:
+                net[2].weight.requires_grad_(False)
+        x = make_input()
+        upstream = torch.randn(8, 16, device=CUDA)
+        (graphed(x) * upstream).sum().backward()
+        (eager(twin(x)) * upstream).sum().backward()
+        assert_grads_equal(model, eager, step)
+        if twist == "held_grad":
+            held.append((model[0].weight.grad, model[0].weight.grad.clone()))
+        for net in (model, eager):
+            net.zero_grad(set_to_none=True)
+    for grad, value in held:
+        assert_equal(grad, value, "a .grad kept across zero_grad")
+    assert graphed.stats["grads_slow"] >= 1
+
+
+# ---- hooks ------------------------------------------------------------------
+
+
+def test_parameter_hooks_run_through_autograd():
+    torch.manual_seed(9)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    calls = []
+    model[0].weight.register_hook(lambda g: calls.append(1) or g * 2)
+    eager[0].weight.register_hook(lambda g: g * 2)
+    x = make_input()
+    upstream = torch.randn(8, 16, device=CUDA)
+    (model(x) * upstream).sum().backward()
+    (eager(twin(x)) * upstream).sum().backward()
+    assert calls == [1]
+    assert_grads_equal(model, eager, 0)
+
+
+def test_post_accumulate_grad_hooks_run_per_replay_not_at_capture():
+    torch.manual_seed(10)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    assert seen == [], "the hook ran during warm-up or capture"
+    for step in range(2):
+        x = make_input()
+        upstream = torch.randn(8, 16, device=CUDA)
+        (model(x) * upstream).sum().backward()
+        (eager(twin(x)) * upstream).sum().backward()
+        assert len(seen) == step + 1
+        assert_equal(seen[-1], eager[0].weight.grad, f"step {step}: grad the hook saw")
+    assert_grads_equal(model, eager, 1)
+
+
+# ---- closure leaves, the caller's autograd history, unused parameters -------
+
+
+def test_closure_leaf_gets_its_grad():
+    """torch's make_graphed_callables differentiates only args and module
+    parameters; a weight in a closure would silently get no grad."""
+    torch.manual_seed(8)
+    w = torch.randn(16, 16, device=CUDA, requires_grad=True)
+    we = twin(w)
+
+    def f(x):
+        return torch.tanh(x @ w)
+
+    graphed = cgraph.make_graphed(f, (torch.randn(8, 16, device=CUDA),))
+    assert graphed.num_params == 1
+    x = torch.randn(8, 16, device=CUDA)
+    upstream = torch.randn(8, 16, device=CUDA)
+    (graphed(x) * upstream).sum().backward()
+    (torch.tanh(x @ we) * upstream).sum().backward()
+    assert_equal(w.grad, we.grad, "closure weight grad")
+
+
+def test_sample_with_autograd_history_grads_reach_that_history():
+    """The sample is the output of other ops; the backward graph stops at
+    it, and its grad flows on through the caller's autograd graph."""
+    torch.manual_seed(11)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    scale = torch.full((), 2.0, device=CUDA, requires_grad=True)
+    scale_e = twin(scale)
+    model = cgraph.make_graphed_callables(model, (make_input() * scale,))
+    x = make_input()
+    upstream = torch.randn(8, 16, device=CUDA)
+    (model(x * scale) * upstream).sum().backward()
+    (eager(x * scale_e) * upstream).sum().backward()
+    assert_equal(scale.grad, scale_e.grad, "grad of the caller's leaf")
+    assert_grads_equal(model, eager, 0)
+
+
+def test_unused_parameter_needs_allow_unused_input():
+    torch.manual_seed(12)
+    model, make_input = mlp()
+    model.unused = nn.Parameter(torch.zeros(3, device=CUDA))
+    with pytest.raises(RuntimeError, match=r"parameter \d+ \(shape \[3\]\).*allow_unused_input"):
+        cgraph.make_graphed_callables(model, (make_input(),))
+    graphed = cgraph.make_graphed_callables(model, (make_input(),), allow_unused_input=True)
+    graphed(make_input()).sum().backward()
+    assert model.unused.grad is None
+
+
+# ---- errors: backward order, requires_grad ----------------------------------
+
+
+def test_backward_after_a_second_forward_raises():
+    model, make_input = mlp()
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    first_loss = model(make_input()).sum()
+    model(make_input())
+    with pytest.raises(RuntimeError, match="ran forward 1 more time"):
+        first_loss.backward()
+
+
+def test_input_requiring_grad_unlike_its_sample_raises():
+    model, _ = mlp()
+    model = cgraph.make_graphed_callables(model, (torch.randn(8, 32, device=CUDA),))
+    with pytest.raises(RuntimeError, match="requires grad, but its sample did not"):
+        model(torch.randn(8, 32, device=CUDA, requires_grad=True))
+
+
+# ---- autocast ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_autocast_with_its_weight_cache_matches_eager_over_optimizer_steps(dtype):
+    """torch refuses cache_enabled=True (the default).  With it, a graph that
+    baked in a cached cast would keep using stale weights after each step;
+    lr=0.05 moves the weights far outside the stated tolerance."""
+    torch.manual_seed(0)
+    eager = stack()
+    graphed_model = copy.deepcopy(eager)
+    x0 = torch.randn(16, 64, device=CUDA, requires_grad=True)
+    with torch.autocast(CUDA, dtype=dtype):  # cache_enabled=True
+        graphed = cgraph.make_graphed(graphed_model, (x0,))
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.05)
+    opt_g = torch.optim.SGD(graphed_model.parameters(), lr=0.05)
+    first = None
+    tol = dict(rtol=1.6e-2, atol=1e-3) if dtype == torch.bfloat16 else dict(rtol=1e-3, atol=1e-4)
+    for step in range(4):
+        x = torch.randn(16, 64, device=CUDA)
+        upstream = torch.randn(16, 64, device=CUDA)
+        outs = []
+        for model, opt in ((eager, opt_e), (graphed, opt_g)):
+            with torch.autocast(CUDA, dtype=dtype):
+                out = model(x)
+                loss = (out.float() * upstream).sum()
+            loss.backward()
+            outs.append(out.detach().clone())
+            opt.step()
+            opt.zero_grad()
+        assert outs[1].dtype == dtype and outs[1].isfinite().all()
+        torch.testing.assert_close(outs[1], outs[0], **tol, msg=f"step {step}: output")
+        if step == 0:
+            first = (x, outs[1])
+        for (name, p), q in zip(graphed_model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, **tol, msg=f"step {step}: {name} after the step")
+    # The steps moved the output beyond the tolerance: a stale cast would show.
+    with torch.autocast(CUDA, dtype=dtype):
+        again = graphed(first[0])
+    assert not torch.allclose(again, first[1], **tol)
+
+
+def test_calling_outside_the_captured_autocast_raises():
+    model = stack()
+    x = torch.randn(16, 64, device=CUDA)
+    with torch.autocast(CUDA, dtype=torch.bfloat16):
+        graphed = cgraph.make_graphed(model, (x,))
+        graphed(x)
+    with pytest.raises(RuntimeError, match=r"captured with CUDA autocast enabled .*called with "
+                                           r"it disabled"):
+        graphed(x)
+    with torch.autocast(CUDA, dtype=torch.float16):
+        with pytest.raises(RuntimeError, match="dtype Half"):
+            graphed(x)

@@ -1,0 +1,554 @@
+"""Replay: a graphed callable's results against eager PyTorch.  Outputs,
+input and parameter grads and buffers over several steps; per-call argument
+copies and their guards (shape, dtype, device, keywords, constants, pytrees);
+outputs of earlier calls; random numbers; train/eval and no_grad; what
+`graphs`, `stats` and the profiler report; pools shared between callables
+and memory returned on reset or deletion.  Results are compared with the
+same steps run in eager mode (on a deep copy of the model), bitwise
+(torch.equal) unless a test states a tolerance: a graph replays the same
+kernels on the same data, and with the same generator state the same random
+streams, as eager mode; the introspection and memory tests check counts and
+the allocator's snapshot instead.  Upstream grads are dense random tensors,
+like a real loss's; the one test of `.sum()` explains its tolerance."""
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import cgraph
+from _helpers import CUDA, assert_equal, assert_grads_equal, mlp, pool_segments, stack, twin
+
+pytestmark = pytest.mark.gpu
+
+
+# ---- results against eager over steps ---------------------------------------
+
+
+def layernorm_gelu():
+    return nn.Sequential(nn.Linear(32, 64), nn.LayerNorm(64), nn.GELU(),
+                         nn.Linear(64, 16)).to(CUDA), lambda: torch.randn(8, 32, device=CUDA,
+                                                                         requires_grad=True)
+
+
+class EmbedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(100, 32)
+        self.proj = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, ids):
+        return self.proj(self.embed(ids))
+
+
+def embedding():
+    return EmbedMLP().to(CUDA), lambda: torch.randint(0, 100, (8, 4), device=CUDA)
+
+
+MODELS = {"mlp": mlp, "layernorm_gelu": layernorm_gelu, "embedding": embedding}
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_matches_eager_bitwise_over_steps(name):
+    torch.manual_seed(0)
+    model, make_input = MODELS[name]()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    for step in range(4):
+        x = make_input()
+        xe = twin(x)
+        out, out_e = model(x), eager(xe)
+        assert_equal(out, out_e, f"step {step}: output")
+        upstream = torch.randn_like(out)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        if x.requires_grad:
+            assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        assert_grads_equal(model, eager, step)
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+
+
+def test_batchnorm_running_stats_update_as_in_eager():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU()).to(CUDA)
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(
+        model, (torch.randn(8, 16, device=CUDA, requires_grad=True),))
+    for step in range(3):
+        x = torch.randn(8, 16, device=CUDA, requires_grad=True)
+        out, out_e = model(x), eager(twin(x))
+        assert_equal(out, out_e, f"step {step}: output")
+        upstream = torch.randn_like(out)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        for (name, b), c in zip(model.named_buffers(), eager.buffers()):
+            assert_equal(b, c, f"step {step}: buffer {name}")
+
+
+# ---- arguments and incoming grads: copies and guards ------------------------
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        return self.a(x) * self.b(y), self.b(x)
+
+
+def test_argument_copies_follow_every_call_and_match_eager():
+    """Note [Argument copies inside the graph]: per call, each argument and
+    incoming grad is copied by the graph (dense: a fresh tensor, the same
+    tensor again; the stride-0 grad of .sum(), broadcast from its one
+    element; no grad, zeros), not copied (the static buffer itself) or
+    copied before the replay (a transposed view); an argument that is
+    another argument's buffer is read before that buffer is refilled.  The
+    sequence switches every slot between these states (Note [Incoming
+    grads]).  The eager twin gets the same values, dense, so the kernels
+    match bitwise."""
+    torch.manual_seed(13)
+    model = TwoInputs().to(CUDA)
+    eager = copy.deepcopy(model)
+    static_x, static_y = (torch.randn(8, 16, device=CUDA, requires_grad=True) for _ in range(2))
+    graphed = cgraph.make_graphed(model, (static_x, static_y))  # samples become the buffers
+    same = torch.randn(8, 16, device=CUDA)
+    transposed = lambda: torch.randn(16, 8, device=CUDA).t()  # noqa: E731
+    fresh = lambda: torch.randn(8, 16, device=CUDA)  # noqa: E731
+    calls = [(fresh(), fresh()),           # graph, graph
+             (same, static_y),             # graph, none
+             (same, transposed()),         # graph (same address), ATen
+             (static_x, fresh()),          # none, graph
+             (transposed(), same),         # ATen, graph
+             (fresh(), static_x)]          # graph, graph from a clone taken first
+    for step, (x, y) in enumerate(calls):
+        with torch.no_grad():  # refill the buffers, as a caller feeding them would
+            static_x.copy_(torch.randn(8, 16, device=CUDA))
+            static_y.copy_(torch.randn(8, 16, device=CUDA))
+        dense = [t.detach().clone(memory_format=torch.contiguous_format) for t in (x, y)]
+        out, side = graphed(x, y)
+        out_e, side_e = eager(*dense)
+        assert_equal(out, out_e, f"step {step}: output")
+        assert_equal(side, side_e, f"step {step}: second output")
+        if step % 2:  # the second output's grad: stride 0 here, dense ones in eager
+            loss = (out * 3).sum() + side.sum()
+            loss_e = (out_e * 3).sum() + (side_e * torch.ones_like(side_e)).sum()
+        else:  # no grad for the second output: its buffer is zeroed
+            upstream = torch.randn(8, 16, device=CUDA)
+            loss, loss_e = (out * upstream).sum(), (out_e * upstream).sum()
+        loss.backward()
+        loss_e.backward()
+        assert_grads_equal(model, eager, step)
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+    stats = graphed.stats
+    assert stats["copied_in_graph"] == 17 and stats["copied_before"] == 2, stats
+
+
+def test_sum_loss_matches_eager_within_one_ulp():
+    """`out.sum()` sends autograd an expanded (stride-0) grad; the graph
+    copies it into a dense static buffer, and cuBLAS may pick another
+    reduction order for a dense operand.  Tolerance: 1e-6 relative."""
+    torch.manual_seed(3)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    for _ in range(2):
+        x = make_input()
+        xe = twin(x)
+        model(x).sum().backward()
+        eager(xe).sum().backward()
+        torch.testing.assert_close(x.grad, xe.grad, rtol=1e-6, atol=1e-7)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "bad, text",
+    [
+        (lambda: torch.randn(4, 32, device=CUDA), r"shape \[4, 32\].*captured with shape \[8, 32\]"),
+        (lambda: torch.randn(8, 32, device=CUDA, dtype=torch.float64), "Double.*captured.*Float"),
+        (lambda: torch.randn(8, 32), "cpu.*captured.*cuda"),
+    ],
+)
+def test_other_shape_dtype_device_raise_value_error(bad, text):
+    model, make_input = mlp()
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    with pytest.raises(ValueError, match="argument 'input'.*" + text):
+        model(bad())
+
+
+# ---- keywords, constants and pytrees ----------------------------------------
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, *, mask, scale=1.0):
+        return self.lin(x) * mask * scale
+
+
+def test_keyword_arguments_match_eager():
+    torch.manual_seed(12)
+    model = Gated().to(CUDA)
+    eager = copy.deepcopy(model)
+    sample = torch.randn(8, 16, device=CUDA, requires_grad=True)
+    graphed = cgraph.make_graphed(
+        model, (sample,), sample_kwargs={"mask": torch.ones(8, 16, device=CUDA), "scale": 2.0})
+    for step in range(2):
+        x = torch.randn(8, 16, device=CUDA, requires_grad=True)
+        xe = twin(x)
+        mask = (torch.rand(8, 16, device=CUDA) > 0.5).float()
+        out, out_e = graphed(x, scale=2.0, mask=mask), eager(xe, mask=mask, scale=2.0)
+        assert_equal(out, out_e, f"step {step}: output")
+        upstream = torch.randn_like(out)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        assert_grads_equal(model, eager, step)
+        model.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize(
+    "call, error, text",
+    [
+        (lambda g, x, m: g(x, mask=m), TypeError, "missing keyword argument 'scale'"),
+        (lambda g, x, m: g(x, mask=m, scale=2.0, bias=1), TypeError, "unexpected keyword.*'bias'"),
+        (lambda g, x, m: g(x, mask=m, scale=3.0), ValueError, "'scale' was captured as 2.0, got 3.0"),
+        (lambda g, x, m: g(x, mask=m, scale=2), ValueError, "'scale' was captured as 2.0, got 2"),
+    ],
+)
+def test_keyword_and_constant_mismatches_raise(call, error, text):
+    model = Gated().to(CUDA)
+    mask = torch.ones(8, 16, device=CUDA)
+    graphed = cgraph.make_graphed(model, (torch.randn(8, 16, device=CUDA),),
+                                  sample_kwargs={"mask": mask, "scale": 2.0})
+    with pytest.raises(error, match=text):
+        call(graphed, torch.randn(8, 16, device=CUDA), mask)
+
+
+def test_positional_constants_are_guarded():
+    def scaled(x, n, flag, dtype):
+        y = x * n if flag else x
+        return y.to(dtype)
+
+    x = torch.randn(8, device=CUDA)
+    graphed = cgraph.make_graphed(scaled, (x, 3, True, torch.float16))
+    y = torch.randn(8, device=CUDA)
+    assert_equal(graphed(y, 3, True, torch.float16), scaled(y, 3, True, torch.float16), "output")
+    with pytest.raises(ValueError, match="argument 'n' was captured as 3, got 4"):
+        graphed(y, 4, True, torch.float16)
+    with pytest.raises(ValueError, match="'dtype' was captured as torch.float16"):
+        graphed(y, 3, True, torch.bfloat16)
+
+
+def test_pytrees_in_and_out():
+    torch.manual_seed(13)
+    lin = nn.Linear(16, 16).to(CUDA)
+    eager = copy.deepcopy(lin)
+
+    def f(batch, layers):
+        h = layers[0](batch["x"]) + batch["skip"][0]
+        return {"h": h, "parts": (h.sum(-1), [h * 2])}
+
+    def sample():
+        return {"x": torch.randn(4, 16, device=CUDA, requires_grad=True),
+                "skip": [torch.randn(4, 16, device=CUDA)]}
+
+    graphed = cgraph.make_graphed(lambda batch: f(batch, [lin]), (sample(),))
+    batch = sample()
+    twin_batch = {"x": twin(batch["x"]), "skip": [batch["skip"][0].clone()]}
+    out, out_e = graphed(batch), f(twin_batch, [eager])
+    assert list(out) == ["h", "parts"] and isinstance(out["parts"][1], list)
+    for a, b in zip(torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(out_e)):
+        assert_equal(a, b, "output leaf")
+    u1, u2 = torch.randn(4, 16, device=CUDA), torch.randn(4, device=CUDA)
+    ((out["h"] * u1).sum() + (out["parts"][0] * u2).sum()).backward()
+    ((out_e["h"] * u1).sum() + (out_e["parts"][0] * u2).sum()).backward()
+    assert_equal(batch["x"].grad, twin_batch["x"].grad, "input grad")
+    assert_equal(lin.weight.grad, eager.weight.grad, "closure module's weight grad")
+    with pytest.raises(TypeError, match="structured as"):
+        graphed({"x": batch["x"]})
+
+
+# ---- outputs of earlier calls -----------------------------------------------
+
+
+def test_reading_an_overwritten_output_raises_and_the_latest_is_right():
+    model = stack()
+    graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),))
+    x1, x2 = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
+    first = graphed(x1)
+    view = first[0]
+    kept = first.clone()
+    second = graphed(x2)
+    with torch.no_grad():
+        assert_equal(second, model(x2), "latest output")
+        assert_equal(kept, model(x1), "a clone taken before the next call")
+    for stale in (first, view):
+        with pytest.raises(RuntimeError, match="has replayed since"):
+            stale.sum()
+
+
+def test_unguarded_outputs_change_under_the_caller_as_in_torch():
+    model = stack()
+    graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),),
+                                  guard_outputs=False)
+    x1, x2 = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
+    first = graphed(x1)
+    graphed(x2)
+    with torch.no_grad():
+        assert_equal(first, model(x2), "the first output, overwritten by the second call")
+
+
+def test_feeding_an_output_back_as_input_matches_eager():
+    cell = nn.Sequential(nn.Linear(64, 64), nn.Tanh()).to(CUDA)
+    h0 = torch.randn(16, 64, device=CUDA)
+    graphed = cgraph.make_graphed(cell, (h0.clone(),))
+    h_graph, h_eager = h0, h0
+    with torch.no_grad():
+        for step in range(5):
+            h_graph = graphed(h_graph)
+            h_eager = cell(h_eager)
+            assert_equal(h_graph, h_eager, f"step {step}")
+
+
+# ---- random numbers ---------------------------------------------------------
+
+
+def test_dropout_masks_change_per_replay_and_match_backward():
+    """Each replay draws a new mask, the one eager dropout draws from the
+    same generator state: two replays after one seeding equal two eager
+    calls after the same seeding, and the backward applies the forward's
+    mask, as eager's does."""
+    drop = nn.Dropout(0.5).to(CUDA)
+    x = torch.randn(4096, device=CUDA, requires_grad=True)
+    graphed = cgraph.make_graphed(drop, (x,))
+    xe = twin(x)
+    torch.cuda.manual_seed(21)
+    first = graphed(x).detach().clone()
+    second = graphed(x).detach().clone()
+    torch.cuda.manual_seed(21)
+    assert_equal(first, drop(xe).detach(), "first replay's mask")
+    assert_equal(second, drop(xe).detach(), "second replay's mask")
+    assert not torch.equal(first != 0, second != 0)
+    assert 0.4 < (first == 0).float().mean().item() < 0.6
+    torch.cuda.manual_seed(22)
+    y = graphed(x)
+    upstream = torch.randn_like(y)
+    (y * upstream).sum().backward()
+    torch.cuda.manual_seed(22)
+    y_e = drop(xe)
+    (y_e * upstream).sum().backward()
+    assert_equal(y, y_e, "output")
+    assert_equal(x.grad, xe.grad, "input grad")
+    assert_equal(x.grad, upstream * (y != 0) * 2.0, "dropout backward mask")
+
+
+def test_graph_written_seeds_match_eager_across_reseeds_and_large_offsets():
+    """The graph writes its own Philox seed and base offset (Note [Seeding
+    random numbers inside the graph]).  Masks, grads and the generator's
+    position after each call are eager mode's, bit for bit, after a reseed
+    and with the offset crossing 2**32 (the memset nodes of the high halves)."""
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Dropout(0.3), nn.Linear(256, 16),
+                          nn.Dropout(0.3)).to(CUDA)
+    eager = copy.deepcopy(model)
+    sample = lambda: torch.randn(8, 32, device=CUDA, requires_grad=True)  # noqa: E731
+    graphed = cgraph.make_graphed(model, (sample(),))
+    forward = graphed.graphs["forward"]
+    assert forward["memsets"] == 4, forward  # seed, offset: 2 halves each
+    # In one line ahead of the model's kernels: parallel memset roots cost
+    # the GPU several microseconds more per launch.
+    assert forward["roots"] == 1 and forward["edges"] == forward["nodes"] - 1, forward
+    generator = torch.cuda.default_generators[torch.cuda.current_device()]
+    for step, (seed, offset) in enumerate([(None, None), (123, None), (None, 2**32 - 4),
+                                           (None, None), (7, 2**33 + 4), (None, None)]):
+        if seed is not None:
+            torch.cuda.manual_seed(seed)
+        if offset is not None:
+            generator.set_offset(offset)
+        x = sample()
+        start = torch.cuda.get_rng_state()
+        out = graphed(x)
+        after_graphed = torch.cuda.get_rng_state()
+        torch.cuda.set_rng_state(start)
+        xe = twin(x)
+        out_e = eager(xe)
+        assert torch.equal(after_graphed, torch.cuda.get_rng_state()), f"step {step}: offset"
+        assert_equal(out, out_e, f"step {step}: output (dropout masks)")
+        upstream = torch.randn_like(out)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        assert_grads_equal(graphed.module, eager, step)
+    assert generator.get_offset() > 2**33
+
+
+# ---- torch's conventions: train/eval, no_grad -------------------------------
+
+
+def test_other_train_eval_mode_runs_eagerly():
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)).to(CUDA)
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (torch.randn(8, 16, device=CUDA),))
+    model.eval()
+    eager.eval()
+    x = torch.randn(8, 16, device=CUDA)
+    assert_equal(model(x), eager(x), "eval-mode output")
+    model.train()
+    eager.train()
+    torch.cuda.manual_seed(7)
+    out = model(x)
+    assert (out == 0).any()  # graphed train mode: dropout is back
+    torch.cuda.manual_seed(7)  # eager dropout from the same generator state
+    assert_equal(out, eager(x), "train-mode output (dropout mask)")
+
+
+def test_no_grad_replays_forward_only():
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    x = make_input()
+    with torch.no_grad():
+        out = model(x)
+        expected = eager(x)
+    assert out.grad_fn is None and not out.requires_grad
+    assert_equal(out, expected, "no-grad output")
+
+
+# ---- introspection: the GraphedModule, graphs, profiler ranges --------------
+
+
+def test_make_graphed_returns_a_graphed_module():
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    assert isinstance(graphed, cgraph.GraphedModule)
+    assert graphed.module is model and model.forward.__class__ is not cgraph.Graphed
+    assert list(graphed.state_dict())[0].startswith("module.")
+    x = make_input()
+    assert_equal(graphed(x), eager(x), "output")
+
+
+def test_graphs_describe_what_was_captured():
+    """Graphed.graphs reads the captured graphs: each starts with one copy node
+    per argument (Note [Argument copies inside the graph]), the backward with
+    a second one for a broadcast grad (Note [Incoming grads]), and is a
+    straight line of work; a pass with nothing to differentiate has no graph."""
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    shapes = graphed.graphs
+    # The backward graph ends with both tails of Note [Parameter gradients]:
+    # one fused launch each, for the six parameters.
+    assert shapes["backward"]["kernels"] >= shapes["forward"]["kernels"] + 2, shapes
+    for name, shape in shapes.items():
+        assert shape["memcpys"] == (1 if name == "forward" else 2), (name, shape)
+        assert shape["kernels"] >= 3, (name, shape)  # three Linear layers each way
+        assert shape["nodes"] == (shape["kernels"] + shape["memcpys"] + shape["memsets"]
+                                  + shape["others"]), (name, shape)
+        assert shape["roots"] == 1 and shape["edges"] == shape["nodes"] - 1, (name, shape)
+    frozen, _ = mlp()
+    frozen.requires_grad_(False)
+    no_grad = cgraph.make_graphed(frozen, (torch.randn(8, 32, device=CUDA),))
+    assert no_grad.graphs["forward"] is not None and no_grad.graphs["backward"] is None
+    graphed.reset()
+    assert graphed.graphs == {"forward": None, "backward": None}
+
+
+def test_profiler_shows_cgraph_ranges():
+    """A graphed call shows up in torch.profiler under cgraph:: names, with the
+    forward and backward graph launches as ranges of their own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    x = make_input()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        graphed(x).sum().backward()
+    names = {e.key for e in prof.key_averages()}
+    assert {"cgraph::forward", "cgraph::replay_forward_graph",
+            "cgraph::replay_backward_graph", "cgraph::parameter_grads"} <= names, names
+
+
+# ---- pools: sharing and returning memory ------------------------------------
+
+
+def test_several_callables_share_one_pool():
+    """Forwards captured 1..N, backwards N..1, all in one pool."""
+    torch.manual_seed(5)
+    layers = tuple(nn.Sequential(nn.Linear(32, 32), nn.GELU()).to(CUDA) for _ in range(3))
+    eager = copy.deepcopy(layers)
+    samples = tuple((torch.randn(8, 32, device=CUDA, requires_grad=True),) for _ in layers)
+    graphed = cgraph.make_graphed_callables(layers, samples)
+    assert len({g.forward.pool for g in graphed}) == 1
+    for step in range(3):
+        x = torch.randn(8, 32, device=CUDA, requires_grad=True)
+        xe = twin(x)
+        h, he = x, xe
+        for g, e in zip(graphed, eager):
+            h, he = g(h), e(he)
+        assert_equal(h, he, f"step {step}: output")
+        upstream = torch.randn_like(h)
+        (h * upstream).sum().backward()
+        (he * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        for i, (g, e) in enumerate(zip(graphed, eager)):
+            for p, q in zip(g.parameters(), e.parameters()):
+                assert_equal(p.grad, q.grad, f"step {step}: layer {i} grad")
+            g.zero_grad(set_to_none=True)
+            e.zero_grad(set_to_none=True)
+
+
+def test_pool_handle_shared_between_two_calls():
+    torch.manual_seed(6)
+    handle = torch.cuda.graph_pool_handle()
+    nets = [mlp()[0] for _ in range(2)]
+    eager = copy.deepcopy(nets)
+    sample = lambda: torch.randn(8, 32, device=CUDA, requires_grad=True)  # noqa: E731
+    a = cgraph.make_graphed_callables(nets[0], (sample(),), pool=handle)
+    b = cgraph.make_graphed_callables(nets[1], (sample(),), pool=handle)
+    assert a.forward.pool == b.forward.pool == handle
+    for step in range(2):
+        # Replay in capture order: all of a, then all of b.
+        for g, e in ((a, eager[0]), (b, eager[1])):
+            x = sample()
+            out, out_e = g(x), e(twin(x))
+            assert_equal(out, out_e, f"step {step}: output")
+            upstream = torch.randn_like(out)
+            (out * upstream).sum().backward()
+            (out_e * upstream).sum().backward()
+            assert_grads_equal(g, e, step)
+
+
+def test_reset_returns_pool_memory():
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    graphed(make_input()).sum().backward()
+    pool = graphed.pool
+    assert pool_segments(pool), "the graphs should own pool memory"
+    graphed.reset()
+    assert pool_segments(pool) == []
+    with pytest.raises(RuntimeError, match="reset"):
+        graphed(make_input())
+
+
+def test_deleting_the_module_returns_pool_memory_without_gc():
+    model, make_input = mlp()
+    gc.disable()  # no cycle: the graphed forward holds its module weakly
+    try:
+        model = cgraph.make_graphed_callables(model, (make_input(),))
+        model(make_input()).sum().backward()
+        pool = model.forward.pool
+        assert pool_segments(pool)
+        del model
+        assert pool_segments(pool) == []
+    finally:
+        gc.enable()
