@@ -5,11 +5,10 @@ core, and wrap what comes back.  Warm-up, capture and replay are in csrc/."""
 from __future__ import annotations
 
 import atexit
-import contextlib
 import enum
 import inspect
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -17,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
 from . import _C
+from ._capture import capture_session
 
 __all__ = ["make_graphed_callables", "make_graphed", "GraphedModule", "graph_pool_handle",
            "reset_all"]
@@ -280,141 +280,17 @@ def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused
             f"cgraph: num_warmup_iters must be a non-negative int, got {num_warmup_iters!r}."
         )
     claimed: set[int] = set()  # sample memory already used as a static input
-    specs = tuple(_describe(i, fn, args, kwargs, claimed)
-                  for i, (fn, args, kwargs) in enumerate(zip(callables, sample_args, sample_kwargs)))
+    drafts = [_draft(i, fn, args, kwargs, claimed)
+              for i, (fn, args, kwargs) in enumerate(zip(callables, sample_args, sample_kwargs))]
     pool_id = _pool_id(pool)
     _require_cuda()
-    device = _device_of(specs)
-    with _autocast_cache_off(), _rng_hooks(), _reentrant_regions_checked(specs):
-        graphed = _C.graph_callables(specs, device, pool_id, num_warmup_iters,
-                                     bool(allow_unused_input), _CAPTURE_MODES[capture_error_mode],
-                                     bool(guard_outputs))
+    device = _device_of(drafts)
+    specs = tuple(_C.CallableSpec(**draft.fields, device=device) for draft in drafts)
+    with capture_session(specs):
+        graphed = _C.graph_callables(specs, pool_id, num_warmup_iters, bool(allow_unused_input),
+                                     _CAPTURE_MODES[capture_error_mode], bool(guard_outputs))
     _live.update(graphed)
     return graphed
-
-
-@contextlib.contextmanager
-def _autocast_cache_off():
-    """Note [Autocast's weight cache]: inside an autocast region torch caches
-    the low-precision copy of each weight until the region ends.  A copy
-    cached during capture is freed at the region's exit while the graph keeps
-    reading its memory, and a copy cached before capture is never refreshed
-    after an optimizer step; so torch refuses cache_enabled=True.  cgraph
-    turns the cache off while it warms up and captures: the graph then casts
-    the weights on every replay, and the caller's region keeps its cache."""
-    enabled = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        yield
-    finally:
-        torch.set_autocast_cache_enabled(enabled)
-
-
-@contextlib.contextmanager
-def _rng_hooks():
-    """While cgraph warms up and captures:
-
-    * torch.cuda.get_rng_state and set_rng_state ask the native core first,
-      so torch.utils.checkpoint's recompute redraws its forward's masks:
-      Note [RNG in checkpointed regions] in csrc/aten_rng.cpp.  Anything the
-      core does not claim goes to torch.
-    * seeding during a capture raises: a graph would not reseed on replay.
-      (The native core also compares the host generators before and after
-      each capture; a reseed to the state they already had escapes that.)
-    """
-    saved = {(module, name): getattr(module, name)
-             for module, name in ((torch.cuda, "get_rng_state"), (torch.cuda, "set_rng_state"),
-                                  (torch, "manual_seed"), (torch.random, "manual_seed"),
-                                  (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"))}
-    torch_get, torch_set = saved[torch.cuda, "get_rng_state"], saved[torch.cuda, "set_rng_state"]
-
-    def get_rng_state(device="cuda"):
-        state = _C.rng_get_state(_cuda_index(device))
-        return torch_get(device) if state is None else state
-
-    def set_rng_state(new_state, device="cuda"):
-        if not _C.rng_set_state(new_state, _cuda_index(device)):
-            torch_set(new_state, device)
-
-    def refuse_while_capturing(seed_fn):
-        def seed(*args, **kwargs):
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"cgraph: random generator state changed during capture: "
-                    f"{seed_fn.__module__}.{seed_fn.__name__} was called."
-                )
-            return seed_fn(*args, **kwargs)
-        return seed
-
-    hooks = {"get_rng_state": get_rng_state, "set_rng_state": set_rng_state}
-    for (module, name), original in saved.items():
-        setattr(module, name, hooks.get(name) or refuse_while_capturing(original))
-    try:
-        yield
-    finally:
-        for (module, name), original in saved.items():
-            setattr(module, name, original)
-
-
-@contextlib.contextmanager
-def _reentrant_regions_checked(specs):
-    """While cgraph warms up and captures, a torch.utils.checkpoint region
-    with use_reentrant=True may read leaves that require grad only if they
-    are arguments or parameters of the graphed callables.  Its backward
-    rebuilds the region's autograd graph and runs .backward() on it, so
-    another leaf (a tensor in a closure) would get a grad at capture time and
-    none at replay: that raises here instead (csrc/aten_capture.cpp, Note
-    [Backward capture runs .backward()])."""
-    import torch.utils.checkpoint as ckpt
-
-    known = {id(t) for spec in specs for t in (*spec[3], *spec[5])}  # tensor leaves, params
-    region_inputs: set[int] = set()
-    detach_variable, backward = ckpt.detach_variable, torch.autograd.backward
-
-    def detach_and_note(inputs):
-        detached = detach_variable(inputs)
-        region_inputs.update(id(t) for t in detached if isinstance(t, torch.Tensor))
-        return detached
-
-    def checked_backward(tensors, *args, **kwargs):
-        for leaf in _leaves_requiring_grad(tensors):
-            if id(leaf) not in known and id(leaf) not in region_inputs:
-                raise RuntimeError(
-                    f"cgraph: a tensor of shape {tuple(leaf.shape)} that requires grad is "
-                    "read inside a torch.utils.checkpoint(use_reentrant=True) region but is "
-                    "neither an argument nor a parameter of the graphed callable, so its "
-                    "grad would be computed once, at capture. Make it an nn.Parameter of the "
-                    "module, pass it as an argument, or use use_reentrant=False."
-                )
-        return backward(tensors, *args, **kwargs)
-
-    ckpt.detach_variable, torch.autograd.backward = detach_and_note, checked_backward
-    try:
-        yield
-    finally:
-        ckpt.detach_variable, torch.autograd.backward = detach_variable, backward
-
-
-def _leaves_requiring_grad(tensors):
-    """The leaves an autograd graph ends at (AccumulateGrad nodes)."""
-    tensors = (tensors,) if isinstance(tensors, torch.Tensor) else tensors
-    stack = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn]
-    seen = set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        if hasattr(node, "variable"):
-            yield node.variable
-        stack.extend(next_node for next_node, _ in node.next_functions)
-
-
-def _cuda_index(device) -> int:
-    if isinstance(device, int):
-        return device
-    device = torch.device(device)
-    return torch.cuda.current_device() if device.index is None else device.index
 
 
 class _StateCheck:
@@ -459,8 +335,24 @@ for _register in (nn.modules.module.register_module_parameter_registration_hook,
     _register(_modules_changed)
 
 
-def _describe(index: int, fn, args, kwargs, claimed: set[int]) -> tuple:
-    """The spec tuple capture.c parses (see callable_spec there)."""
+class Constant(NamedTuple):
+    """A non-tensor sample argument captured into the graph: each call must
+    pass the same value again (checked in csrc/arguments.c)."""
+
+    position: int  # among the pytree leaves of (args, kwargs)
+    name: str
+    value: Any
+
+
+class _Draft(NamedTuple):
+    """A callable's description, checked, short of the device, which depends
+    on every callable and on CUDA (checked after the arguments)."""
+
+    fields: dict  # CallableSpec's fields but the device
+    leaves: list  # every pytree leaf of (args, kwargs)
+
+
+def _draft(index: int, fn, args, kwargs, claimed: set[int]) -> _Draft:
     if not callable(fn):
         raise TypeError(f"cgraph: callable {index} is a {type(fn).__name__}, not callable.")
     if not isinstance(args, tuple):
@@ -481,14 +373,28 @@ def _describe(index: int, fn, args, kwargs, claimed: set[int]) -> tuple:
     leaves = [_static_input(leaf, claimed) if isinstance(leaf, torch.Tensor) else leaf
               for leaf in leaves]
     args, kwargs = pytree.tree_unflatten(leaves, in_spec)
-    names = _leaf_names(fn, args, kwargs)
+    tensors, names, constants = _classify_leaves(index, leaves, _leaf_names(fn, args, kwargs))
+    flat = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+    module = isinstance(fn, nn.Module)
+    fields = dict(
+        index=index, **_target_fields(index, fn), args=args, kwargs=kwargs,
+        kw_names=tuple(kwargs), tensors=tensors, names=names,
+        params=tuple(fn.parameters()) if module else (),
+        buffers=tuple(fn.buffers()) if module else (), flat=flat,
+        in_spec=None if flat else in_spec, constants=constants,
+    )
+    return _Draft(fields, leaves)
+
+
+def _classify_leaves(index: int, leaves: list, names: list[str]):
+    """The tensor leaves and their names, and the constants."""
     tensors, tensor_names, constants = [], [], []
     for position, (name, leaf) in enumerate(zip(names, leaves)):
         if isinstance(leaf, torch.Tensor):
             tensors.append(leaf)
             tensor_names.append(name)
         elif isinstance(leaf, _CONSTANT_TYPES):
-            constants.append((position, name, leaf))
+            constants.append(Constant(position, name, leaf))
         else:
             raise TypeError(
                 f"cgraph: sample argument '{name}' of callable {index} is a "
@@ -496,32 +402,33 @@ def _describe(index: int, fn, args, kwargs, claimed: set[int]) -> tuple:
                 "(int, float, bool, str, enum, torch.dtype, ...) nested in tuples, lists or "
                 "dicts. Bind other values with functools.partial."
             )
-    flat = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
-    module, eager, eager_takes_module, verify = None, None, False, None
-    params: tuple = ()
-    buffers: tuple = ()
-    if isinstance(fn, nn.Module):
-        if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks:
-            raise ValueError(
-                f"cgraph: module {index} ({type(fn).__name__}) has module hooks; they would "
-                "run once, at capture, and never on replay. Remove them before graphing "
-                "(you may register hooks afterwards), as torch requires."
-            )
-        buffers = tuple(fn.buffers())
-        if any(b.requires_grad for b in buffers):
-            raise ValueError(
-                f"cgraph: module {index} has a buffer that requires grad; only parameters "
-                "may be trainable in a graphed module (make it an nn.Parameter)."
-            )
-        params = tuple(fn.parameters())
-        module = fn
-        verify = _StateCheck(index, fn)
-        if "forward" in fn.__dict__:
-            eager = fn.__dict__["forward"]
-        else:
-            eager, eager_takes_module = type(fn).forward, True
-    return (fn, args, kwargs, tuple(tensors), tuple(tensor_names), params, buffers, flat,
-            None if flat else in_spec, tuple(constants), module, eager, eager_takes_module, verify)
+    return tuple(tensors), tuple(tensor_names), tuple(constants)
+
+
+def _target_fields(index: int, fn) -> dict:
+    """What to call, and for a module how to run it eagerly and check it."""
+    if not isinstance(fn, nn.Module):
+        return dict(function=fn, module=None, eager=None, eager_takes_module=False,
+                    training=False, verify=None)
+    if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks:
+        raise ValueError(
+            f"cgraph: module {index} ({type(fn).__name__}) has module hooks; they would "
+            "run once, at capture, and never on replay. Remove them before graphing "
+            "(you may register hooks afterwards), as torch requires."
+        )
+    if any(b.requires_grad for b in fn.buffers()):
+        raise ValueError(
+            f"cgraph: module {index} has a buffer that requires grad; only parameters "
+            "may be trainable in a graphed module (make it an nn.Parameter)."
+        )
+    if "forward" in fn.__dict__:
+        eager, takes_module = fn.__dict__["forward"], False
+    else:
+        eager, takes_module = type(fn).forward, True
+    # The module weakly: module.forward holds the Graphed, which holds the spec.
+    return dict(function=None, module=weakref.ref(fn), eager=eager,
+                eager_takes_module=takes_module, training=fn.training,
+                verify=_StateCheck(index, fn))
 
 
 def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
@@ -567,9 +474,11 @@ def _leaf_names(fn, args, kwargs=None) -> list[str]:
     return names
 
 
-def _device_of(specs: Sequence[tuple]) -> int:
-    for spec in specs:
-        for t in spec[3] + spec[5]:  # tensor leaves, parameters
-            if t.is_cuda:
+def _device_of(drafts: Sequence[_Draft]) -> int:
+    """The device of the first CUDA tensor among the samples and parameters,
+    else the current one: the device every graph of one call runs on."""
+    for draft in drafts:
+        for t in (*draft.leaves, *draft.fields["params"]):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
                 return t.device.index
     return torch.cuda.current_device()

@@ -49,7 +49,7 @@
 //    mode's.  Where the two tensors live is torch internals (one pair per
 //    generator state up to torch 2.11, one per state and capture since): a
 //    torch where cgraph finds neither keeps torch's replay().
-#include "aten_engine.hpp"
+#include "aten_graph.hpp"
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -193,7 +193,7 @@ bool memcpy_copies(const at::Tensor& dst, const at::Tensor& src) {
   return s + n <= d || d + n <= s;
 }
 
-size_t Graph::capture_copy_in(const at::Tensor& dst) {
+SlotId Graph::capture_copy_in(const at::Tensor& dst) {
   CopyIn slot;
   slot.dst = dst.data_ptr();
   slot.bytes = dst.nbytes();
@@ -210,10 +210,10 @@ size_t Graph::capture_copy_in(const at::Tensor& dst) {
     }
   }
   copy_ins_.push_back(slot);
-  return copy_ins_.size() - 1;
+  return SlotId{static_cast<uint32_t>(copy_ins_.size() - 1)};
 }
 
-size_t Graph::capture_segment(const std::function<void()>& record) {
+SegmentId Graph::capture_segment(const std::function<void()>& record) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
   std::vector<cudaGraphNode_t> before = captured_nodes(stream);
   std::sort(before.begin(), before.end());
@@ -229,11 +229,11 @@ size_t Graph::capture_segment(const std::function<void()>& record) {
     segment.nodes.push_back(node);
   }
   segments_.push_back(std::move(segment));
-  return segments_.size() - 1;
+  return SegmentId{static_cast<uint32_t>(segments_.size() - 1)};
 }
 
-void Graph::set_segment(size_t s, bool enabled) {
-  Segment& segment = segments_[s];
+void Graph::set_segment(SegmentId id, bool enabled) {
+  Segment& segment = segments_[id.index];
   if (segment.enabled == enabled) {
     return;
   }
@@ -243,16 +243,16 @@ void Graph::set_segment(size_t s, bool enabled) {
   segment.enabled = enabled;
 }
 
-bool Graph::copy_in(size_t k, const at::Tensor& dst, const at::Tensor& src) {
+bool Graph::copy_in(SlotId id, const at::Tensor& dst, const at::Tensor& src) {
   if (!memcpy_copies(dst, src)) {
-    skip_copy_in(k);
+    skip_copy_in(id);
     return false;
   }
-  return copy_in_from(k, src.const_data_ptr());
+  return copy_in_from(id, src.const_data_ptr());
 }
 
-bool Graph::copy_in_from(size_t k, const void* from) {
-  CopyIn& slot = copy_ins_[k];
+bool Graph::copy_in_from(SlotId id, const void* from) {
+  CopyIn& slot = copy_ins_[id.index];
   if (slot.node == nullptr) {
     return false;
   }
@@ -260,7 +260,7 @@ bool Graph::copy_in_from(size_t k, const void* from) {
     if (cudaGraphExecMemcpyNodeSetParams1D(graph_exec_, slot.node, slot.dst, from, slot.bytes,
                                            cudaMemcpyDeviceToDevice) != cudaSuccess) {
       (void)cudaGetLastError();  // memory from elsewhere (another context, IPC): ATen copies
-      skip_copy_in(k);
+      skip_copy_in(id);
       return false;
     }
     slot.src = from;
@@ -272,8 +272,8 @@ bool Graph::copy_in_from(size_t k, const void* from) {
   return true;
 }
 
-void Graph::skip_copy_in(size_t k) {
-  CopyIn& slot = copy_ins_[k];
+void Graph::skip_copy_in(SlotId id) {
+  CopyIn& slot = copy_ins_[id.index];
   if (slot.node != nullptr && slot.enabled) {
     C10_CUDA_CHECK(cudaGraphNodeSetEnabled(graph_exec_, slot.node, 0));
     slot.enabled = false;
@@ -304,16 +304,20 @@ void Graph::capture_rng_seeds() {
     r.params[3] = word_memset(o + 4);
     rng_seeds_.push_back(r);
   }
-  if (rng_seeds_.empty()) {
-    return;
+  if (!rng_seeds_.empty()) {
+    add_seed_chain();
   }
+}
+
+// The seed nodes of every state, in one chain ahead of the graph's roots.
+// On an H100, four parallel memset roots joined ahead of a graph cost 8.4 us
+// of GPU time per launch, four in a row 3.0.
+void Graph::add_seed_chain() {
   size_t count = 0;
   C10_CUDA_CHECK(cudaGraphGetRootNodes(graph_, nullptr, &count));
   std::vector<cudaGraphNode_t> roots(count);
   C10_CUDA_CHECK(cudaGraphGetRootNodes(graph_, roots.data(), &count));
   roots.resize(count);
-  // One chain of memsets: on an H100, four parallel memset roots joined
-  // ahead of a graph cost 8.4 us of GPU time per launch, four in a row 3.0.
   cudaGraphNode_t last = nullptr;
   for (RngSeed& r : rng_seeds_) {
     for (int k = 0; k < 4; ++k) {
@@ -323,6 +327,29 @@ void Graph::capture_rng_seeds() {
     }
   }
   precede(graph_, last, roots);
+}
+
+// What torch's replay prologue does for one state (read its seed and
+// offset, move the offset on by the graph's whole increment), written into
+// the state's memset nodes where a value changed.
+void Graph::write_seeds(RngSeed& r) {
+  uint64_t seed = 0, offset = 0;
+  {
+    auto lock = replay_lock(*r.state, 0);
+    seed = r.state->seed_;
+    offset = r.state->philox_offset_per_thread_;
+    r.state->philox_offset_per_thread_ += r.increment;
+  }
+  const uint32_t words[4] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                             static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32)};
+  for (int k = 0; k < 4; ++k) {
+    if (r.params[k].value != words[k]) {
+      cudaMemsetParams p = r.params[k];
+      p.value = words[k];
+      C10_CUDA_CHECK(cudaGraphExecMemsetNodeSetParams(graph_exec_, r.nodes[k], &p));
+      r.params[k] = p;
+    }
+  }
 }
 
 void Graph::launch() {
@@ -338,24 +365,7 @@ void Graph::launch() {
               "while its stream is capturing a CUDA graph; a replay cannot be recorded into "
               "another graph. Inside a capture, call the eager callable instead.");
   for (RngSeed& r : rng_seeds_) {
-    uint64_t seed = 0, offset = 0;
-    {
-      auto lock = replay_lock(*r.state, 0);
-      seed = r.state->seed_;
-      offset = r.state->philox_offset_per_thread_;
-      r.state->philox_offset_per_thread_ += r.increment;
-    }
-    const uint32_t words[4] = {static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
-                               static_cast<uint32_t>(offset),
-                               static_cast<uint32_t>(offset >> 32)};
-    for (int k = 0; k < 4; ++k) {
-      if (r.params[k].value != words[k]) {
-        cudaMemsetParams p = r.params[k];
-        p.value = words[k];
-        C10_CUDA_CHECK(cudaGraphExecMemsetNodeSetParams(graph_exec_, r.nodes[k], &p));
-        r.params[k] = p;
-      }
-    }
+    write_seeds(r);
   }
   C10_CUDA_CHECK(cudaGraphLaunch(graph_exec_, stream));
 }

@@ -2,10 +2,9 @@
 //
 // Read from the cudaGraph_t every cgraph Graph keeps (its switchable nodes
 // live there, aten_graph_nodes.cpp); nothing here runs on the replay path.
-#include "aten_engine.hpp"
+#include "aten_graph.hpp"
 
 #include <c10/cuda/CUDAException.h>
-#include <torch/csrc/Exceptions.h>
 
 namespace cgraph {
 
@@ -49,15 +48,3 @@ bool Graph::shape(cg_graph_shape* out) const {
 }
 
 }  // namespace cgraph
-
-extern "C" int cg_engine_graph_shape(const cg_engine* engine, cg_pass pass,
-                                     cg_graph_shape* out) {
-  HANDLE_TH_ERRORS
-  const cgraph::Engine& e = *engine->ptr;
-  if (!e.alive || (pass == CG_BACKWARD && !e.has_bwd)) {
-    return 0;
-  }
-  const cgraph::Graph& g = pass == CG_FORWARD ? *e.fwd : *e.bwd;
-  return g.shape(out) ? 1 : 0;
-  END_HANDLE_TH_ERRORS_RET(-1)
-}

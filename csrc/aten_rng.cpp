@@ -35,17 +35,17 @@
 #include "aten_engine.hpp"
 
 #include <ATen/CPUGeneratorImpl.h>
-#include <atomic>
 #include <ATen/cuda/CUDAGeneratorImpl.h>
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/python_variable.h>
+
+#include <atomic>
 
 namespace cgraph {
 namespace {
 
 // The engine warming up or capturing, if any.  Not thread-local: the
 // backward capture runs checkpoint's recompute (and so the RNG hooks) on
-// the autograd engine's device thread.
+// the autograd engine's device thread.  Set only while the engine's
+// set-up state exists.
 std::atomic<Engine*> rng_owner{nullptr};
 
 at::Generator default_generator(c10::DeviceIndex device) {
@@ -56,27 +56,40 @@ at::Generator default_generator(c10::DeviceIndex device) {
 // registers a state on both sides (graph and state) only through the
 // Generator overload; later releases have only the state overload.
 template <class G>
-auto register_region(G& graph, const at::Generator& generator,
-                     const c10::intrusive_ptr<at::CUDAGeneratorState>&, int)
-    -> decltype(graph.register_generator_state(generator), void()) {
-  graph.register_generator_state(generator);
+auto register_region(G& graph, const RngRegion& region, int)
+    -> decltype(graph.register_generator_state(region.generator), void()) {
+  graph.register_generator_state(region.generator);
 }
 template <class G>
-void register_region(G& graph, const at::Generator&,
-                     const c10::intrusive_ptr<at::CUDAGeneratorState>& state, long) {
-  graph.register_generator_state(state);
+void register_region(G& graph, const RngRegion& region, long) {
+  graph.register_generator_state(region.state);
 }
 
 // A CPU byte tensor that stands for `generator` until capture ends.
-at::Tensor issue_token(Engine& e, at::Generator generator) {
+at::Tensor issue_token(RngSetup& rng, at::Generator generator) {
   at::Tensor token = at::zeros({16}, at::kByte);
-  e.rng.tokens.emplace_back(token, std::move(generator));
+  rng.tokens.emplace_back(token, std::move(generator));
   return token;
+}
+
+// The regions' states, made at the forward capture: one per region the
+// last warm-up call entered.
+std::vector<RngRegion> make_regions(c10::DeviceIndex device,
+                                    const std::vector<uint64_t>& entry_offsets) {
+  std::vector<RngRegion> regions;
+  for (const uint64_t offset : entry_offsets) {
+    RngRegion region;
+    region.state = c10::make_intrusive<at::CUDAGeneratorState>();
+    region.generator = at::make_generator<at::CUDAGeneratorImpl>(device, region.state);
+    region.entry_offset = offset;
+    regions.push_back(std::move(region));
+  }
+  return regions;
 }
 
 }  // namespace
 
-Engine::RngSnapshot Engine::host_rng_snapshot() const {
+RngSnapshot Engine::host_rng_snapshot() const {
   RngSnapshot s;
   {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
@@ -92,151 +105,148 @@ Engine::RngSnapshot Engine::host_rng_snapshot() const {
 
 // Called after each capture: a callable that seeded a generator or drew
 // host-side random numbers did so once, at capture, and replays would not.
-void Engine::check_host_rng_untouched(const RngSnapshot& before) const {
+void Engine::check_host_rng_untouched() const {
+  const RngSnapshot& before = setup->rng.host_before;
   const RngSnapshot after = host_rng_snapshot();
-  TORCH_CHECK(before.cuda_seed == after.cuda_seed && before.cuda_offset == after.cuda_offset &&
-                  at::equal(before.cpu_state, after.cpu_state),
-              "cgraph: random generator state changed during capture.");
+  if (before.cuda_seed != after.cuda_seed || before.cuda_offset != after.cuda_offset ||
+      !at::equal(before.cpu_state, after.cpu_state)) {
+    throw Refusal(CG_FAILURE_RNG_CHANGED, "cgraph: random generator state changed during capture.");
+  }
 }
 
 void Engine::rng_warmup_begin() {
   rng_owner = this;
-  rng.phase = RngPhase::Warmup;
-  rng.warmup_offsets.clear();
-  rng.warmup_start = default_generator(device).get_offset();
+  setup->rng.phase = RngPhase::Warmup;
+  setup->rng.warmup_offsets.clear();
+  setup->rng.warmup_start = default_generator(device).get_offset();
 }
 
 // The last warm-up call counts: the first may compile (torch.compile reads
 // and restores the RNG state while it traces), later ones run as captured.
 void Engine::rng_warmup_end() {
   rng_owner = nullptr;
-  rng.phase = RngPhase::Off;
-  rng.entry_offsets = rng.warmup_offsets;
-  rng.forward_increment = default_generator(device).get_offset() - rng.warmup_start;
+  RngSetup& r = setup->rng;
+  r.phase = RngPhase::Off;
+  r.entry_offsets = r.warmup_offsets;
+  rng.forward_increment = default_generator(device).get_offset() - r.warmup_start;
 }
 
 void Engine::check_rng_regions_entered() const {
-  TORCH_CHECK(rng.entered == rng.entry_offsets.size(), "cgraph: the callable asked for the "
-              "CUDA RNG state ", rng.entered, " time(s) during capture but ",
-              rng.entry_offsets.size(), " time(s) in its last warm-up call, so checkpointed "
-              "regions cannot be matched to their random streams. Make RNG use the same on "
-              "every call; if the first call compiles (torch.compile), use num_warmup_iters >= 2.");
+  const RngSetup& r = setup->rng;
+  if (r.entered != r.entry_offsets.size()) {
+    throw Refusal(CG_FAILURE_RNG_REGIONS,
+                  "cgraph: the callable asked for the CUDA RNG state " +
+                      std::to_string(r.entered) + " time(s) during capture but " +
+                      std::to_string(r.entry_offsets.size()) +
+                      " time(s) in its last warm-up call, so checkpointed regions cannot be "
+                      "matched to their random streams.");
+  }
 }
 
 void Engine::rng_capture_begin(cg_pass pass) {
-  Graph& g = pass == CG_FORWARD ? *fwd : *bwd;
-  if (pass == CG_FORWARD && rng.states.size() != rng.entry_offsets.size()) {
-    rng.states.clear();
-    rng.generators.clear();
-    for (size_t k = 0; k < rng.entry_offsets.size(); ++k) {
-      auto state = c10::make_intrusive<at::CUDAGeneratorState>();
-      rng.generators.push_back(at::make_generator<at::CUDAGeneratorImpl>(device, state));
-      rng.states.push_back(std::move(state));
-    }
+  RngSetup& r = setup->rng;
+  if (pass == CG_FORWARD && rng.regions.size() != r.entry_offsets.size()) {
+    rng.regions = make_regions(device, r.entry_offsets);
   }
-  for (size_t k = 0; k < rng.states.size(); ++k) {
-    register_region(g, rng.generators[k], rng.states[k], 0);
+  for (const RngRegion& region : rng.regions) {
+    register_region(graph(pass), region, 0);
   }
-  rng.host_before = host_rng_snapshot();
-  rng.default_state = default_generator(device).graphsafe_get_state();
-  rng.entered = 0;
-  rng.phase = pass == CG_FORWARD ? RngPhase::Forward : RngPhase::Backward;
+  r.host_before = host_rng_snapshot();
+  r.default_state = default_generator(device).graphsafe_get_state();
+  r.entered = 0;
+  r.phase = pass == CG_FORWARD ? RngPhase::Forward : RngPhase::Backward;
   rng_owner = this;
 }
 
 void Engine::rng_capture_end() noexcept {
   Engine* self = this;
   rng_owner.compare_exchange_strong(self, nullptr);
-  if (rng.phase == RngPhase::Backward) {
-    rng.tokens.clear();  // forward tokens live until their recomputes are captured
+  if (!setup) {
+    return;
   }
-  rng.phase = RngPhase::Off;
-  if (rng.default_state.defined()) {
+  RngSetup& r = setup->rng;
+  if (r.phase == RngPhase::Backward) {
+    r.tokens.clear();  // forward tokens live until their recomputes are captured
+  }
+  r.phase = RngPhase::Off;
+  if (r.default_state.defined()) {
     try {
-      default_generator(device).graphsafe_set_state(rng.default_state);
+      default_generator(device).graphsafe_set_state(r.default_state);
     } catch (const std::exception& err) {
       TORCH_WARN("cgraph: could not restore the CUDA generator after capture: ", err.what());
     }
-    rng.default_state = at::Generator();
+    r.default_state = at::Generator();
   }
 }
 
 void Engine::rng_before_forward_replay() {
   at::Generator gen = default_generator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
-  rng.replay_seed = gen.current_seed();
-  rng.replay_base = gen.get_offset();
-  for (size_t k = 0; k < rng.generators.size(); ++k) {
-    rng.generators[k].set_current_seed(rng.replay_seed);
-    rng.generators[k].set_offset(rng.replay_base + rng.entry_offsets[k]);
+  rng.seed = gen.current_seed();
+  rng.base = gen.get_offset();
+  for (RngRegion& region : rng.regions) {
+    region.generator.set_current_seed(rng.seed);
+    region.generator.set_offset(rng.base + region.entry_offset);
   }
 }
 
 void Engine::rng_after_forward_replay() {
   at::Generator gen = default_generator(device);
   std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_offset(rng.replay_base + rng.forward_increment);
+  gen.set_offset(rng.base + rng.forward_increment);
 }
 
 void Engine::rng_before_backward_replay() {
-  for (size_t k = 0; k < rng.generators.size(); ++k) {
-    rng.generators[k].set_current_seed(rng.replay_seed);
-    rng.generators[k].set_offset(rng.replay_base + rng.entry_offsets[k]);
+  for (RngRegion& region : rng.regions) {
+    region.generator.set_current_seed(rng.seed);
+    region.generator.set_offset(rng.base + region.entry_offset);
   }
+}
+
+std::optional<at::Tensor> rng_get_state(c10::DeviceIndex device) {
+  Engine* e = rng_owner;
+  if (!e || e->device != device) {
+    return std::nullopt;
+  }
+  RngSetup& r = e->setup->rng;
+  switch (r.phase) {
+    case RngPhase::Warmup:
+      r.warmup_offsets.push_back(default_generator(device).get_offset() - r.warmup_start);
+      return std::nullopt;  // torch answers
+    case RngPhase::Forward: {
+      const size_t k = r.entered++;
+      if (k >= e->rng.regions.size()) {
+        throw Refusal(CG_FAILURE_RNG_REGIONS, "cgraph: the callable asked for the CUDA RNG "
+                      "state more often during capture than during warm-up.");
+      }
+      default_generator(device).graphsafe_set_state(e->rng.regions[k].generator);
+      return issue_token(r, e->rng.regions[k].generator);
+    }
+    case RngPhase::Backward:
+      return issue_token(r, default_generator(device).graphsafe_get_state());
+    default:
+      return std::nullopt;
+  }
+}
+
+bool rng_set_state(const at::Tensor& state, c10::DeviceIndex device) {
+  Engine* e = rng_owner;
+  if (!e || e->device != device) {
+    return false;
+  }
+  RngSetup& r = e->setup->rng;
+  if (r.phase != RngPhase::Forward && r.phase != RngPhase::Backward) {
+    return false;
+  }
+  for (const auto& [token, generator] : r.tokens) {
+    if (token.unsafeGetTensorImpl() == state.unsafeGetTensorImpl()) {
+      default_generator(device).graphsafe_set_state(generator);
+      return true;
+    }
+  }
+  throw Refusal(CG_FAILURE_RNG_CHANGED, "cgraph: torch.cuda.set_rng_state during capture with "
+                "a state that was not taken during this capture. A graph cannot restore a "
+                "host-side RNG state: set it outside the graphed callable.");
 }
 
 }  // namespace cgraph
-
-using cgraph::Engine;
-using cgraph::RngPhase;
-
-extern "C" {
-
-PyObject* cg_rng_get_state(int device) {
-  HANDLE_TH_ERRORS
-  Engine* e = cgraph::rng_owner;
-  if (!e || e->device != device) {
-    Py_RETURN_NONE;
-  }
-  switch (e->rng.phase) {
-    case RngPhase::Warmup:
-      e->rng.warmup_offsets.push_back(cgraph::default_generator(e->device).get_offset() -
-                                      e->rng.warmup_start);
-      Py_RETURN_NONE;  // torch answers
-    case RngPhase::Forward: {
-      const size_t k = e->rng.entered++;
-      TORCH_CHECK(k < e->rng.generators.size(), "cgraph: the callable asked for the CUDA RNG "
-                  "state more often during capture than during warm-up.");
-      cgraph::default_generator(e->device).graphsafe_set_state(e->rng.generators[k]);
-      return THPVariable_Wrap(cgraph::issue_token(*e, e->rng.generators[k]));
-    }
-    case RngPhase::Backward:
-      return THPVariable_Wrap(
-          cgraph::issue_token(*e, cgraph::default_generator(e->device).graphsafe_get_state()));
-    default:
-      Py_RETURN_NONE;
-  }
-  END_HANDLE_TH_ERRORS_RET(nullptr)
-}
-
-int cg_rng_set_state(PyObject* state, int device) {
-  HANDLE_TH_ERRORS
-  Engine* e = cgraph::rng_owner;
-  if (!e || e->device != device || !THPVariable_Check(state) ||
-      (e->rng.phase != RngPhase::Forward && e->rng.phase != RngPhase::Backward)) {
-    return 0;
-  }
-  const c10::TensorImpl* impl = THPVariable_Unpack(state).unsafeGetTensorImpl();
-  for (const auto& [token, generator] : e->rng.tokens) {
-    if (token.unsafeGetTensorImpl() == impl) {
-      cgraph::default_generator(e->device).graphsafe_set_state(generator);
-      return 1;
-    }
-  }
-  TORCH_CHECK(false, "cgraph: torch.cuda.set_rng_state during capture with a state that was "
-              "not taken during this capture. A graph cannot restore a host-side RNG state: "
-              "set it outside the graphed callable.");
-  END_HANDLE_TH_ERRORS_RET(-1)
-}
-
-}  // extern "C"

@@ -4,27 +4,26 @@
  *
  * Python equivalent (the contract; the real thing is below):
  *
- *     def graph_callables(specs, device, pool, num_warmup_iters,
- *                         allow_unused_input, capture_error_mode, guard_outputs):
+ *     def graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
+ *                         capture_error_mode, guard_outputs):
  *         pool = pool or new_pool()           # one pool for all callables
- *         engines = [Engine(s.leaves, s.names, s.params, s.buffers)
- *                    for s in specs]
- *         with capture_stream(device):        # warm-up and capture share it
+ *         engines = [Engine(s) for s in specs]
+ *         with capture_stream(specs[0].device):   # warm-up and capture share it
  *             for s, e in zip(specs, engines):                    # warm-up
  *                 for _ in range(num_warmup_iters):
  *                     with e.warmup():        # notes RNG use (aten_rng.cpp)
- *                         out = s.fn(*s.args, **s.kwargs)
+ *                         out = s.target()(*s.args, **s.kwargs)
  *                     e.warmup_backward(tree_leaves(out))
  *             torch.cuda.empty_cache()   # warm-up's cache, not beside the pool
  *             for s, e in zip(specs, engines):            # forwards 1..N
  *                 with e.capture(FORWARD, pool):
- *                     out = s.fn(*s.args, **s.kwargs)
+ *                     out = s.target()(*s.args, **s.kwargs)
  *                 e.set_outputs(tree_leaves(out))
  *             for e in reversed(engines):                # backwards N..1
  *                 e.capture_backward(pool)
  *             for e in engines:
- *                 e.restore_buffers()   # BatchNorm stats, grad accumulators
- *         return tuple(Graphed(e, ...) for e in engines)
+ *                 e.finish_setup()      # BatchNorm stats, grad accumulators
+ *         return tuple(Graphed(s, e, out_layout) for s, e in zip(specs, engines))
  *
  * Capturing in the order the graphs will replay is what makes sharing one
  * pool safe: a graph only reuses memory that earlier graphs are done with.
@@ -36,339 +35,500 @@
 
 #include "module.h"
 
-/* One callable, as make_graphed_callables (cgraph/_api.py _describe)
- * describes it.  All borrowed from the spec tuple. */
+/* One make_graphed call in progress.  Arrays have one entry per callable. */
 typedef struct {
-    PyObject *fn;            /* what to call: the module or function */
-    PyObject *args;          /* tuple: the sample args, as given */
-    PyObject *kwargs;        /* dict: the sample kwargs, sorted by name */
-    PyObject *leaves;        /* tuple of tensors: the tensor leaves of (args, kwargs) */
-    PyObject *names;         /* tuple of str: a name per tensor leaf */
-    PyObject *params;        /* tuple of parameters */
-    PyObject *buffers;       /* tuple of buffers */
-    int flat_args;           /* args are all tensors and there are no kwargs */
-    PyObject *in_spec;       /* TreeSpec of (args, kwargs), or None if flat */
-    PyObject *constants;     /* tuple of (leaf position, name, value) */
-    PyObject *module;        /* the nn.Module or None */
-    PyObject *eager;         /* forward for the other train/eval mode, or None */
-    int eager_takes_module;
-    PyObject *verify;        /* verify(module): raises if parameters were replaced */
-} callable_spec;
+    cg_state *state;
+    Py_ssize_t n;
+    cg_spec **specs;        /* borrowed from the specs tuple */
+    PyObject **targets;     /* owned: what warm-up and capture call */
+    cg_engine **engines;    /* owned until wrapped in a Graphed */
+    cg_out_layout *outs;    /* how each callable's outputs are structured */
+    cg_pool pool;
+    cg_capture_mode mode;
+    int warmup_iters;
+    int allow_unused;
+    int guard_outputs;
+    cg_setup *setup;        /* the capture stream, while warm-up and capture run */
+} session;
 
-/* 0 on success, -1 with an exception. */
-static int
-parse_spec(PyObject *tuple, callable_spec *spec)
-{
-    return PyArg_ParseTuple(tuple, "OO!O!O!O!O!O!pOO!OOpO;cgraph: malformed callable spec",
-                            &spec->fn, &PyTuple_Type, &spec->args, &PyDict_Type, &spec->kwargs,
-                            &PyTuple_Type, &spec->leaves, &PyTuple_Type, &spec->names,
-                            &PyTuple_Type, &spec->params, &PyTuple_Type, &spec->buffers,
-                            &spec->flat_args, &spec->in_spec, &PyTuple_Type, &spec->constants,
-                            &spec->module, &spec->eager, &spec->eager_takes_module,
-                            &spec->verify) ? 0 : -1;
-}
+/* ---- capture failures --------------------------------------------------- */
 
-/* Calls the callable with its sample arguments.  Returns a NEW reference,
- * or NULL with an exception set. */
-static PyObject *
-call_sample(const callable_spec *spec)
-{
-    return PyObject_Call(spec->fn, spec->args,
-                         PyDict_GET_SIZE(spec->kwargs) ? spec->kwargs : NULL);
-}
-
-/* The pytree leaves of `out` and how to rebuild it.  Returns a NEW
- * reference to a sequence of leaves and stores a NEW reference to the spec
- * (or NULL) in *spec_out, or returns NULL with an exception set. */
-static PyObject *
-output_leaves(PyObject *out, cg_out_kind *kind, PyObject **spec_out)
-{
-    PyObject *flat, *leaves;
-
-    *spec_out = NULL;
-    if (PyTuple_CheckExact(out)) {
-        int all_tensors = 1;
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(out); i++) {
-            /* A tuple of tuples is a tree; a tuple of tensors (or things
-             * the engine will reject with a clear message) is flat. */
-            PyObject *item = PyTuple_GET_ITEM(out, i);
-            if (PyTuple_Check(item) || PyList_Check(item) || PyDict_Check(item) ||
-                item == Py_None) {
-                all_tensors = 0;
-                break;
-            }
-        }
-        if (all_tensors) {
-            *kind = CG_OUT_TUPLE;
-            return Py_NewRef(out);
-        }
-    }
-    flat = PyObject_CallOneArg(cgm.tree_flatten, out);
-    if (flat == NULL) {
-        return NULL;
-    }
-    leaves = Py_NewRef(PyTuple_GET_ITEM(flat, 0));
-    *spec_out = Py_NewRef(PyTuple_GET_ITEM(flat, 1));
-    Py_DECREF(flat);
-    /* A lone tensor flattens to one leaf with a leaf spec: return it bare. */
-    *kind = (PyList_GET_SIZE(leaves) == 1 && PyList_GET_ITEM(leaves, 0) == out)
-                ? CG_OUT_SINGLE : CG_OUT_TREE;
-    if (*kind == CG_OUT_SINGLE) {
-        Py_CLEAR(*spec_out);
-    }
-    return leaves;
-}
-
-/* Capture failures, by the CUDA error torch reports, with what to do. */
+/* Note [Capture failures]
+ * Q: How does CaptureError know what went wrong?
+ * A: From types, not from message text, wherever there is one: the CUDA
+ *    error code that torch's AcceleratorError carries (Python's .error_code,
+ *    C++'s get_error_code()), or the kind of one of cgraph's own checks (a
+ *    Refusal: raised by the C++ half as cgraph::Refusal, by the Python hooks
+ *    of cgraph/_capture.py as _C.Refusal).  Three errors torch raises
+ *    during capture carry neither, so torch_texts matches their text, the
+ *    only place that does.  Each kind has one entry below: its name
+ *    (CaptureError.kind) and what to do. */
 static const struct {
-    const char *marker;
+    const char *name;
     const char *advice;
-} capture_advice[] = {
-    {"operation not permitted when stream is capturing",
+} failures[CG_FAILURE_COUNT] = {
+    [CG_FAILURE_OTHER] = {"other",
+     "the callable did something a CUDA graph cannot record (see __cause__). "
+     "Graphed callables must run GPU work only, with fixed shapes and no syncs."},
+    [CG_FAILURE_SYNC] = {"sync",
      "an operation that waits for the GPU ran inside the callable (cudaError 900): "
      ".item(), .cpu(), .numpy(), .tolist(), print(tensor), torch.cuda.synchronize(), "
      "a data-dependent shape (nonzero, boolean masking) or a pinned-memory allocation. "
      "Move it out of the graphed callable, or keep it on the GPU (torch.where instead "
      "of `if tensor:`)."},
-    {"operation failed due to a previous error during capture",
-     "an earlier operation in the callable broke the capture (cudaError 900/901), "
+    [CG_FAILURE_INVALIDATED] = {"invalidated",
+     "an earlier operation in the callable broke the capture (cudaError 901), "
      "typically a GPU sync (.item(), .cpu(), print(tensor)) or work on another "
      "thread. Move syncs out of the graphed callable; use capture_error_mode="
      "'thread_local' if another thread (a DataLoader's pin_memory) uses CUDA."},
-    {"Cannot copy between CPU and CUDA",
-     "the callable copies between the host and the GPU during capture: .cpu(), "
-     ".item(), .tolist(), print(tensor), or a CPU tensor used on the GPU. A graph replays GPU work "
-     "only: move the copy out of the graphed callable, or pass the data in as a CUDA "
-     "tensor argument."},
-    {"capture was invalidated",
-     "another thread used CUDA during the capture (cudaError 901): a DataLoader "
-     "pin_memory thread or a second stream. Pass capture_error_mode='thread_local'."},
-    {"unjoined",
+    [CG_FAILURE_UNJOINED] = {"unjoined",
      "work forked onto another stream was not joined back before the capture ended "
      "(cudaError 904): make the capture stream wait for it "
      "(torch.cuda.current_stream().wait_stream(side_stream))."},
-    {"legacy stream",
+    [CG_FAILURE_WRONG_THREAD] = {"wrong_thread",
+     "another thread used CUDA during the capture (cudaError 905): a DataLoader "
+     "pin_memory thread or a second stream. Pass capture_error_mode='thread_local'."},
+    [CG_FAILURE_LEGACY_STREAM] = {"legacy_stream",
      "the callable put work on the default (legacy) stream during capture (cudaError "
      "906), where it would run once instead of in the graph: use "
      "torch.cuda.current_stream(), not torch.cuda.default_stream() or stream 0 "
      "(a library or extension may launch there: pass it the current stream)."},
-    {"Cannot prepare for replay during capturing",
+    [CG_FAILURE_HOST_COPY] = {"host_copy",
+     "the callable copies between the host and the GPU during capture: .cpu(), "
+     ".item(), .tolist(), print(tensor), or a CPU tensor used on the GPU. A graph "
+     "replays GPU work only: move the copy out of the graphed callable, or pass the "
+     "data in as a CUDA tensor argument."},
+    [CG_FAILURE_NESTED_GRAPHS] = {"nested_graphs",
      "the callable contains torch.compile(mode='reduce-overhead') (or another "
      "cudagraph-trees user), which records and replays CUDA graphs of its own; those "
      "cannot run inside cgraph's capture. Compile with mode='default' or "
      "'max-autotune-no-cudagraphs' inside cgraph: cgraph's graph already removes the "
      "launch overhead reduce-overhead would."},
-    {"random generator state changed during capture",
+    [CG_FAILURE_SEED_READ] = {"seed_read",
+     "the callable seeded a random generator or read its seed during capture "
+     "(torch.cuda.manual_seed, torch.cuda.initial_seed(), a custom RNG tracker). Do it "
+     "outside the graphed callable; torch.utils.checkpoint is handled by cgraph."},
+    [CG_FAILURE_RNG_CHANGED] = {"rng_changed",
      "the callable seeded a random generator (torch.manual_seed, torch.cuda.manual_seed, "
      "set_rng_state) or drew host-side random numbers (torch.rand on the CPU, Python's "
      "random) during capture. That ran once, at capture; replays would not repeat it. "
      "Seed outside the graphed callable and draw random numbers on the GPU "
      "(device='cuda'). torch.utils.checkpoint is handled by cgraph."},
-    {"CUDAGeneratorImpl",
-     "the callable seeded a random generator or read its seed during capture "
-     "(torch.cuda.manual_seed, torch.cuda.initial_seed(), a custom RNG tracker). Do it "
-     "outside the graphed callable; torch.utils.checkpoint is handled by cgraph."},
+    [CG_FAILURE_RNG_REGIONS] = {"rng_regions",
+     "the callable asked for the CUDA RNG state (torch.utils.checkpoint does) a "
+     "different number of times during capture than in its last warm-up call. Make "
+     "RNG use the same on every call; if the first call compiles (torch.compile), use "
+     "num_warmup_iters >= 2."},
+    [CG_FAILURE_REENTRANT_LEAF] = {"reentrant_leaf",
+     "a torch.utils.checkpoint(use_reentrant=True) region reads a tensor that requires "
+     "grad but is neither an argument nor a parameter (see __cause__). Make it an "
+     "nn.Parameter of the module, pass it as an argument, or use use_reentrant=False."},
 };
 
-/* Replaces the pending exception with CaptureError naming the callable,
- * the pass, the likely cause and the fix; the original becomes __cause__.
- * Always returns NULL. */
-static PyObject *
-raise_capture_error(Py_ssize_t index, const char *pass)
-{
-    PyObject *type, *cause, *traceback, *text = NULL, *message = NULL, *error = NULL;
-    const char *utf8 = NULL;
-    const char *advice =
-        "the callable did something a CUDA graph cannot record (see __cause__). "
-        "Graphed callables must run GPU work only, with fixed shapes and no syncs.";
+/* torch's capture errors that carry no code: Note [Capture failures]. */
+static const struct {
+    const char *text;
+    cg_failure kind;
+} torch_texts[] = {
+    {"Cannot copy between CPU and CUDA", CG_FAILURE_HOST_COPY},
+    {"Cannot prepare for replay during capturing", CG_FAILURE_NESTED_GRAPHS},
+    {"CUDAGeneratorImpl", CG_FAILURE_SEED_READ},
+};
 
-    PyErr_Fetch(&type, &cause, &traceback);
-    PyErr_NormalizeException(&type, &cause, &traceback);
-    if (cause != NULL && traceback != NULL) {
-        PyException_SetTraceback(cause, traceback);
+const char *
+cg_failure_name(cg_failure kind)
+{
+    return failures[kind < CG_FAILURE_COUNT ? kind : CG_FAILURE_OTHER].name;
+}
+
+/* The CUDA error code torch's AcceleratorError carries (.error_code): a
+ * NEW reference to an int, or NULL (no exception set) if `exc` has none. */
+static PyObject *
+error_code(cg_state *state, PyObject *exc)
+{
+    PyObject *code = PyObject_GetAttr(exc, state->str_error_code);
+
+    if (code == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();  /* not an AcceleratorError: no code is the answer */
+    } else if (code == NULL) {
+        PyErr_WriteUnraisable(exc);  /* a broken attribute: report it, go on */
     }
-    text = cause ? PyObject_Str(cause) : NULL;
-    utf8 = text ? PyUnicode_AsUTF8(text) : NULL;
-    PyErr_Clear();
-    for (size_t i = 0; utf8 && i < sizeof(capture_advice) / sizeof(capture_advice[0]); i++) {
-        if (strstr(utf8, capture_advice[i].marker) != NULL) {
-            advice = capture_advice[i].advice;
-            break;
+    if (code != NULL && !PyLong_Check(code)) {
+        Py_CLEAR(code);
+    }
+    return code;
+}
+
+/* The kind of one exception (not its causes), or CG_FAILURE_OTHER.  Never
+ * raises. */
+static cg_failure
+kind_of_exception(cg_state *state, PyObject *exc)
+{
+    cg_failure kind = CG_FAILURE_OTHER;
+    PyObject *code = NULL, *text = NULL;
+    const char *utf8;
+
+    if (PyErr_GivenExceptionMatches(exc, state->Refusal)) {
+        PyObject *args = PyObject_GetAttrString(exc, "args");
+        if (args && PyTuple_Check(args) && PyTuple_GET_SIZE(args) == 2 &&
+            PyLong_Check(PyTuple_GET_ITEM(args, 1))) {
+            kind = (cg_failure)PyLong_AsLong(PyTuple_GET_ITEM(args, 1));
+        }
+        Py_XDECREF(args);
+    } else if ((code = error_code(state, exc)) != NULL) {
+        kind = cg_failure_of_cuda_error((int)PyLong_AsLong(code));
+    } else if ((text = PyObject_Str(exc)) != NULL && (utf8 = PyUnicode_AsUTF8(text))) {
+        for (size_t i = 0; i < sizeof(torch_texts) / sizeof(torch_texts[0]); i++) {
+            if (strstr(utf8, torch_texts[i].text) != NULL) {
+                kind = torch_texts[i].kind;
+                break;
+            }
         }
     }
-    message = PyUnicode_FromFormat(
-        "cgraph: capturing the %s of callable %zd failed: %s Torch said: %s",
-        pass, index, advice, utf8 ? utf8 : "(no message)");
-    error = message ? PyObject_CallOneArg(cgm.CaptureError, message) : NULL;
-    if (error != NULL) {
-        PyException_SetCause(error, Py_XNewRef(cause));  /* steals the new ref */
-        PyErr_SetObject(cgm.CaptureError, error);
-        Py_DECREF(error);
-    }
-    Py_XDECREF(message);
-    Py_XDECREF(type);
-    Py_XDECREF(cause);
-    Py_XDECREF(traceback);
+    Py_XDECREF(code);
     Py_XDECREF(text);
-    return NULL;
+    if (PyErr_Occurred()) {
+        PyErr_WriteUnraisable(exc);  /* a broken __str__: report it, keep going */
+    }
+    return kind < CG_FAILURE_COUNT ? kind : CG_FAILURE_OTHER;
+}
+
+/* The kind of a capture failure: the native half's, if it knew; else that
+ * of the exception or of the first exception it was raised from. */
+static cg_failure
+classify(cg_state *state, PyObject *exc, cg_failure native)
+{
+    PyObject *link = Py_XNewRef(exc);
+    cg_failure kind = native;
+
+    for (int depth = 0; kind == CG_FAILURE_OTHER && link != NULL && depth < 8; depth++) {
+        PyObject *next = PyException_GetCause(link);
+        kind = kind_of_exception(state, link);
+        if (next == NULL) {
+            next = PyException_GetContext(link);
+        }
+        Py_SETREF(link, next);
+    }
+    Py_XDECREF(link);
+    return kind;
+}
+
+/* What was going on when a failure happened, for CaptureError's message. */
+static const char *const stages[] = {
+    [CG_FORWARD] = "capturing the forward of",
+    [CG_BACKWARD] = "capturing the backward of",
+};
+static const char *const warming_up = "warming up";
+
+/* Replaces the pending exception with CaptureError naming the stage, the
+ * callable, the cause (.kind) and the fix; the original becomes __cause__.
+ * Always returns -1. */
+static int
+raise_capture_error(session *s, Py_ssize_t index, const char *stage, cg_failure native)
+{
+    PyObject *cause = cg_err_take(), *text, *message, *error, *name;
+    cg_failure kind = classify(s->state, cause, native);
+    const char *utf8;
+
+    text = cause ? PyObject_Str(cause) : NULL;
+    utf8 = text ? PyUnicode_AsUTF8(text) : NULL;
+    if (utf8 == NULL) {
+        PyErr_WriteUnraisable(cause);  /* the message is lost, not the error */
+    }
+    message = PyUnicode_FromFormat("cgraph: %s callable %zd failed: %s Torch said: %s", stage,
+                                   index, failures[kind].advice, utf8 ? utf8 : "(no message)");
+    error = message ? PyObject_CallOneArg(s->state->CaptureError, message) : NULL;
+    name = error ? PyUnicode_FromString(failures[kind].name) : NULL;
+    if (name != NULL && PyObject_SetAttrString(error, "kind", name) == 0) {
+        PyException_SetCause(error, Py_XNewRef(cause));  /* steals the new ref */
+        cg_err_restore(Py_NewRef(error));
+    }
+    Py_XDECREF(name);
+    Py_XDECREF(error);
+    Py_XDECREF(message);
+    Py_XDECREF(text);
+    Py_XDECREF(cause);
+    return -1;
+}
+
+/* ---- the session's set-up and teardown ---------------------------------- */
+
+/* The pytree leaves of `out` and how to rebuild it.  Returns a NEW
+ * reference to a sequence of leaves and stores the layout in *layout (its
+ * spec a NEW reference, or NULL), or returns NULL with an exception set. */
+static PyObject *
+output_leaves(cg_state *state, PyObject *out, cg_out_layout *layout)
+{
+    PyObject *flat, *leaves;
+
+    layout->spec = NULL;
+    layout->kind = CG_OUT_TUPLE;
+    if (PyTuple_CheckExact(out)) {
+        Py_ssize_t i = 0;
+        /* A tuple of tuples is a tree; a tuple of tensors (or things the
+         * engine will reject with a clear message) is flat. */
+        for (; i < PyTuple_GET_SIZE(out); i++) {
+            PyObject *item = PyTuple_GET_ITEM(out, i);
+            if (PyTuple_Check(item) || PyList_Check(item) || PyDict_Check(item) ||
+                item == Py_None) {
+                break;
+            }
+        }
+        if (i == PyTuple_GET_SIZE(out)) {
+            return Py_NewRef(out);
+        }
+    }
+    flat = PyObject_CallOneArg(state->tree_flatten, out);
+    if (flat == NULL) {
+        return NULL;
+    }
+    leaves = Py_NewRef(PyTuple_GET_ITEM(flat, 0));
+    /* A lone tensor flattens to one leaf with a leaf spec: return it bare. */
+    if (PyList_GET_SIZE(leaves) == 1 && PyList_GET_ITEM(leaves, 0) == out) {
+        layout->kind = CG_OUT_SINGLE;
+    } else {
+        layout->kind = CG_OUT_TREE;
+        layout->spec = Py_NewRef(PyTuple_GET_ITEM(flat, 1));
+    }
+    Py_DECREF(flat);
+    return leaves;
+}
+
+/* Reads graph_callables' arguments into `s` and allocates its arrays.
+ * 0 or -1. */
+static int
+session_open(session *s, PyObject *module, PyObject *args)
+{
+    PyObject *specs, *pool;
+    int mode;
+
+    memset(s, 0, sizeof(*s));
+    s->state = (cg_state *)PyModule_GetState(module);
+    if (!PyArg_ParseTuple(args, "O!Oipip", &PyTuple_Type, &specs, &pool, &s->warmup_iters,
+                          &s->allow_unused, &mode, &s->guard_outputs)) {
+        return -1;
+    }
+    s->mode = (cg_capture_mode)mode;
+    s->n = PyTuple_GET_SIZE(specs);
+    s->specs = PyMem_Calloc((size_t)s->n + 1, sizeof(*s->specs));
+    s->targets = PyMem_Calloc((size_t)s->n + 1, sizeof(*s->targets));
+    s->engines = PyMem_Calloc((size_t)s->n + 1, sizeof(*s->engines));
+    s->outs = PyMem_Calloc((size_t)s->n + 1, sizeof(*s->outs));
+    if (!s->specs || !s->targets || !s->engines || !s->outs) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        PyObject *item = PyTuple_GET_ITEM(specs, i);
+        if (!PyObject_TypeCheck(item, s->state->Spec_Type)) {
+            PyErr_SetString(PyExc_TypeError, "graph_callables: specs must be CallableSpec");
+            return -1;
+        }
+        s->specs[i] = (cg_spec *)item;
+    }
+    if (pool == Py_None) {
+        return cg_new_pool(&s->pool);
+    }
+    return PyArg_ParseTuple(pool, "KK;cgraph: pool must be a pair of ints",
+                            &s->pool.first, &s->pool.second) ? 0 : -1;
+}
+
+/* Resolves every callable and makes its engine.  0 or -1. */
+static int
+session_make_engines(session *s)
+{
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        const cg_spec *spec = s->specs[i];
+        cg_engine_config config = {
+            .inputs = spec->tensors, .names = spec->names, .params = spec->params,
+            .buffers = spec->buffers, .device = spec->device,
+            .allow_unused_input = s->allow_unused, .guard_outputs = s->guard_outputs,
+        };
+        s->targets[i] = cg_spec_target(spec);
+        if (s->targets[i] == NULL) {
+            return -1;
+        }
+        s->engines[i] = cg_engine_new(&config);
+        if (s->engines[i] == NULL) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Frees everything the session still owns.  Keeps a pending exception. */
+static void
+session_close(session *s)
+{
+    cg_setup_end(s->setup);
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        if (s->engines) {
+            cg_engine_free(s->engines[i]);
+        }
+        if (s->targets) {
+            Py_XDECREF(s->targets[i]);
+        }
+        if (s->outs) {
+            Py_XDECREF(s->outs[i].spec);
+        }
+    }
+    PyMem_Free(s->specs);
+    PyMem_Free(s->targets);
+    PyMem_Free(s->engines);
+    PyMem_Free(s->outs);
+}
+
+/* ---- warm-up -------------------------------------------------------------- */
+
+/* Calls callable i with its sample arguments.  Returns a NEW reference, or
+ * NULL with an exception set. */
+static PyObject *
+call_sample(const session *s, Py_ssize_t i)
+{
+    const cg_spec *spec = s->specs[i];
+    return PyObject_Call(s->targets[i], spec->args,
+                         PyDict_GET_SIZE(spec->kwargs) ? spec->kwargs : NULL);
+}
+
+/* One eager forward and backward of callable i: lazy initialization,
+ * autotuning and allocator growth happen here, outside any capture.
+ * 0 or -1. */
+static int
+warm_up_once(session *s, Py_ssize_t i)
+{
+    cg_out_layout layout;
+    PyObject *out, *leaves;
+    int status;
+
+    if (cg_engine_warmup_begin(s->engines[i]) < 0) {
+        return -1;
+    }
+    out = call_sample(s, i);
+    if (cg_engine_warmup_end(s->engines[i], out != NULL) < 0 || out == NULL) {
+        Py_XDECREF(out);
+        return -1;
+    }
+    leaves = output_leaves(s->state, out, &layout);
+    Py_DECREF(out);
+    Py_XDECREF(layout.spec);
+    if (leaves == NULL) {
+        return -1;
+    }
+    status = cg_engine_warmup_backward(s->engines[i], leaves);
+    Py_DECREF(leaves);
+    return status;
+}
+
+/* Every callable's warm-up calls.  A refusal of cgraph's (Note [Capture
+ * failures]) becomes a CaptureError; the callable's own errors go on as
+ * they are.  0 or -1. */
+static int
+warm_up(session *s)
+{
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        for (int k = 0; k < s->warmup_iters; k++) {
+            if (warm_up_once(s, i) == 0) {
+                continue;
+            }
+            if (PyErr_ExceptionMatches(s->state->Refusal)) {
+                return raise_capture_error(s, i, warming_up, CG_FAILURE_OTHER);
+            }
+            return -1;
+        }
+    }
+    return cg_setup_release_warmup_memory(s->setup);
+}
+
+/* ---- capture -------------------------------------------------------------- */
+
+/* Captures callable i's forward graph and records its outputs.  0 or -1
+ * (a CaptureError when the capture itself failed). */
+static int
+capture_forward(session *s, Py_ssize_t i)
+{
+    cg_engine *engine = s->engines[i];
+    cg_failure failure = CG_FAILURE_OTHER;
+    PyObject *out, *leaves;
+    int status;
+
+    if (cg_engine_capture_begin(engine, CG_FORWARD, s->pool, s->mode, &failure) < 0) {
+        return raise_capture_error(s, i, stages[CG_FORWARD], failure);
+    }
+    out = call_sample(s, i);
+    if (out == NULL) {
+        cg_engine_capture_abort(engine, CG_FORWARD);
+        return raise_capture_error(s, i, stages[CG_FORWARD], failure);
+    }
+    if (cg_engine_capture_end(engine, CG_FORWARD, &failure) < 0) {
+        Py_DECREF(out);
+        return raise_capture_error(s, i, stages[CG_FORWARD], failure);
+    }
+    leaves = output_leaves(s->state, out, &s->outs[i]);
+    Py_DECREF(out);
+    status = leaves ? cg_engine_set_outputs(engine, leaves) : -1;
+    Py_XDECREF(leaves);
+    return status;
+}
+
+/* Forwards in call order, then backwards in the reverse order, the order
+ * backward runs them.  0 or -1. */
+static int
+capture(session *s)
+{
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        if (capture_forward(s, i) < 0) {
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = s->n - 1; i >= 0; i--) {
+        cg_failure failure = CG_FAILURE_OTHER;
+        if (cg_engine_capture_backward(s->engines[i], s->pool, s->mode, &failure) < 0) {
+            return raise_capture_error(s, i, stages[CG_BACKWARD], failure);
+        }
+    }
+    for (Py_ssize_t i = 0; i < s->n; i++) {
+        if (cg_engine_finish_setup(s->engines[i]) < 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The Graphed of every callable, taking their engines.  Returns a NEW
+ * reference to a tuple, or NULL with an exception set. */
+static PyObject *
+wrap_graphed(session *s)
+{
+    PyObject *result = PyTuple_New(s->n);
+
+    for (Py_ssize_t i = 0; result != NULL && i < s->n; i++) {
+        PyObject *graphed = cg_graphed_new(s->state, s->specs[i], s->engines[i], &s->outs[i]);
+        s->engines[i] = NULL;  /* taken, also on failure */
+        if (graphed == NULL) {
+            Py_CLEAR(result);
+            break;
+        }
+        PyTuple_SET_ITEM(result, i, graphed);
+    }
+    return result;
 }
 
 PyObject *
-cg_graph_callables(PyObject *self, PyObject *args)
+cg_graph_callables(PyObject *module, PyObject *args)
 {
-    PyObject *specs, *pool_obj, *result = NULL;
-    int device, warmup_iters, allow_unused, mode, guard_outputs;
-    Py_ssize_t n = 0, built = 0;
-    callable_spec *spec = NULL;
-    cg_engine **engines = NULL;
-    cg_graphed_info *infos = NULL;
-    cg_setup *setup = NULL;
-    cg_pool pool = {0, 0};
+    session s;
+    PyObject *result = NULL;
 
-    if (!PyArg_ParseTuple(args, "O!iOipip", &PyTuple_Type, &specs, &device, &pool_obj,
-                          &warmup_iters, &allow_unused, &mode, &guard_outputs)) {
-        return NULL;
-    }
-    n = PyTuple_GET_SIZE(specs);
-    spec = PyMem_Calloc((size_t)n + 1, sizeof(*spec));
-    engines = PyMem_Calloc((size_t)n + 1, sizeof(*engines));
-    infos = PyMem_Calloc((size_t)n + 1, sizeof(*infos));
-    if (spec == NULL || engines == NULL || infos == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (parse_spec(PyTuple_GET_ITEM(specs, i), &spec[i]) < 0) {
-            goto done;
+    if (session_open(&s, module, args) == 0 && session_make_engines(&s) == 0 && s.n > 0) {
+        s.setup = cg_setup_begin(s.specs[0]->device);
+        if (s.setup != NULL && warm_up(&s) == 0 && capture(&s) == 0) {
+            cg_setup_end(s.setup);
+            s.setup = NULL;
+            result = wrap_graphed(&s);
         }
+    } else if (!PyErr_Occurred()) {
+        result = PyTuple_New(0);
     }
-    if (pool_obj == Py_None) {
-        if (cg_new_pool(&pool) < 0) {
-            goto done;
-        }
-    } else if (!PyArg_ParseTuple(pool_obj, "KK;cgraph: pool must be a pair of ints",
-                                 &pool.first, &pool.second)) {
-        goto done;
-    }
-
-    for (Py_ssize_t i = 0; i < n; i++) {
-        engines[i] = cg_engine_new(spec[i].leaves, spec[i].names, spec[i].params,
-                                   spec[i].buffers, allow_unused, guard_outputs);
-        if (engines[i] == NULL) {
-            goto done;
-        }
-    }
-    setup = cg_setup_begin(device);
-    if (setup == NULL) {
-        goto done;
-    }
-
-    /* 1. Warm-up: lazy initialization, autotuning and allocator growth
-     *    happen here, outside any capture. */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        for (int k = 0; k < warmup_iters; k++) {
-            cg_out_kind kind;
-            PyObject *spec_out, *leaves, *out;
-            if (cg_engine_warmup_begin(engines[i]) < 0) {
-                goto done;
-            }
-            out = call_sample(&spec[i]);
-            if (cg_engine_warmup_end(engines[i], out != NULL) < 0 || out == NULL) {
-                Py_XDECREF(out);
-                goto done;
-            }
-            leaves = output_leaves(out, &kind, &spec_out);
-            Py_DECREF(out);
-            Py_XDECREF(spec_out);
-            if (leaves == NULL) {
-                goto done;
-            }
-            if (cg_engine_warmup_backward(engines[i], leaves) < 0) {
-                Py_DECREF(leaves);
-                goto done;
-            }
-            Py_DECREF(leaves);
-        }
-    }
-
-    if (cg_setup_release_warmup_memory(setup) < 0) {
-        goto done;
-    }
-
-    /* 2. Capture forwards in call order... */
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *out, *leaves;
-        if (cg_engine_capture_begin(engines[i], CG_FORWARD, pool, (cg_capture_mode)mode) < 0) {
-            raise_capture_error(i, "forward");
-            goto done;
-        }
-        out = call_sample(&spec[i]);
-        if (out == NULL) {
-            cg_engine_capture_abort(engines[i], CG_FORWARD);
-            raise_capture_error(i, "forward");
-            goto done;
-        }
-        if (cg_engine_capture_end(engines[i], CG_FORWARD) < 0) {
-            Py_DECREF(out);
-            raise_capture_error(i, "forward");
-            goto done;
-        }
-        leaves = output_leaves(out, &infos[i].out_kind, &infos[i].out_spec);
-        Py_DECREF(out);
-        if (leaves == NULL || cg_engine_set_outputs(engines[i], leaves) < 0) {
-            Py_XDECREF(leaves);
-            goto done;
-        }
-        Py_DECREF(leaves);
-    }
-    /* ...and backwards in the reverse order, the order backward runs them. */
-    for (Py_ssize_t i = n - 1; i >= 0; i--) {
-        if (cg_engine_capture_backward(engines[i], pool, (cg_capture_mode)mode) < 0) {
-            raise_capture_error(i, "backward");
-            goto done;
-        }
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (cg_engine_restore_buffers(engines[i]) < 0) {
-            goto done;
-        }
-    }
-    cg_setup_end(setup);
-    setup = NULL;
-
-    result = PyTuple_New(n);
-    if (result == NULL) {
-        goto done;
-    }
-    for (built = 0; built < n; built++) {
-        PyObject *graphed;
-        infos[built].flat_args = spec[built].flat_args;
-        infos[built].in_spec = spec[built].in_spec;
-        infos[built].kwargs = spec[built].kwargs;
-        infos[built].constants = spec[built].constants;
-        infos[built].module = spec[built].module;
-        infos[built].eager = spec[built].eager;
-        infos[built].eager_takes_module = spec[built].eager_takes_module;
-        infos[built].verify = spec[built].verify;
-        graphed = Graphed_create(engines[built], &infos[built]);  /* takes the engine */
-        engines[built] = NULL;
-        if (graphed == NULL) {
-            Py_CLEAR(result);
-            goto done;
-        }
-        PyTuple_SET_ITEM(result, built, graphed);
-    }
-
-done:
-    cg_setup_end(setup);
-    for (Py_ssize_t i = 0; engines != NULL && i < n; i++) {
-        cg_engine_free(engines[i]);
-    }
-    for (Py_ssize_t i = 0; infos != NULL && i < n; i++) {
-        Py_XDECREF(infos[i].out_spec);
-    }
-    PyMem_Free(spec);
-    PyMem_Free(engines);
-    PyMem_Free(infos);
+    session_close(&s);
     return result;
 }

@@ -2,11 +2,14 @@
  * cgraph.h -- the whole boundary between cgraph's C half and its C++ half.
  *
  * The C half (the csrc .c files, compiled as C11) owns everything Python sees: the
- * module, the `Graphed` type, argument and pytree handling, and the order of
- * the graph lifecycle (warm-up -> capture -> replay -> reset).
+ * module, the `CallableSpec` and `Graphed` types, argument and pytree handling, and
+ * the order of the graph lifecycle (warm-up -> capture -> replay -> reset).
  * The C++ half (the csrc aten_ .cpp files) owns everything ATen sees: CUDA graphs, the
  * static tensors they read and write, and the autograd node that replays the
  * backward graph.  Only this header crosses between them.
+ *
+ * The sections below follow the lifecycle; each names the aten_ file that
+ * implements it (aten_entry.cpp holds every entry point, a thin wrapper).
  *
  * Conventions, for every function below:
  *   - `int` results are 0 on success and -1 with a Python exception set.
@@ -47,12 +50,32 @@ typedef enum {
 
 typedef enum { CG_FORWARD = 0, CG_BACKWARD = 1 } cg_pass;
 
-/* ---- set-up ------------------------------------------------------------ */
+/* Why a capture failed, as far as cgraph can tell without reading message
+ * text: CUDA's error code, or which of cgraph's own checks refused.
+ * capture.c turns a kind into CaptureError's advice (Note [Capture failures]
+ * there). */
+typedef enum {
+    CG_FAILURE_OTHER = 0,       /* the callable raised something else */
+    CG_FAILURE_SYNC,            /* cudaErrorStreamCaptureUnsupported: a sync */
+    CG_FAILURE_INVALIDATED,     /* cudaErrorStreamCaptureInvalidated */
+    CG_FAILURE_UNJOINED,        /* cudaErrorStreamCaptureUnjoined */
+    CG_FAILURE_WRONG_THREAD,    /* cudaErrorStreamCaptureWrongThread */
+    CG_FAILURE_LEGACY_STREAM,   /* cudaErrorStreamCaptureImplicit */
+    CG_FAILURE_HOST_COPY,       /* torch refused a CPU<->CUDA copy */
+    CG_FAILURE_NESTED_GRAPHS,   /* torch.compile's cudagraph trees inside */
+    CG_FAILURE_SEED_READ,       /* a CUDA generator's seed read during capture */
+    CG_FAILURE_RNG_CHANGED,     /* a generator seeded or host RNG drawn */
+    CG_FAILURE_RNG_REGIONS,     /* RNG state asked for unlike in warm-up */
+    CG_FAILURE_REENTRANT_LEAF,  /* a closure leaf in a reentrant checkpoint */
+    CG_FAILURE_COUNT
+} cg_failure;
 
-/* Number of CUDA devices torch can see; 0 without CUDA.  Never fails. */
-int cg_cuda_device_count(void);
+/* ---- set-up (aten_setup.cpp) -------------------------------------------- */
 
-/* A fresh pool id, as torch.cuda.graph_pool_handle() returns.  -1 on error. */
+/* Number of CUDA devices torch can see into *count (0 without CUDA). */
+int cg_cuda_device_count(int *count);
+
+/* A fresh pool id, as torch.cuda.graph_pool_handle() returns. */
 int cg_new_pool(cg_pool *out);
 
 /* Synchronizes `device_index`'s device and makes a side stream current: the
@@ -66,27 +89,38 @@ cg_setup *cg_setup_begin(int device_index);
  * cache before every capture; this does it once. */
 int cg_setup_release_warmup_memory(cg_setup *setup);
 
-/* Restores the caller's stream and waits for the side stream.  Never raises;
- * frees `setup`; NULL is allowed. */
+/* Restores the caller's stream and waits for the side stream.  Never raises
+ * (a failure is reported as a warning); frees `setup`; NULL is allowed. */
 void cg_setup_end(cg_setup *setup);
 
-/* ---- the engine: one per callable --------------------------------------- */
+/* What an engine is made from: one callable's description (the fields of
+ * cgraph._C.CallableSpec that the C++ half needs). */
+typedef struct {
+    PyObject *inputs;        /* tuple of the sample tensors (pytree leaves);
+                                they become the static inputs, as in torch */
+    PyObject *names;         /* tuple of str, one per input, for errors */
+    PyObject *params;        /* tuple of the module's parameters (may be empty) */
+    PyObject *buffers;       /* tuple of the module's buffers: warm-up changes
+                                them (BatchNorm), so they are restored */
+    int device;              /* the CUDA device the graphs run on */
+    int allow_unused_input;  /* torch's allow_unused_input */
+    int guard_outputs;       /* 1: outputs of earlier calls raise when read
+                                after a later replay (Note [Outputs of
+                                earlier calls]); 0: handed out as torch does */
+} cg_engine_config;
 
-/* inputs:  tuple of the sample tensors (pytree leaves); they become the
- *          forward graph's static inputs, as in torch.
- * names:   tuple of str, one per input, for error messages.
- * params:  tuple of the module's parameters (may be empty).
- * buffers: tuple of the module's buffers; warm-up changes them (BatchNorm
- *          running stats), so they are restored after capture.
- * guard_outputs: 1 to make outputs of earlier calls raise when read after a
- *          later replay (Note [Outputs of earlier calls]); 0 to hand out the
- *          static outputs as torch does.
- * Returns NULL with an exception set on failure. */
-cg_engine *cg_engine_new(PyObject *inputs, PyObject *names, PyObject *params,
-                         PyObject *buffers, int allow_unused_input, int guard_outputs);
+/* Returns NULL with an exception set on failure. */
+cg_engine *cg_engine_new(const cg_engine_config *config);
 
 /* Drops the C half's reference.  Never raises.  NULL is allowed. */
 void cg_engine_free(cg_engine *engine);
+
+/* Ends set-up: puts back the module buffers that warm-up changed and the
+ * parameters' own grad accumulators (Note [Grad accumulators during
+ * capture]), and frees what only set-up needed. */
+int cg_engine_finish_setup(cg_engine *engine);
+
+/* ---- warm-up (aten_warmup.cpp) -------------------------------------------- */
 
 /* Bracket each warm-up forward: cgraph notes where checkpointed regions
  * start in the RNG stream (Note [RNG in checkpointed regions]).  Pass
@@ -98,15 +132,23 @@ int cg_engine_warmup_end(cg_engine *engine, int completed);
  * the forward's output leaves. */
 int cg_engine_warmup_backward(cg_engine *engine, PyObject *outputs);
 
+/* The leaves requiring grad that the autograd graph of `tensors` (a
+ * sequence) ends at, each once: a NEW reference to a list. */
+PyObject *cg_autograd_leaves(PyObject *tensors);
+
+/* ---- capture (aten_capture.cpp, aten_capture_backward.cpp) -------------- */
+
 /* Starts capturing `pass` on the setup's stream into `pool`.  The autocast
- * state at the forward's capture is the one every replay must run under. */
+ * state at the forward's capture is the one every replay must run under.
+ * On failure *failure says why. */
 int cg_engine_capture_begin(cg_engine *engine, cg_pass pass, cg_pool pool,
-                            cg_capture_mode mode);
+                            cg_capture_mode mode, cg_failure *failure);
 
 /* Ends the capture begun by cg_engine_capture_begin.  On failure the capture
- * is abandoned and its memory released.  Fails too when the callable seeded
- * a random generator or drew host-side random numbers during capture. */
-int cg_engine_capture_end(cg_engine *engine, cg_pass pass);
+ * is abandoned, its memory released and *failure set; among the failures:
+ * the callable seeded a random generator or drew host-side random numbers
+ * during capture. */
+int cg_engine_capture_end(cg_engine *engine, cg_pass pass, cg_failure *failure);
 
 /* Abandons a capture whose callable raised.  Keeps the caller's exception;
  * never raises. */
@@ -117,45 +159,48 @@ void cg_engine_capture_abort(cg_engine *engine, cg_pass pass);
 int cg_engine_set_outputs(cg_engine *engine, PyObject *outputs);
 
 /* Captures the backward graph of the captured forward (a no-op when no
- * output requires grad). */
-int cg_engine_capture_backward(cg_engine *engine, cg_pool pool,
-                               cg_capture_mode mode);
+ * output requires grad).  On failure *failure says why. */
+int cg_engine_capture_backward(cg_engine *engine, cg_pool pool, cg_capture_mode mode,
+                               cg_failure *failure);
 
-/* Ends set-up: puts back the module buffers that warm-up changed and the
- * parameters' own grad accumulators (Note [Grad accumulators during capture]). */
-int cg_engine_restore_buffers(cg_engine *engine);
+/* The failure kind of a CUDA error code (a cudaError_t), as torch's
+ * AcceleratorError carries it; CG_FAILURE_OTHER for codes of no capture
+ * failure. */
+cg_failure cg_failure_of_cuda_error(int code);
 
-/* ---- replay ------------------------------------------------------------- */
+/* ---- replay (aten_replay.cpp, aten_backward.cpp) ------------------------ */
 
 /* The hot path.  Checks `args[0..nargs)` against the captured inputs, copies
  * those whose memory differs into the static inputs, replays the forward
  * graph and returns a NEW tuple of the outputs, wired to a backward node
  * when autograd needs one. */
-PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args,
-                           Py_ssize_t nargs);
+PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args, Py_ssize_t nargs);
 
-/* ---- random numbers ----------------------------------------------------- */
+/* ---- random numbers (aten_rng.cpp) ------------------------------------- */
 
 /* torch.cuda.get_rng_state(device) while cgraph warms up or captures a
  * callable (Note [RNG in checkpointed regions]).  Returns a
  * NEW reference to a state tensor; a NEW reference to None when torch should
- * answer; NULL with an exception set on failure. */
-PyObject *cg_rng_get_state(int device);
+ * answer; NULL with an exception set on failure, and *failure set when one
+ * of cgraph's checks refused. */
+PyObject *cg_rng_get_state(int device, cg_failure *failure);
 
 /* torch.cuda.set_rng_state(state, device), likewise: 1 if cgraph handled it,
- * 0 if torch should, -1 with an exception set. */
-int cg_rng_set_state(PyObject *state, int device);
+ * 0 if torch should, -1 with an exception set (and *failure as above). */
+int cg_rng_set_state(PyObject *state, int device, cg_failure *failure);
 
-/* ---- reset -------------------------------------------------------------- */
+/* ---- reset (aten_reset.cpp) --------------------------------------------- */
 
 /* Frees the graphs, the static tensors and the pool's cached memory.  Later
  * replays raise; backward of an earlier call raises.  Never raises. */
 void cg_engine_reset(cg_engine *engine);
 
+/* ---- introspection (aten_inspect.cpp) ------------------------------------ */
+
 /* The pool this engine's graphs live in. */
 cg_pool cg_engine_pool(const cg_engine *engine);
 
-/* Number of static inputs and parameters (for introspection). */
+/* Number of static inputs and parameters. */
 Py_ssize_t cg_engine_num_inputs(const cg_engine *engine);
 Py_ssize_t cg_engine_num_params(const cg_engine *engine);
 

@@ -3,34 +3,51 @@
  *
  * Python equivalent of what this module exposes:
  *
- *     class CaptureError(RuntimeError): ...   # a capture failed; says why
+ *     class CaptureError(RuntimeError): ...   # a capture failed; says why (.kind)
+ *     class Refusal(RuntimeError): ...        # Refusal(message, kind): cgraph's own
+ *                                             # refusals, raised from Python hooks
+ *     FAILURE_RNG_CHANGED, FAILURE_REENTRANT_LEAF: int   # kinds Python raises
+ *     class CallableSpec: ...                 # spec.c
  *     class Graphed: ...                      # graphed.c
- *     def graph_callables(specs, device, pool, num_warmup_iters,
- *                         allow_unused_input, capture_error_mode,
- *                         guard_outputs): ...
- *                                              # capture.c
+ *     def graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
+ *                         capture_error_mode, guard_outputs): ...  # capture.c
  *     def device_count() -> int: ...
  *     def new_pool() -> tuple[int, int]: ...  # torch.cuda.graph_pool_handle()
+ *     def autograd_leaves(tensors) -> list[Tensor]: ...      # aten_warmup.cpp
  *     def rng_get_state(device: int) -> Tensor | None: ...   # aten_rng.cpp
  *     def rng_set_state(state: Tensor, device: int) -> bool: ...
- *     def modules_changed() -> None: ...      # see cgm.module_epoch
+ *     def modules_changed() -> None: ...      # see cg_state.module_epoch
+ *
+ * Laid out as CPython's Modules/xxlimited.c: state in the module (multi-phase
+ * initialization), heap types, and PyInit__C the only exported symbol.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <string.h>
+
 #include "module.h"
 
-cgm_state cgm;
+/* Returns the module's state; never fails for this module. */
+static cg_state *
+get_state(PyObject *module)
+{
+    return (cg_state *)PyModule_GetState(module);
+}
 
 PyDoc_STRVAR(cgm_device_count_doc,
 "device_count() -> int\n\n"
 "Number of CUDA devices torch can use; 0 without CUDA.");
 
-/* Returns a NEW reference. */
+/* Returns a NEW reference, or NULL with an exception set. */
 static PyObject *
-cgm_device_count(PyObject *self, PyObject *unused)
+cgm_device_count(PyObject *module, PyObject *unused)
 {
-    return PyLong_FromLong(cg_cuda_device_count());
+    int count = 0;
+    if (cg_cuda_device_count(&count) < 0) {
+        return NULL;
+    }
+    return PyLong_FromLong(count);
 }
 
 PyDoc_STRVAR(cgm_new_pool_doc,
@@ -39,7 +56,7 @@ PyDoc_STRVAR(cgm_new_pool_doc,
 
 /* Returns a NEW reference, or NULL with an exception set. */
 static PyObject *
-cgm_new_pool(PyObject *self, PyObject *unused)
+cgm_new_pool(PyObject *module, PyObject *unused)
 {
     cg_pool pool;
     if (cg_new_pool(&pool) < 0) {
@@ -48,21 +65,61 @@ cgm_new_pool(PyObject *self, PyObject *unused)
     return Py_BuildValue("(KK)", pool.first, pool.second);
 }
 
+PyDoc_STRVAR(cgm_autograd_leaves_doc,
+"autograd_leaves(tensors) -> list[Tensor]\n\n"
+"The leaves requiring grad that the autograd graph of `tensors` ends at.");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+cgm_autograd_leaves(PyObject *module, PyObject *tensors)
+{
+    return cg_autograd_leaves(tensors);
+}
+
 PyDoc_STRVAR(cgm_rng_get_state_doc,
 "rng_get_state(device: int) -> Tensor | None\n\n"
 "cgraph's answer to torch.cuda.get_rng_state while it warms up or\n"
 "captures; None when torch should answer.");
 
+/* When one of cgraph's checks refused (`failure` names it), replaces the
+ * pending exception with Refusal(message, kind), so that the capture it
+ * interrupts can say why (Note [Capture failures] in capture.c). */
+static void
+raise_as_refusal(PyObject *module, cg_failure failure)
+{
+    PyObject *error, *message, *refusal;
+
+    if (failure == CG_FAILURE_OTHER) {
+        return;
+    }
+    error = cg_err_take();
+    message = error ? PyObject_Str(error) : NULL;
+    refusal = message ? PyObject_CallFunction(get_state(module)->Refusal, "Oi", message,
+                                              (int)failure) : NULL;
+    if (refusal != NULL) {
+        PyException_SetCause(refusal, Py_XNewRef(error));
+        cg_err_restore(refusal);
+    }
+    Py_XDECREF(message);
+    Py_XDECREF(error);
+}
+
 /* Returns a NEW reference, or NULL with an exception set. */
 static PyObject *
-cgm_rng_get_state(PyObject *self, PyObject *args)
+cgm_rng_get_state(PyObject *module, PyObject *args)
 {
+    cg_failure failure = CG_FAILURE_OTHER;
+    PyObject *state;
     int device;
 
     if (!PyArg_ParseTuple(args, "i", &device)) {
         return NULL;
     }
-    return cg_rng_get_state(device);
+    state = cg_rng_get_state(device, &failure);
+    if (state == NULL) {
+        raise_as_refusal(module, failure);
+    }
+    return state;
 }
 
 PyDoc_STRVAR(cgm_rng_set_state_doc,
@@ -72,16 +129,21 @@ PyDoc_STRVAR(cgm_rng_set_state_doc,
 
 /* Returns a NEW reference, or NULL with an exception set. */
 static PyObject *
-cgm_rng_set_state(PyObject *self, PyObject *args)
+cgm_rng_set_state(PyObject *module, PyObject *args)
 {
+    cg_failure failure = CG_FAILURE_OTHER;
     PyObject *state;
     int device, handled;
 
     if (!PyArg_ParseTuple(args, "Oi", &state, &device)) {
         return NULL;
     }
-    handled = cg_rng_set_state(state, device);
-    return handled < 0 ? NULL : PyBool_FromLong(handled);
+    handled = cg_rng_set_state(state, device, &failure);
+    if (handled < 0) {
+        raise_as_refusal(module, failure);
+        return NULL;
+    }
+    return PyBool_FromLong(handled);
 }
 
 PyDoc_STRVAR(cgm_modules_changed_doc,
@@ -91,83 +153,156 @@ PyDoc_STRVAR(cgm_modules_changed_doc,
 
 /* Returns a NEW reference (None). */
 static PyObject *
-cgm_modules_changed(PyObject *self, PyObject *unused)
+cgm_modules_changed(PyObject *module, PyObject *unused)
 {
-    cgm.module_epoch++;
+    get_state(module)->module_epoch++;
     Py_RETURN_NONE;
 }
 
 PyDoc_STRVAR(cgm_graph_callables_doc,
-"graph_callables(specs, device, pool, num_warmup_iters, allow_unused_input,\n"
+"graph_callables(specs, pool, num_warmup_iters, allow_unused_input,\n"
 "                capture_error_mode, guard_outputs) -> tuple[Graphed, ...]\n\n"
 "Warm up, then capture forward graphs 1..N and backward graphs N..1 into\n"
 "one memory pool.  Called by cgraph.make_graphed_callables, which builds\n"
-"`specs`; not a public API.");
+"`specs` (CallableSpec); not a public API.");
 
 static PyMethodDef cgm_methods[] = {
     {"graph_callables", cg_graph_callables, METH_VARARGS, cgm_graph_callables_doc},
     {"device_count", cgm_device_count, METH_NOARGS, cgm_device_count_doc},
     {"new_pool", cgm_new_pool, METH_NOARGS, cgm_new_pool_doc},
+    {"autograd_leaves", cgm_autograd_leaves, METH_O, cgm_autograd_leaves_doc},
     {"rng_get_state", cgm_rng_get_state, METH_VARARGS, cgm_rng_get_state_doc},
     {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},
     {"modules_changed", cgm_modules_changed, METH_NOARGS, cgm_modules_changed_doc},
     {NULL, NULL, 0, NULL}
 };
 
+/* Adds a heap type made from `spec` to the module; stores a NEW reference
+ * in *out.  0 or -1. */
 static int
-cgm_exec(PyObject *module)
+add_type(PyObject *module, PyType_Spec *spec, PyTypeObject **out)
 {
-    PyObject *pytree = NULL;
+    *out = (PyTypeObject *)PyType_FromModuleAndSpec(module, spec, NULL);
+    if (*out == NULL) {
+        return -1;
+    }
+    return PyModule_AddType(module, *out);
+}
 
-    if (PyType_Ready(&Graphed_Type) < 0) {
+/* Adds a new exception class `cgraph.<name>`; stores a NEW reference.  0 or -1. */
+static int
+add_exception(PyObject *module, const char *name, const char *doc, PyObject **out)
+{
+    *out = PyErr_NewExceptionWithDoc(name, doc, PyExc_RuntimeError, NULL);
+    if (*out == NULL) {
         return -1;
     }
-    if (PyModule_AddObjectRef(module, "Graphed", (PyObject *)&Graphed_Type) < 0) {
-        return -1;
-    }
-    cgm.CaptureError = PyErr_NewExceptionWithDoc(
-        "cgraph.CaptureError",
-        "A CUDA graph capture failed.  The message names the callable, the\n"
-        "likely cause and the fix; __cause__ holds torch's original error.",
-        PyExc_RuntimeError, NULL);
-    if (cgm.CaptureError == NULL ||
-        PyModule_AddObjectRef(module, "CaptureError", cgm.CaptureError) < 0) {
-        return -1;
-    }
-    pytree = PyImport_ImportModule("torch.utils._pytree");
+    return PyModule_AddObjectRef(module, strrchr(name, '.') + 1, *out);
+}
+
+/* The torch objects the C half calls.  0 or -1. */
+static int
+import_torch_helpers(cg_state *state)
+{
+    PyObject *pytree = PyImport_ImportModule("torch.utils._pytree");
+
     if (pytree == NULL) {
         return -1;
     }
-    cgm.tree_flatten = PyObject_GetAttrString(pytree, "tree_flatten");
-    cgm.tree_unflatten = PyObject_GetAttrString(pytree, "tree_unflatten");
+    state->tree_flatten = PyObject_GetAttrString(pytree, "tree_flatten");
+    state->tree_unflatten = PyObject_GetAttrString(pytree, "tree_unflatten");
     Py_DECREF(pytree);
-    cgm.module_epoch = 1;
-    cgm.str_training = PyUnicode_InternFromString("training");
-    if (cgm.tree_flatten == NULL || cgm.tree_unflatten == NULL ||
-        cgm.str_training == NULL) {
+    return state->tree_flatten && state->tree_unflatten ? 0 : -1;
+}
+
+static int
+cgm_exec(PyObject *module)
+{
+    cg_state *state = get_state(module);
+
+    state->module_epoch = 1;
+    if (add_type(module, &cg_spec_type_spec, &state->Spec_Type) < 0 ||
+        add_type(module, &cg_graphed_type_spec, &state->Graphed_Type) < 0) {
         return -1;
     }
+    if (add_exception(module, "cgraph.CaptureError",
+                      "A CUDA graph capture failed.  The message names the callable, the\n"
+                      "likely cause and the fix; .kind names the cause ('sync',\n"
+                      "'legacy_stream', ...); __cause__ holds torch's original error.",
+                      &state->CaptureError) < 0 ||
+        add_exception(module, "cgraph._C.Refusal",
+                      "Refusal(message, kind): one of cgraph's own checks refused what\n"
+                      "a callable did during capture (internal; becomes CaptureError).",
+                      &state->Refusal) < 0) {
+        return -1;
+    }
+    if (PyModule_AddIntConstant(module, "FAILURE_RNG_CHANGED", CG_FAILURE_RNG_CHANGED) < 0 ||
+        PyModule_AddIntConstant(module, "FAILURE_REENTRANT_LEAF",
+                                CG_FAILURE_REENTRANT_LEAF) < 0) {
+        return -1;
+    }
+    state->str_training = PyUnicode_InternFromString("training");
+    state->str_error_code = PyUnicode_InternFromString("error_code");
+    if (state->str_training == NULL || state->str_error_code == NULL) {
+        return -1;
+    }
+    return import_torch_helpers(state);
+}
+
+static int
+cgm_traverse(PyObject *module, visitproc visit, void *arg)
+{
+    cg_state *state = get_state(module);
+    Py_VISIT(state->CaptureError);
+    Py_VISIT(state->Refusal);
+    Py_VISIT(state->Spec_Type);
+    Py_VISIT(state->Graphed_Type);
+    Py_VISIT(state->tree_flatten);
+    Py_VISIT(state->tree_unflatten);
     return 0;
 }
+
+static int
+cgm_clear(PyObject *module)
+{
+    cg_state *state = get_state(module);
+    Py_CLEAR(state->CaptureError);
+    Py_CLEAR(state->Refusal);
+    Py_CLEAR(state->Spec_Type);
+    Py_CLEAR(state->Graphed_Type);
+    Py_CLEAR(state->tree_flatten);
+    Py_CLEAR(state->tree_unflatten);
+    Py_CLEAR(state->str_training);
+    Py_CLEAR(state->str_error_code);
+    return 0;
+}
+
+static void
+cgm_free(void *module)
+{
+    cgm_clear((PyObject *)module);
+}
+
+static PyModuleDef_Slot cgm_slots[] = {
+    {Py_mod_exec, cgm_exec},
+    {0, NULL}
+};
 
 static struct PyModuleDef cgm_module = {
     PyModuleDef_HEAD_INIT,
     .m_name = "cgraph._C",
     .m_doc = "cgraph's native core: CUDA graph capture and replay for PyTorch callables.",
-    .m_size = -1,
+    .m_size = sizeof(cg_state),
     .m_methods = cgm_methods,
+    .m_slots = cgm_slots,
+    .m_traverse = cgm_traverse,
+    .m_clear = cgm_clear,
+    .m_free = cgm_free,
 };
 
+/* The only exported symbol (hidden visibility elsewhere; csrc/exports.map). */
 PyMODINIT_FUNC
 PyInit__C(void)
 {
-    PyObject *module = PyModule_Create(&cgm_module);
-    if (module == NULL) {
-        return NULL;
-    }
-    if (cgm_exec(module) < 0) {
-        Py_DECREF(module);
-        return NULL;
-    }
-    return module;
+    return PyModuleDef_Init(&cgm_module);
 }

@@ -9,24 +9,122 @@
 
 #include "cgraph.h"
 
-/* Objects the module creates once, at import (owned by the module). */
+/* PyWeakref_GetRef (Python 3.13) for older Pythons: 1 and a NEW reference
+ * in *out if the referent is alive, 0 and NULL if it is gone, -1 with an
+ * exception set.  Never hands out the borrowed result of
+ * PyWeakref_GetObject, which code that may run Python could free. */
+#if PY_VERSION_HEX < 0x030D0000
+static inline int
+cg_weakref_get(PyObject *ref, PyObject **out)
+{
+    PyObject *obj = PyWeakref_GetObject(ref); /* borrowed, deprecated in 3.13 */
+    *out = NULL;
+    if (obj == NULL) {
+        return -1;
+    }
+    if (obj == Py_None) {
+        return 0;
+    }
+    *out = Py_NewRef(obj);
+    return 1;
+}
+#else
+#define cg_weakref_get PyWeakref_GetRef
+#endif
+
+/* PyErr_GetRaisedException and PyErr_SetRaisedException (Python 3.12) for
+ * Python 3.11: take the pending exception as one normalized object (a NEW
+ * reference, or NULL if none), and raise one again (stealing it). */
+static inline PyObject *
+cg_err_take(void)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    return PyErr_GetRaisedException();
+#else
+    PyObject *type, *value, *traceback;
+    PyErr_Fetch(&type, &value, &traceback);
+    PyErr_NormalizeException(&type, &value, &traceback);
+    if (value != NULL && traceback != NULL) {
+        PyException_SetTraceback(value, traceback);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(traceback);
+    return value;
+#endif
+}
+
+static inline void
+cg_err_restore(PyObject *exc)
+{
+#if PY_VERSION_HEX >= 0x030C0000
+    PyErr_SetRaisedException(exc);
+#else
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc, PyException_GetTraceback(exc));
+#endif
+}
+
+/* The module's state (PyModule_GetState), made at import (module.c). */
 typedef struct {
-    PyObject *CaptureError;   /* cgraph.CaptureError(RuntimeError) */
-    PyObject *tree_flatten;   /* torch.utils._pytree.tree_flatten */
-    PyObject *tree_unflatten; /* torch.utils._pytree.tree_unflatten */
-    PyObject *str_training;   /* interned "training" */
+    PyObject *CaptureError;     /* cgraph.CaptureError(RuntimeError) */
+    PyObject *Refusal;          /* _C.Refusal(message, kind): cgraph's own refusals
+                                   raised from Python during capture */
+    PyTypeObject *Spec_Type;    /* _C.CallableSpec (spec.c) */
+    PyTypeObject *Graphed_Type; /* _C.Graphed (graphed.c) */
+    PyObject *tree_flatten;     /* torch.utils._pytree.tree_flatten */
+    PyObject *tree_unflatten;   /* torch.utils._pytree.tree_unflatten */
+    PyObject *str_training;     /* interned "training" */
+    PyObject *str_error_code;   /* interned "error_code" (torch.AcceleratorError's) */
     /* Bumped whenever any module registers a parameter, buffer or submodule
      * (torch's global registration hooks, installed by cgraph/_api.py).  A
      * graphed module re-checks its parameters only when this moved, so the
      * call path pays one comparison. */
     unsigned long long module_epoch;
-} cgm_state;
+} cg_state;
 
-extern cgm_state cgm;
+/* ---- spec.c ------------------------------------------------------------- */
+
+/* _C.CallableSpec: one callable as make_graphed_callables describes it
+ * (cgraph/_api.py _describe builds it by keyword).  Immutable; capture reads
+ * it and the Graphed made from it keeps it, so it flows from Python to the
+ * call path unchanged.  It holds a module only weakly: the module's forward
+ * holds the Graphed, which holds this. */
+typedef struct {
+    PyObject_HEAD
+    Py_ssize_t index;        /* position among the callables graphed together */
+    PyObject *function;      /* what to call, for a function; else None */
+    PyObject *module;        /* weakref to the nn.Module; else None */
+    PyObject *eager;         /* the module's forward, run eagerly in the other
+                                train/eval mode; None for a function */
+    char eager_takes_module; /* `eager` is unbound: pass the module first */
+    char training;           /* module.training at capture */
+    PyObject *args;          /* tuple: the sample args, as called at capture */
+    PyObject *kwargs;        /* dict: the sample kwargs, sorted by name */
+    PyObject *kw_names;      /* tuple: the kwargs' names, sorted */
+    PyObject *tensors;       /* tuple: the tensor leaves, the static inputs */
+    PyObject *names;         /* tuple of str: a name per tensor leaf */
+    PyObject *params;        /* tuple: the module's parameters */
+    PyObject *buffers;       /* tuple: the module's buffers */
+    char flat;               /* args are all tensors and there are no kwargs */
+    PyObject *in_spec;       /* TreeSpec of (args, kwargs); None if flat */
+    PyObject *constants;     /* tuple of (position, name, value), leaf order:
+                                _api.Constant, a NamedTuple */
+    PyObject *verify;        /* verify(module) raises if parameters were
+                                replaced since capture; None for a function */
+    int device;              /* the CUDA device the graphs run on */
+} cg_spec;
+
+/* Fields of a Constant (a tuple): its leaf position, name and value. */
+enum { CG_CONSTANT_POSITION = 0, CG_CONSTANT_NAME = 1, CG_CONSTANT_VALUE = 2 };
+
+extern PyType_Spec cg_spec_type_spec;
+
+/* What to call for warm-up and capture: the function, or the module the
+ * weakref points to.  Returns a NEW reference, or NULL with an exception. */
+PyObject *cg_spec_target(const cg_spec *spec);
 
 /* ---- graphed.c ---------------------------------------------------------- */
 
-extern PyTypeObject Graphed_Type;
+extern PyType_Spec cg_graphed_type_spec;
 
 /* How a graphed callable's outputs were structured at capture. */
 typedef enum {
@@ -35,31 +133,34 @@ typedef enum {
     CG_OUT_TREE = 2    /* anything else: rebuilt with tree_unflatten */
 } cg_out_kind;
 
-/* Everything the Graphed object needs besides its engine; every PyObject*
- * is borrowed here and may be NULL where noted. */
 typedef struct {
-    int flat_args;          /* the sample args were a flat tuple of tensors */
-    PyObject *in_spec;      /* TreeSpec of (args, kwargs) (NULL/None if flat) */
-    PyObject *kwargs;       /* the sample kwargs, sorted by name (a dict) */
-    PyObject *constants;    /* tuple of (leaf position, name, value) */
-    cg_out_kind out_kind;
-    PyObject *out_spec;     /* TreeSpec of the outputs (NULL unless TREE) */
-    PyObject *module;       /* the nn.Module, or NULL/None for a function */
-    PyObject *eager;        /* forward to run in the other train/eval mode */
-    int eager_takes_module; /* `eager` is unbound: pass the module first */
-    PyObject *verify;       /* verify(module) raises if its parameters or
-                               buffers were replaced since capture; or None */
-} cg_graphed_info;
+    cg_out_kind kind;
+    PyObject *spec;    /* owned TreeSpec of the outputs; NULL unless TREE */
+} cg_out_layout;
 
-/* Wraps `engine`, taking ownership of it (also on failure).
- * Returns a NEW reference, or NULL with an exception set. */
-PyObject *Graphed_create(cg_engine *engine, const cg_graphed_info *info);
+/* Wraps `engine` for `spec`, taking ownership of the engine and of
+ * out->spec (also on failure; *out is cleared).  Returns a NEW reference,
+ * or NULL with an exception set. */
+PyObject *cg_graphed_new(cg_state *state, cg_spec *spec, cg_engine *engine,
+                         cg_out_layout *out);
+
+/* ---- arguments.c -------------------------------------------------------- */
+
+/* The tensor leaves of a call whose arguments are nested, keyword or
+ * constant, checked against the spec: the captured keywords, structure and
+ * constant values.  Returns a NEW reference to a list, or NULL with an
+ * exception set. */
+PyObject *cg_call_tensors(cg_state *state, const cg_spec *spec, PyObject *const *args,
+                          Py_ssize_t nargs, PyObject *kwnames);
 
 /* ---- capture.c ---------------------------------------------------------- */
 
-/* _C.graph_callables(specs, device, pool, num_warmup_iters,
- *                    allow_unused_input, capture_error_mode) -> tuple
+/* _C.graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
+ *                    capture_error_mode, guard_outputs) -> tuple
  * Returns a NEW reference to a tuple of Graphed, or NULL. */
-PyObject *cg_graph_callables(PyObject *self, PyObject *args);
+PyObject *cg_graph_callables(PyObject *module, PyObject *args);
+
+/* Names and advice per cg_failure, for CaptureError.kind (capture.c). */
+const char *cg_failure_name(cg_failure kind);
 
 #endif /* CGRAPH_MODULE_H */

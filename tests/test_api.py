@@ -66,29 +66,58 @@ def test_unsupported_sample_arg_is_named():
 
 
 def test_constants_and_keywords_are_described_in_leaf_order():
-    from cgraph._api import _describe
+    from cgraph._api import Constant, _draft
 
     def f(x, n, *, mask, dtype):
         return x
 
     x, mask = torch.zeros(2), torch.ones(2)
-    spec = _describe(0, f, (x, 3), {"mask": mask, "dtype": torch.float16}, set())
-    kwargs, tensors, names, flat, constants = spec[2], spec[3], spec[4], spec[7], spec[9]
-    assert list(kwargs) == ["dtype", "mask"]  # sorted: calls flatten in this order
-    assert tensors == (x, mask) and names == ("x", "mask") and not flat
-    assert constants == ((1, "n", 3), (2, "dtype", torch.float16))
+    spec = cgraph._C.CallableSpec(
+        **_draft(0, f, (x, 3), {"mask": mask, "dtype": torch.float16}, set()).fields, device=0)
+    assert list(spec.kwargs) == ["dtype", "mask"]  # sorted: calls flatten in this order
+    assert spec.kw_names == ("dtype", "mask")
+    assert spec.tensors == (x, mask) and spec.names == ("x", "mask") and not spec.flat
+    assert spec.constants == (Constant(1, "n", 3), Constant(2, "dtype", torch.float16))
+    assert spec.constants[0].name == "n" and spec.function is f and spec.module is None
+
+
+def test_a_module_is_held_weakly_by_its_spec():
+    """module.forward holds the Graphed, which holds the spec: a strong
+    reference back would keep the module alive until the cycle collector."""
+    from cgraph._api import _draft
+
+    layer = torch.nn.Linear(4, 4)
+    fields = _draft(0, layer, (torch.randn(2, 4),), None, set()).fields
+    spec = cgraph._C.CallableSpec(**fields, device=0)
+    assert spec.module() is layer and spec.function is None and spec.training
+    assert spec.eager is type(layer).forward and spec.eager_takes_module
+    assert spec.params == tuple(layer.parameters()) and spec.flat
+
+
+def test_callable_spec_refuses_missing_unknown_and_mistyped_fields():
+    from cgraph._api import _draft
+
+    fields = dict(_draft(0, len, (torch.zeros(1),), None, set()).fields, device=0)
+    with pytest.raises(TypeError, match="missing field 'device'"):
+        cgraph._C.CallableSpec(**{k: v for k, v in fields.items() if k != "device"})
+    with pytest.raises(TypeError, match="unknown field"):
+        cgraph._C.CallableSpec(**fields, colour="red")
+    with pytest.raises(TypeError, match="CallableSpec.tensors must be a tuple"):
+        cgraph._C.CallableSpec(**dict(fields, tensors=[torch.zeros(1)]))
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        cgraph._C.CallableSpec(1)
 
 
 def test_samples_sharing_memory_get_their_own_static_buffers():
-    from cgraph._api import _describe
+    from cgraph._api import _draft
 
     x = torch.randn(2, 4, requires_grad=True)
     claimed = set()
-    first = _describe(0, torch.nn.Linear(4, 4), (x,), None, claimed)
-    second = _describe(1, torch.nn.Linear(4, 4), (x, x[0]), None, claimed)
-    assert first[3] == (x,) and first[1][0] is x  # the first use keeps the sample
-    a, b = second[3]
-    assert second[1] == (a, b)  # the callable is called with the same tensors
+    first = _draft(0, torch.nn.Linear(4, 4), (x,), None, claimed).fields
+    second = _draft(1, torch.nn.Linear(4, 4), (x, x[0]), None, claimed).fields
+    assert first["tensors"] == (x,) and first["args"][0] is x  # the first use keeps the sample
+    a, b = second["tensors"]
+    assert second["args"] == (a, b)  # the callable is called with the same tensors
     for t in (a, b):
         assert t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
         assert t.requires_grad
@@ -136,18 +165,20 @@ def test_autocast_cache_setting_is_left_as_found():
         assert torch.is_autocast_cache_enabled()
 
 
-def test_rng_hooks_are_removed_even_after_an_error():
-    from cgraph import _api
+def test_capture_session_patches_are_removed_even_after_an_error():
+    """Note [Patches during capture] in cgraph/_capture.py: every patch is
+    undone when the session ends, also when warm-up or capture raised."""
+    from cgraph import _capture
 
     originals = (torch.cuda.get_rng_state, torch.cuda.set_rng_state, torch.manual_seed,
-                 torch.cuda.manual_seed)
+                 torch.cuda.manual_seed, torch.autograd.backward)
     with pytest.raises(KeyError):
-        with _api._rng_hooks():
+        with _capture.capture_session(()):
             assert torch.cuda.get_rng_state is not originals[0]
             assert torch.manual_seed is not originals[2]
             raise KeyError("the capture failed")
     assert (torch.cuda.get_rng_state, torch.cuda.set_rng_state, torch.manual_seed,
-            torch.cuda.manual_seed) == originals
+            torch.cuda.manual_seed, torch.autograd.backward) == originals
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")

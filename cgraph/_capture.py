@@ -1,0 +1,147 @@
+"""The capture session: every change cgraph makes to torch's globals while it
+warms up and captures, in one context manager.
+
+Note [Patches during capture]
+While cgraph warms up and captures the callables of one make_graphed call,
+and only then, it changes these globals of torch's, and puts each back when
+the session ends, also when warm-up or capture raised:
+
+1. The autocast weight cache is off (torch.set_autocast_cache_enabled):
+   Note [Autocast's weight cache] below.
+2. torch.cuda.get_rng_state and torch.cuda.set_rng_state ask the native
+   core first, so torch.utils.checkpoint's recompute redraws its forward's
+   masks: Note [RNG in checkpointed regions] in csrc/aten_rng.cpp.  Anything
+   the core does not claim goes to torch.
+3. torch.manual_seed, torch.random.manual_seed, torch.cuda.manual_seed and
+   torch.cuda.manual_seed_all refuse while a stream captures: a graph would
+   not reseed on replay.  (The native core also compares the host
+   generators before and after each capture; a reseed to the state they
+   already had escapes that.)
+4. torch.autograd.backward and torch.utils.checkpoint.detach_variable check
+   what a use_reentrant=True checkpoint region reads: Note [Reentrant
+   regions] below.
+
+Refusals raise _C.Refusal(message, kind), which the capture turns into a
+CaptureError naming the cause (Note [Capture failures] in csrc/capture.c).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Sequence
+
+import torch
+import torch.utils.checkpoint as checkpoint_module
+
+from . import _C
+
+
+@contextlib.contextmanager
+def capture_session(specs: Sequence[_C.CallableSpec]) -> Iterator[None]:
+    """The patches of Note [Patches during capture], for these callables."""
+    with _autocast_cache_off(), _rng_hooks(), _reentrant_regions_checked(specs):
+        yield
+
+
+@contextlib.contextmanager
+def _autocast_cache_off() -> Iterator[None]:
+    """Note [Autocast's weight cache]: inside an autocast region torch caches
+    the low-precision copy of each weight until the region ends.  A copy
+    cached during capture is freed at the region's exit while the graph keeps
+    reading its memory, and a copy cached before capture is never refreshed
+    after an optimizer step; so torch refuses cache_enabled=True.  cgraph
+    turns the cache off while it warms up and captures: the graph then casts
+    the weights on every replay, and the caller's region keeps its cache."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
+@contextlib.contextmanager
+def _patched(patches: dict) -> Iterator[None]:
+    """Sets each (owner, name) to its value for the duration, then puts the
+    originals back."""
+    saved = {key: getattr(*key) for key in patches}
+    for (owner, name), value in patches.items():
+        setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        for (owner, name), original in saved.items():
+            setattr(owner, name, original)
+
+
+def _rng_hooks():
+    """Items 2 and 3 of Note [Patches during capture]."""
+    torch_get, torch_set = torch.cuda.get_rng_state, torch.cuda.set_rng_state
+
+    def get_rng_state(device="cuda"):
+        state = _C.rng_get_state(_cuda_index(device))
+        return torch_get(device) if state is None else state
+
+    def set_rng_state(new_state, device="cuda"):
+        if not _C.rng_set_state(new_state, _cuda_index(device)):
+            torch_set(new_state, device)
+
+    def refuse_while_capturing(seed_fn):
+        def seed(*args, **kwargs):
+            if torch.cuda.is_current_stream_capturing():
+                raise _C.Refusal(
+                    f"cgraph: random generator state changed during capture: "
+                    f"{seed_fn.__module__}.{seed_fn.__name__} was called.",
+                    _C.FAILURE_RNG_CHANGED,
+                )
+            return seed_fn(*args, **kwargs)
+        return seed
+
+    seeds = ((torch, "manual_seed"), (torch.random, "manual_seed"),
+             (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"))
+    patches = {(torch.cuda, "get_rng_state"): get_rng_state,
+               (torch.cuda, "set_rng_state"): set_rng_state}
+    patches.update({key: refuse_while_capturing(getattr(*key)) for key in seeds})
+    return _patched(patches)
+
+
+def _reentrant_regions_checked(specs):
+    """Note [Reentrant regions]: while cgraph warms up and captures, a
+    torch.utils.checkpoint region with use_reentrant=True may read leaves
+    that require grad only if they are arguments or parameters of the
+    graphed callables.  Its backward rebuilds the region's autograd graph and
+    runs .backward() on it, so another leaf (a tensor in a closure) would get
+    a grad at capture time and none at replay: that raises here instead
+    (csrc/aten_warmup.cpp, Note [Backward capture runs .backward()])."""
+    known = {id(t) for spec in specs for t in (*spec.tensors, *spec.params)}
+    region_inputs: set[int] = set()
+    detach_variable, backward = checkpoint_module.detach_variable, torch.autograd.backward
+
+    def detach_and_note(inputs):
+        detached = detach_variable(inputs)
+        region_inputs.update(id(t) for t in detached if isinstance(t, torch.Tensor))
+        return detached
+
+    def checked_backward(tensors, *args, **kwargs):
+        roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for leaf in _C.autograd_leaves([t for t in roots if isinstance(t, torch.Tensor)]):
+            if id(leaf) not in known and id(leaf) not in region_inputs:
+                raise _C.Refusal(
+                    f"cgraph: a tensor of shape {tuple(leaf.shape)} that requires grad is "
+                    "read inside a torch.utils.checkpoint(use_reentrant=True) region but is "
+                    "neither an argument nor a parameter of the graphed callable, so its "
+                    "grad would be computed once, at capture. Make it an nn.Parameter of the "
+                    "module, pass it as an argument, or use use_reentrant=False.",
+                    _C.FAILURE_REENTRANT_LEAF,
+                )
+        return backward(tensors, *args, **kwargs)
+
+    return _patched({(checkpoint_module, "detach_variable"): detach_and_note,
+                     (torch.autograd, "backward"): checked_backward})
+
+
+def _cuda_index(device) -> int:
+    if isinstance(device, int):
+        return device
+    device = torch.device(device)
+    return torch.cuda.current_device() if device.index is None else device.index

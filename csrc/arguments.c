@@ -1,0 +1,165 @@
+/*
+ * arguments.c -- the arguments of a call that is not a flat tuple of tensors:
+ * keywords, nested containers and constants, checked against what was
+ * captured, down to the tensor leaves the engine replays with.
+ *
+ * Python equivalent (the contract; the real thing is below):
+ *
+ *     def call_tensors(spec, args, kwargs):
+ *         if sorted(kwargs) != list(spec.kw_names): raise TypeError(...)
+ *         kwargs = {k: kwargs[k] for k in spec.kw_names}   # captured order
+ *         leaves, in_spec = tree_flatten((args, kwargs))
+ *         if in_spec != spec.in_spec: raise TypeError(...)
+ *         for position, name, value in spec.constants:
+ *             if type(leaves[position]) is not type(value) or leaves[position] != value:
+ *                 raise ValueError(...)
+ *         return [leaf for i, leaf in enumerate(leaves) if i not in constant positions]
+ *
+ * The flat fast path (graphed.c) never comes here.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "module.h"
+
+/* 0 if the call passes exactly the captured keywords, else -1 with a
+ * TypeError naming a missing or an unexpected one. */
+static int
+check_keywords(const cg_spec *spec, PyObject *kwnames)
+{
+    Py_ssize_t ngiven = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+
+    for (Py_ssize_t i = 0; i < ngiven; i++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, i);
+        int known = PySequence_Contains(spec->kw_names, name);
+        if (known == 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "cgraph: unexpected keyword argument %R; the graph was captured "
+                         "with keywords %R (sample_kwargs).", name, spec->kw_names);
+        }
+        if (known <= 0) {
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec->kw_names); i++) {
+        PyObject *name = PyTuple_GET_ITEM(spec->kw_names, i);
+        int given = kwnames ? PySequence_Contains(kwnames, name) : 0;
+        if (given == 0) {
+            PyErr_Format(PyExc_TypeError,
+                         "cgraph: missing keyword argument %R; the graph was captured "
+                         "with keywords %R (sample_kwargs).", name, spec->kw_names);
+        }
+        if (given <= 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* 0 if every captured constant is passed again (same type, equal value),
+ * else -1 with a ValueError naming the argument. */
+static int
+check_constants(const cg_spec *spec, PyObject *leaves)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec->constants); i++) {
+        PyObject *entry = PyTuple_GET_ITEM(spec->constants, i);
+        Py_ssize_t position =
+            PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, CG_CONSTANT_POSITION));
+        PyObject *captured = PyTuple_GET_ITEM(entry, CG_CONSTANT_VALUE);
+        PyObject *given = PyList_GET_ITEM(leaves, position);
+        int same = Py_TYPE(given) == Py_TYPE(captured)
+                       ? PyObject_RichCompareBool(given, captured, Py_EQ) : 0;
+        if (same == 0) {
+            PyErr_Format(PyExc_ValueError,
+                         "cgraph: argument '%U' was captured as %R, got %R. A graph "
+                         "replays the value it was captured with: pass %R, pass the "
+                         "value as a tensor, or graph once per value.",
+                         PyTuple_GET_ITEM(entry, CG_CONSTANT_NAME), captured, given, captured);
+        }
+        if (same <= 0) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The call as the (args, kwargs) pair the samples were flattened from, its
+ * keywords in the captured (sorted) order.  Returns a NEW reference. */
+static PyObject *
+call_tree(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *positional = PyTuple_New(nargs), *keywords = PyDict_New(), *tree = NULL;
+
+    if (positional == NULL || keywords == NULL) {
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyTuple_SET_ITEM(positional, i, Py_NewRef(args[i]));
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec->kw_names); i++) {
+        PyObject *name = PyTuple_GET_ITEM(spec->kw_names, i);
+        for (Py_ssize_t k = 0; kwnames && k < PyTuple_GET_SIZE(kwnames); k++) {
+            if (PyUnicode_Compare(name, PyTuple_GET_ITEM(kwnames, k)) == 0 &&
+                PyDict_SetItem(keywords, name, args[nargs + k]) < 0) {
+                goto done;
+            }
+        }
+    }
+    tree = PyTuple_Pack(2, positional, keywords);
+done:
+    Py_XDECREF(positional);
+    Py_XDECREF(keywords);
+    return tree;
+}
+
+/* The leaves of `leaves` that are not constants, in order.  Returns a NEW
+ * reference to a list. */
+static PyObject *
+drop_constants(const cg_spec *spec, PyObject *leaves)
+{
+    PyObject *tensors = PyList_New(0);
+    Py_ssize_t c = 0, nconstants = PyTuple_GET_SIZE(spec->constants);
+
+    for (Py_ssize_t i = 0; tensors != NULL && i < PyList_GET_SIZE(leaves); i++) {
+        /* Constants are listed in leaf order: skip each at its position. */
+        PyObject *constant = c < nconstants ? PyTuple_GET_ITEM(spec->constants, c) : NULL;
+        if (constant != NULL &&
+            PyLong_AsSsize_t(PyTuple_GET_ITEM(constant, CG_CONSTANT_POSITION)) == i) {
+            c++;
+        } else if (PyList_Append(tensors, PyList_GET_ITEM(leaves, i)) < 0) {
+            Py_CLEAR(tensors);
+        }
+    }
+    return tensors;
+}
+
+PyObject *
+cg_call_tensors(cg_state *state, const cg_spec *spec, PyObject *const *args,
+                Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *tree = NULL, *flat = NULL, *tensors = NULL;
+    int same;
+
+    if (check_keywords(spec, kwnames) < 0) {
+        return NULL;
+    }
+    tree = call_tree(spec, args, nargs, kwnames);
+    flat = tree ? PyObject_CallOneArg(state->tree_flatten, tree) : NULL;
+    if (flat == NULL) {
+        goto done;
+    }
+    same = PyObject_RichCompareBool(PyTuple_GET_ITEM(flat, 1), spec->in_spec, Py_EQ);
+    if (same == 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "cgraph: the arguments are structured as %R, but the graph was "
+                     "captured with %R. Pass arguments nested as the samples were.",
+                     PyTuple_GET_ITEM(flat, 1), spec->in_spec);
+    }
+    if (same > 0 && check_constants(spec, PyTuple_GET_ITEM(flat, 0)) == 0) {
+        tensors = drop_constants(spec, PyTuple_GET_ITEM(flat, 0));
+    }
+done:
+    Py_XDECREF(flat);
+    Py_XDECREF(tree);
+    return tensors;
+}

@@ -1,0 +1,337 @@
+// aten_backward.cpp -- the fourth place of the lifecycle, backward half: the
+// autograd node of a graphed call, which fills the backward graph's incoming
+// grads, replays it and delivers the parameter grads.  Reads top to bottom
+// in GraphedBackward::apply() at the end of this file.
+#include "aten_engine.hpp"
+
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <unordered_map>
+
+namespace cgraph {
+namespace {
+
+namespace autograd = torch::autograd;
+using ExecInfo = std::unordered_map<autograd::Node*, autograd::GraphTask::ExecInfo>;
+
+}  // namespace
+
+// Note [Parameter gradients]
+// Q: How do parameter grads reach param.grad, and why not through autograd
+//    as torch's make_graphed_callables does?
+// A: torch returns its static grad buffer (detached) from backward, and
+//    AccumulateGrad *steals* it as param.grad when .grad is None: the next
+//    replay overwrites a .grad the user holds (pytorch issue 181723; micro-
+//    batch accumulation goes wrong).  And an AccumulateGrad node per
+//    parameter costs host time and a kernel launch each.
+//    cgraph keeps one tensor per parameter, its store, and hands it out as
+//    param.grad.  The backward graph ends with two optional segments
+//    ("tails"), each one launch of tensor_lists.cu for all parameters of a
+//    dtype (ATen's foreach ops for what it cannot take), and every replay
+//    switches on at most one of them before it launches:
+//      - every .grad is None and nobody else holds its store: the copy
+//        tail (store = grad), then .grad = store;
+//      - every .grad is its store (accumulation over micro-batches, or
+//        zero_grad(set_to_none=False)): the add tail (store += grad).
+//    So parameter grads cost no launch of their own, and no graph beyond the
+//    backward one is captured for them.
+//    Anything else (a .grad the user assigned, a store the user still
+//    holds after zero_grad, some parameters frozen since capture, a partial
+//    backward) takes the slow path: fused copies and adds from views of the
+//    backward graph's grads, into fresh tensors where the store is held
+//    elsewhere.  No path overwrites a tensor the user holds, and every path
+//    computes what AccumulateGrad would, bit for bit.
+//    The grads themselves are temporaries of the backward graph, so they
+//    cost no memory between backwards.
+//    A parameter with hooks (tensor hooks, post-accumulate-grad hooks, hooks
+//    on its grad accumulator, which DDP registers) stays an ordinary autograd
+//    edge: it gets a copy of its grad and AccumulateGrad runs the hooks.
+bool delivered_by_autograd(const at::Tensor& p) {
+  if (!autograd::impl::hooks(p).empty() || autograd::impl::post_acc_grad_hooks(p)) {
+    return true;
+  }
+  const auto acc = autograd::impl::try_get_grad_accumulator(p);
+  return acc && (!acc->pre_hooks().empty() || !acc->post_hooks().empty());
+}
+
+namespace {
+
+// Whether nobody but cgraph can reach `t` (or its memory).  A Python
+// wrapper that only the tensor itself keeps alive does not count: torch
+// preserves wrappers this way once Python has seen a tensor (as it has every
+// .grad an optimizer read), and torch releases that carry
+// impl::is_tensor_stealable, the test AccumulateGrad uses, know about it.
+namespace ownership {
+using namespace torch::autograd::impl;
+template <class T>
+auto only_python_wrapper_besides(const T& t, int) -> decltype(is_tensor_stealable(t, 1)) {
+  return is_tensor_stealable(t, 1);
+}
+template <class T>
+bool only_python_wrapper_besides(const T& t, long) {
+  return t.use_count() == 1;
+}
+}  // namespace ownership
+
+bool sole_owner(const at::Tensor& t) {
+  return t.unsafeGetTensorImpl()->storage().use_count() == 1 &&
+         ownership::only_python_wrapper_besides(t, 0);
+}
+
+// The partial backward running now (torch.autograd.grad, .backward(inputs=)),
+// or nullptr for a full one.
+const ExecInfo* partial_backward() {
+  const auto* exec_info = autograd::get_current_graph_task_exec_info();
+  return exec_info && !exec_info->empty() ? exec_info : nullptr;
+}
+
+// During a partial backward, whether it asks for parameter p's gradient.
+bool named_by_partial_backward(const ExecInfo& exec_info, const at::Tensor& p) {
+  const auto acc = autograd::impl::try_get_grad_accumulator(p);
+  const auto it = acc ? exec_info.find(acc.get()) : exec_info.end();
+  if (it == exec_info.end()) {
+    return false;
+  }
+  TORCH_CHECK(!it->second.captures_,
+              "cgraph: torch.autograd.grad with respect to a parameter of a graphed "
+              "callable is not supported, because cgraph accumulates parameter grads "
+              "itself (see Note [Parameter gradients]). Register a hook on that "
+              "parameter before calling the graphed callable (p.register_hook(lambda g: g)) "
+              "and its grad goes through autograd.");
+  return it->second.should_execute();
+}
+
+// The slow path of Note [Parameter gradients].
+void accumulate_param_grads_slowly(Engine& e, const std::vector<uint32_t>& fused,
+                                   const ExecInfo* partial) {
+  TensorVec add_dst, add_src, copy_dst, copy_src;
+  for (const uint32_t j : fused) {
+    const Param& p = e.params[j];
+    if (partial && !named_by_partial_backward(*partial, p.tensor)) {
+      continue;
+    }
+    at::Tensor& grad = p.tensor.mutable_grad();
+    if (grad.defined()) {
+      add_dst.push_back(grad);
+      add_src.push_back(p.grad);
+      continue;
+    }
+    grad = sole_owner(p.store) ? p.store : at::empty_like(p.tensor, at::MemoryFormat::Preserve);
+    copy_dst.push_back(grad);
+    copy_src.push_back(p.grad);
+  }
+  if (!copy_dst.empty()) {
+    at::_foreach_copy_(copy_dst, copy_src);
+  }
+  if (!add_dst.empty()) {
+    at::_foreach_add_(add_dst, add_src);
+  }
+}
+
+// How a backward delivers the grads of the parameters cgraph accumulates.
+enum class GradPath { None, CopyTail, AddTail, Slow };
+
+// Before the backward replay, since the tails are part of it: the path for
+// the parameters in `fused` (those requiring grad, without hooks, with a
+// grad at capture).
+GradPath choose_grad_path(const Engine& e, const std::vector<uint32_t>& fused) {
+  if (fused.empty()) {
+    return GradPath::None;
+  }
+  bool all_fresh = !partial_backward() && fused.size() == e.num_tail_params;
+  bool all_ours = all_fresh;
+  for (size_t k = 0; k < fused.size() && (all_fresh || all_ours); ++k) {
+    const Param& p = e.params[fused[k]];
+    const at::Tensor& grad = p.tensor.mutable_grad();
+    all_ours = all_ours && grad.unsafeGetTensorImpl() == p.store.unsafeGetTensorImpl();
+    all_fresh = all_fresh && !grad.defined() && sole_owner(p.store);
+  }
+  return all_ours ? GradPath::AddTail : all_fresh ? GradPath::CopyTail : GradPath::Slow;
+}
+
+// After the backward replay: param.grad for the parameters in `fused`.
+void deliver_param_grads(Engine& e, const std::vector<uint32_t>& fused, GradPath path) {
+  switch (path) {
+    case GradPath::None:
+      return;
+    case GradPath::AddTail:
+      ++e.stats.grads_added;
+      return;
+    case GradPath::CopyTail:
+      for (const uint32_t j : fused) {
+        e.params[j].tensor.mutable_grad() = e.params[j].store;
+      }
+      ++e.stats.grads_copied;
+      return;
+    case GradPath::Slow:
+      accumulate_param_grads_slowly(e, fused, partial_backward());
+      ++e.stats.grads_slow;
+      return;
+  }
+}
+
+// Note [Incoming grads]
+// Q: How does an incoming grad reach the backward graph's buffer for it?
+// A: As an argument reaches the forward's (Note [Argument copies inside the
+//    graph]), with two more ways in, since autograd hands a backward node
+//    grads that no memcpy can copy:
+//      - dense, laid out as the buffer: the buffer's copy slot;
+//      - every element one element in memory (the expanded grad of .sum(),
+//        of a broadcast): the graph copies that element into a one-element
+//        buffer (a second copy slot), then broadcasts it into the buffer (an
+//        optional segment, one kernel);
+//      - no grad at all (an output the loss does not use): an optional
+//        segment zeroes the buffer;
+//      - anything else (a transposed grad): ATen copies it before the replay.
+//    Every replay sets all four, so the graph's own ways cost no ATen call
+//    and no launch of their own.
+bool aliases_one_element(const at::Tensor& t) {
+  if (t.numel() <= 1) {
+    return false;
+  }
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1 && t.stride(d) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Before the backward replay: sets every way into in.buffer for `grad`.
+// Returns true if the caller must copy *staged into the buffer first.
+bool route_incoming_grad(Engine& e, const GradIn& in, const at::Tensor& grad,
+                         at::Tensor* staged) {
+  Graph& g = *e.bwd;
+  bool copy = false, element = false, zero = false, before = false;
+  if (!grad.defined()) {
+    zero = true;
+  } else if (needs_copy(in.buffer, grad, staged)) {
+    element = aliases_one_element(grad) && g.copy_in_from(in.element, grad.const_data_ptr());
+    copy = !element && g.copy_in(in.copy, in.buffer, *staged);
+    before = !element && !copy;
+  }
+  if (!copy) {
+    g.skip_copy_in(in.copy);
+  }
+  if (!element) {
+    g.skip_copy_in(in.element);
+  }
+  g.set_segment(in.broadcast, element);
+  g.set_segment(in.zero, zero);
+  e.stats.copied_in_graph += copy || element;
+  return before;
+}
+
+struct GraphedBackward final : autograd::Node {
+  GraphedBackward(std::shared_ptr<Engine> engine, autograd::edge_list&& edges,
+                  std::vector<EdgeSource>&& sources, std::vector<uint32_t>&& fused)
+      : autograd::Node(std::move(edges)),
+        engine(std::move(engine)),
+        generation(this->engine->generation),
+        sources(std::move(sources)),
+        fused_params(std::move(fused)) {}
+
+  std::string name() const override { return "CGraphBackward"; }
+  autograd::variable_list apply(autograd::variable_list&& grads) override;
+
+  std::shared_ptr<Engine> engine;
+  uint64_t generation;  // the forward replay this backward belongs to
+  bool consumed = false;
+  std::vector<EdgeSource> sources;     // per next edge
+  std::vector<uint32_t> fused_params;  // parameters whose grads apply() accumulates
+
+ private:
+  void check_replayable() const;
+  void route_incoming_grads(const autograd::variable_list& grads);
+  void launch(GradPath path);
+  autograd::variable_list edge_grads() const;
+};
+
+void GraphedBackward::check_replayable() const {
+  const Engine& e = *engine;
+  TORCH_CHECK(e.alive, "cgraph: backward through a graphed callable that was reset() "
+              "after this forward ran.");
+  TORCH_CHECK(!consumed, "cgraph: a second backward through the same graphed call "
+              "(retain_graph=True). The backward graph reuses the memory of the forward's "
+              "activations, so each call supports one backward: call the graphed callable "
+              "again before the next backward.");
+  TORCH_CHECK(generation == e.generation, "cgraph: this graphed callable ran forward ",
+              e.generation - generation, " more time(s) before this backward. A CUDA graph "
+              "keeps one set of activations, so run each backward before the next forward "
+              "of the same callable (graph one callable per micro-batch to keep several in "
+              "flight).");
+}
+
+// 1. Incoming grads into the static grad buffers, by the graph where it
+//    can: Note [Incoming grads].
+void GraphedBackward::route_incoming_grads(const autograd::variable_list& grads) {
+  Engine& e = *engine;
+  TensorVec dst, src;
+  size_t k = 0;
+  for (const Output& o : e.outputs) {
+    if (!o.requires_grad) {
+      continue;
+    }
+    at::Tensor staged;
+    if (route_incoming_grad(e, *o.grad_in, grads[k], &staged)) {
+      dst.push_back(o.grad_in->buffer);
+      src.push_back(std::move(staged));
+    }
+    ++k;
+  }
+  e.stats.copied_before += dst.size();
+  copy_all(dst, src);
+}
+
+// 3. The backward graph, with the tail `path` chose.
+void GraphedBackward::launch(GradPath path) {
+  Engine& e = *engine;
+  e.bwd->set_segment(e.tail_copy, path == GradPath::CopyTail);
+  e.bwd->set_segment(e.tail_add, path == GradPath::AddTail);
+  if (!e.rng.regions.empty()) {
+    e.rng_before_backward_replay();
+  }
+  RECORD_FUNCTION("cgraph::replay_backward_graph", std::vector<c10::IValue>());
+  e.bwd->launch();
+  ++e.stats.backward;
+}
+
+// 4. Grads for the autograd edges.  Inputs: the static buffers themselves,
+//    still referenced here, so AccumulateGrad copies rather than steals.
+//    Hooked parameters: a copy, since their grads are graph temporaries.
+autograd::variable_list GraphedBackward::edge_grads() const {
+  const Engine& e = *engine;
+  autograd::variable_list out(sources.size());
+  for (size_t m = 0; m < sources.size(); ++m) {
+    const EdgeSource& s = sources[m];
+    out[m] = s.kind == EdgeSource::Kind::Input ? e.inputs[s.index].grad
+                                               : e.params[s.index].grad.clone();
+  }
+  return out;
+}
+
+autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) {
+  check_replayable();
+  consumed = true;
+  route_incoming_grads(grads);
+  // 2. Which tail delivers the parameter grads: Note [Parameter gradients].
+  const GradPath path = choose_grad_path(*engine, fused_params);
+  launch(path);
+  {
+    RECORD_FUNCTION("cgraph::parameter_grads", std::vector<c10::IValue>());
+    deliver_param_grads(*engine, fused_params, path);
+  }
+  return edge_grads();
+}
+
+}  // namespace
+
+NodePtr make_backward_node(std::shared_ptr<Engine> engine, torch::autograd::edge_list&& edges,
+                           std::vector<EdgeSource>&& sources, std::vector<uint32_t>&& fused) {
+  return make_node<GraphedBackward>(std::move(engine), std::move(edges), std::move(sources),
+                                    std::move(fused));
+}
+
+}  // namespace cgraph

@@ -1,0 +1,198 @@
+// aten_capture_backward.cpp -- the backward graph's capture: the ways in
+// for incoming grads at its head, the callable's backward, and the
+// parameter-grad tails at its end (Notes [Incoming grads] and [Parameter
+// gradients] in aten_backward.cpp).
+#include "aten_engine.hpp"
+#include "tensor_lists.h"
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include <map>
+
+namespace cgraph {
+namespace {
+
+// The operation tensor_lists.cu applies to `dst` and `src` for a tail (add
+// or copy), if it can: the same dtype, memory a memcpy could copy, and for
+// an add a floating type it adds.
+std::optional<cg_list_op> list_op(bool add, const at::Tensor& dst, const at::Tensor& src) {
+  if (dst.scalar_type() != src.scalar_type() || !dst.is_non_overlapping_and_dense() ||
+      !memcpy_copies(dst, src)) {
+    return std::nullopt;
+  }
+  if (!add) {
+    return CG_LIST_COPY;
+  }
+  switch (dst.scalar_type()) {
+    case at::kFloat:
+      return CG_LIST_ADD_F32;
+    case at::kDouble:
+      return CG_LIST_ADD_F64;
+    case at::kHalf:
+      return CG_LIST_ADD_F16;
+    case at::kBFloat16:
+      return CG_LIST_ADD_BF16;
+    default:
+      return std::nullopt;
+  }
+}
+
+// One tail of Note [Parameter gradients], recorded into the capture:
+// stores[j] = sources[j], or += with `add`.  tensor_lists.cu takes the copy,
+// or the adds of each dtype, in one launch; what it cannot take, ATen's
+// foreach ops.
+void record_tail(bool add, const std::vector<at::Tensor>& stores,
+                 const std::vector<at::Tensor>& sources) {
+  std::map<cg_list_op, std::vector<cg_list_item>> lists;
+  std::vector<at::Tensor> aten_stores, aten_sources;
+  for (size_t j = 0; j < stores.size(); ++j) {
+    if (const auto op = list_op(add, stores[j], sources[j])) {
+      lists[*op].push_back({stores[j].data_ptr(), sources[j].const_data_ptr(),
+                            stores[j].nbytes()});
+    } else {
+      aten_stores.push_back(stores[j]);
+      aten_sources.push_back(sources[j]);
+    }
+  }
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream().stream();
+  for (const auto& [op, items] : lists) {
+    C10_CUDA_CHECK(cg_list_apply(op, items.data(), items.size(), stream));
+  }
+  if (!aten_stores.empty()) {
+    add ? at::_foreach_add_(aten_stores, aten_sources)
+        : at::_foreach_copy_(aten_stores, aten_sources);
+  }
+}
+
+// A view of `t`'s memory that does not keep it alive.
+at::Tensor non_owning_view(const at::Tensor& t) {
+  return at::from_blob(const_cast<void*>(t.const_data_ptr()), t.sizes(), t.strides(),
+                       [](void*) {}, t.options());
+}
+
+}  // namespace
+
+std::vector<at::Tensor> Engine::differentiable_outputs() const {
+  std::vector<at::Tensor> diff;
+  for (const Output& o : outputs) {
+    if (o.requires_grad) {
+      diff.push_back(o.buffer);
+    }
+  }
+  return diff;
+}
+
+void Engine::capture_backward(at::cuda::MempoolId_t pool_id, cudaStreamCaptureMode mode) {
+  const std::vector<at::Tensor> diff = differentiable_outputs();
+  adopt_hidden_leaves(diff);
+  has_bwd = !diff.empty() && !grad_targets().empty();
+  if (has_bwd) {
+    allocate_grad_stores();
+    capture_begin(CG_BACKWARD, pool_id, mode);
+    try {
+      record_backward(diff);
+    } catch (...) {
+      abandon_capture(CG_BACKWARD);
+      throw;
+    }
+    capture_end(CG_BACKWARD);
+    for (Param& p : params) {
+      if (!p.grad.defined()) {
+        p.store = at::Tensor();  // no grad flows to it
+      }
+    }
+  }
+  forget_capture_autograd();
+}
+
+// Inside the backward capture: the incoming grads' ways in, the callable's
+// backward, and the tails.  The grad buffers are allocated inside the
+// capture, so they live in the graph pool and reset() returns them with it.
+void Engine::record_backward(const std::vector<at::Tensor>& diff) {
+  std::vector<at::Tensor> grad_outs;
+  for (Output& o : outputs) {
+    if (o.requires_grad) {
+      o.grad_in = capture_grad_in(at::empty_like(o.buffer));
+      grad_outs.push_back(o.grad_in->buffer);
+    }
+  }
+  const std::vector<at::Tensor> grads = run_backward(diff, grad_outs);
+  size_t next = 0;
+  for (Input& in : inputs) {
+    if (in.requires_grad) {
+      in.grad = grads[next++];
+    }
+  }
+  for (Param& p : params) {
+    if (p.requires_grad) {
+      const at::Tensor& g = grads[next++];
+      p.grad = g.defined() ? non_owning_view(g) : at::Tensor();
+    }
+  }
+  capture_param_grad_tails();
+}
+
+// Before the backward capture, outside it: a store per parameter that
+// requires grad, one regular allocation laid out like the parameter
+// (AccumulateGrad's layout contract) on the stream that will read it as
+// param.grad.  Those the backward leaves without a grad are released after
+// the capture.  Left unfilled (a fill launch per parameter is set-up time):
+// every path of Note [Parameter gradients] writes a store before it hands it
+// out, and adds into it only once handed out.
+void Engine::allocate_grad_stores() {
+  c10::cuda::CUDAStreamGuard on_caller(caller_stream);
+  for (Param& p : params) {
+    if (p.requires_grad) {
+      p.store = at::empty_like(p.tensor, at::MemoryFormat::Preserve);
+    }
+  }
+}
+
+// During the backward capture, once it has the parameter grads: the two
+// tails that turn them into param.grad, recorded as optional segments at the
+// end of the backward graph (tail_copy writes the stores, tail_add adds into
+// them; a replay runs at most one).  The grads are temporaries of the
+// graph, whose memory later graphs reuse: Param::grad views them, read by
+// the slow path right after a replay.
+void Engine::capture_param_grad_tails() {
+  std::vector<at::Tensor> stores, sources;
+  for (const Param& p : params) {
+    if (p.grad.defined()) {  // else frozen at capture, or unused (allow_unused_input)
+      stores.push_back(p.store);
+      sources.push_back(p.grad);
+    }
+  }
+  num_tail_params = stores.size();
+  at::NoGradGuard no_grad;
+  tail_copy = bwd->capture_segment([&] { record_tail(false, stores, sources); });
+  tail_add = bwd->capture_segment([&] { record_tail(true, stores, sources); });
+}
+
+// During the backward capture, before the callable's backward: the ways the
+// graph fills the buffer of one incoming grad itself (Note [Incoming grads]):
+// a copy of the grad, a broadcast of its one element, or zeros.
+GradIn Engine::capture_grad_in(const at::Tensor& buffer) {
+  at::NoGradGuard no_grad;
+  GradIn in;
+  in.buffer = buffer;
+  in.copy = bwd->capture_copy_in(buffer);
+  in.scalar = at::empty({}, buffer.options());
+  in.element = bwd->capture_copy_in(in.scalar);
+  in.broadcast = bwd->capture_segment([&] { buffer.copy_(in.scalar.expand(buffer.sizes())); });
+  in.zero = bwd->capture_segment([&] { buffer.zero_(); });
+  return in;
+}
+
+// After the backward capture the static outputs' autograd history is dead
+// weight: it keeps the capture's nodes alive, among them the sample inputs'
+// AccumulateGrad nodes, which remember the capture stream and make autograd
+// warn (and sync) when a later call's backward reaches them.
+void Engine::forget_capture_autograd() {
+  for (Output& o : outputs) {
+    o.buffer = o.buffer.detach();
+  }
+}
+
+}  // namespace cgraph

@@ -1,0 +1,279 @@
+// aten_entry.cpp -- every extern "C" function of cgraph.h, in its order: thin
+// wrappers over the Engine methods of the lifecycle files.
+//
+// Each sits inside HANDLE_TH_ERRORS, which turns C++ and c10 exceptions into
+// Python exceptions: none crosses into C.  Those that set up a capture also
+// note why one failed (Note [Capture failures] in capture.c).
+#include "aten_engine.hpp"
+
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
+
+using cgraph::Engine;
+
+namespace {
+
+cudaStreamCaptureMode to_cuda_mode(cg_capture_mode mode) {
+  switch (mode) {
+    case CG_CAPTURE_THREAD_LOCAL:
+      return cudaStreamCaptureModeThreadLocal;
+    case CG_CAPTURE_RELAXED:
+      return cudaStreamCaptureModeRelaxed;
+    default:
+      return cudaStreamCaptureModeGlobal;
+  }
+}
+
+at::cuda::MempoolId_t to_mempool(cg_pool pool) {
+  return {pool.first, pool.second};
+}
+
+// Runs `step`; if it throws a refusal of cgraph's or a CUDA error, notes the
+// failure's kind in *failure before the exception goes on.
+template <class Step>
+void noting_failure(cg_failure* failure, Step&& step) {
+  try {
+    step();
+  } catch (const cgraph::Refusal& refusal) {
+    *failure = refusal.kind;
+    throw;
+  } catch (const c10::AcceleratorError& error) {
+    *failure = cg_failure_of_cuda_error(error.get_error_code());
+    throw;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// ---- set-up ------------------------------------------------------------------
+
+int cg_cuda_device_count(int* count) {
+  HANDLE_TH_ERRORS
+  *count = static_cast<int>(c10::cuda::device_count());
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_new_pool(cg_pool* out) {
+  HANDLE_TH_ERRORS
+  const auto id = at::cuda::graph_pool_handle();
+  out->first = id.first;
+  out->second = id.second;
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+cg_setup* cg_setup_begin(int device_index) {
+  HANDLE_TH_ERRORS
+  return cgraph::open_setup(static_cast<c10::DeviceIndex>(device_index));
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
+int cg_setup_release_warmup_memory(cg_setup* setup) {
+  HANDLE_TH_ERRORS
+  cgraph::release_warmup_memory(*setup);
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+void cg_setup_end(cg_setup* setup) {
+  cgraph::close_setup(setup);
+}
+
+cg_engine* cg_engine_new(const cg_engine_config* config) {
+  HANDLE_TH_ERRORS
+  return new cg_engine{std::make_shared<Engine>(*config)};
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
+void cg_engine_free(cg_engine* engine) {
+  delete engine;  // the last reference resets the engine; reset never throws
+}
+
+int cg_engine_finish_setup(cg_engine* engine) {
+  HANDLE_TH_ERRORS
+  engine->ptr->finish_setup();
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+// ---- warm-up -----------------------------------------------------------------
+
+int cg_engine_warmup_begin(cg_engine* engine) {
+  HANDLE_TH_ERRORS
+  engine->ptr->rng_warmup_begin();
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_engine_warmup_end(cg_engine* engine, int completed) {
+  HANDLE_TH_ERRORS
+  if (completed) {
+    engine->ptr->rng_warmup_end();
+  } else {
+    engine->ptr->rng_capture_end();  // leaves the RNG hooks; keeps the caller's exception
+  }
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_engine_warmup_backward(cg_engine* engine, PyObject* outputs) {
+  HANDLE_TH_ERRORS
+  engine->ptr->warmup_backward(cgraph::unpack_tensors(outputs, "output"));
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+PyObject* cg_autograd_leaves(PyObject* tensors) {
+  HANDLE_TH_ERRORS
+  const auto leaves = cgraph::autograd_leaves(cgraph::unpack_tensors(tensors, "tensor"));
+  THPObjectPtr list(PyList_New(static_cast<Py_ssize_t>(leaves.size())));
+  if (!list) {
+    throw python_error();
+  }
+  for (size_t k = 0; k < leaves.size(); ++k) {
+    PyObject* leaf = THPVariable_Wrap(leaves[k]);
+    if (!leaf) {
+      throw python_error();
+    }
+    PyList_SET_ITEM(list.get(), static_cast<Py_ssize_t>(k), leaf);
+  }
+  return list.release();
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
+// ---- capture -----------------------------------------------------------------
+
+int cg_engine_capture_begin(cg_engine* engine, cg_pass pass, cg_pool pool,
+                            cg_capture_mode mode, cg_failure* failure) {
+  HANDLE_TH_ERRORS
+  noting_failure(failure, [&] { engine->ptr->capture_begin(pass, to_mempool(pool),
+                                                           to_cuda_mode(mode)); });
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_engine_capture_end(cg_engine* engine, cg_pass pass, cg_failure* failure) {
+  HANDLE_TH_ERRORS
+  noting_failure(failure, [&] { engine->ptr->capture_end(pass); });
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+void cg_engine_capture_abort(cg_engine* engine, cg_pass pass) {
+  // Keep the callable's exception: abandoning may call into torch, which
+  // could set (and must not clobber) Python's error indicator.
+  PyObject *type, *value, *traceback;
+  PyErr_Fetch(&type, &value, &traceback);
+  engine->ptr->abandon_capture(pass);
+  PyErr_Restore(type, value, traceback);
+}
+
+int cg_engine_set_outputs(cg_engine* engine, PyObject* outputs) {
+  HANDLE_TH_ERRORS
+  engine->ptr->set_outputs(cgraph::unpack_tensors(outputs, "output"));
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_engine_capture_backward(cg_engine* engine, cg_pool pool, cg_capture_mode mode,
+                               cg_failure* failure) {
+  HANDLE_TH_ERRORS
+  noting_failure(failure, [&] { engine->ptr->capture_backward(to_mempool(pool),
+                                                              to_cuda_mode(mode)); });
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+cg_failure cg_failure_of_cuda_error(int code) {
+  switch (code) {
+    case cudaErrorStreamCaptureUnsupported:
+      return CG_FAILURE_SYNC;
+    case cudaErrorStreamCaptureInvalidated:
+      return CG_FAILURE_INVALIDATED;
+    case cudaErrorStreamCaptureUnjoined:
+      return CG_FAILURE_UNJOINED;
+    case cudaErrorStreamCaptureWrongThread:
+      return CG_FAILURE_WRONG_THREAD;
+    case cudaErrorStreamCaptureImplicit:
+      return CG_FAILURE_LEGACY_STREAM;
+    default:
+      return CG_FAILURE_OTHER;
+  }
+}
+
+// ---- replay ------------------------------------------------------------------
+
+PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  return cgraph::replay(engine->ptr, args, static_cast<size_t>(nargs));
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
+// ---- random numbers ------------------------------------------------------------
+
+PyObject* cg_rng_get_state(int device, cg_failure* failure) {
+  HANDLE_TH_ERRORS
+  std::optional<at::Tensor> state;
+  noting_failure(failure, [&] { state = cgraph::rng_get_state(device); });
+  if (!state) {
+    Py_RETURN_NONE;
+  }
+  return THPVariable_Wrap(*state);
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
+int cg_rng_set_state(PyObject* state, int device, cg_failure* failure) {
+  HANDLE_TH_ERRORS
+  if (!THPVariable_Check(state)) {
+    return 0;
+  }
+  bool handled = false;
+  noting_failure(failure, [&] {
+    handled = cgraph::rng_set_state(THPVariable_Unpack(state), device);
+  });
+  return handled ? 1 : 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+// ---- reset -------------------------------------------------------------------
+
+void cg_engine_reset(cg_engine* engine) {
+  engine->ptr->reset();
+}
+
+// ---- introspection ---------------------------------------------------------------
+
+cg_pool cg_engine_pool(const cg_engine* engine) {
+  const auto& pool = engine->ptr->pool;
+  return cg_pool{pool.first, pool.second};
+}
+
+Py_ssize_t cg_engine_num_inputs(const cg_engine* engine) {
+  return static_cast<Py_ssize_t>(engine->ptr->inputs.size());
+}
+
+Py_ssize_t cg_engine_num_params(const cg_engine* engine) {
+  return static_cast<Py_ssize_t>(engine->ptr->params.size());
+}
+
+cg_stats cg_engine_stats(const cg_engine* engine) {
+  return engine->ptr->stats;
+}
+
+int cg_engine_graph_shape(const cg_engine* engine, cg_pass pass, cg_graph_shape* out) {
+  HANDLE_TH_ERRORS
+  const Engine& e = *engine->ptr;
+  if (!e.alive || (pass == CG_BACKWARD && !e.has_bwd)) {
+    return 0;
+  }
+  return (pass == CG_FORWARD ? *e.fwd : *e.bwd).shape(out) ? 1 : 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+}  // extern "C"

@@ -1,0 +1,52 @@
+// aten_reset.cpp -- the last place of the lifecycle: an engine's graphs,
+// static tensors and pool memory given back.  Never throws.
+#include "aten_engine.hpp"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+
+namespace cgraph {
+namespace {
+
+// Prefers the allocator's per-pool emptyCache(pool); falls back to emptying
+// the whole cache on torch releases without it.
+template <class Pool>
+auto empty_pool_cache(const Pool& pool, int)
+    -> decltype(c10::cuda::CUDACachingAllocator::emptyCache(pool)) {
+  return c10::cuda::CUDACachingAllocator::emptyCache(pool);
+}
+template <class Pool>
+void empty_pool_cache(const Pool&, long) {
+  c10::cuda::CUDACachingAllocator::emptyCache();
+}
+
+}  // namespace
+
+void Engine::reset() noexcept {
+  if (!alive) {
+    return;
+  }
+  alive = false;
+  restore_grad_accumulators();  // after a failed capture
+  try {
+    // Tensors first, so the pool's blocks are free when the graphs let go
+    // of the pool; then the pool's cached memory goes back to the device.
+    inputs.clear();
+    params.clear();
+    outputs.clear();
+    handed_out.clear();
+    setup.reset();
+    fwd.reset();
+    bwd.reset();
+    if (pool.first != 0 || pool.second != 0) {
+      empty_pool_cache(pool, 0);
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("cgraph: reset did not complete: ", e.what());
+  }
+}
+
+Engine::~Engine() {
+  reset();
+}
+
+}  // namespace cgraph

@@ -1,0 +1,177 @@
+// aten_setup.cpp -- the first place of the lifecycle: an engine's records
+// made from a callable's description, the capture stream made current, and
+// the state only set-up needs, freed when capture completes.
+#include "aten_engine.hpp"
+
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <mutex>
+
+namespace cgraph {
+
+std::vector<at::Tensor> unpack_tensors(PyObject* seq, const char* what) {
+  PyObject* fast = PySequence_Fast(seq, "cgraph: expected a sequence of tensors");
+  if (!fast) {
+    throw python_error();
+  }
+  std::vector<at::Tensor> out;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  out.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* item = PySequence_Fast_GET_ITEM(fast, i);
+    if (!THPVariable_Check(item)) {
+      const char* type_name = Py_TYPE(item)->tp_name;
+      Py_DECREF(fast);
+      TORCH_CHECK_TYPE(false, "cgraph: ", what, " ", i, " is a ", type_name,
+                       "; graphed callables take and return tensors "
+                       "(nested in tuples, lists or dicts).");
+    }
+    out.push_back(THPVariable_Unpack(item));
+  }
+  Py_DECREF(fast);
+  return out;
+}
+
+namespace {
+
+// The UTF-8 text of names[i], a str (CallableSpec checks it is a tuple).
+std::string name_at(PyObject* names, size_t i) {
+  TORCH_CHECK(static_cast<Py_ssize_t>(i) < PyTuple_GET_SIZE(names),
+              "cgraph: internal error: fewer names than sample tensors.");
+  const char* utf8 = PyUnicode_AsUTF8(PyTuple_GET_ITEM(names, static_cast<Py_ssize_t>(i)));
+  if (utf8 == nullptr) {
+    throw python_error();
+  }
+  return utf8;
+}
+
+std::vector<Input> read_inputs(const cg_engine_config& config) {
+  std::vector<Input> inputs;
+  for (at::Tensor& t : unpack_tensors(config.inputs, "argument")) {
+    Input in;
+    in.name = name_at(config.names, inputs.size());
+    TORCH_CHECK_VALUE(t.is_cuda(), "cgraph: argument '", in.name, "' is on ", t.device(),
+                      "; a CUDA graph replays CUDA work only. "
+                      "Move the sample (and every later argument) to the GPU.");
+    in.requires_grad = t.requires_grad();
+    in.buffer = std::move(t);
+    inputs.push_back(std::move(in));
+  }
+  return inputs;
+}
+
+}  // namespace
+
+Engine::Engine(const cg_engine_config& config)
+    : device(static_cast<c10::DeviceIndex>(config.device)),
+      allow_unused(config.allow_unused_input != 0),
+      guard_outputs(config.guard_outputs != 0),
+      caller_stream(c10::cuda::getCurrentCUDAStream(device)),
+      inputs(read_inputs(config)) {
+  for (at::Tensor& p : unpack_tensors(config.params, "parameter")) {
+    Param param;
+    param.data = p.const_data_ptr();
+    param.requires_grad = p.requires_grad();
+    param.tensor = std::move(p);
+    params.push_back(std::move(param));
+  }
+  set_aside_grad_accumulators();
+  for (at::Tensor& b : unpack_tensors(config.buffers, "buffer")) {
+    at::Tensor saved = b.clone();
+    setup->buffers.push_back({std::move(b), std::move(saved)});
+  }
+}
+
+// Note [Grad accumulators during capture]
+// A parameter's grad accumulator (the AccumulateGrad node autograd ends at)
+// remembers the stream that was current when it was made, and the backward
+// pass makes that stream wait for the producer of the grad.  DDP makes the
+// accumulators at construction, to hang its hooks on them, usually on the
+// legacy default stream; a backward capture then asks the legacy stream to
+// wait on the capture stream, which CUDA refuses (cudaError 906; NVIDIA's
+// guide has users build DDP on a side stream).  cgraph sets each parameter's
+// accumulator aside from engine creation to the end of capture, so autograd
+// makes fresh ones on the capture stream, then puts the originals back:
+// replays deliver grads to them, DDP's hooks included.  Post-accumulate-grad
+// hooks (register_post_accumulate_grad_hook) go aside with them: warm-up and
+// capture run AccumulateGrad (Note [Backward capture runs .backward()]),
+// and the hooks must run at each replay, not once at capture.
+void Engine::set_aside_grad_accumulators() {
+  for (const Param& p : params) {
+    SetupState::AsideParam aside{p.tensor, SetupState::WeakNodePtr(NodePtr()),
+                                 std::move(torch::autograd::impl::post_acc_grad_hooks(p.tensor))};
+    if (auto* meta = torch::autograd::impl::get_autograd_meta(p.tensor)) {
+      std::lock_guard<std::mutex> lock(meta->mutex_);
+      aside.accumulator = std::move(meta->grad_accumulator_);
+      meta->grad_accumulator_ = SetupState::WeakNodePtr(NodePtr());
+    }
+    setup->aside.push_back(std::move(aside));
+  }
+}
+
+void Engine::restore_grad_accumulators() noexcept {
+  if (!setup) {
+    return;
+  }
+  for (SetupState::AsideParam& aside : setup->aside) {
+    if (auto* meta = torch::autograd::impl::get_autograd_meta(aside.param)) {
+      std::lock_guard<std::mutex> lock(meta->mutex_);
+      meta->grad_accumulator_ = std::move(aside.accumulator);
+    }
+    if (aside.post_acc_hooks) {
+      torch::autograd::impl::post_acc_grad_hooks(aside.param) = std::move(aside.post_acc_hooks);
+    }
+  }
+  setup->aside.clear();
+}
+
+void Engine::finish_setup() {
+  restore_grad_accumulators();
+  for (const SetupState::BufferSnapshot& b : setup->buffers) {
+    b.buffer.copy_(b.saved);
+  }
+  setup.reset();
+}
+
+// ---- the set-up session: the capture stream, current while it lasts --------
+
+cg_setup* open_setup(c10::DeviceIndex device) {
+  c10::cuda::CUDAGuard guard(device);
+  {
+    // Lazy initialization (cuBLAS handles, cuDNN autotuning) belongs in
+    // warm-up, not in a capture; start from an idle device, as torch does.
+    GilRelease nogil;
+    c10::cuda::device_synchronize();
+  }
+  auto* setup = new cg_setup{device, c10::cuda::getCurrentCUDAStream(device),
+                             capture_stream(device)};
+  c10::cuda::setCurrentCUDAStream(setup->side);
+  return setup;
+}
+
+void release_warmup_memory(cg_setup& setup) {
+  GilRelease nogil;
+  setup.side.synchronize();
+  drop_blas_workspaces(setup.side.stream());  // Note [cuBLAS workspaces during capture]
+  c10::cuda::CUDACachingAllocator::emptyCache();
+}
+
+void close_setup(cg_setup* setup) noexcept {
+  if (setup == nullptr) {
+    return;
+  }
+  try {
+    c10::cuda::setCurrentCUDAStream(setup->caller);
+    GilRelease nogil;
+    setup->side.synchronize();
+  } catch (const std::exception& e) {
+    TORCH_WARN("cgraph: could not wait for the capture stream: ", e.what());
+  }
+  delete setup;
+}
+
+}  // namespace cgraph
