@@ -69,9 +69,11 @@ def test_checkpointed_dropout_masks_differ_per_call():
 @pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
 def test_compiled_module_inside_matches_the_compiled_module_run_eagerly(mode):
     """Bitwise in default mode.  max-autotune may pick GEMM kernels that
-    reduce in a run-dependent order (split-K); measured on an H200: a 1-ulp
-    (2.4e-7) weight-grad difference in one run of three.  Its grads get a
-    tolerance of a few ulps; its outputs stay bitwise."""
+    reduce in a run-dependent order (split-K), and breaks near-ties between
+    kernels by timing: measured on an H200, a 1-ulp (2.4e-7) weight-grad
+    difference in one run of three; on an H100 with other test processes on
+    the GPU, a 1-ulp output difference.  Its outputs and grads get a
+    tolerance of a few ulps."""
     grads_equal = assert_equal if mode == "default" else (
         lambda a, e, what: torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-6, msg=what))
     torch.manual_seed(0)
@@ -97,7 +99,7 @@ def test_compiled_module_inside_matches_the_compiled_module_run_eagerly(mode):
             p.grad = None
         actual = graphed(x)
         (actual * upstream).sum().backward()
-        assert_equal(actual, expected.detach(), f"call {i}: output")
+        grads_equal(actual, expected.detach(), f"call {i}: output")
         for k, (p, g) in enumerate(zip(params, expected_grads)):
             grads_equal(p.grad, g, f"call {i}: grad {k}")
         for p in params:
