@@ -15,13 +15,16 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils import _pytree as pytree
 
-from . import _C
+from . import _C, _log
 from ._capture import capture_session
 
 __all__ = ["make_graphed_callables", "make_graphed", "GraphedModule", "graph_pool_handle",
            "reset_all"]
 
 _CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
+# What a replay does to an earlier call's outputs still held: cgraph.h's
+# cg_kept_outputs, Note [Outputs of earlier calls] in csrc/aten_replay.cpp.
+_KEPT_OUTPUTS = {"copy": 0, "error": 1, "alias": 2}
 
 # Non-tensor arguments a graph can bake in as constants: each call must pass
 # the captured value again (checked in C on every call).
@@ -45,6 +48,8 @@ def reset_all() -> None:
 
 
 atexit.register(reset_all)
+_C.set_event_hook(_log.on_event)
+_log.configure_from_environment()
 
 
 def graph_pool_handle() -> tuple[int, int]:
@@ -66,7 +71,8 @@ def make_graphed_callables(
     enable_annotations: bool = False,
     *,
     sample_kwargs=None,
-    guard_outputs: bool = True,
+    kept_outputs: str = "copy",
+    guard_outputs: bool | None = None,
 ):
     """Drop-in for :func:`torch.cuda.make_graphed_callables`.
 
@@ -82,17 +88,30 @@ def make_graphed_callables(
     constant is captured into the graph, and a call with another value
     raises ``ValueError`` naming it.
 
-    ``guard_outputs`` (keyword-only, default True): outputs live in the
-    graph's memory, which the next call overwrites.  Reading an earlier
-    call's output after that raises an error saying so, where torch silently
-    returns the new values; clone what you keep.  False hands out the
-    outputs unguarded, as torch does.
+    Arguments the samples leave out may be passed with the callable's own
+    default values (``mask=None``, ``use_cache=False``, as Hugging Face
+    models spell them out): the call binds as the capture did and replays.
+
+    ``kept_outputs`` (keyword-only): outputs live in the graph's memory,
+    which the next call overwrites.  ``"copy"`` (the default): before that,
+    every earlier output still referenced (a list of predictions, a loss
+    kept for later, IPython's ``Out[]``, a tensor autograd saved) is moved
+    to memory of its own, so it keeps its value; an output nobody holds
+    costs nothing.  ``"error"``: reading such an output raises.  ``"alias"``:
+    it silently shows the new values, as with torch.  ``guard_outputs=True``
+    / ``False`` is the older spelling of ``"error"`` / ``"alias"``.
 
     Differences from torch, all toward eager semantics:
 
     * ``param.grad`` accumulates across backward passes exactly as in eager
       (torch hands out a buffer the next replay overwrites).
-    * An argument of another shape, dtype or device raises ``ValueError``.
+    * Outputs of earlier calls keep their values (``kept_outputs``).
+    * A call made before the backward of the previous call ran (a siamese
+      model, several micro-batch forwards) runs eagerly, so every backward
+      is right; torch overwrites the activations that backward needs.
+      ``stats["eager_pending"]`` counts them.
+    * An argument of another shape or device raises ``ValueError``; one of
+      another floating dtype is cast into the static input, as torch does.
     * Leaves that require grad but are neither arguments nor parameters (a
       tensor in a closure) get their grads; torch drops them silently.
     * Warm-up leaves module buffers (BatchNorm running stats) as they were.
@@ -134,7 +153,8 @@ def make_graphed_callables(
             )
     targets = tuple(_unwrap_ddp(fn) for fn in callables)
     graphed = _graph(targets, sample_args, sample_kwargs, num_warmup_iters,
-                     allow_unused_input, pool, capture_error_mode, guard_outputs)
+                     allow_unused_input, pool, capture_error_mode,
+                     _kept_outputs(kept_outputs, guard_outputs))
     out = []
     for fn, target, g in zip(callables, targets, graphed):
         if isinstance(target, nn.Module):
@@ -154,11 +174,12 @@ def make_graphed(
     allow_unused_input: bool = False,
     pool=None,
     capture_error_mode: str = "global",
-    guard_outputs: bool = True,
+    kept_outputs: str = "copy",
+    guard_outputs: bool | None = None,
 ):
     """Graph one callable.
 
-    ``sample_kwargs``, ``guard_outputs`` and constant arguments work as in
+    ``sample_kwargs``, ``kept_outputs`` and constant arguments work as in
     :func:`make_graphed_callables`.  Returns a :class:`GraphedModule` for an
     ``nn.Module`` (the module stays untouched inside it) and a graphed
     callable for anything else.  A ``DistributedDataParallel`` model comes
@@ -178,7 +199,8 @@ def make_graphed(
     """
     target = _unwrap_ddp(fn)
     (g,) = _graph((target,), (sample_args,), (sample_kwargs,), num_warmup_iters,
-                  allow_unused_input, pool, capture_error_mode, guard_outputs)
+                  allow_unused_input, pool, capture_error_mode,
+                  _kept_outputs(kept_outputs, guard_outputs))
     if target is not fn:  # DistributedDataParallel: see _unwrap_ddp
         target.forward = g
         return fn
@@ -268,8 +290,22 @@ def _pool_id(pool) -> tuple[int, int] | None:
     )
 
 
+def _kept_outputs(kept_outputs: str, guard_outputs: bool | None) -> str:
+    """kept_outputs, or what the older guard_outputs said."""
+    if guard_outputs is not None:
+        older = "error" if guard_outputs else "alias"
+        if kept_outputs not in ("copy", older):
+            raise ValueError(
+                f"cgraph: guard_outputs={guard_outputs} and kept_outputs={kept_outputs!r} "
+                f"disagree; pass kept_outputs alone (guard_outputs={guard_outputs} is "
+                f"kept_outputs={older!r})."
+            )
+        return older
+    return kept_outputs
+
+
 def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused_input, pool,
-           capture_error_mode, guard_outputs):
+           capture_error_mode, kept_outputs):
     if capture_error_mode not in _CAPTURE_MODES:
         raise ValueError(
             f"cgraph: capture_error_mode must be one of {sorted(_CAPTURE_MODES)}, "
@@ -278,6 +314,10 @@ def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused
     if not isinstance(num_warmup_iters, int) or num_warmup_iters < 0:
         raise ValueError(
             f"cgraph: num_warmup_iters must be a non-negative int, got {num_warmup_iters!r}."
+        )
+    if kept_outputs not in _KEPT_OUTPUTS:
+        raise ValueError(
+            f"cgraph: kept_outputs must be one of {sorted(_KEPT_OUTPUTS)}, got {kept_outputs!r}."
         )
     claimed: set[int] = set()  # sample memory already used as a static input
     drafts = [_draft(i, fn, args, kwargs, claimed)
@@ -288,7 +328,8 @@ def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused
     specs = tuple(_C.CallableSpec(**draft.fields, device=device) for draft in drafts)
     with capture_session(specs):
         graphed = _C.graph_callables(specs, pool_id, num_warmup_iters, bool(allow_unused_input),
-                                     _CAPTURE_MODES[capture_error_mode], bool(guard_outputs))
+                                     _CAPTURE_MODES[capture_error_mode],
+                                     _KEPT_OUTPUTS[kept_outputs])
     _live.update(graphed)
     return graphed
 
@@ -344,6 +385,16 @@ class Constant(NamedTuple):
     value: Any
 
 
+class Default(NamedTuple):
+    """A parameter of the callable the samples leave out, with a default a
+    call may pass again (checked in csrc/arguments.c)."""
+
+    name: str
+    position: int  # its position among the positional parameters; -1: keyword only
+    value: Any
+    by_keyword: bool  # it may be passed by keyword
+
+
 class _Draft(NamedTuple):
     """A callable's description, checked, short of the device, which depends
     on every callable and on CUDA (checked after the arguments)."""
@@ -382,8 +433,31 @@ def _draft(index: int, fn, args, kwargs, claimed: set[int]) -> _Draft:
         params=tuple(fn.parameters()) if module else (),
         buffers=tuple(fn.buffers()) if module else (), flat=flat,
         in_spec=None if flat else in_spec, constants=constants,
+        defaults=_defaults(fn, len(args), kwargs),
     )
     return _Draft(fields, leaves)
+
+
+def _defaults(fn, nargs: int, kwargs: dict) -> tuple[Default, ...]:
+    """The parameters of fn's signature that the samples (nargs positional
+    arguments, these keywords) leave out, whose defaults are values a call
+    can be compared with: None, and the constant types."""
+    try:
+        target = fn.forward if isinstance(fn, nn.Module) else fn
+        parameters = list(inspect.signature(target).parameters.values())
+    except (TypeError, ValueError):
+        return ()
+    defaults = []
+    for position, p in enumerate(parameters):
+        positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        if p.default is p.empty or (positional and position < nargs) or p.name in kwargs:
+            continue
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.default is None or isinstance(p.default, _CONSTANT_TYPES):
+            defaults.append(Default(p.name, position if positional else -1, p.default,
+                                    p.kind != p.POSITIONAL_ONLY))
+    return tuple(defaults)
 
 
 def _classify_leaves(index: int, leaves: list, names: list[str]):

@@ -15,7 +15,15 @@
  *                 raise ValueError(...)
  *         return [leaf for i, leaf in enumerate(leaves) if i not in constant positions]
  *
- * The flat fast path (graphed.c) never comes here.
+ *     def strip_defaults(spec, args, kwargs):   # first, for any call but the fast one
+ *         for position, name in extra positional and keyword arguments:
+ *             default = spec.defaults[that parameter]    # else TypeError
+ *             if value is not default (None by identity; else type and ==):
+ *                 raise ValueError(...)
+ *         return args and kwargs without them
+ *
+ * The flat fast path (graphed.c: a flat tuple of tensors, as captured) never
+ * comes here.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -132,6 +140,138 @@ drop_constants(const cg_spec *spec, PyObject *leaves)
     }
     return tensors;
 }
+
+/* ---- defaults ------------------------------------------------------------ */
+
+/* The entry of spec->defaults for the parameter at `position` (>= 0), or
+ * else for the keyword `name`: borrowed, or NULL. */
+static PyObject *
+find_default(const cg_spec *spec, Py_ssize_t position, PyObject *name)
+{
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec->defaults); i++) {
+        PyObject *entry = PyTuple_GET_ITEM(spec->defaults, i);
+        int match = position >= 0
+            ? PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, CG_DEFAULT_POSITION)) == position
+            : PyTuple_GET_ITEM(entry, CG_DEFAULT_BY_KEYWORD) == Py_True &&
+                  PyUnicode_Compare(PyTuple_GET_ITEM(entry, CG_DEFAULT_NAME), name) == 0;
+        if (match) {
+            return entry;
+        }
+    }
+    return NULL;
+}
+
+/* 0 if `given` is the default `entry` holds (None by identity; else the
+ * same type and an equal value), else -1 with a ValueError naming it. */
+static int
+check_default(PyObject *entry, PyObject *given)
+{
+    PyObject *value = PyTuple_GET_ITEM(entry, CG_DEFAULT_VALUE);
+    int same = (value == Py_None || given == Py_None) ? given == value
+               : Py_TYPE(given) == Py_TYPE(value) ? PyObject_RichCompareBool(given, value, Py_EQ)
+               : 0;
+    if (same == 0) {
+        /* A tensor's repr would fill the screen: name its type instead. */
+        int plain = given == Py_None || PyBool_Check(given) || PyLong_Check(given) ||
+                    PyFloat_Check(given) || PyUnicode_Check(given);
+        PyObject *shown = plain ? PyObject_Repr(given)
+                                : PyUnicode_FromFormat("a %s", Py_TYPE(given)->tp_name);
+        if (shown != NULL) {
+            PyErr_Format(PyExc_ValueError,
+                         "cgraph: argument '%U' is %U, but the graph was captured without "
+                         "it, that is with its default %R. Pass the default (or leave it "
+                         "out), or graph with this value in sample_args or sample_kwargs.",
+                         PyTuple_GET_ITEM(entry, CG_DEFAULT_NAME), shown, value);
+            Py_DECREF(shown);
+        }
+    }
+    return same > 0 ? 0 : -1;
+}
+
+/* Whether the call passes anything the capture did not: more positional
+ * arguments, or a keyword outside the captured ones.  -1 on error. */
+static int
+passes_more(const cg_spec *spec, Py_ssize_t nargs, PyObject *kwnames)
+{
+    if (nargs > PyTuple_GET_SIZE(spec->args)) {
+        return 1;
+    }
+    for (Py_ssize_t k = 0; kwnames && k < PyTuple_GET_SIZE(kwnames); k++) {
+        int known = PySequence_Contains(spec->kw_names, PyTuple_GET_ITEM(kwnames, k));
+        if (known <= 0) {
+            return known < 0 ? -1 : 1;
+        }
+    }
+    return 0;
+}
+
+/* Appends to `values` (and `names`) the arguments to keep: the positional
+ * ones the capture passed, and keywords that are captured or no default's
+ * (check_keywords reports those).  0, or -1 with an exception set. */
+static int
+keep_arguments(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
+               PyObject *kwnames, PyObject *values, PyObject *names)
+{
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        PyObject *entry = i < PyTuple_GET_SIZE(spec->args) ? NULL : find_default(spec, i, NULL);
+        if (i >= PyTuple_GET_SIZE(spec->args) && entry == NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "cgraph: the graph was captured with %zd positional argument(s); "
+                         "argument %zd (%R) is none of the callable's parameters with a "
+                         "default. Graph with it in sample_args.",
+                         PyTuple_GET_SIZE(spec->args), i, args[i]);
+            return -1;
+        }
+        if (entry ? check_default(entry, args[i]) : PyList_Append(values, args[i])) {
+            return -1;
+        }
+    }
+    for (Py_ssize_t k = 0; kwnames && k < PyTuple_GET_SIZE(kwnames); k++) {
+        PyObject *name = PyTuple_GET_ITEM(kwnames, k), *value = args[nargs + k];
+        int captured = PySequence_Contains(spec->kw_names, name);
+        PyObject *entry = captured == 0 ? find_default(spec, -1, name) : NULL;
+        int status = captured < 0 ? -1
+                     : entry ? check_default(entry, value)
+                             : PyList_Append(values, value) || PyList_Append(names, name);
+        if (status) {
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int
+cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
+                  PyObject *kwnames, cg_call *out)
+{
+    PyObject *values = NULL, *names = NULL, *kept = NULL;
+    Py_ssize_t nkept = 0;
+    int more = passes_more(spec, nargs, kwnames);
+
+    *out = (cg_call){args, nargs, kwnames, NULL};
+    if (more <= 0) {
+        return more;
+    }
+    values = PyList_New(0);
+    names = PyList_New(0);
+    if (values && names && keep_arguments(spec, args, nargs, kwnames, values, names) == 0) {
+        nkept = PyList_GET_SIZE(values) - PyList_GET_SIZE(names);
+        kept = Py_BuildValue("(NN)", PyList_AsTuple(values), PyList_AsTuple(names));
+    }
+    Py_XDECREF(values);
+    Py_XDECREF(names);
+    if (kept == NULL) {
+        return -1;
+    }
+    out->owned = kept;
+    out->args = PySequence_Fast_ITEMS(PyTuple_GET_ITEM(kept, 0));
+    out->nargs = nkept;
+    out->kwnames = PyTuple_GET_SIZE(PyTuple_GET_ITEM(kept, 1)) ? PyTuple_GET_ITEM(kept, 1)
+                                                               : NULL;
+    return 0;
+}
+
+/* ---- nested arguments, keywords and constants ------------------------------ */
 
 PyObject *
 cg_call_tensors(cg_state *state, const cg_spec *spec, PyObject *const *args,

@@ -225,57 +225,75 @@ bool route_incoming_grad(Engine& e, const GradIn& in, const at::Tensor& grad,
 }
 
 struct GraphedBackward final : autograd::Node {
-  GraphedBackward(std::shared_ptr<Engine> engine, autograd::edge_list&& edges,
-                  std::vector<EdgeSource>&& sources, std::vector<uint32_t>&& fused)
-      : autograd::Node(std::move(edges)),
+  GraphedBackward(std::shared_ptr<Engine> engine, BackwardWiring&& wiring)
+      : autograd::Node(std::move(wiring.edges)),
         engine(std::move(engine)),
         generation(this->engine->generation),
-        sources(std::move(sources)),
-        fused_params(std::move(fused)) {}
+        ran(std::make_shared<std::atomic<bool>>(false)),
+        sources(std::move(wiring.sources)),
+        fused_params(std::move(wiring.fused)),
+        ungraded(wiring.ungraded) {}
 
   std::string name() const override { return "CGraphBackward"; }
   autograd::variable_list apply(autograd::variable_list&& grads) override;
 
   std::shared_ptr<Engine> engine;
   uint64_t generation;  // the forward replay this backward belongs to
-  bool consumed = false;
+  // Set when apply() starts; shared with the engine while this is its latest
+  // replay's node: Note [Calls before their backwards].
+  std::shared_ptr<std::atomic<bool>> ran;
   std::vector<EdgeSource> sources;     // per next edge
   std::vector<uint32_t> fused_params;  // parameters whose grads apply() accumulates
+  bool ungraded;                       // some edge is an UngradedInput
 
  private:
+  void refuse_ungraded_inputs();
   void check_replayable() const;
   void route_incoming_grads(const autograd::variable_list& grads);
   void launch(GradPath path);
   autograd::variable_list edge_grads() const;
 };
 
+// An argument that required grad unlike its sample has no grad in the
+// backward graph: a backward that needs it raises, one that does not (it
+// asks for other grads, or the argument's history needs none) goes on.
+void GraphedBackward::refuse_ungraded_inputs() {
+  for (size_t m = 0; ungraded && m < sources.size(); ++m) {
+    const EdgeSource& s = sources[m];
+    TORCH_CHECK(s.kind != EdgeSource::Kind::UngradedInput || !task_should_compute_output(m),
+                "cgraph: argument '", engine->inputs[s.index].name, "' requires grad, but "
+                "its sample did not, so the backward graph computes no grad for it. Graph "
+                "again with a sample that requires grad (sample.requires_grad_()), or pass "
+                "the argument detached.");
+  }
+}
+
 void GraphedBackward::check_replayable() const {
   const Engine& e = *engine;
   TORCH_CHECK(e.alive, "cgraph: backward through a graphed callable that was reset() "
               "after this forward ran.");
-  TORCH_CHECK(!consumed, "cgraph: a second backward through the same graphed call "
+  TORCH_CHECK(!ran->load(), "cgraph: a second backward through the same graphed call "
               "(retain_graph=True). The backward graph reuses the memory of the forward's "
               "activations, so each call supports one backward: call the graphed callable "
               "again before the next backward.");
   TORCH_CHECK(generation == e.generation, "cgraph: this graphed callable ran forward ",
-              e.generation - generation, " more time(s) before this backward. A CUDA graph "
-              "keeps one set of activations, so run each backward before the next forward "
-              "of the same callable (graph one callable per micro-batch to keep several in "
-              "flight).");
+              e.generation - generation, " more time(s) before this backward, which "
+              "overwrote the activations it needs. Please report this: cgraph runs such "
+              "calls eagerly (Note [Calls before their backwards]).");
 }
 
 // 1. Incoming grads into the static grad buffers, by the graph where it
-//    can: Note [Incoming grads].
+//    can: Note [Incoming grads].  grads[k] is the k-th output attached.
 void GraphedBackward::route_incoming_grads(const autograd::variable_list& grads) {
   Engine& e = *engine;
   TensorVec dst, src;
   size_t k = 0;
   for (const Output& o : e.outputs) {
-    if (!o.requires_grad) {
+    if (!attaches(o, ungraded)) {
       continue;
     }
     at::Tensor staged;
-    if (route_incoming_grad(e, *o.grad_in, grads[k], &staged)) {
+    if (o.grad_in && route_incoming_grad(e, *o.grad_in, grads[k], &staged)) {
       dst.push_back(o.grad_in->buffer);
       src.push_back(std::move(staged));
     }
@@ -306,15 +324,22 @@ autograd::variable_list GraphedBackward::edge_grads() const {
   autograd::variable_list out(sources.size());
   for (size_t m = 0; m < sources.size(); ++m) {
     const EdgeSource& s = sources[m];
-    out[m] = s.kind == EdgeSource::Kind::Input ? e.inputs[s.index].grad
-                                               : e.params[s.index].grad.clone();
+    if (s.kind == EdgeSource::Kind::Input) {
+      out[m] = e.inputs[s.index].grad;
+    } else if (s.kind == EdgeSource::Kind::Param) {
+      out[m] = e.params[s.index].grad.clone();
+    }
   }
   return out;
 }
 
 autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) {
+  refuse_ungraded_inputs();
+  if (!engine->has_bwd) {
+    return autograd::variable_list(sources.size());  // only ungraded edges, none needed
+  }
   check_replayable();
-  consumed = true;
+  ran->store(true);
   route_incoming_grads(grads);
   // 2. Which tail delivers the parameter grads: Note [Parameter gradients].
   const GradPath path = choose_grad_path(*engine, fused_params);
@@ -328,10 +353,37 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
 
 }  // namespace
 
-NodePtr make_backward_node(std::shared_ptr<Engine> engine, torch::autograd::edge_list&& edges,
-                           std::vector<EdgeSource>&& sources, std::vector<uint32_t>&& fused) {
-  return make_node<GraphedBackward>(std::move(engine), std::move(edges), std::move(sources),
-                                    std::move(fused));
+bool attaches(const Output& o, bool ungraded) {
+  return o.requires_grad || (ungraded && at::isFloatingType(o.buffer.scalar_type()));
+}
+
+// Note [Calls before their backwards]
+// Q: A graph keeps one set of activations.  What if a callable is called
+//    again before the backward of its previous call ran (a siamese model,
+//    several micro-batches' forwards before their backwards, an eval loop
+//    under grad mode that keeps its outputs)?
+// A: A replay would overwrite the activations that backward needs; torch's
+//    make_graphed_callables then computes wrong grads without a word.
+//    cgraph knows whether the latest replay's backward is still to run: the
+//    engine holds its node weakly, and the node says when it has run.  While
+//    it is pending, a call runs the callable eagerly (graphed.c, counted in
+//    stats as eager_pending), so every backward, in any order, sees eager's
+//    activations.  A node that was dropped without running (its outputs
+//    freed, or no backward needed it) is no longer pending.
+bool Engine::backward_pending() const {
+  return latest_ran && !latest_ran->load() && !latest_node.expired();
+}
+
+NodePtr make_backward_node(std::shared_ptr<Engine> engine, BackwardWiring&& wiring) {
+  Engine& e = *engine;
+  auto node = make_node<GraphedBackward>(std::move(engine), std::move(wiring));
+  if (e.has_bwd) {
+    e.latest_node = WeakNodePtr(NodePtr(node));
+    e.latest_ran = node->ran;
+  } else {
+    e.latest_node = WeakNodePtr(NodePtr());
+  }
+  return node;
 }
 
 }  // namespace cgraph

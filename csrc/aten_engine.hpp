@@ -23,6 +23,7 @@
 
 #include <Python.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -40,6 +41,9 @@ namespace cgraph {
 // shared_ptr.  Take whichever this torch's Edge holds, so nothing below names
 // a torch version.
 using NodePtr = decltype(std::declval<torch::autograd::Edge>().function);
+
+// A weak reference to a node, of the kind torch's AutogradMeta keeps.
+using WeakNodePtr = decltype(torch::autograd::AutogradMeta::grad_accumulator_);
 
 template <class T, class... Args>
 auto make_node(Args&&... args) {
@@ -119,7 +123,11 @@ struct Output {
 
 // Where a backward node's next edge gets its grad from.
 struct EdgeSource {
-  enum class Kind : uint8_t { Input, Param };
+  enum class Kind : uint8_t {
+    Input,          // an input the backward graph differentiates
+    Param,          // a parameter with hooks: Note [Parameter gradients]
+    UngradedInput,  // an input that requires grad although its sample did not
+  };
   Kind kind;
   uint32_t index;  // into Engine::inputs or Engine::params
 };
@@ -178,11 +186,10 @@ struct RngSetup {
 struct SetupState {
   // A parameter's own grad accumulator and post-accumulate-grad hooks, set
   // aside: Note [Grad accumulators during capture] (aten_setup.cpp).
-  using WeakNodePtr = decltype(torch::autograd::AutogradMeta::grad_accumulator_);
   using PostAccHookPtr = std::unique_ptr<torch::autograd::PostAccumulateGradHook>;
   struct AsideParam {
     at::Tensor param;
-    WeakNodePtr accumulator;
+    WeakNodePtr accumulator = WeakNodePtr(NodePtr());
     PostAccHookPtr post_acc_hooks;
   };
   std::vector<AsideParam> aside;
@@ -210,7 +217,7 @@ struct Engine {
   c10::DeviceIndex device;
   at::cuda::MempoolId_t pool{0, 0};
   bool allow_unused = false;
-  bool guard_outputs = true;  // Note [Outputs of earlier calls]
+  cg_kept_outputs kept_outputs = CG_KEEP_COPY;  // Note [Outputs of earlier calls]
   bool alive = true;          // false after reset(): replays and backwards raise
   // The stream current when the callable was graphed: param.grad lives
   // there, beside the optimizer's state, not on the capture stream.
@@ -238,6 +245,11 @@ struct Engine {
   // -- replay bookkeeping
   // The latest call's outputs: Note [Outputs of earlier calls].
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
+  // The latest replay's backward node, and whether it has run: Note
+  // [Calls before their backwards] (aten_backward.cpp).
+  WeakNodePtr latest_node = WeakNodePtr(NodePtr());
+  std::shared_ptr<std::atomic<bool>> latest_ran;
+  bool backward_pending() const;
   // Forward replays so far.  A backward replay is valid only for the latest
   // forward: an earlier call's activations have been overwritten.
   uint64_t generation = 0;
@@ -314,9 +326,19 @@ bool needs_copy(const at::Tensor& dst, const at::Tensor& src, at::Tensor* staged
 std::optional<at::Tensor> rng_get_state(c10::DeviceIndex device);
 bool rng_set_state(const at::Tensor& state, c10::DeviceIndex device);
 
-// The backward node of one forward replay (aten_backward.cpp).
-NodePtr make_backward_node(std::shared_ptr<Engine> engine, torch::autograd::edge_list&& edges,
-                           std::vector<EdgeSource>&& sources, std::vector<uint32_t>&& fused);
+// The backward node of one forward replay (aten_backward.cpp).  It receives
+// a grad for each output that attaches() to it, in output order.
+struct BackwardWiring {
+  torch::autograd::edge_list edges;
+  std::vector<EdgeSource> sources;  // per edge
+  std::vector<uint32_t> fused;      // parameters whose grads the node accumulates
+  bool ungraded = false;            // an edge is an UngradedInput
+};
+NodePtr make_backward_node(std::shared_ptr<Engine> engine, BackwardWiring&& wiring);
+// Whether output `o` gets the node as its grad_fn: it required grad at
+// capture or, when an argument requires grad unlike its sample, it is
+// floating (as torch's autograd.Function marks every output).
+bool attaches(const Output& o, bool ungraded);
 
 // Whether parameter `p`'s grad must go through autograd (it has hooks):
 // Note [Parameter gradients] (aten_backward.cpp).

@@ -215,6 +215,10 @@ PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args, Py_ssize_t 
   END_HANDLE_TH_ERRORS_RET(nullptr)
 }
 
+int cg_engine_backward_pending(const cg_engine* engine) {
+  return engine->ptr->backward_pending() ? 1 : 0;
+}
+
 // ---- random numbers ------------------------------------------------------------
 
 PyObject* cg_rng_get_state(int device, cg_failure* failure) {

@@ -8,6 +8,9 @@
 #include "aten_engine.hpp"
 
 #include <ATen/record_function.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -45,6 +48,7 @@ struct StagedCall {
   // Per input: the argument, if it requires grad (it gets a backward edge).
   c10::SmallVector<const at::Tensor*, 16> grad_args;
   bool any_grad_arg = false;
+  bool ungraded_arg = false;  // one requires grad, unlike its sample
   // The arguments ATen copies before the replay, and where to.
   TensorVec dst, src;
 };
@@ -55,8 +59,9 @@ struct StagedCall {
                     got.sizes(), ", dtype ", got.scalar_type(), " on ", got.device(),
                     ", but the graph was captured with shape ", want.sizes(), ", dtype ",
                     want.scalar_type(), " on ", want.device(),
-                    ". A CUDA graph replays fixed shapes and types: pass a tensor like the "
-                    "sample (pad it to the captured shape), or graph the callable once per shape.");
+                    ". A CUDA graph replays fixed shapes and types (another floating dtype is "
+                    "cast): pass a tensor like the sample (pad it to the captured shape), or "
+                    "graph the callable once per shape.");
 }
 
 [[noreturn]] void raise_autocast_mismatch(const Engine& e) {
@@ -89,19 +94,23 @@ void check_call(const Engine& e, size_t nargs) {
                    e.inputs.size(), " tensor argument(s), got ", nargs, ".");
 }
 
+// Whether `t` may stand for input `in`: its shape and device, and its dtype
+// or another floating one, which the copy into the static input casts (as
+// torch's copy_ does; autograd casts the grad back).
+bool fits(const Input& in, const at::Tensor& t) {
+  const at::ScalarType have = t.scalar_type(), want = in.buffer.scalar_type();
+  return t.sizes().equals(in.buffer.sizes()) && t.device() == in.buffer.device() &&
+         (have == want || (at::isFloatingType(have) && at::isFloatingType(want)));
+}
+
 const at::Tensor& check_argument(const Engine& e, size_t i, PyObject* obj) {
   const Input& in = e.inputs[i];
   TORCH_CHECK_TYPE(THPVariable_Check(obj), "cgraph: argument '", in.name, "' is a ",
                    Py_TYPE(obj)->tp_name, "; the graph was captured with a tensor.");
   const at::Tensor& t = THPVariable_Unpack(obj);
-  if (C10_UNLIKELY(!t.sizes().equals(in.buffer.sizes()) ||
-                   t.scalar_type() != in.buffer.scalar_type() ||
-                   t.device() != in.buffer.device())) {
+  if (C10_UNLIKELY(!fits(in, t))) {
     raise_mismatch(e, i, t);
   }
-  TORCH_CHECK(!t.requires_grad() || in.requires_grad, "cgraph: argument '", in.name,
-              "' requires grad, but its sample did not, so the backward graph computes "
-              "no grad for it. Graph again with a sample that requires grad.");
   return t;
 }
 
@@ -110,6 +119,12 @@ const at::Tensor& check_argument(const Engine& e, size_t i, PyObject* obj) {
 void stage_input(Engine& e, size_t i, const at::Tensor& t, StagedCall& call) {
   Input& in = e.inputs[i];
   at::Tensor staged;
+  if (C10_UNLIKELY(t.scalar_type() != in.buffer.scalar_type())) {
+    e.fwd->skip_copy_in(in.copy);  // a memcpy does not cast: ATen's copy_ does
+    call.dst.push_back(in.buffer);
+    call.src.push_back(t);
+    return;
+  }
   if (!needs_copy(in.buffer, t, &staged)) {
     e.fwd->skip_copy_in(in.copy);
     return;
@@ -131,6 +146,7 @@ void stage_inputs(Engine& e, PyObject* const* args, StagedCall& call) {
     const at::Tensor& t = check_argument(e, i, args[i]);
     call.grad_args.push_back(t.requires_grad() ? &t : nullptr);
     call.any_grad_arg |= t.requires_grad();
+    call.ungraded_arg |= t.requires_grad() && !e.inputs[i].requires_grad;
     stage_input(e, i, t, call);
   }
 }
@@ -157,19 +173,27 @@ bool check_params(const Engine& e) {
 
 // Note [Outputs of earlier calls]
 // Q: The forward graph writes its outputs into the same memory on every
-//    replay.  What happens to an output the caller kept from an earlier call?
+//    replay.  What happens to an output the caller kept from an earlier call
+//    (a list of predictions, losses.append(loss), IPython's Out[], a loss of
+//    two calls, or a tensor autograd saved from it)?
 // A: torch hands out the static outputs themselves, so a kept output silently
 //    changes value at the next replay.  cgraph hands out, per call, tensors
 //    with their own StorageImpl over the static memory (keeping that memory
-//    alive), and at the next replay marks the earlier call's storages so that
-//    any read of them, or of a view of them, raises an error that says what
-//    happened (as torch.compile's cudagraph trees do).  Cost: one small host
-//    allocation per output per call and no GPU work.  guard_outputs=False hands
-//    out the static outputs unguarded, as torch does.
+//    alive) and remembers them weakly.  Before the next replay overwrites the
+//    memory, each of them still alive (its storage: views and saved tensors
+//    share it) is moved to memory of its own: a device-to-device copy on the
+//    caller's stream, then the storage's DataPtr swapped, so every tensor
+//    over it keeps its value and address-independent identity.  An output
+//    nobody holds costs nothing: its weak reference is dead.  This is the
+//    design torch.compile's cudagraph trees adopted in torch 2.14
+//    (cudagraph_trees_generation_cloning="user_visible").
+//    kept_outputs="error" marks such storages instead, so that reading them
+//    raises (as cudagraph trees did before); "alias" hands out the static
+//    outputs themselves, as torch does.
 constexpr const char* kOverwrittenOutput =
     "cgraph: this tensor is an output of a graphed callable that has replayed since, "
-    "which overwrote its memory. Clone outputs you keep across calls (out.clone()), or "
-    "finish using them (including their backward) before calling the graphed callable again.";
+    "which overwrote its memory (kept_outputs='error'). Clone outputs you keep across calls "
+    "(out.clone()), or graph with kept_outputs='copy' (the default) to keep their values.";
 
 at::Tensor guarded_alias(const at::Tensor& static_output) {
   auto* keep = new c10::Storage(static_output.storage());
@@ -183,21 +207,39 @@ at::Tensor guarded_alias(const at::Tensor& static_output) {
       .make_tensor();
 }
 
-void invalidate_earlier_outputs(Engine& e) {
+// Gives a kept output's storage memory of its own, with the value it has.
+void move_to_own_memory(Engine& e, c10::StorageImpl& storage) {
+  const size_t nbytes = storage.nbytes();
+  c10::cuda::CUDAGuard guard(e.device);
+  at::DataPtr own = c10::cuda::CUDACachingAllocator::get()->allocate(nbytes);
+  if (nbytes > 0) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(own.get(), storage.data(), nbytes, cudaMemcpyDeviceToDevice,
+                                   c10::cuda::getCurrentCUDAStream(e.device).stream()));
+  }
+  storage.set_data_ptr_noswap(std::move(own));  // drops its hold on the static memory
+  ++e.stats.outputs_copied;
+}
+
+void release_earlier_outputs(Engine& e) {
   for (const auto& weak : e.handed_out) {
     if (auto storage = weak.lock()) {
-      storage->release_data_and_set_meta_custom_data_ptr_error_msg_(kOverwrittenOutput);
+      if (e.kept_outputs == CG_KEEP_COPY) {
+        move_to_own_memory(e, *storage);
+      } else {
+        storage->release_data_and_set_meta_custom_data_ptr_error_msg_(kOverwrittenOutput);
+      }
     }
   }
   e.handed_out.clear();
 }
 
-// 3. One copy launch for the moved inputs the graph does not copy itself,
-//    then the forward graph.
+// 3. The earlier call's outputs saved from the replay (first: an output may
+//    be a static input the copies below refill), one copy launch for the
+//    arguments the graph does not copy itself, then the forward graph.
 void launch_forward(Engine& e, const StagedCall& call) {
+  release_earlier_outputs(e);
   e.stats.copied_before += call.dst.size();
   copy_all(call.dst, call.src);
-  invalidate_earlier_outputs(e);
   {
     RECORD_FUNCTION("cgraph::replay_forward_graph", std::vector<c10::IValue>());
     if (e.rng.regions.empty()) {
@@ -215,20 +257,24 @@ void launch_forward(Engine& e, const StagedCall& call) {
 // 4. The backward node, when autograd will need one: an edge per argument
 //    that requires grad and per parameter delivered by autograd; the other
 //    parameters' grads the node accumulates itself (Note [Parameter
-//    gradients] in aten_backward.cpp).
+//    gradients] in aten_backward.cpp).  An argument that requires grad
+//    unlike its sample gets an edge that raises if a backward needs it.
 NodePtr wire_backward(const std::shared_ptr<Engine>& shared, const StagedCall& call,
                       bool params_need_grad) {
-  const Engine& e = *shared;
-  if (!e.has_bwd || !(call.any_grad_arg || params_need_grad) || !at::GradMode::is_enabled()) {
+  Engine& e = *shared;
+  const bool graded = e.has_bwd && (call.any_grad_arg || params_need_grad);
+  if (!(graded || call.ungraded_arg) || !at::GradMode::is_enabled()) {
+    e.latest_node = WeakNodePtr(NodePtr());
     return NodePtr();
   }
-  autograd::edge_list edges;
-  std::vector<EdgeSource> sources;
-  std::vector<uint32_t> fused;
+  BackwardWiring w;
+  w.ungraded = call.ungraded_arg;
   for (size_t i = 0; i < e.inputs.size(); ++i) {
     if (call.grad_args[i] != nullptr) {
-      edges.push_back(autograd::impl::gradient_edge(*call.grad_args[i]));
-      sources.push_back({EdgeSource::Kind::Input, static_cast<uint32_t>(i)});
+      w.edges.push_back(autograd::impl::gradient_edge(*call.grad_args[i]));
+      w.sources.push_back({e.inputs[i].requires_grad ? EdgeSource::Kind::Input
+                                                     : EdgeSource::Kind::UngradedInput,
+                           static_cast<uint32_t>(i)});
     }
   }
   for (size_t j = 0; j < e.params.size(); ++j) {
@@ -237,19 +283,19 @@ NodePtr wire_backward(const std::shared_ptr<Engine>& shared, const StagedCall& c
       continue;
     }
     if (delivered_by_autograd(p.tensor)) {
-      edges.push_back(autograd::impl::gradient_edge(p.tensor));
-      sources.push_back({EdgeSource::Kind::Param, static_cast<uint32_t>(j)});
+      w.edges.push_back(autograd::impl::gradient_edge(p.tensor));
+      w.sources.push_back({EdgeSource::Kind::Param, static_cast<uint32_t>(j)});
     } else {
-      fused.push_back(static_cast<uint32_t>(j));
+      w.fused.push_back(static_cast<uint32_t>(j));
     }
   }
-  return make_backward_node(shared, std::move(edges), std::move(sources), std::move(fused));
+  return make_backward_node(shared, std::move(w));
 }
 
 // 5. The outputs: aliases of the static outputs (Note [Outputs of earlier
 //    calls]), with the backward node as their grad_fn where they require
 //    grad.  Returns a NEW reference to a tuple.
-PyObject* wrap_outputs(Engine& e, const NodePtr& node) {
+PyObject* wrap_outputs(Engine& e, const NodePtr& node, bool ungraded) {
   THPObjectPtr result(PyTuple_New(static_cast<Py_ssize_t>(e.outputs.size())));
   if (!result) {
     throw python_error();
@@ -257,13 +303,13 @@ PyObject* wrap_outputs(Engine& e, const NodePtr& node) {
   for (size_t k = 0; k < e.outputs.size(); ++k) {
     const Output& o = e.outputs[k];
     at::Tensor out;
-    if (e.guard_outputs) {
+    if (e.kept_outputs == CG_KEEP_ALIAS) {
+      out = o.buffer.detach();
+    } else {
       out = guarded_alias(o.buffer);
       e.handed_out.push_back(out.storage().getWeakStorageImpl());
-    } else {
-      out = o.buffer.detach();
     }
-    if (node && o.requires_grad) {
+    if (node && attaches(o, ungraded)) {
       autograd::set_history(out, node);
     }
     PyObject* wrapped = THPVariable_Wrap(std::move(out));
@@ -286,7 +332,7 @@ PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, s
   const bool params_need_grad = check_params(e);
   launch_forward(e, call);
   const NodePtr node = wire_backward(shared, call, params_need_grad);
-  return wrap_outputs(e, node);
+  return wrap_outputs(e, node, call.ungraded_arg);
 }
 
 }  // namespace cgraph

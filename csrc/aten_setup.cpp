@@ -69,7 +69,7 @@ std::vector<Input> read_inputs(const cg_engine_config& config) {
 Engine::Engine(const cg_engine_config& config)
     : device(static_cast<c10::DeviceIndex>(config.device)),
       allow_unused(config.allow_unused_input != 0),
-      guard_outputs(config.guard_outputs != 0),
+      kept_outputs(config.kept_outputs),
       caller_stream(c10::cuda::getCurrentCUDAStream(device)),
       inputs(read_inputs(config)) {
   for (at::Tensor& p : unpack_tensors(config.params, "parameter")) {
@@ -102,12 +102,12 @@ Engine::Engine(const cg_engine_config& config)
 // and the hooks must run at each replay, not once at capture.
 void Engine::set_aside_grad_accumulators() {
   for (const Param& p : params) {
-    SetupState::AsideParam aside{p.tensor, SetupState::WeakNodePtr(NodePtr()),
+    SetupState::AsideParam aside{p.tensor, WeakNodePtr(NodePtr()),
                                  std::move(torch::autograd::impl::post_acc_grad_hooks(p.tensor))};
     if (auto* meta = torch::autograd::impl::get_autograd_meta(p.tensor)) {
       std::lock_guard<std::mutex> lock(meta->mutex_);
       aside.accumulator = std::move(meta->grad_accumulator_);
-      meta->grad_accumulator_ = SetupState::WeakNodePtr(NodePtr());
+      meta->grad_accumulator_ = WeakNodePtr(NodePtr());
     }
     setup->aside.push_back(std::move(aside));
   }
@@ -168,6 +168,9 @@ void close_setup(cg_setup* setup) noexcept {
     c10::cuda::setCurrentCUDAStream(setup->caller);
     GilRelease nogil;
     setup->side.synchronize();
+    // After a failed warm-up too, none outlives the session: Note [cuBLAS
+    // workspaces during capture].
+    drop_blas_workspaces(setup->side.stream());
   } catch (const std::exception& e) {
     TORCH_WARN("cgraph: could not wait for the capture stream: ", e.what());
   }

@@ -2,7 +2,10 @@
 // and their backwards, and the backward that warm-up and capture share.
 #include "aten_engine.hpp"
 
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
 #include <unordered_map>
@@ -66,6 +69,37 @@ void Engine::adopt_hidden_leaves(const std::vector<at::Tensor>& outs) {
   }
 }
 
+namespace {
+
+// Note [A CUDA context on autograd's thread]
+// Q: Why does warm-up hook the nodes its backward starts from?
+// A: A backward runs on autograd's device thread, which torch starts without
+//    making the device's primary CUDA context current there: for device 0,
+//    c10::cuda::SetDevice skips cudaSetDevice because the thread's device
+//    index already matches (pytorch issue 195256).  The thread's first
+//    cuBLAS call then warns "Attempting to run cuBLAS, but there was no
+//    current CUDA context! Attempting to set the primary context..." and
+//    sets it itself.  In a warm-up backward that first call is often a GEMM
+//    (a Linear's weight grad), so every script that graphed a Linear
+//    printed that warning (torch's make_graphed_callables does too).  This
+//    pre-hook makes the context current on the thread that runs the node,
+//    once per thread, before the node's first kernel.
+struct CurrentContextHook : torch::autograd::FunctionPreHook {
+  explicit CurrentContextHook(c10::DeviceIndex device) : device(device) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& grads) override {
+    thread_local bool current = false;
+    if (!current) {
+      C10_CUDA_CHECK(c10::cuda::SetDevice(device, /*force=*/true));
+      current = true;
+    }
+    return grads;
+  }
+  c10::DeviceIndex device;
+};
+
+}  // namespace
+
 void Engine::warmup_backward(const std::vector<at::Tensor>& outs) {
   std::vector<at::Tensor> diff, grads;
   for (const at::Tensor& o : outs) {
@@ -76,6 +110,11 @@ void Engine::warmup_backward(const std::vector<at::Tensor>& outs) {
   }
   if (diff.empty()) {
     return;
+  }
+  for (const at::Tensor& o : diff) {
+    if (const auto& fn = o.grad_fn()) {
+      fn->add_pre_hook(std::make_unique<CurrentContextHook>(device));
+    }
   }
   adopt_hidden_leaves(diff);
   if (!grad_targets().empty()) {

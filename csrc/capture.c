@@ -5,7 +5,7 @@
  * Python equivalent (the contract; the real thing is below):
  *
  *     def graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
- *                         capture_error_mode, guard_outputs):
+ *                         capture_error_mode, kept_outputs):
  *         pool = pool or new_pool()           # one pool for all callables
  *         engines = [Engine(s) for s in specs]
  *         with capture_stream(specs[0].device):   # warm-up and capture share it
@@ -47,7 +47,7 @@ typedef struct {
     cg_capture_mode mode;
     int warmup_iters;
     int allow_unused;
-    int guard_outputs;
+    int kept_outputs;       /* a cg_kept_outputs */
     cg_setup *setup;        /* the capture stream, while warm-up and capture run */
 } session;
 
@@ -304,8 +304,8 @@ session_open(session *s, PyObject *module, PyObject *args)
 
     memset(s, 0, sizeof(*s));
     s->state = (cg_state *)PyModule_GetState(module);
-    if (!PyArg_ParseTuple(args, "O!Oipip", &PyTuple_Type, &specs, &pool, &s->warmup_iters,
-                          &s->allow_unused, &mode, &s->guard_outputs)) {
+    if (!PyArg_ParseTuple(args, "O!Oipii", &PyTuple_Type, &specs, &pool, &s->warmup_iters,
+                          &s->allow_unused, &mode, &s->kept_outputs)) {
         return -1;
     }
     s->mode = (cg_capture_mode)mode;
@@ -342,7 +342,8 @@ session_make_engines(session *s)
         cg_engine_config config = {
             .inputs = spec->tensors, .names = spec->names, .params = spec->params,
             .buffers = spec->buffers, .device = spec->device,
-            .allow_unused_input = s->allow_unused, .guard_outputs = s->guard_outputs,
+            .allow_unused_input = s->allow_unused,
+            .kept_outputs = (cg_kept_outputs)s->kept_outputs,
         };
         s->targets[i] = cg_spec_target(spec);
         if (s->targets[i] == NULL) {

@@ -93,6 +93,15 @@ int cg_setup_release_warmup_memory(cg_setup *setup);
  * (a failure is reported as a warning); frees `setup`; NULL is allowed. */
 void cg_setup_end(cg_setup *setup);
 
+/* What happens to an output of an earlier call, still referenced, when a
+ * later replay overwrites the graph's output memory: Note [Outputs of
+ * earlier calls] in aten_replay.cpp. */
+typedef enum {
+    CG_KEEP_COPY = 0,   /* moved to memory of its own first: keeps its value */
+    CG_KEEP_ERROR = 1,  /* reading it raises */
+    CG_KEEP_ALIAS = 2   /* it shows the new values, as with torch */
+} cg_kept_outputs;
+
 /* What an engine is made from: one callable's description (the fields of
  * cgraph._C.CallableSpec that the C++ half needs). */
 typedef struct {
@@ -104,9 +113,7 @@ typedef struct {
                                 them (BatchNorm), so they are restored */
     int device;              /* the CUDA device the graphs run on */
     int allow_unused_input;  /* torch's allow_unused_input */
-    int guard_outputs;       /* 1: outputs of earlier calls raise when read
-                                after a later replay (Note [Outputs of
-                                earlier calls]); 0: handed out as torch does */
+    cg_kept_outputs kept_outputs;
 } cg_engine_config;
 
 /* Returns NULL with an exception set on failure. */
@@ -176,6 +183,11 @@ cg_failure cg_failure_of_cuda_error(int code);
  * when autograd needs one. */
 PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args, Py_ssize_t nargs);
 
+/* 1 if the backward of the latest replay is still to run (its autograd node
+ * is alive and has not run): a replay now would overwrite the activations it
+ * needs, so the call runs eagerly instead.  0 otherwise.  Never fails. */
+int cg_engine_backward_pending(const cg_engine *engine);
+
 /* ---- random numbers (aten_rng.cpp) ------------------------------------- */
 
 /* torch.cuda.get_rng_state(device) while cgraph warms up or captures a
@@ -216,6 +228,9 @@ typedef struct {
      * the graph]). */
     unsigned long long copied_in_graph;
     unsigned long long copied_before;
+    /* Outputs of earlier calls moved to memory of their own before a replay
+     * (CG_KEEP_COPY): one per output still referenced. */
+    unsigned long long outputs_copied;
 } cg_stats;
 
 cg_stats cg_engine_stats(const cg_engine *engine);

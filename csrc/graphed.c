@@ -39,6 +39,7 @@ typedef struct {
     cg_pool pool;        /* the engine's pool, kept after reset() */
     cg_out_layout out;   /* how outputs are rebuilt; out.spec owned */
     unsigned long long verified_epoch;  /* state->module_epoch at the last check */
+    unsigned long long eager_pending;   /* calls run eagerly: a backward was pending */
     PyObject *weakreflist;
 } GraphedObject;
 
@@ -65,6 +66,7 @@ cg_graphed_new(cg_state *state, cg_spec *spec, cg_engine *engine, cg_out_layout 
     self->out = *out;
     out->spec = NULL;  /* ours now */
     self->verified_epoch = 0;
+    self->eager_pending = 0;
     self->weakreflist = NULL;
     PyObject_GC_Track(self);
     return (PyObject *)self;
@@ -114,8 +116,9 @@ raise_reset(void)
     return NULL;
 }
 
-/* Runs the module's own forward, as torch does when the module is in the
- * other train/eval mode than at capture.  Returns a NEW reference. */
+/* Runs the callable itself: a function, or the module's own forward (as
+ * torch does when the module is in the other train/eval mode than at
+ * capture).  Returns a NEW reference. */
 static PyObject *
 call_eager(const cg_spec *spec, PyObject *module, PyObject *const *args, Py_ssize_t nargs,
            PyObject *kwnames)
@@ -124,6 +127,9 @@ call_eager(const cg_spec *spec, PyObject *module, PyObject *const *args, Py_ssiz
     PyObject **full;
     PyObject *result;
 
+    if (module == NULL) {
+        return PyObject_Vectorcall(spec->function, args, (size_t)nargs, kwnames);
+    }
     if (!spec->eager_takes_module) {
         return PyObject_Vectorcall(spec->eager, args, (size_t)nargs, kwnames);
     }
@@ -172,34 +178,54 @@ route_module_call(GraphedObject *self, const cg_spec *spec, PyObject **module)
     return 0;
 }
 
-/* The engine's replay for this call's tensors.  Returns a NEW reference to
- * the tuple of output leaves, or NULL with an exception set. */
+/* The engine's replay for a call that is not the fast one: the callable's
+ * defaults stripped, then its tensors checked against the capture.
+ * Returns a NEW reference to the tuple of output leaves, or NULL with an
+ * exception set. */
+static PyObject *
+replay_slowly(GraphedObject *self, const cg_spec *spec, PyObject *const *args,
+              Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *tensors = NULL, *outs = NULL;
+    cg_call call;
+
+    if (cg_strip_defaults(spec, args, nargs, kwnames, &call) < 0) {
+        return NULL;
+    }
+    if (spec->flat && call.kwnames != NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "cgraph: unexpected keyword argument %R: the graph was captured "
+                     "without keywords. Capture with sample_kwargs= to pass keywords.",
+                     PyTuple_GET_ITEM(call.kwnames, 0));
+    } else if (spec->flat) {
+        outs = cg_engine_replay(self->engine, call.args, call.nargs);
+    } else {
+        tensors = cg_call_tensors(self->state, spec, call.args, call.nargs, call.kwnames);
+    }
+    /* Flattening ran Python (pytree, __eq__ of constants): reset since? */
+    if (tensors != NULL) {
+        outs = self->engine == NULL
+                   ? raise_reset()
+                   : cg_engine_replay(self->engine, PySequence_Fast_ITEMS(tensors),
+                                      PyList_GET_SIZE(tensors));
+    }
+    Py_XDECREF(tensors);
+    Py_XDECREF(call.owned);
+    return outs;
+}
+
+/* The engine's replay for this call: the fast path when the call passes a
+ * flat tuple of tensors as captured.  Returns a NEW reference to the tuple
+ * of output leaves, or NULL with an exception set. */
 static PyObject *
 replay(GraphedObject *self, const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
        PyObject *kwnames)
 {
-    PyObject *tensors, *outs;
-
-    if (spec->flat) {
-        if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
-            PyErr_Format(PyExc_TypeError,
-                         "cgraph: unexpected keyword argument %R: the graph was captured "
-                         "without keywords. Capture with sample_kwargs= to pass keywords.",
-                         PyTuple_GET_ITEM(kwnames, 0));
-            return NULL;
-        }
+    if (spec->flat && nargs == PyTuple_GET_SIZE(spec->args) &&
+        (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)) {
         return cg_engine_replay(self->engine, args, nargs);
     }
-    tensors = cg_call_tensors(self->state, spec, args, nargs, kwnames);
-    if (tensors == NULL) {
-        return NULL;
-    }
-    /* Flattening ran Python (pytree, __eq__ of constants): reset since? */
-    outs = self->engine == NULL ? raise_reset()
-                                : cg_engine_replay(self->engine, PySequence_Fast_ITEMS(tensors),
-                                                   PyList_GET_SIZE(tensors));
-    Py_DECREF(tensors);
-    return outs;
+    return replay_slowly(self, spec, args, nargs, kwnames);
 }
 
 /* The outputs as the callable returned them at capture.  Steals `outs`;
@@ -223,28 +249,48 @@ rebuild_outputs(GraphedObject *self, PyObject *outs)
     return result;
 }
 
-/* The call path: the module routed, the graph replayed, the outputs
- * rebuilt.  Returns a NEW reference, or NULL with an exception set. */
+/* Whether this call must run eagerly because the backward of the previous
+ * replay is still to run (Note [Calls before their backwards] in
+ * aten_backward.cpp): 1 (counted, and reported once to the event hook), 0,
+ * or -1 with an exception set. */
+static int
+backward_pending(GraphedObject *self)
+{
+    if (!cg_engine_backward_pending(self->engine)) {
+        return 0;
+    }
+    if (self->eager_pending++ == 0 &&
+        cg_report_event(self->state, "eager_pending", (PyObject *)self) < 0) {
+        return -1;
+    }
+    return 1;
+}
+
+/* The call path: the module routed, the graph replayed (or the callable run
+ * eagerly), the outputs rebuilt.  Returns a NEW reference, or NULL with an
+ * exception set. */
 static PyObject *
 call(GraphedObject *self, const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
      PyObject *kwnames)
 {
-    PyObject *outs;
+    PyObject *module = NULL, *outs, *result = NULL;
+    int eager = spec->module != Py_None ? route_module_call(self, spec, &module) : 0;
 
-    if (spec->module != Py_None) {
-        PyObject *module = NULL;
-        int route = route_module_call(self, spec, &module);
-        PyObject *result = route > 0 ? call_eager(spec, module, args, nargs, kwnames) : NULL;
-        Py_XDECREF(module);
-        if (route != 0) {
-            return result;
-        }
+    if (eager == 0 && self->engine == NULL) {  /* verify() ran Python: reset since? */
+        eager = -1;
+        raise_reset();
     }
-    if (self->engine == NULL) {  /* verify() ran Python: reset since? */
-        return raise_reset();
+    if (eager == 0) {
+        eager = backward_pending(self);
     }
-    outs = replay(self, spec, args, nargs, kwnames);
-    return outs ? rebuild_outputs(self, outs) : NULL;
+    if (eager > 0) {
+        result = call_eager(spec, module, args, nargs, kwnames);
+    } else if (eager == 0) {
+        outs = replay(self, spec, args, nargs, kwnames);
+        result = outs ? rebuild_outputs(self, outs) : NULL;
+    }
+    Py_XDECREF(module);
+    return result;
 }
 
 /* Holds the spec for the duration of the call: Python code it runs (an
@@ -337,11 +383,13 @@ Graphed_get_stats(GraphedObject *self, void *closure)
     if (self->engine != NULL) {
         stats = cg_engine_stats(self->engine);
     }
-    return Py_BuildValue("{sKsKsKsKsKsKsK}", "forward", stats.forward,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsK}", "forward", stats.forward,
                          "backward", stats.backward, "grads_copied", stats.grads_copied,
                          "grads_added", stats.grads_added, "grads_slow", stats.grads_slow,
                          "copied_in_graph", stats.copied_in_graph,
-                         "copied_before", stats.copied_before);
+                         "copied_before", stats.copied_before,
+                         "outputs_copied", stats.outputs_copied,
+                         "eager_pending", self->eager_pending);
 }
 
 /* A NEW reference to a dict describing one pass's graph, to None if the
@@ -383,7 +431,10 @@ static PyGetSetDef Graphed_getset[] = {
      "How often each replay path ran: forward and backward replays; backwards whose\n"
      "parameter grads were copied (.grad was None), added (.grad accumulating) or\n"
      "took the slow path; arguments and incoming grads copied into the static\n"
-     "buffers by the graph itself or, for layouts a memcpy cannot copy, before it.", NULL},
+     "buffers by the graph itself or, for layouts a memcpy cannot copy, before it;\n"
+     "outputs of earlier calls still held, moved to memory of their own before a\n"
+     "replay (kept_outputs='copy'); calls run eagerly because the backward of the\n"
+     "previous call had not run yet.", NULL},
     {"graphs", (getter)Graphed_get_graphs, NULL,
      "What the forward and backward graphs are made of: node counts by type\n"
      "(kernels, memcpys, memsets, others), roots and edges; None for a pass\n"

@@ -10,13 +10,14 @@
  *     class CallableSpec: ...                 # spec.c
  *     class Graphed: ...                      # graphed.c
  *     def graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
- *                         capture_error_mode, guard_outputs): ...  # capture.c
+ *                         capture_error_mode, kept_outputs): ...  # capture.c
  *     def device_count() -> int: ...
  *     def new_pool() -> tuple[int, int]: ...  # torch.cuda.graph_pool_handle()
  *     def autograd_leaves(tensors) -> list[Tensor]: ...      # aten_warmup.cpp
  *     def rng_get_state(device: int) -> Tensor | None: ...   # aten_rng.cpp
  *     def rng_set_state(state: Tensor, device: int) -> bool: ...
  *     def modules_changed() -> None: ...      # see cg_state.module_epoch
+ *     def set_event_hook(hook) -> None: ...   # cgraph/_log.py
  *
  * Laid out as CPython's Modules/xxlimited.c: state in the module (multi-phase
  * initialization), heap types, and PyInit__C the only exported symbol.
@@ -159,9 +160,39 @@ cgm_modules_changed(PyObject *module, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+int
+cg_report_event(cg_state *state, const char *event, PyObject *graphed)
+{
+    PyObject *result;
+
+    if (state->event_hook == NULL || state->event_hook == Py_None) {
+        return 0;
+    }
+    result = PyObject_CallFunction(state->event_hook, "sO", event, graphed);
+    Py_XDECREF(result);
+    return result ? 0 : -1;
+}
+
+PyDoc_STRVAR(cgm_set_event_hook_doc,
+"set_event_hook(hook) -> None\n\n"
+"hook(event: str, graphed) is told what a graphed callable did that its caller\n"
+"may want to know (cgraph/_log.py logs it); None removes it.");
+
+/* Returns a NEW reference (None). */
+static PyObject *
+cgm_set_event_hook(PyObject *module, PyObject *hook)
+{
+    if (hook != Py_None && !PyCallable_Check(hook)) {
+        PyErr_SetString(PyExc_TypeError, "set_event_hook: hook must be callable or None");
+        return NULL;
+    }
+    Py_XSETREF(get_state(module)->event_hook, Py_NewRef(hook));
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(cgm_graph_callables_doc,
 "graph_callables(specs, pool, num_warmup_iters, allow_unused_input,\n"
-"                capture_error_mode, guard_outputs) -> tuple[Graphed, ...]\n\n"
+"                capture_error_mode, kept_outputs) -> tuple[Graphed, ...]\n\n"
 "Warm up, then capture forward graphs 1..N and backward graphs N..1 into\n"
 "one memory pool.  Called by cgraph.make_graphed_callables, which builds\n"
 "`specs` (CallableSpec); not a public API.");
@@ -174,6 +205,7 @@ static PyMethodDef cgm_methods[] = {
     {"rng_get_state", cgm_rng_get_state, METH_VARARGS, cgm_rng_get_state_doc},
     {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},
     {"modules_changed", cgm_modules_changed, METH_NOARGS, cgm_modules_changed_doc},
+    {"set_event_hook", cgm_set_event_hook, METH_O, cgm_set_event_hook_doc},
     {NULL, NULL, 0, NULL}
 };
 
@@ -259,6 +291,7 @@ cgm_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->Graphed_Type);
     Py_VISIT(state->tree_flatten);
     Py_VISIT(state->tree_unflatten);
+    Py_VISIT(state->event_hook);
     return 0;
 }
 
@@ -274,6 +307,7 @@ cgm_clear(PyObject *module)
     Py_CLEAR(state->tree_unflatten);
     Py_CLEAR(state->str_training);
     Py_CLEAR(state->str_error_code);
+    Py_CLEAR(state->event_hook);
     return 0;
 }
 

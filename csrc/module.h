@@ -74,12 +74,18 @@ typedef struct {
     PyObject *tree_unflatten;   /* torch.utils._pytree.tree_unflatten */
     PyObject *str_training;     /* interned "training" */
     PyObject *str_error_code;   /* interned "error_code" (torch.AcceleratorError's) */
+    PyObject *event_hook;       /* hook(event: str, graphed) or None: cgraph/_log.py
+                                   logs what happened (an eager fallback, ...) */
     /* Bumped whenever any module registers a parameter, buffer or submodule
      * (torch's global registration hooks, installed by cgraph/_api.py).  A
      * graphed module re-checks its parameters only when this moved, so the
      * call path pays one comparison. */
     unsigned long long module_epoch;
 } cg_state;
+
+/* Reports `event` about `graphed` to the event hook, if one is set (module.c).
+ * 0, or -1 with the hook's exception set. */
+int cg_report_event(cg_state *state, const char *event, PyObject *graphed);
 
 /* ---- spec.c ------------------------------------------------------------- */
 
@@ -108,6 +114,10 @@ typedef struct {
     PyObject *in_spec;       /* TreeSpec of (args, kwargs); None if flat */
     PyObject *constants;     /* tuple of (position, name, value), leaf order:
                                 _api.Constant, a NamedTuple */
+    PyObject *defaults;      /* tuple of (name, position, value, by_keyword):
+                                _api.Default, the callable's parameters the
+                                samples leave out whose defaults a call may
+                                pass again (position -1: keyword only) */
     PyObject *verify;        /* verify(module) raises if parameters were
                                 replaced since capture; None for a function */
     int device;              /* the CUDA device the graphs run on */
@@ -115,6 +125,10 @@ typedef struct {
 
 /* Fields of a Constant (a tuple): its leaf position, name and value. */
 enum { CG_CONSTANT_POSITION = 0, CG_CONSTANT_NAME = 1, CG_CONSTANT_VALUE = 2 };
+
+/* Fields of a Default (a tuple). */
+enum { CG_DEFAULT_NAME = 0, CG_DEFAULT_POSITION = 1, CG_DEFAULT_VALUE = 2,
+       CG_DEFAULT_BY_KEYWORD = 3 };
 
 extern PyType_Spec cg_spec_type_spec;
 
@@ -146,6 +160,23 @@ PyObject *cg_graphed_new(cg_state *state, cg_spec *spec, cg_engine *engine,
 
 /* ---- arguments.c -------------------------------------------------------- */
 
+/* A call's arguments as vectorcall passes them (positional, then keyword
+ * values named by kwnames). */
+typedef struct {
+    PyObject *const *args;
+    Py_ssize_t nargs;
+    PyObject *kwnames;  /* NULL if no keywords */
+    PyObject *owned;    /* NULL, or a NEW reference keeping args and kwnames alive */
+} cg_call;
+
+/* The call without the arguments the samples left out whose values are the
+ * callable's own defaults (spec->defaults): a call that binds as the
+ * capture did replays.  Another value for such an argument raises
+ * ValueError.  Fills *out (release with Py_XDECREF(out->owned)); 0, or -1
+ * with an exception set. */
+int cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
+                      PyObject *kwnames, cg_call *out);
+
 /* The tensor leaves of a call whose arguments are nested, keyword or
  * constant, checked against the spec: the captured keywords, structure and
  * constant values.  Returns a NEW reference to a list, or NULL with an
@@ -156,7 +187,7 @@ PyObject *cg_call_tensors(cg_state *state, const cg_spec *spec, PyObject *const 
 /* ---- capture.c ---------------------------------------------------------- */
 
 /* _C.graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
- *                    capture_error_mode, guard_outputs) -> tuple
+ *                    capture_error_mode, kept_outputs) -> tuple
  * Returns a NEW reference to a tuple of Graphed, or NULL. */
 PyObject *cg_graph_callables(PyObject *module, PyObject *args);
 

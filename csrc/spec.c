@@ -12,7 +12,8 @@
  *         tensors: tuple[Tensor, ...]; names: tuple[str, ...]
  *         params: tuple[Tensor, ...]; buffers: tuple[Tensor, ...]
  *         flat: bool; in_spec: TreeSpec | None
- *         constants: tuple[Constant, ...]; verify: Callable | None; device: int
+ *         constants: tuple[Constant, ...]; defaults: tuple[Default, ...]
+ *         verify: Callable | None; device: int
  *
  * Each field is documented once, on cg_spec in module.h; the member table
  * below drives both the constructor and the attributes Python reads.
@@ -46,6 +47,7 @@ static PyMemberDef spec_members[] = {
     SPEC_BOOL(flat, "args are all tensors and there are no kwargs"),
     SPEC_OBJECT(in_spec, "TreeSpec of (args, kwargs); None if flat"),
     SPEC_OBJECT(constants, "(position, name, value) per constant leaf, in leaf order"),
+    SPEC_OBJECT(defaults, "(name, position, value, by_keyword) per parameter left out"),
     SPEC_OBJECT(verify, "verify(module) raises if parameters were replaced"),
     {"device", T_INT, offsetof(cg_spec, device), READONLY, "the CUDA device"},
     {NULL, 0, 0, 0, NULL},
@@ -65,6 +67,7 @@ static const struct {
     {"params", offsetof(cg_spec, params), &PyTuple_Type},
     {"buffers", offsetof(cg_spec, buffers), &PyTuple_Type},
     {"constants", offsetof(cg_spec, constants), &PyTuple_Type},
+    {"defaults", offsetof(cg_spec, defaults), &PyTuple_Type},
 };
 
 static PyObject **
@@ -117,6 +120,17 @@ check_types(cg_spec *spec)
             !PyLong_Check(PyTuple_GET_ITEM(entry, CG_CONSTANT_POSITION))) {
             PyErr_SetString(PyExc_TypeError,
                             "CallableSpec.constants must hold (position, name, value) tuples");
+            return -1;
+        }
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec->defaults); i++) {
+        PyObject *entry = PyTuple_GET_ITEM(spec->defaults, i);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 4 ||
+            !PyUnicode_Check(PyTuple_GET_ITEM(entry, CG_DEFAULT_NAME)) ||
+            !PyLong_Check(PyTuple_GET_ITEM(entry, CG_DEFAULT_POSITION)) ||
+            !PyBool_Check(PyTuple_GET_ITEM(entry, CG_DEFAULT_BY_KEYWORD))) {
+            PyErr_SetString(PyExc_TypeError, "CallableSpec.defaults must hold "
+                            "(name, position, value, by_keyword) tuples");
             return -1;
         }
     }

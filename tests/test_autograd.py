@@ -248,20 +248,47 @@ def test_unused_parameter_needs_allow_unused_input():
 # ---- errors: backward order, requires_grad ----------------------------------
 
 
-def test_backward_after_a_second_forward_raises():
+def test_a_second_forward_before_the_first_backward_runs_eagerly():
+    """Note [Calls before their backwards]: the first call's backward still
+    reads the graph's activations, so the second call runs eagerly and both
+    backwards give eager's grads (torch's would be wrong)."""
+    torch.manual_seed(20)
     model, make_input = mlp()
+    eager = copy.deepcopy(model)
     model = cgraph.make_graphed_callables(model, (make_input(),))
-    first_loss = model(make_input()).sum()
-    model(make_input())
-    with pytest.raises(RuntimeError, match="ran forward 1 more time"):
-        first_loss.backward()
+    x1, x2 = make_input(), make_input()
+    first_loss, second_loss = model(x1).square().sum(), model(x2).sum()
+    first_loss.backward()
+    second_loss.backward()
+    eager(twin(x1)).square().sum().backward()
+    eager(twin(x2)).sum().backward()
+    assert_grads_equal(model, eager, "after both backwards")
+    stats = model.forward.stats
+    assert stats["eager_pending"] == 1 and stats["forward"] == 1 and stats["backward"] == 1
 
 
-def test_input_requiring_grad_unlike_its_sample_raises():
+def test_input_requiring_grad_unlike_its_sample_is_accepted_until_a_backward_needs_it():
+    """As torch: the call replays; only a backward that needs that input's
+    grad raises, saying what to do."""
+    torch.manual_seed(21)
     model, _ = mlp()
+    eager = copy.deepcopy(model)
     model = cgraph.make_graphed_callables(model, (torch.randn(8, 32, device=CUDA),))
-    with pytest.raises(RuntimeError, match="requires grad, but its sample did not"):
-        model(torch.randn(8, 32, device=CUDA, requires_grad=True))
+    x = torch.randn(8, 32, device=CUDA, requires_grad=True)
+    out = model(x)
+    assert out.requires_grad
+    assert_equal(out, eager(x), "output")
+    with pytest.raises(RuntimeError, match="requires grad, but its sample did not.*"
+                                           r"sample.requires_grad_\(\)"):
+        out.sum().backward()
+    del out  # its backward never ran: the next call would run eagerly
+    # A backward that needs only the parameters' grads goes on.
+    params = list(model.parameters())
+    model(x).sum().backward(inputs=params)
+    eager(x).sum().backward(inputs=list(eager.parameters()))
+    assert x.grad is None
+    assert_grads_equal(model, eager, "backward(inputs=params)")
+    assert model.forward.stats["forward"] == 2 and model.forward.stats["eager_pending"] == 0
 
 
 # ---- autocast ---------------------------------------------------------------

@@ -1,0 +1,242 @@
+"""What replacing torch.cuda.make_graphed_callables with cgraph's must not
+break, and what it fixes: outputs kept across calls keep their values,
+several calls before their backwards give eager's grads (eagerly, or in any
+order), arguments equal to the callable's own defaults replay, an input of
+another floating dtype is cast as torch casts it, and a graphed training
+script prints nothing.  Comparisons are bitwise against eager PyTorch."""
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+import cgraph
+from _helpers import CUDA, assert_equal, assert_grads_equal, mlp, stack, twin
+
+pytestmark = pytest.mark.gpu
+
+
+# ---- outputs kept across calls ------------------------------------------------
+
+
+def test_kept_outputs_keep_their_values_and_cost_one_copy_each():
+    """Note [Outputs of earlier calls]: a list of predictions, a view of one,
+    and IPython's Out[] all hold outputs of earlier calls."""
+    torch.manual_seed(30)
+    model = stack()
+    graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),))
+    xs = [torch.randn(16, 64, device=CUDA) for _ in range(4)]
+    with torch.no_grad():
+        predictions = [graphed(x) for x in xs]
+        first_row = predictions[0][0]
+        for i, (x, y) in enumerate(zip(xs, predictions)):
+            assert_equal(y, model(x), f"prediction {i}")
+        assert_equal(first_row, model(xs[0])[0], "a view of the first prediction")
+        total = predictions[0] + predictions[1]
+        assert_equal(total, model(xs[0]) + model(xs[1]), "two calls' outputs together")
+    # Calls 2..4 each found the previous call's output held: one copy each.
+    assert graphed.stats["outputs_copied"] == 3, graphed.stats
+
+
+def test_outputs_nobody_keeps_cost_nothing():
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    for _ in range(4):
+        graphed(make_input()).sum().backward()
+    assert graphed.stats["outputs_copied"] == 0, graphed.stats
+
+
+def test_a_loss_kept_for_later_keeps_its_value_and_its_backward():
+    """losses.append(loss) without .item(): the graphed output (and what
+    autograd saved from it) stays valid across later calls and backwards."""
+    torch.manual_seed(31)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    kept, kept_eager = [], []
+    for step in range(3):
+        x = make_input()
+        out, out_e = graphed(x), eager(twin(x))
+        kept.append(out)
+        kept_eager.append(out_e.detach())
+        out.square().mean().backward()
+        out_e.square().mean().backward()
+        assert_grads_equal(model, eager, step)
+    for step, (a, b) in enumerate(zip(kept, kept_eager)):
+        assert_equal(a.detach(), b, f"output of step {step}")
+
+
+def test_kept_outputs_alias_is_torchs_behaviour():
+    model = stack()
+    graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),),
+                                  kept_outputs="alias")
+    x1, x2 = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
+    first = graphed(x1)
+    graphed(x2)
+    with torch.no_grad():
+        assert_equal(first, model(x2), "the first output, overwritten by the second call")
+    with pytest.raises(ValueError, match="kept_outputs must be one of"):
+        cgraph.make_graphed(model, (x1,), kept_outputs="keep")
+
+
+# ---- several calls before their backwards -------------------------------------
+
+
+class Siamese(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(0.1),
+                                     nn.Linear(64, 16))
+
+    def forward(self, x):
+        return self.encoder(x)
+
+
+def test_two_forwards_before_one_backward_match_eager():
+    """A siamese loss: torch's graphs would overwrite the first call's
+    activations (wrong grads, relative error 1); cgraph runs the second call
+    eagerly.  Dropout included: the generator moves as in eager."""
+    torch.manual_seed(32)
+    encoder = Siamese().to(CUDA)
+    eager = copy.deepcopy(encoder)
+    sample = torch.randn(8, 32, device=CUDA, requires_grad=True)
+    graphed = cgraph.make_graphed(encoder, (sample,))
+    for step in range(3):
+        a, b = torch.randn(8, 32, device=CUDA), torch.randn(8, 32, device=CUDA)
+        torch.cuda.manual_seed(100 + step)
+        loss = (graphed(a) - graphed(b)).square().sum()
+        torch.cuda.manual_seed(100 + step)
+        loss_e = (eager(a) - eager(b)).square().sum()
+        assert_equal(loss, loss_e, f"step {step}: loss")
+        loss.backward()
+        loss_e.backward()
+        assert_grads_equal(encoder, eager, step)
+        # Each step from no grads: eager sums both calls' grads before its one
+        # AccumulateGrad, cgraph adds them one by one, which rounds alike
+        # only when the sum starts empty.
+        encoder.zero_grad(set_to_none=True)
+        eager.zero_grad(set_to_none=True)
+    assert graphed.stats["eager_pending"] == 3 and graphed.stats["backward"] == 3
+
+
+def test_micro_batches_forwards_first_then_backwards_in_any_order():
+    """A pipeline schedule: k forwards, then their backwards in another
+    order.  Every backward sees its own forward's activations."""
+    torch.manual_seed(33)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    xs = [make_input() for _ in range(3)]
+    losses = [graphed(x).square().sum() for x in xs]
+    losses_e = [eager(twin(x)).square().sum() for x in xs]
+    for k in (1, 0, 2):
+        losses[k].backward()
+        losses_e[k].backward()
+    assert_grads_equal(model, eager, "after three micro-batches")
+
+
+# ---- defaults are not arguments --------------------------------------------------
+
+
+class Block(nn.Module):
+    """Called as Hugging Face models call their layers: every optional
+    argument spelled out."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, hidden, attention_mask=None, scale=1.0, use_cache=False,
+                output_attentions=False, *, position_ids=None):
+        out = self.lin(hidden) * scale
+        return out if attention_mask is None else out * attention_mask
+
+
+def test_arguments_equal_to_the_callables_defaults_replay():
+    torch.manual_seed(34)
+    block = Block().to(CUDA)
+    eager = copy.deepcopy(block)
+    graphed = cgraph.make_graphed(block, (torch.randn(4, 32, device=CUDA),))
+    x = torch.randn(4, 32, device=CUDA)
+    calls = [((x, None), {}), ((x,), {"use_cache": False, "output_attentions": False}),
+             ((x, None, 1.0), {"position_ids": None}), ((x,), {"attention_mask": None})]
+    for i, (args, kwargs) in enumerate(calls):
+        with torch.no_grad():
+            assert_equal(graphed(*args, **kwargs), eager(*args, **kwargs), f"call {i}")
+    assert graphed.stats["forward"] == len(calls)
+
+
+@pytest.mark.parametrize("call, error, text", [
+    (lambda g, x: g(x, use_cache=True), ValueError, "'use_cache' is True.*default False"),
+    (lambda g, x: g(x, scale=1), ValueError, "'scale' is 1.*default 1.0"),
+    (lambda g, x: g(x, torch.ones(4, 32, device=CUDA)), ValueError,
+     "'attention_mask' is a Tensor.*default None"),
+    (lambda g, x: g(x, colour="red"), TypeError, "unexpected keyword argument 'colour'"),
+])
+def test_other_values_for_left_out_arguments_raise(call, error, text):
+    block = Block().to(CUDA)
+    graphed = cgraph.make_graphed(block, (torch.randn(4, 32, device=CUDA),))
+    with pytest.raises(error, match=text):
+        call(graphed, torch.randn(4, 32, device=CUDA))
+
+
+# ---- an input of another floating dtype -----------------------------------------
+
+
+def test_an_input_of_another_floating_dtype_is_cast_and_its_grad_comes_back_in_its_dtype():
+    """As torch copies into its static input: the graph computes in the
+    sample's dtype, and autograd casts the grad to the input's."""
+    torch.manual_seed(35)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    x = torch.randn(8, 32, device=CUDA, dtype=torch.float16, requires_grad=True)
+    xe = twin(x)
+    out, out_e = graphed(x), eager(xe.float())
+    assert out.dtype == torch.float32
+    assert_equal(out, out_e, "output")
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    (out_e * upstream).sum().backward()
+    assert x.grad.dtype == torch.float16
+    assert_equal(x.grad, xe.grad, "input grad, in the input's dtype")
+    assert_grads_equal(model, eager, "after a cast input")
+
+
+# ---- quiet --------------------------------------------------------------------------
+
+
+QUIET_SCRIPT = textwrap.dedent("""
+    import torch, cgraph
+    from torch import nn
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Dropout(0.1), nn.Linear(128, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(32, 64, device="cuda", requires_grad=True)
+    model = cgraph.make_graphed_callables(model, (x,))
+    for step in range(5):
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(model(torch.randn(32, 64, device="cuda")),
+                                           torch.randint(0, 10, (32,), device="cuda"))
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize()
+    print("trained", loss.item() > 0)
+""")
+
+
+def test_a_graphed_training_script_prints_no_warning():
+    """torch's own make_graphed_callables prints cuBLAS's "no current CUDA
+    context" warning; Note [A CUDA context on autograd's thread]."""
+    env = {**os.environ, "PYTHONWARNINGS": "default", "CGRAPH_LOGS": ""}
+    done = subprocess.run([sys.executable, "-W", "default", "-c", QUIET_SCRIPT],
+                          capture_output=True, text=True, timeout=300, env=env,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "trained True"
+    assert done.stderr == "", done.stderr
