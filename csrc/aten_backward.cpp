@@ -229,7 +229,7 @@ struct GraphedBackward final : autograd::Node {
       : autograd::Node(std::move(wiring.edges)),
         engine(std::move(engine)),
         generation(this->engine->generation),
-        ran(std::make_shared<std::atomic<bool>>(false)),
+        ran(false),
         sources(std::move(wiring.sources)),
         fused_params(std::move(wiring.fused)),
         ungraded(wiring.ungraded) {}
@@ -239,9 +239,8 @@ struct GraphedBackward final : autograd::Node {
 
   std::shared_ptr<Engine> engine;
   uint64_t generation;  // the forward replay this backward belongs to
-  // Set when apply() starts; shared with the engine while this is its latest
-  // replay's node: Note [Calls before their backwards].
-  std::shared_ptr<std::atomic<bool>> ran;
+  // Set when apply() starts: Note [Calls before their backwards].
+  std::atomic<bool> ran;
   std::vector<EdgeSource> sources;     // per next edge
   std::vector<uint32_t> fused_params;  // parameters whose grads apply() accumulates
   bool ungraded;                       // some edge is an UngradedInput
@@ -249,7 +248,7 @@ struct GraphedBackward final : autograd::Node {
  private:
   void refuse_ungraded_inputs();
   void check_replayable() const;
-  void route_incoming_grads(const autograd::variable_list& grads);
+  TensorVec route_incoming_grads(const autograd::variable_list& grads);
   void launch(GradPath path);
   autograd::variable_list edge_grads() const;
 };
@@ -272,7 +271,7 @@ void GraphedBackward::check_replayable() const {
   const Engine& e = *engine;
   TORCH_CHECK(e.alive, "cgraph: backward through a graphed callable that was reset() "
               "after this forward ran.");
-  TORCH_CHECK(!ran->load(), "cgraph: a second backward through the same graphed call "
+  TORCH_CHECK(!ran.load(), "cgraph: a second backward through the same graphed call "
               "(retain_graph=True). The backward graph reuses the memory of the forward's "
               "activations, so each call supports one backward: call the graphed callable "
               "again before the next backward.");
@@ -284,9 +283,10 @@ void GraphedBackward::check_replayable() const {
 
 // 1. Incoming grads into the static grad buffers, by the graph where it
 //    can: Note [Incoming grads].  grads[k] is the k-th output attached.
-void GraphedBackward::route_incoming_grads(const autograd::variable_list& grads) {
+// Returns the clones the graph copies from, to keep alive until the launch.
+TensorVec GraphedBackward::route_incoming_grads(const autograd::variable_list& grads) {
   Engine& e = *engine;
-  TensorVec dst, src;
+  TensorVec dst, src, clones;
   size_t k = 0;
   for (const Output& o : e.outputs) {
     if (!attaches(o, ungraded)) {
@@ -296,11 +296,14 @@ void GraphedBackward::route_incoming_grads(const autograd::variable_list& grads)
     if (o.grad_in && route_incoming_grad(e, *o.grad_in, grads[k], &staged)) {
       dst.push_back(o.grad_in->buffer);
       src.push_back(std::move(staged));
+    } else if (staged.defined() && !staged.is_same(grads[k])) {
+      clones.push_back(std::move(staged));
     }
     ++k;
   }
   e.stats.copied_before += dst.size();
   copy_all(dst, src);
+  return clones;
 }
 
 // 3. The backward graph, with the tail `path` chose.
@@ -339,8 +342,8 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
     return autograd::variable_list(sources.size());  // only ungraded edges, none needed
   }
   check_replayable();
-  ran->store(true);
-  route_incoming_grads(grads);
+  ran = true;
+  const TensorVec clones = route_incoming_grads(grads);
   // 2. Which tail delivers the parameter grads: Note [Parameter gradients].
   const GradPath path = choose_grad_path(*engine, fused_params);
   launch(path);
@@ -371,7 +374,8 @@ bool attaches(const Output& o, bool ungraded) {
 //    activations.  A node that was dropped without running (its outputs
 //    freed, or no backward needed it) is no longer pending.
 bool Engine::backward_pending() const {
-  return latest_ran && !latest_ran->load() && !latest_node.expired();
+  const NodePtr node = latest_node.lock();
+  return node && !static_cast<const GraphedBackward*>(node.get())->ran.load();
 }
 
 NodePtr make_backward_node(std::shared_ptr<Engine> engine, BackwardWiring&& wiring) {
@@ -379,7 +383,6 @@ NodePtr make_backward_node(std::shared_ptr<Engine> engine, BackwardWiring&& wiri
   auto node = make_node<GraphedBackward>(std::move(engine), std::move(wiring));
   if (e.has_bwd) {
     e.latest_node = WeakNodePtr(NodePtr(node));
-    e.latest_ran = node->ran;
   } else {
     e.latest_node = WeakNodePtr(NodePtr());
   }

@@ -245,10 +245,9 @@ struct Engine {
   // -- replay bookkeeping
   // The latest call's outputs: Note [Outputs of earlier calls].
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
-  // The latest replay's backward node, and whether it has run: Note
-  // [Calls before their backwards] (aten_backward.cpp).
+  // The latest replay's backward node: Note [Calls before their backwards]
+  // (aten_backward.cpp).
   WeakNodePtr latest_node = WeakNodePtr(NodePtr());
-  std::shared_ptr<std::atomic<bool>> latest_ran;
   bool backward_pending() const;
   // Forward replays so far.  A backward replay is valid only for the latest
   // forward: an earlier call's activations have been overwritten.

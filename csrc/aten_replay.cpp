@@ -51,6 +51,9 @@ struct StagedCall {
   bool ungraded_arg = false;  // one requires grad, unlike its sample
   // The arguments ATen copies before the replay, and where to.
   TensorVec dst, src;
+  // Clones the graph copies from (an argument aliasing a static buffer):
+  // alive until the launch, or a later allocation could reuse their memory.
+  TensorVec clones;
 };
 
 [[noreturn]] void raise_mismatch(const Engine& e, size_t i, const at::Tensor& got) {
@@ -134,13 +137,17 @@ void stage_input(Engine& e, size_t i, const at::Tensor& t, StagedCall& call) {
   }
   if (e.fwd->copy_in(in.copy, in.buffer, staged)) {
     ++e.stats.copied_in_graph;
+    if (C10_UNLIKELY(!staged.is_same(t))) {
+      call.clones.push_back(std::move(staged));
+    }
   } else {
     call.dst.push_back(in.buffer);
     call.src.push_back(std::move(staged));
   }
 }
 
-// 1. Every argument checked and routed.
+// 1. Every argument checked and routed (after the earlier outputs are saved:
+//    Note [Outputs of earlier calls]).
 void stage_inputs(Engine& e, PyObject* const* args, StagedCall& call) {
   for (size_t i = 0; i < e.inputs.size(); ++i) {
     const at::Tensor& t = check_argument(e, i, args[i]);
@@ -233,11 +240,9 @@ void release_earlier_outputs(Engine& e) {
   e.handed_out.clear();
 }
 
-// 3. The earlier call's outputs saved from the replay (first: an output may
-//    be a static input the copies below refill), one copy launch for the
-//    arguments the graph does not copy itself, then the forward graph.
+// 3. One copy launch for the arguments the graph does not copy itself, then
+//    the forward graph.
 void launch_forward(Engine& e, const StagedCall& call) {
-  release_earlier_outputs(e);
   e.stats.copied_before += call.dst.size();
   copy_all(call.dst, call.src);
   {
@@ -327,6 +332,9 @@ PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, s
   RECORD_FUNCTION("cgraph::forward", std::vector<c10::IValue>());
   Engine& e = *shared;
   check_call(e, nargs);
+  // First the earlier call's outputs saved from this replay: one may be an
+  // argument now, or a static input that staging refills.
+  release_earlier_outputs(e);
   StagedCall call;
   stage_inputs(e, args, call);
   const bool params_need_grad = check_params(e);

@@ -287,11 +287,11 @@ def test_reading_an_overwritten_output_raises_and_the_latest_is_right():
     graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),),
                                   kept_outputs="error")
     x1, x2 = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
-    first = graphed(x1)
-    view = first[0]
-    kept = first.clone()
-    second = graphed(x2)
-    with torch.no_grad():
+    with torch.no_grad():  # else the second call, before first's backward, runs eagerly
+        first = graphed(x1)
+        view = first[0]
+        kept = first.clone()
+        second = graphed(x2)
         assert_equal(second, model(x2), "latest output")
         assert_equal(kept, model(x1), "a clone taken before the next call")
     for stale in (first, view):
@@ -304,9 +304,9 @@ def test_unguarded_outputs_change_under_the_caller_as_in_torch():
     graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),),
                                   guard_outputs=False)
     x1, x2 = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
-    first = graphed(x1)
-    graphed(x2)
-    with torch.no_grad():
+    with torch.no_grad():  # else the second call, before first's backward, runs eagerly
+        first = graphed(x1)
+        graphed(x2)
         assert_equal(first, model(x2), "the first output, overwritten by the second call")
 
 
