@@ -20,6 +20,7 @@ Example::
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C
+from ._version import __version__
 from ._api import (GraphedModule, graph_pool_handle, make_graphed, make_graphed_callables,
                    reset_all)
 
@@ -35,4 +36,3 @@ __all__ = [
     "make_graphed_callables",
     "reset_all",
 ]
-__version__ = "0.1.0"
