@@ -17,6 +17,8 @@ from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 C_LIBRARY = "cgraph_c"
+# Linked in with --version-script: the module exports PyInit__C and nothing else.
+EXPORTS_MAP = os.path.join(HERE, "csrc", "exports.map")
 
 
 def _cuda_check():
@@ -123,7 +125,8 @@ def _build_ext_class(BuildExtension, sources):
             for ext in self.extensions:
                 ext.extra_link_args += ["-Wl,--whole-archive", archive, "-Wl,--no-whole-archive"]
                 ext.extra_link_args += _shared_libstdcxx()
-                ext.depends += sources["c"] + sources["headers"]
+                ext.extra_link_args += [f"-Wl,--version-script={EXPORTS_MAP}"]
+                ext.depends += sources["c"] + sources["headers"] + [EXPORTS_MAP]
             super().run()
 
     return BuildWithC
@@ -142,6 +145,9 @@ def main():
 
     _default_cuda_archs(torch)
     sources = _sources()
+    # Hidden visibility keeps our symbols out of the dynamic symbol table; the
+    # version script also hides what torch's headers instantiate in our objects.
+    hidden = ["-fvisibility=hidden"]
     setup(
         libraries=[
             (
@@ -149,7 +155,7 @@ def main():
                 {
                     "sources": sources["c"],
                     "include_dirs": [sysconfig.get_paths()["include"], "csrc"],
-                    "cflags": ["-std=c11", "-fPIC", "-O2", "-Wall", "-Wextra",
+                    "cflags": ["-std=c11", "-fPIC", "-O2", "-Wall", "-Wextra", *hidden,
                                "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
                 },
             )
@@ -161,8 +167,8 @@ def main():
                 include_dirs=[os.path.abspath("csrc"), *_cuda_library_includes()],
                 # No -std: torch picks the standard its headers need (C++20 from 2.14).
                 extra_compile_args={
-                    "cxx": ["-O2"],
-                    "nvcc": ["-O3"],
+                    "cxx": ["-O2", *hidden, "-fvisibility-inlines-hidden"],
+                    "nvcc": ["-O3", "-Xcompiler=-fvisibility=hidden,-fvisibility-inlines-hidden"],
                 },
             )
         ],
