@@ -1,15 +1,37 @@
-# Sourced by the other scripts: install what is missing, then build in place.
+# Sourced by the other scripts: install what is missing into the Python they
+# run ($PYTHON, default python3; PYTHON=/path/to/python bash scripts/test.sh),
+# then build cgraph's extension in place for that Python.
 # torch comes from PyPI (on the CPU machines, pip takes it from local disk);
-# where torch is already importable (the GPU machine) nothing is installed.
+# where torch is already importable (the GPU machine) nothing is installed for
+# it.  DEPS_FOR=tests (set by test.sh and gpu.sh) adds pytest and build.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
+case "$PY" in
+  /*) ;;
+  */*) PY="$PWD/$PY" ;;  # relative to where the user stands: keep it valid after the cd
+esac
+command -v "$PY" >/dev/null || { echo "no Python at '$PY': set PYTHON=/path/to/python" >&2; exit 1; }
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+has() { "$PY" -c "$1" 2>/dev/null; }
 need=()
-$PY -c "import torch" 2>/dev/null || need+=("torch==2.14.1")
-$PY -c "import pytest" 2>/dev/null || need+=("pytest")
-$PY -c "import setuptools" 2>/dev/null || need+=("setuptools")
-if [ ${#need[@]} -gt 0 ]; then
-  echo "installing: ${need[*]}"
-  $PY -m pip install -q "${need[@]}"
+has "import torch" || need+=("torch==2.14.1")
+has "import numpy" || need+=("numpy")  # torch warns at import without it
+# 77 reads pyproject.toml's license expression (PEP 639).
+has "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
+  || need+=("setuptools>=77")
+if [ "${DEPS_FOR:-}" = tests ]; then
+  has "import pytest" || need+=("pytest")
+  has "import build" || need+=("build")  # tests/test_packaging.py builds the sdist
 fi
-$PY setup.py -q build_ext --inplace >/tmp/cgraph-build.log 2>&1 || { cat /tmp/cgraph-build.log; exit 1; }
+if [ ${#need[@]} -gt 0 ]; then
+  echo "installing into $PY: ${need[*]}"
+  "$PY" -m pip install -q "${need[@]}"
+fi
+
+mkdir -p build
+echo "building cgraph's extension in place (about 2 minutes)..."
+started=$SECONDS
+"$PY" setup.py -q build_ext --inplace >build/inplace.log 2>&1 \
+  || { cat build/inplace.log; echo "cgraph's build failed (log above, also in build/inplace.log)" >&2; exit 1; }
+echo "built in $((SECONDS - started))s"
