@@ -3,7 +3,8 @@
 # then build cgraph's extension in place for that Python.
 # torch comes from PyPI (on the CPU machines, pip takes it from local disk);
 # where torch is already importable (the GPU machine) nothing is installed for
-# it.  DEPS_FOR=tests (set by test.sh and gpu.sh) adds pytest and build.
+# it.  DEPS_FOR=tests (test.sh) adds pytest and build, DEPS_FOR=gpu-tests
+# (gpu.sh) pytest.
 set -euo pipefail
 PY=${PYTHON:-python3}
 case "$PY" in
@@ -16,17 +17,24 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 has() { "$PY" -c "$1" 2>/dev/null; }
 need=()
 has "import torch" || need+=("torch==2.14.1")
-has "import numpy" || need+=("numpy")  # torch warns at import without it
 # 77 reads pyproject.toml's license expression (PEP 639).
 has "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 77)" \
   || need+=("setuptools>=77")
-if [ "${DEPS_FOR:-}" = tests ]; then
-  has "import pytest" || need+=("pytest")
-  has "import build" || need+=("build")  # tests/test_packaging.py builds the sdist
-fi
+case "${DEPS_FOR:-}" in
+  tests) has "import pytest" || need+=("pytest")
+         has "import build" || need+=("build") ;;  # tests/test_packaging.py builds the sdist
+  gpu-tests) has "import pytest" || need+=("pytest") ;;  # gpu.sh leaves that test out
+esac
 if [ ${#need[@]} -gt 0 ]; then
   echo "installing into $PY: ${need[*]}"
   "$PY" -m pip install -q "${need[@]}"
+fi
+# Optional: torch warns at import without numpy; nothing here uses it.  Where
+# there is no network (the GPU machine), go on without it, quickly.
+if ! has "import numpy"; then
+  echo "installing into $PY: numpy"
+  "$PY" -m pip install -q --retries 0 --timeout 10 numpy >/dev/null 2>&1 \
+    || echo "numpy could not be installed (no network?): going on without it"
 fi
 
 mkdir -p build
