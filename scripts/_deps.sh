@@ -14,7 +14,10 @@ esac
 command -v "$PY" >/dev/null || { echo "no Python at '$PY': set PYTHON=/path/to/python" >&2; exit 1; }
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-has() { "$PY" -c "$1" 2>/dev/null; }
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
+  || { echo "cgraph needs Python 3.11 or newer; $PY is older: set PYTHON=/path/to/python" >&2; exit 1; }
+# -P: not from the checkout, whose build/ folder would pass for the build package.
+has() { "$PY" -P -c "$1" 2>/dev/null; }
 need=()
 has "import torch" || need+=("torch==2.14.1")
 # 77 reads pyproject.toml's license expression (PEP 639).
