@@ -13,10 +13,12 @@ import shutil
 import subprocess
 import sysconfig
 
+import setuptools
 from setuptools import setup
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 C_LIBRARY = "cgraph_c"
+MIN_SETUPTOOLS = 77  # as pyproject.toml's build-system requires
 # Linked in with --version-script: the module exports PyInit__C and nothing else.
 EXPORTS_MAP = os.path.join(HERE, "csrc", "exports.map")
 
@@ -37,6 +39,17 @@ def check_cuda_torch(torch):
     variable is not set", nvcc installed or not."""
     check = _cuda_check()
     check.require_cuda_torch(torch, SystemExit, check.HOW_TO_BUILD)
+
+
+def check_setuptools(version):
+    """Stop with one sentence where setuptools cannot read pyproject.toml's
+    license expression (PEP 639, setuptools 77; a Python 3.11 venv starts
+    with 65): its own error is 90 lines of schema.  Only a build without
+    isolation meets this; an isolated one gets pyproject.toml's setuptools."""
+    if int(version.split(".")[0]) < MIN_SETUPTOOLS:
+        raise SystemExit(f"cgraph's build needs setuptools>={MIN_SETUPTOOLS}; this Python has "
+                         f"{version}: pip install -U 'setuptools>={MIN_SETUPTOOLS}', "
+                         "then install cgraph again.")
 
 
 def _find_cuda_home():
@@ -133,8 +146,9 @@ def _build_ext_class(BuildExtension, sources):
 
 
 def main():
-    """CUDA_HOME first (cpp_extension reads it when imported), then a torch
-    without CUDA refused in one sentence, then setuptools."""
+    """setuptools and torch checked first (one sentence each where they will
+    not do), CUDA_HOME set before cpp_extension reads it, then setuptools."""
+    check_setuptools(setuptools.__version__)
     cuda_home = _find_cuda_home()
     if cuda_home:
         os.environ["CUDA_HOME"] = cuda_home  # before cpp_extension reads it

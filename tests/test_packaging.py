@@ -133,6 +133,14 @@ def test_build_refuses_a_cpu_only_torch():
         setup.check_cuda_torch(rocm)
 
 
+def test_build_refuses_an_old_setuptools():
+    """A Python 3.11 venv's setuptools 65 gets one sentence, not its schema error."""
+    setup = _load("cgraph_setup", ROOT / "setup.py")
+    with pytest.raises(SystemExit, match=r"needs setuptools>=77; this Python has 65\.5\.0: pip"):
+        setup.check_setuptools("65.5.0")
+    setup.check_setuptools("77.0.3")
+
+
 def _backend():
     return _load("cgraph_backend", ROOT / "_backend" / "cgraph_backend.py")
 
