@@ -4,7 +4,12 @@ cgraph/_C.so.
 
 torch's BuildExtension compiles every source as C++, so the C files go
 through setuptools' build_clib instead and are linked in whole (nothing in
-the C++ half references PyInit__C, so a plain -l would drop it).
+the C++ half references PyInit__C, so a plain -l would drop it).  The module
+exports PyInit__C only (hidden visibility and csrc/exports.map).
+
+pip runs this through _backend/cgraph_backend.py, which gives an isolated
+build the installed torch's release; `pip install --no-build-isolation .`
+builds against the installed torch directly (recommended, and faster).
 """
 import glob
 import importlib.util
@@ -191,6 +196,6 @@ def main():
 
 
 # setuptools' build backend runs this file as __main__ too; tests load it as a
-# module to call check_cuda_torch.
+# module to call the checks.
 if __name__ == "__main__":
     main()
