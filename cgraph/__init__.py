@@ -17,9 +17,14 @@ Example::
     graphed.reset()   # frees graphs and their memory pool
 """
 
-import torch  # noqa: F401  (loads libtorch before the extension)
+import torch  # loads libtorch before the extension
 
-from . import _C
+from ._cuda_check import require_cuda_torch
+
+require_cuda_torch(torch)  # a CPU-only torch: one sentence, not "libc10_cuda.so: cannot open"
+
+from . import _C  # noqa: E402
+from ._version import __version__
 from ._api import (GraphedModule, graph_pool_handle, make_graphed, make_graphed_callables,
                    reset_all)
 
@@ -35,4 +40,3 @@ __all__ = [
     "make_graphed_callables",
     "reset_all",
 ]
-__version__ = "0.1.0"

@@ -1,0 +1,194 @@
+"""Packaging checks on the CPU (they run in CI): what the built module
+exports, that the sdist holds all that builds cgraph and installs into a
+fresh environment, which torch an isolated build asks for, and the one
+sentence for a torch without CUDA, at build and at import."""
+
+import importlib.util
+import os
+import re
+import site
+import subprocess
+import sys
+import tarfile
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import cgraph
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_ONLY = "cgraph needs a CUDA build of PyTorch; this torch is CPU-only: "
+
+
+def _load(name, path):
+    """A module loaded from a file of the checkout (setup.py, the backend)
+    without running anything under `if __name__ == "__main__"`."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(cmd, **kwargs):
+    """Run a command; on failure the assertion shows the end of its output."""
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
+    assert done.returncode == 0, f"{cmd} failed:\n{(done.stdout + done.stderr)[-4000:]}"
+    return done.stdout
+
+
+def _exported(shared_object):
+    """Names `nm -D --defined-only` lists: what the dynamic linker can bind
+    other libraries' calls to."""
+    out = _run(["nm", "-D", "--defined-only", shared_object])
+    return [line.split()[-1] for line in out.splitlines() if line.strip()]
+
+
+def _without_pythonpath():
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def test_module_exports_only_its_init():
+    """Anything else exported (our functions, the inline members of torch's
+    classes compiled into our objects) could take the place of another
+    library's copy of the same symbol."""
+    assert _exported(cgraph._C.__file__) == ["PyInit__C"]
+
+
+@pytest.mark.slow
+def test_sdist_builds_and_installs(tmp_path):
+    """The sdist holds every file of csrc/ and the test helpers, and
+    `pip install --no-build-isolation` of it into a fresh environment gives
+    an importable cgraph of this version (one full build: minutes)."""
+    _run([sys.executable, "-m", "build", "--sdist", "--no-isolation", "--outdir",
+          tmp_path / "dist", ROOT])
+    (sdist,) = (tmp_path / "dist").glob("cgraph-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        members = {Path(*Path(name).parts[1:]).as_posix() for name in tar.getnames()}
+    wanted = {f"csrc/{p.name}" for p in (ROOT / "csrc").iterdir() if p.is_file()}
+    wanted |= {f"tests/{p.name}" for p in (ROOT / "tests").glob("*.py")}
+    wanted |= {"LICENSE", "README.md", "pyproject.toml", "setup.py", "_backend/cgraph_backend.py"}
+    assert wanted <= members, f"missing from the sdist: {sorted(wanted - members)}"
+
+    python = _fresh_venv(tmp_path / "venv")
+    _run([python, "-m", "pip", "install", "-q", "--no-build-isolation", sdist],
+         env=_without_pythonpath())
+    out = _run([python, "-c", "import cgraph; print(cgraph.__version__); print(cgraph._C.__file__)"],
+               cwd=tmp_path, env=_without_pythonpath())
+    version, module = out.split()
+    assert version == _load("_cgraph_version", ROOT / "cgraph" / "_version.py").__version__
+    assert Path(module).is_relative_to(tmp_path / "venv"), module
+    assert _exported(module) == ["PyInit__C"]
+
+
+def _fresh_venv(folder):
+    """A virtual environment that sees this one's packages (torch, pip,
+    setuptools) behind its own: --system-site-packages, plus a .pth for
+    where this Python is itself a virtual environment.  No pip of its own:
+    Python 3.11's would bring setuptools 65, too old for pyproject.toml."""
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", folder])
+    python = folder / "bin" / "python"
+    purelib = _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    outer = [p for p in site.getsitepackages() if os.path.isdir(p)]
+    Path(purelib.strip(), "outer.pth").write_text("\n".join(outer) + "\n")
+    return python
+
+
+def test_import_refuses_a_cpu_only_torch():
+    """With torch.version.cuda None, as in a CPU-only torch, `import cgraph`
+    raises one sentence before loading _C."""
+    script = textwrap.dedent("""
+        import sys, torch
+        torch.version.cuda = None
+        try:
+            import cgraph
+        except ImportError as e:
+            print(e)
+            print("cgraph._C" in sys.modules)
+        else:
+            print("imported")
+    """)
+    out = _run([sys.executable, "-c", script], cwd=ROOT).splitlines()
+    assert out[0].startswith(CPU_ONLY + torch.__version__ + ". Install a CUDA build"), out
+    assert out[1:] == ["False"], out
+
+
+def test_build_refuses_a_cpu_only_torch():
+    """setup.py's check stops the build with the same sentence; a CUDA
+    torch passes."""
+    setup = _load("cgraph_setup", ROOT / "setup.py")
+    cpu = types.SimpleNamespace(__version__="2.13.0+cpu",
+                                version=types.SimpleNamespace(cuda=None, hip=None))
+    with pytest.raises(SystemExit, match="^" + re.escape(CPU_ONLY + "2.13.0+cpu. ")):
+        setup.check_cuda_torch(cpu)
+    setup.check_cuda_torch(types.SimpleNamespace(__version__="2.14.1+cu130",
+                                                 version=types.SimpleNamespace(cuda="13.0")))
+    rocm = types.SimpleNamespace(__version__="2.14.1+rocm7.0",
+                                 version=types.SimpleNamespace(cuda=None, hip="7.0"))
+    with pytest.raises(SystemExit, match="this torch is a ROCm build"):
+        setup.check_cuda_torch(rocm)
+
+
+def test_build_refuses_an_old_setuptools():
+    """A Python 3.11 venv's setuptools 65 gets one sentence, not its schema error."""
+    setup = _load("cgraph_setup", ROOT / "setup.py")
+    with pytest.raises(SystemExit, match=r"needs setuptools>=77; this Python has 65\.5\.0: pip"):
+        setup.check_setuptools("65.5.0")
+    setup.check_setuptools("77.0.3")
+
+
+def _backend():
+    return _load("cgraph_backend", ROOT / "_backend" / "cgraph_backend.py")
+
+
+def test_isolated_build_asks_for_the_installed_torch_release(tmp_path):
+    """Under pip's build isolation (its sitecustomize takes the site-packages
+    off sys.path), the backend still finds the installed torch, reads its
+    release without importing it, and asks for exactly that release."""
+    expected = f"torch=={torch.__version__.split('+')[0]}"
+    assert _backend().get_requires_for_build_wheel() == [expected]
+
+    script = textwrap.dedent(f"""
+        import importlib.util, sys
+        assert importlib.util.find_spec("torch") is None, "isolation failed"
+        # pip's build environment has setuptools; these hooks do not use it.
+        stub = type(sys)("setuptools.build_meta")
+        stub.__all__ = []
+        sys.modules.update({{"setuptools": type(sys)("setuptools"), "setuptools.build_meta": stub}})
+        sys.path.insert(0, {str(ROOT / "_backend")!r})
+        import cgraph_backend
+        print(cgraph_backend.get_requires_for_build_wheel())
+        print(cgraph_backend.get_requires_for_build_sdist())
+        print("torch" in sys.modules)
+    """)
+    out = _run([sys.executable, "-c", script], env=_pip_isolation(tmp_path), cwd=tmp_path).splitlines()
+    assert out == [f"['{expected}']"] * 2 + ["False"], out
+
+
+def _pip_isolation(folder):
+    """The environment pip runs build hooks in: PYTHONPATH names a folder whose
+    sitecustomize.py takes the site-packages off sys.path, and user site off."""
+    Path(folder, "sitecustomize.py").write_text(textwrap.dedent(f"""
+        import os, sys
+        drop = {{os.path.normcase(p) for p in {site.getsitepackages()!r}}}
+        sys.path[:] = [p for p in sys.path if os.path.normcase(p) not in drop]
+    """))
+    return dict(os.environ, PYTHONPATH=str(folder), PYTHONNOUSERSITE="1")
+
+
+def test_isolated_build_refuses_a_cpu_only_torch(tmp_path, monkeypatch):
+    """The backend stops before pip downloads anything where the installed
+    torch is CPU-only (its torch/version.py says cuda None)."""
+    (tmp_path / "version.py").write_text(
+        "from typing import Optional\n__version__ = '2.13.0+cpu'\ndebug = False\n"
+        "cuda: Optional[str] = None\nhip: Optional[str] = None\n")
+    backend = _backend()
+    monkeypatch.setattr(backend, "_torch_folder", lambda: str(tmp_path))
+    with pytest.raises(SystemExit, match=r"CPU-only: 2\.13\.0\+cpu\. Install a CUDA build"):
+        backend.get_requires_for_build_wheel()
+    monkeypatch.setattr(backend, "_torch_folder", lambda: None)
+    assert backend.get_requires_for_build_wheel() == [backend.MIN_TORCH]
