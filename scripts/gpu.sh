@@ -8,7 +8,7 @@ source "$(dirname "$0")/_deps.sh"
 status=0
 # -m "not slow": the packaging test's second full build (minutes of device
 # time) checks nothing GPU-specific; CI runs it.
-"$PY" -X faulthandler -m pytest -q -p no:cacheprovider --tb=short -rs -m "not slow" tests || status=$?
+"$PY" -X faulthandler -m pytest -q -p no:cacheprovider --tb=short -rfEs -m "not slow" tests || status=$?
 if [ "${1:-}" = "--bench" ]; then
   shift
   "$PY" -m benchmarks.run "$@" || status=$?
