@@ -45,6 +45,8 @@ def test_graphed_type_is_not_constructible():
         (dict(num_warmup_iters=-1), ValueError, "num_warmup_iters"),
         (dict(pool="mine"), TypeError, "pool must be"),
         (dict(enable_annotations=True), ValueError, "enable_annotations"),
+        (dict(kept_outputs="keep"), ValueError, "kept_outputs must be one of"),
+        (dict(kept_outputs="alias", guard_outputs=True), ValueError, "disagree"),
     ],
 )
 def test_bad_options_are_refused(kwargs, error, text):

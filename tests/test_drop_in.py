@@ -71,19 +71,6 @@ def test_a_loss_kept_for_later_keeps_its_value_and_its_backward():
         assert_equal(a.detach(), b, f"output of step {step}")
 
 
-def test_kept_outputs_alias_is_torchs_behaviour():
-    model = stack()
-    graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),),
-                                  kept_outputs="alias")
-    x1, x2 = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
-    with torch.no_grad():  # else the second call, before first's backward, runs eagerly
-        first = graphed(x1)
-        graphed(x2)
-        assert_equal(first, model(x2), "the first output, overwritten by the second call")
-    with pytest.raises(ValueError, match="kept_outputs must be one of"):
-        cgraph.make_graphed(model, (x1,), kept_outputs="keep")
-
-
 # ---- several calls before their backwards -------------------------------------
 
 

@@ -299,10 +299,11 @@ def test_reading_an_overwritten_output_raises_and_the_latest_is_right():
             stale.sum()
 
 
-def test_unguarded_outputs_change_under_the_caller_as_in_torch():
+@pytest.mark.parametrize("option", [{"kept_outputs": "alias"}, {"guard_outputs": False}],
+                         ids=["kept_outputs", "guard_outputs"])
+def test_unguarded_outputs_change_under_the_caller_as_in_torch(option):
     model = stack()
-    graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),),
-                                  guard_outputs=False)
+    graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),), **option)
     x1, x2 = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
     with torch.no_grad():  # else the second call, before first's backward, runs eagerly
         first = graphed(x1)
