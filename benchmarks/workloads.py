@@ -63,6 +63,7 @@ VARIANTS = (
     "torch-mgc-layer",
     "cgraph-whole",
     "cgraph-whole-unguarded",
+    "cgraph-whole-shapes",
     "cgraph-layer",
     "floor",
     "floor-eager-opt",
@@ -70,8 +71,11 @@ VARIANTS = (
 )
 # cgraph-whole-unguarded: guard_outputs=False, to measure what guarding the
 # outputs of earlier calls costs (csrc/aten_replay.cpp, Note [Outputs of
-# earlier calls]).
-_WHOLE_SCALING = ("eager", "torch-mgc-whole", "cgraph-whole", "cgraph-whole-unguarded", "floor")
+# earlier calls]).  cgraph-whole-shapes: max_graphs=8, the call path that
+# looks a graph up among several (Note [Several graphs per callable] in
+# csrc/graphed.c), here with one graph: what the lookup costs.
+_WHOLE_SCALING = ("eager", "torch-mgc-whole", "cgraph-whole", "cgraph-whole-unguarded",
+                  "cgraph-whole-shapes", "floor")
 _LAYER_SCALING = ("eager", "torch-mgc-layer", "cgraph-layer", "floor")
 # The eager-part floors need a loss and an optimizer step, which the overhead
 # step has not.
@@ -267,8 +271,11 @@ def _forward(problem: Problem, variant: str) -> Callable[[torch.Tensor], torch.T
     if variant.startswith("compile-"):
         return torch.compile(model, mode=variant.removeprefix("compile-"))
     guarded = not variant.endswith("-unguarded")
-    library, scope = variant.removesuffix("-unguarded").rsplit("-", 1)
+    shapes = variant.endswith("-shapes")
+    library, scope = variant.removesuffix("-unguarded").removesuffix("-shapes").rsplit("-", 1)
     make_graphed_callables = _graphing_function(library, guarded)
+    if shapes:
+        make_graphed_callables = functools.partial(make_graphed_callables, max_graphs=8)
     if scope == "whole":
         sample = problem.x.detach().clone().requires_grad_(problem.x.requires_grad)
         return make_graphed_callables(model, (sample,))

@@ -5,18 +5,17 @@ core, and wrap what comes back.  Warm-up, capture and replay are in csrc/."""
 from __future__ import annotations
 
 import atexit
-import enum
-import inspect
 import weakref
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils import _pytree as pytree
 
 from . import _C, _log
-from ._capture import capture_session
+from ._capture import CaptureOptions, graph
+from ._describe import Target, draft
+from ._regraph import Regraph
 
 __all__ = ["make_graphed_callables", "make_graphed", "GraphedModule", "graph_pool_handle",
            "reset_all"]
@@ -25,11 +24,10 @@ _CAPTURE_MODES = {"global": 0, "thread_local": 1, "relaxed": 2}
 # What a replay does to an earlier call's outputs still held: cgraph.h's
 # cg_kept_outputs, Note [Outputs of earlier calls] in csrc/aten_replay.cpp.
 _KEPT_OUTPUTS = {"copy": 0, "error": 1, "alias": 2}
-
-# Non-tensor arguments a graph can bake in as constants: each call must pass
-# the captured value again (checked in C on every call).
-_CONSTANT_TYPES = (bool, int, float, complex, str, bytes, enum.Enum, torch.dtype,
-                   torch.device, torch.layout, torch.memory_format)
+# make_graphed's default max_graphs: room for a few shapes (a short last
+# batch, an eval batch size) and a second call before a backward, without
+# letting a stream of new shapes fill the device.
+_MAX_GRAPHS = 8
 
 
 # Every graphed callable not yet freed, for reset_all().
@@ -73,6 +71,7 @@ def make_graphed_callables(
     sample_kwargs=None,
     kept_outputs: str = "copy",
     guard_outputs: bool | None = None,
+    max_graphs: int | None = None,
 ):
     """Drop-in for :func:`torch.cuda.make_graphed_callables`.
 
@@ -152,9 +151,15 @@ def make_graphed_callables(
                 f"{len(callables)} dicts (or None), one per callable."
             )
     targets = tuple(_unwrap_ddp(fn) for fn in callables)
-    graphed = _graph(targets, sample_args, sample_kwargs, num_warmup_iters,
-                     allow_unused_input, pool, capture_error_mode,
-                     _kept_outputs(kept_outputs, guard_outputs))
+    options = _options(num_warmup_iters, allow_unused_input, capture_error_mode,
+                       _kept_outputs(kept_outputs, guard_outputs))
+    described = [Target.of(i, fn) for i, fn in enumerate(targets)]
+    pool_id = _pool_id(pool)
+    graphed = _graph(described, sample_args, sample_kwargs, pool_id, options)
+    if max_graphs is not None:
+        shares_pool = len(described) > 1 or pool_id is not None
+        for target, g in zip(described, graphed):
+            g._set_on_miss(Regraph(target, options, _max_graphs(max_graphs), None, shares_pool))
     out = []
     for fn, target, g in zip(callables, targets, graphed):
         if isinstance(target, nn.Module):
@@ -167,7 +172,7 @@ def make_graphed_callables(
 
 def make_graphed(
     fn: Callable[..., Any],
-    sample_args: tuple,
+    sample_args: tuple | None = None,
     *,
     sample_kwargs: dict | None = None,
     num_warmup_iters: int = 3,
@@ -176,11 +181,37 @@ def make_graphed(
     capture_error_mode: str = "global",
     kept_outputs: str = "copy",
     guard_outputs: bool | None = None,
+    max_graphs: int = _MAX_GRAPHS,
 ):
     """Graph one callable.
 
     ``sample_kwargs``, ``kept_outputs`` and constant arguments work as in
-    :func:`make_graphed_callables`.  Returns a :class:`GraphedModule` for an
+    :func:`make_graphed_callables`.
+
+    Several graphs: a call that none of the callable's graphs takes
+    (tensors of another shape or dtype, another constant or keyword,
+    another autocast or grad mode, the module in the other train/eval
+    mode, an input that requires grad unlike the sample) captures one more
+    forward/backward pair for it on the spot, with the same warm-up and
+    checks, and replays it from then on.  So does a call made while the
+    backward of an earlier call of the same signature is still pending
+    (several micro-batches' forwards, a siamese model), which gets an
+    instance of its own; backwards then run in any order.  Graphs of one
+    callable share its pool where they can.  Up to ``max_graphs`` graphs;
+    past that a call runs eagerly, logged once (logger ``cgraph``) and
+    counted in ``stats``.  ``max_graphs=None``: one graph, torch's rules.
+
+    Without ``sample_args`` nothing is captured until the first call, whose
+    arguments (tensors copied) become the samples: warm-up runs on the
+    copies, puts back every grad, buffer and the random-number state, then
+    the graph is captured and replayed for the call.  Results are eager's
+    throughout.  This graphs a model's layers without knowing how the model
+    calls them::
+
+        layers = model.model.layers
+        model.model.layers = torch.nn.ModuleList(cgraph.make_graphed(l) for l in layers)
+
+    Returns a :class:`GraphedModule` for an
     ``nn.Module`` (the module stays untouched inside it) and a graphed
     callable for anything else.  A ``DistributedDataParallel`` model comes
     back itself, with the module it wraps graphed: DDP's per-call
@@ -197,12 +228,24 @@ def make_graphed(
         torch.testing.assert_close(graphed(x), mlp(x))
         graphed.reset()
     """
-    target = _unwrap_ddp(fn)
-    (g,) = _graph((target,), (sample_args,), (sample_kwargs,), num_warmup_iters,
-                  allow_unused_input, pool, capture_error_mode,
-                  _kept_outputs(kept_outputs, guard_outputs))
-    if target is not fn:  # DistributedDataParallel: see _unwrap_ddp
-        target.forward = g
+    inner = _unwrap_ddp(fn)
+    options = _options(num_warmup_iters, allow_unused_input, capture_error_mode,
+                       _kept_outputs(kept_outputs, guard_outputs))
+    target, pool_id = Target.of(0, inner), _pool_id(pool)
+    limit = None if max_graphs is None else _max_graphs(max_graphs)
+    if sample_args is None:
+        if sample_kwargs is not None:
+            raise ValueError("cgraph: sample_kwargs without sample_args; pass both, or "
+                             "neither to capture on the first call.")
+        _require_cuda()
+        g = _C.new_graphed(Regraph(target, options, limit or 1, pool_id, pool_id is not None))
+        _live.add(g)
+    else:
+        (g,) = _graph([target], (sample_args,), (sample_kwargs,), pool_id, options)
+        if limit is not None:
+            g._set_on_miss(Regraph(target, options, limit, None, pool_id is not None))
+    if inner is not fn:  # DistributedDataParallel: see _unwrap_ddp
+        inner.forward = g
         return fn
     return GraphedModule(fn, g) if isinstance(fn, nn.Module) else g
 
@@ -212,7 +255,8 @@ class GraphedModule(nn.Module):
 
     Parameters, buffers and ``state_dict`` are those of the wrapped module
     (under ``module.``, as with DDP).  In the other train/eval mode than at
-    capture, the wrapped module runs eagerly.  Build it with
+    capture it captures a graph for that mode (with ``max_graphs=None``, it
+    runs the wrapped module eagerly, as torch does).  Build it with
     :func:`make_graphed`.
     """
 
@@ -247,13 +291,28 @@ class GraphedModule(nn.Module):
         ``cgraph.Graphed.graphs``)."""
         return self._graphed.graphs
 
+    def __getattr__(self, name: str):
+        """Attributes of the wrapped module (a model reading
+        ``layer.attention_type`` off a layer it calls), after the wrapper's
+        own parameters, buffers and submodules."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__["_modules"].get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    @property
+    def num_graphs(self) -> int:
+        """How many forward/backward graph pairs are captured."""
+        return self._graphed.num_graphs
+
     def extra_repr(self) -> str:
         g = self._graphed
         state = "reset" if g.is_reset else f"inputs={g.num_inputs}, params={g.num_params}"
-        return f"graphed: {state}, pool={g.pool}"
+        return f"graphed: {state}, graphs={g.num_graphs}, pool={g.pool}"
 
-
-# ---- describing callables to the native core --------------------------------
 
 
 def _unwrap_ddp(fn):
@@ -304,8 +363,8 @@ def _kept_outputs(kept_outputs: str, guard_outputs: bool | None) -> str:
     return kept_outputs
 
 
-def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused_input, pool,
-           capture_error_mode, kept_outputs):
+def _options(num_warmup_iters, allow_unused_input, capture_error_mode,
+             kept_outputs) -> CaptureOptions:
     if capture_error_mode not in _CAPTURE_MODES:
         raise ValueError(
             f"cgraph: capture_error_mode must be one of {sorted(_CAPTURE_MODES)}, "
@@ -319,240 +378,25 @@ def _graph(callables, sample_args, sample_kwargs, num_warmup_iters, allow_unused
         raise ValueError(
             f"cgraph: kept_outputs must be one of {sorted(_KEPT_OUTPUTS)}, got {kept_outputs!r}."
         )
+    return CaptureOptions(num_warmup_iters, bool(allow_unused_input),
+                          _CAPTURE_MODES[capture_error_mode], _KEPT_OUTPUTS[kept_outputs])
+
+
+def _max_graphs(max_graphs) -> int:
+    if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
+        raise ValueError(
+            f"cgraph: max_graphs must be a positive int (or None for one graph with torch's "
+            f"rules), got {max_graphs!r}."
+        )
+    return max_graphs
+
+
+def _graph(targets, sample_args, sample_kwargs, pool_id, options):
+    """The first graph of each callable, captured together."""
     claimed: set[int] = set()  # sample memory already used as a static input
-    drafts = [_draft(i, fn, args, kwargs, claimed)
-              for i, (fn, args, kwargs) in enumerate(zip(callables, sample_args, sample_kwargs))]
-    pool_id = _pool_id(pool)
+    drafts = [draft(t, args, kwargs, claimed)
+              for t, args, kwargs in zip(targets, sample_args, sample_kwargs)]
     _require_cuda()
-    device = _device_of(drafts)
-    specs = tuple(_C.CallableSpec(**draft.fields, device=device) for draft in drafts)
-    with capture_session(specs):
-        graphed = _C.graph_callables(specs, pool_id, num_warmup_iters, bool(allow_unused_input),
-                                     _CAPTURE_MODES[capture_error_mode],
-                                     _KEPT_OUTPUTS[kept_outputs])
+    graphed = graph(drafts, pool_id, options)
     _live.update(graphed)
     return graphed
-
-
-class _StateCheck:
-    """verify(module), called by graphed.c after any module anywhere registered
-    a parameter, buffer or submodule: raises if this module's parameters or
-    buffers are no longer the tensors its graphs read."""
-
-    __slots__ = ("index", "captured")
-
-    def __init__(self, index: int, module: nn.Module):
-        self.index = index
-        self.captured = dict(_named_state(module))
-
-    def __call__(self, module: nn.Module) -> None:
-        now = dict(_named_state(module))
-        for name in [*self.captured, *(k for k in now if k not in self.captured)]:
-            if self.captured.get(name) is not now.get(name):
-                raise RuntimeError(
-                    f"cgraph: '{name}' of graphed module {self.index} "
-                    f"({type(module).__name__}) was replaced after capture "
-                    "(load_state_dict(assign=True), a new nn.Parameter or buffer, or a "
-                    "removed one); the graphs would keep reading the old tensor. Graph the "
-                    "module again after replacing it, or load weights in place "
-                    "(load_state_dict without assign=True)."
-                )
-
-
-def _named_state(module: nn.Module):
-    yield from module.named_parameters()
-    yield from module.named_buffers()
-
-
-def _modules_changed(*_):
-    _C.modules_changed()
-
-
-# Any parameter, buffer or submodule registered anywhere tells the native
-# core to re-check graphed modules on their next call (see _StateCheck).
-for _register in (nn.modules.module.register_module_parameter_registration_hook,
-                  nn.modules.module.register_module_buffer_registration_hook,
-                  nn.modules.module.register_module_module_registration_hook):
-    _register(_modules_changed)
-
-
-class Constant(NamedTuple):
-    """A non-tensor sample argument captured into the graph: each call must
-    pass the same value again (checked in csrc/arguments.c)."""
-
-    position: int  # among the pytree leaves of (args, kwargs)
-    name: str
-    value: Any
-
-
-class Default(NamedTuple):
-    """A parameter of the callable the samples leave out, with a default a
-    call may pass again (checked in csrc/arguments.c)."""
-
-    name: str
-    position: int  # its position among the positional parameters; -1: keyword only
-    value: Any
-    by_keyword: bool  # it may be passed by keyword
-
-
-class _Draft(NamedTuple):
-    """A callable's description, checked, short of the device, which depends
-    on every callable and on CUDA (checked after the arguments)."""
-
-    fields: dict  # CallableSpec's fields but the device
-    leaves: list  # every pytree leaf of (args, kwargs)
-
-
-def _draft(index: int, fn, args, kwargs, claimed: set[int]) -> _Draft:
-    if not callable(fn):
-        raise TypeError(f"cgraph: callable {index} is a {type(fn).__name__}, not callable.")
-    if not isinstance(args, tuple):
-        hint = " (write (x,) for one tensor)" if isinstance(args, torch.Tensor) else ""
-        raise TypeError(
-            f"cgraph: sample args of callable {index} must be a tuple{hint}, "
-            f"got {type(args).__name__}."
-        )
-    if kwargs is None:
-        kwargs = {}
-    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
-        raise TypeError(
-            f"cgraph: sample_kwargs of callable {index} must be a dict of keyword "
-            f"arguments, got {type(kwargs).__name__}."
-        )
-    kwargs = dict(sorted(kwargs.items()))  # calls are flattened in this order too
-    leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    leaves = [_static_input(leaf, claimed) if isinstance(leaf, torch.Tensor) else leaf
-              for leaf in leaves]
-    args, kwargs = pytree.tree_unflatten(leaves, in_spec)
-    tensors, names, constants = _classify_leaves(index, leaves, _leaf_names(fn, args, kwargs))
-    flat = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
-    module = isinstance(fn, nn.Module)
-    fields = dict(
-        index=index, **_target_fields(index, fn), args=args, kwargs=kwargs,
-        kw_names=tuple(kwargs), tensors=tensors, names=names,
-        params=tuple(fn.parameters()) if module else (),
-        buffers=tuple(fn.buffers()) if module else (), flat=flat,
-        in_spec=None if flat else in_spec, constants=constants,
-        defaults=_defaults(fn, len(args), kwargs),
-    )
-    return _Draft(fields, leaves)
-
-
-def _defaults(fn, nargs: int, kwargs: dict) -> tuple[Default, ...]:
-    """The parameters of fn's signature that the samples (nargs positional
-    arguments, these keywords) leave out, whose defaults are values a call
-    can be compared with: None, and the constant types."""
-    try:
-        target = fn.forward if isinstance(fn, nn.Module) else fn
-        parameters = list(inspect.signature(target).parameters.values())
-    except (TypeError, ValueError):
-        return ()
-    defaults = []
-    for position, p in enumerate(parameters):
-        positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        if p.default is p.empty or (positional and position < nargs) or p.name in kwargs:
-            continue
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            continue
-        if p.default is None or isinstance(p.default, _CONSTANT_TYPES):
-            defaults.append(Default(p.name, position if positional else -1, p.default,
-                                    p.kind != p.POSITIONAL_ONLY))
-    return tuple(defaults)
-
-
-def _classify_leaves(index: int, leaves: list, names: list[str]):
-    """The tensor leaves and their names, and the constants."""
-    tensors, tensor_names, constants = [], [], []
-    for position, (name, leaf) in enumerate(zip(names, leaves)):
-        if isinstance(leaf, torch.Tensor):
-            tensors.append(leaf)
-            tensor_names.append(name)
-        elif isinstance(leaf, _CONSTANT_TYPES):
-            constants.append(Constant(position, name, leaf))
-        else:
-            raise TypeError(
-                f"cgraph: sample argument '{name}' of callable {index} is a "
-                f"{type(leaf).__name__}; graphed callables take tensors and constants "
-                "(int, float, bool, str, enum, torch.dtype, ...) nested in tuples, lists or "
-                "dicts. Bind other values with functools.partial."
-            )
-    return tuple(tensors), tuple(tensor_names), tuple(constants)
-
-
-def _target_fields(index: int, fn) -> dict:
-    """What to call, and for a module how to run it eagerly and check it."""
-    if not isinstance(fn, nn.Module):
-        return dict(function=fn, module=None, eager=None, eager_takes_module=False,
-                    training=False, verify=None)
-    if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks:
-        raise ValueError(
-            f"cgraph: module {index} ({type(fn).__name__}) has module hooks; they would "
-            "run once, at capture, and never on replay. Remove them before graphing "
-            "(you may register hooks afterwards), as torch requires."
-        )
-    if any(b.requires_grad for b in fn.buffers()):
-        raise ValueError(
-            f"cgraph: module {index} has a buffer that requires grad; only parameters "
-            "may be trainable in a graphed module (make it an nn.Parameter)."
-        )
-    if "forward" in fn.__dict__:
-        eager, takes_module = fn.__dict__["forward"], False
-    else:
-        eager, takes_module = type(fn).forward, True
-    # The module weakly: module.forward holds the Graphed, which holds the spec.
-    return dict(function=None, module=weakref.ref(fn), eager=eager,
-                eager_takes_module=takes_module, training=fn.training,
-                verify=_StateCheck(index, fn))
-
-
-def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
-    """Samples become the graphs' static input buffers.
-
-    * Two that share memory (one tensor passed to several callables, or twice
-      to one) would overwrite each other at replay, and backward would read
-      the wrong activations; torch computes wrong grads without a word.  A
-      sample whose memory an earlier sample already uses is replaced by a
-      clone.
-    * A sample with autograd history (the output of other ops) is replaced
-      by a leaf over the same memory: the backward capture runs a plain
-      .backward() that must stop at the graph's inputs (csrc/aten_capture.cpp,
-      Note [Backward capture runs .backward()])."""
-    key = sample.untyped_storage().data_ptr()
-    if sample.numel() and key in claimed:
-        sample = sample.detach().clone().requires_grad_(sample.requires_grad)
-        key = sample.untyped_storage().data_ptr()
-    elif sample.grad_fn is not None:
-        sample = sample.detach().requires_grad_()
-    claimed.add(key)
-    return sample
-
-
-def _leaf_names(fn, args, kwargs=None) -> list[str]:
-    """A readable name per pytree leaf of ``(args, kwargs)``: the forward's
-    parameter name for positional arguments ('x', "batch['mask']"), the
-    keyword for keyword arguments, else the leaf's path ('args[2]')."""
-    try:
-        target = fn.forward if isinstance(fn, nn.Module) else fn
-        positional = [p.name for p in inspect.signature(target).parameters.values()
-                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    except (TypeError, ValueError):
-        positional = []
-    names = []
-    for path, _ in pytree.tree_flatten_with_path((args, kwargs or {}))[0]:
-        (part, head), rest = path[:2], path[2:]
-        if part.idx == 1:  # a keyword argument
-            base = str(head.key)
-        else:
-            base = positional[head.idx] if head.idx < len(positional) else f"args[{head.idx}]"
-        names.append(base + "".join(str(k) for k in rest))
-    return names
-
-
-def _device_of(drafts: Sequence[_Draft]) -> int:
-    """The device of the first CUDA tensor among the samples and parameters,
-    else the current one: the device every graph of one call runs on."""
-    for draft in drafts:
-        for t in (*draft.leaves, *draft.fields["params"]):
-            if isinstance(t, torch.Tensor) and t.is_cuda:
-                return t.device.index
-    return torch.cuda.current_device()

@@ -20,6 +20,10 @@ the session ends, also when warm-up or capture raised:
 4. torch.autograd.backward and torch.utils.checkpoint.detach_variable check
    what a use_reentrant=True checkpoint region reads: Note [Reentrant
    regions] below.
+5. The CUDA generator's state is put back as the session found it: warm-up
+   draws random numbers (dropout) that no eager run would have drawn, so a
+   later call, eager or graphed, sees the stream it would have seen without
+   graphing, and dropout masks equal eager's call for call.
 
 Refusals raise _C.Refusal(message, kind), which the capture turns into a
 CaptureError naming the cause (Note [Capture failures] in csrc/capture.c).
@@ -28,19 +32,55 @@ CaptureError naming the cause (Note [Capture failures] in csrc/capture.c).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 import torch.utils.checkpoint as checkpoint_module
 
 from . import _C
+from ._describe import Draft, device_of
+
+
+class CaptureOptions(NamedTuple):
+    """How one make_graphed call warms up and captures, checked by _api and
+    used again by every later capture of its callables (_regraph)."""
+
+    num_warmup_iters: int
+    allow_unused_input: bool
+    capture_error_mode: int  # a cg_capture_mode
+    kept_outputs: int  # a cg_kept_outputs
+
+
+def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
+          options: CaptureOptions) -> tuple[_C.Graphed, ...]:
+    """Warms up and captures these callables together (csrc/capture.c), in
+    one session: a Graphed per callable, with one graph each."""
+    device = device_of(drafts)
+    specs = tuple(_C.CallableSpec(**d.fields, device=device) for d in drafts)
+    with capture_session(specs):
+        return _C.graph_callables(specs, pool, *options)
 
 
 @contextlib.contextmanager
 def capture_session(specs: Sequence[_C.CallableSpec]) -> Iterator[None]:
     """The patches of Note [Patches during capture], for these callables."""
-    with _autocast_cache_off(), _rng_hooks(), _reentrant_regions_checked(specs):
+    with _rng_stream_kept(specs), _autocast_cache_off(), _rng_hooks(), \
+            _reentrant_regions_checked(specs):
         yield
+
+
+@contextlib.contextmanager
+def _rng_stream_kept(specs: Sequence[_C.CallableSpec]) -> Iterator[None]:
+    """Item 5 of Note [Patches during capture], on the callables' device."""
+    if not specs:
+        yield
+        return
+    device = specs[0].device
+    state = torch.cuda.get_rng_state(device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_rng_state(state, device)
 
 
 @contextlib.contextmanager

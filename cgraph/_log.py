@@ -39,7 +39,7 @@ def describe(graphed) -> str:
     """'callable 0 (Linear)': how log lines name a graphed callable."""
     spec = graphed.spec
     if spec is None:
-        return "a reset callable"
+        return "a reset callable" if graphed.is_reset else "a callable with no graph yet"
     target = spec.module() if spec.module is not None else spec.function
     name = type(target).__name__ if spec.module is not None else getattr(
         target, "__qualname__", type(target).__name__)
@@ -55,3 +55,27 @@ def on_event(event: str, graphed) -> None:
             "stats['eager_pending']. Logged once per callable.", describe(graphed))
     else:
         log.debug("%s: %s", describe(graphed), event)
+
+
+def captured(graphed, why: str, samples, seconds: float) -> None:
+    """A graph captured after the first (cgraph/_regraph.py)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    from torch.utils import _pytree as pytree  # only when logging
+    import torch
+
+    shapes = ", ".join(str(tuple(t.shape)) for t in pytree.tree_leaves(samples)
+                       if isinstance(t, torch.Tensor))
+    log.info("%s: captured graph %d for %s (tensors %s) in %.3f s.", describe(graphed),
+             graphed.num_graphs, why, shapes or "none", seconds)
+
+
+def past_limit(graphed, max_graphs: int, pending: bool) -> None:
+    """A call runs eagerly: no graph takes it and max_graphs are captured."""
+    why, counter = (("the backwards of its graphs for these arguments are pending",
+                     "eager_pending") if pending
+                    else ("none of its graphs takes these arguments", "eager_past_limit"))
+    log.warning(
+        "%s: a call ran eagerly because %s and max_graphs=%d graphs are captured; "
+        "counted in stats[%r]. Raise max_graphs, or pad inputs to fewer shapes. Logged "
+        "once per callable.", describe(graphed), why, max_graphs, counter)

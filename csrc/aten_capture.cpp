@@ -4,6 +4,7 @@
 #include "aten_engine.hpp"
 
 #include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
 
 namespace cgraph {
 
@@ -32,6 +33,7 @@ void Engine::capture_begin(cg_pass pass, at::cuda::MempoolId_t pool_id,
   pool = pool_id;
   if (pass == CG_FORWARD) {
     autocast = Autocast::current();
+    grad_mode = at::GradMode::is_enabled();
   }
   Graph& g = graph(pass);
   rng_capture_begin(pass);

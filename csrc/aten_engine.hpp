@@ -237,6 +237,7 @@ struct Engine {
   std::vector<Param> params;  // module parameters, then hidden leaves
   std::vector<Output> outputs;
   Autocast autocast;          // at the forward's capture
+  bool grad_mode = true;      // grad mode at the forward's capture
   RngReplay rng;
 
   // Present from construction to finish_setup().
@@ -311,6 +312,10 @@ void close_setup(cg_setup* setup) noexcept;
 // The forward replay of one call (aten_replay.cpp): a NEW reference to the
 // tuple of outputs.  Throws on failure.
 PyObject* replay(const std::shared_ptr<Engine>& engine, PyObject* const* args, size_t nargs);
+
+// Whether a call with these tensor arguments may replay this engine's graphs
+// (cg_engine_accepts in cgraph.h).  Never throws for a mismatch.
+bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_grad);
 
 // Shared by the forward and backward replays (aten_replay.cpp).
 using TensorVec = c10::SmallVector<at::Tensor, 16>;

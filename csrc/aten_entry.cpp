@@ -215,6 +215,14 @@ PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args, Py_ssize_t 
   END_HANDLE_TH_ERRORS_RET(nullptr)
 }
 
+int cg_engine_accepts(const cg_engine* engine, PyObject* const* args, Py_ssize_t nargs,
+                      int exact_grad) {
+  HANDLE_TH_ERRORS
+  return cgraph::accepts(*engine->ptr, args, static_cast<size_t>(nargs), exact_grad != 0) ? 1
+                                                                                          : 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
 int cg_engine_backward_pending(const cg_engine* engine) {
   return engine->ptr->backward_pending() ? 1 : 0;
 }

@@ -93,6 +93,10 @@ void check_call(const Engine& e, size_t nargs) {
   if (C10_UNLIKELY(!(Autocast::current() == e.autocast))) {
     raise_autocast_mismatch(e);
   }
+  TORCH_CHECK(!at::GradMode::is_enabled() || e.grad_mode,
+              "cgraph: the graph was captured under torch.no_grad() (it has no backward) but "
+              "is called with grad enabled. Call it under torch.no_grad(), or graph it with "
+              "grad enabled (or with max_graphs > 1, which captures a graph for each).");
   TORCH_CHECK_TYPE(nargs == e.inputs.size(), "cgraph: the graph was captured with ",
                    e.inputs.size(), " tensor argument(s), got ", nargs, ".");
 }
@@ -327,6 +331,26 @@ PyObject* wrap_outputs(Engine& e, const NodePtr& node, bool ungraded) {
 }
 
 }  // namespace
+
+// The same checks as check_call and check_argument, answered instead of
+// raised; with exact_grad, an argument that requires grad unlike its
+// sample does not fit either (a graph with its grad can be captured).
+bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_grad) {
+  if (!e.alive || nargs != e.inputs.size() || !(Autocast::current() == e.autocast) ||
+      (at::GradMode::is_enabled() && !e.grad_mode)) {
+    return false;
+  }
+  for (size_t i = 0; i < nargs; ++i) {
+    if (!THPVariable_Check(args[i])) {
+      return false;
+    }
+    const at::Tensor& t = THPVariable_Unpack(args[i]);
+    if (!fits(e.inputs[i], t) || (exact_grad && t.requires_grad() && !e.inputs[i].requires_grad)) {
+      return false;
+    }
+  }
+  return true;
+}
 
 PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, size_t nargs) {
   RECORD_FUNCTION("cgraph::forward", std::vector<c10::IValue>());

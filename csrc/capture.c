@@ -135,12 +135,6 @@ static const struct {
     {"CUDAGeneratorImpl", CG_FAILURE_SEED_READ},
 };
 
-const char *
-cg_failure_name(cg_failure kind)
-{
-    return failures[kind < CG_FAILURE_COUNT ? kind : CG_FAILURE_OTHER].name;
-}
-
 /* The CUDA error code torch's AcceleratorError carries (.error_code): a
  * NEW reference to an int, or NULL (no exception set) if `exc` has none. */
 static PyObject *
@@ -345,7 +339,7 @@ session_make_engines(session *s)
             .allow_unused_input = s->allow_unused,
             .kept_outputs = (cg_kept_outputs)s->kept_outputs,
         };
-        s->targets[i] = cg_spec_target(spec);
+        s->targets[i] = cg_spec_forward(spec);
         if (s->targets[i] == NULL) {
             return -1;
         }

@@ -183,6 +183,16 @@ cg_failure cg_failure_of_cuda_error(int code);
  * when autograd needs one. */
 PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args, Py_ssize_t nargs);
 
+/* 1 if cg_engine_replay would take these tensor arguments as they are: the
+ * count, each one's shape, device and (floating) dtype, the autocast state,
+ * and grad mode (a graph captured without grad cannot serve a call with
+ * it).  With exact_grad, also no argument that requires grad unlike its
+ * sample.  0 if not; -1 with an exception set only on an internal error.
+ * Graphed callables with several graphs ask this of each before replaying
+ * one (Note [Several graphs per callable] in graphed.c). */
+int cg_engine_accepts(const cg_engine *engine, PyObject *const *args, Py_ssize_t nargs,
+                      int exact_grad);
+
 /* 1 if the backward of the latest replay is still to run (its autograd node
  * is alive and has not run): a replay now would overwrite the activations it
  * needs, so the call runs eagerly instead.  0 otherwise.  Never fails. */

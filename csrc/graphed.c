@@ -6,19 +6,42 @@
  * Python equivalent (the contract; the real thing is below):
  *
  *     class Graphed:
- *         spec: CallableSpec                  # spec.c, kept as captured
+ *         entries: list[Entry]        # one per captured graph pair: spec, engine
+ *         on_miss: Callable | None    # None: one graph, torch's rules
  *         def __call__(self, *args, **kwargs):
- *             module = self.spec.module()     # weakref; None for functions
- *             if module is not None and module.training != self.spec.training:
- *                 return self.spec.eager(module, *args, **kwargs)  # as torch does
- *             if module is not None and modules_changed_since_last_check:
- *                 self.spec.verify(module)    # parameters replaced? then raise
- *             tensors = args if self.spec.flat else call_tensors(self.spec, args, kwargs)
- *             outs = self._engine.replay(tensors)          # aten_replay.cpp
- *             return outs[0] | outs | tree_unflatten(outs, self._out_spec)
+ *             if self.on_miss is None:                 # one graph
+ *                 e = self.entries[0]
+ *                 if module.training != e.spec.training:
+ *                     return e.spec.eager(module, *args, **kwargs)  # as torch does
+ *                 if e.engine.backward_pending():      # eager, counted
+ *                     return e.spec.eager(...)
+ *                 return replay(e, args, kwargs)       # raises on a mismatch
+ *             for e in [hot entry, *the others]:       # several graphs
+ *                 if e takes these arguments and no entry of its pool is pending:
+ *                     return replay(e, args, kwargs)
+ *             if self.on_miss(self, args, kwargs, pending):  # captured one more
+ *                 return self(*args, **kwargs)
+ *             return eager(args, kwargs)               # past max_graphs, counted
  *
- *         def reset(self): ...   # free graphs, static tensors, pool and spec
- *         pool: tuple[int, int]  # usable as pool= for other captures
+ *         def reset(self): ...   # free graphs, static tensors, pools and specs
+ *         pool: tuple[int, int]  # the first graph's, usable as pool= elsewhere
+ *
+ * Note [Several graphs per callable]
+ * Q: How does one callable get several graphs, and when may each replay?
+ * A: A call that no entry takes (another shape, constant, autocast, grad
+ *    mode or train/eval; an input that requires grad unlike the sample) goes
+ *    to on_miss (cgraph/_regraph.py), which captures one more pair for it
+ *    and adopts it here (_adopt).  New entries share a pool when they can:
+ *    a captured forward's activations are free blocks of its pool once the
+ *    backward capture ran (autograd dropped them; the engine replays into
+ *    them), so a later capture in that pool may reuse them.  That is what
+ *    keeps the memory of several graphs near that of the largest, and it is
+ *    safe while at most one entry of a pool has a backward pending.  So an
+ *    entry replays only when no entry of its pool is pending; a call that
+ *    matches only busy entries (a second forward before the first one's
+ *    backward) gets an instance in a fresh pool (Transformer Engine keeps
+ *    one graph per micro-batch the same way), and backwards then run in any
+ *    order.  Past max_graphs, calls run eagerly and are counted.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,17 +52,28 @@
 
 #include "module.h"
 
+/* One captured forward/backward pair and what it was captured from. */
+typedef struct {
+    cg_spec *spec;       /* owned: the samples, and how calls are checked */
+    cg_engine *engine;   /* owned */
+    cg_out_layout out;   /* how outputs are rebuilt; out.spec owned */
+    cg_pool pool;        /* the engine's pool */
+} graph_entry;
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
     cg_state *state;     /* the module's state; the type keeps the module alive */
-    cg_spec *spec;       /* owned: what was captured, and how calls are checked;
-                            NULL once reset() */
-    cg_engine *engine;   /* owned; NULL once reset() */
-    cg_pool pool;        /* the engine's pool, kept after reset() */
-    cg_out_layout out;   /* how outputs are rebuilt; out.spec owned */
+    graph_entry *entries;  /* owned; entries[0] is the first capture */
+    Py_ssize_t n_entries;
+    Py_ssize_t hot;      /* the entry the latest replay used: tried first */
+    PyObject *on_miss;   /* NULL: one graph, torch's rules (Note [Several
+                            graphs per callable]); else the handler */
+    char is_reset;
+    cg_pool pool;        /* the first entry's pool, kept after reset() */
     unsigned long long verified_epoch;  /* state->module_epoch at the last check */
     unsigned long long eager_pending;   /* calls run eagerly: a backward was pending */
+    unsigned long long eager_past_limit;  /* calls run eagerly: no graph, no room */
     PyObject *weakreflist;
 } GraphedObject;
 
@@ -48,44 +82,117 @@ static PyObject *Graphed_vectorcall(PyObject *callable, PyObject *const *args,
 
 /* ---- construction and GC ------------------------------------------------ */
 
+/* Appends an entry, taking ownership of engine and out->spec (also on
+ * failure; *out is cleared).  0, or -1 with an exception set. */
+static int
+add_entry(GraphedObject *self, cg_spec *spec, cg_engine *engine, cg_out_layout *out)
+{
+    graph_entry *grown = PyMem_Realloc(self->entries,
+                                       (size_t)(self->n_entries + 1) * sizeof(graph_entry));
+    if (grown == NULL) {
+        cg_engine_free(engine);
+        Py_CLEAR(out->spec);
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->entries = grown;
+    grown[self->n_entries] = (graph_entry){(cg_spec *)Py_NewRef(spec), engine, *out,
+                                           cg_engine_pool(engine)};
+    out->spec = NULL;  /* ours now */
+    if (self->n_entries == 0) {
+        self->pool = grown[0].pool;
+    }
+    self->hot = self->n_entries++;
+    return 0;
+}
+
+/* An empty Graphed: no graph yet.  Returns a NEW reference, or NULL. */
+static GraphedObject *
+graphed_alloc(cg_state *state, PyObject *on_miss)
+{
+    GraphedObject *self = PyObject_GC_New(GraphedObject, state->Graphed_Type);
+
+    if (self == NULL) {
+        return NULL;
+    }
+    self->vectorcall = Graphed_vectorcall;
+    self->state = state;
+    self->entries = NULL;
+    self->n_entries = 0;
+    self->hot = 0;
+    self->on_miss = Py_XNewRef(on_miss);
+    self->is_reset = 0;
+    self->pool = (cg_pool){0, 0};
+    self->verified_epoch = 0;
+    self->eager_pending = 0;
+    self->eager_past_limit = 0;
+    self->weakreflist = NULL;
+    PyObject_GC_Track(self);
+    return self;
+}
+
 PyObject *
 cg_graphed_new(cg_state *state, cg_spec *spec, cg_engine *engine, cg_out_layout *out)
 {
-    GraphedObject *self = PyObject_GC_New(GraphedObject, state->Graphed_Type);
+    GraphedObject *self = graphed_alloc(state, NULL);
 
     if (self == NULL) {
         cg_engine_free(engine);
         Py_CLEAR(out->spec);
         return NULL;
     }
-    self->vectorcall = Graphed_vectorcall;
-    self->state = state;
-    self->spec = (cg_spec *)Py_NewRef(spec);
-    self->engine = engine;
-    self->pool = cg_engine_pool(engine);
-    self->out = *out;
-    out->spec = NULL;  /* ours now */
-    self->verified_epoch = 0;
-    self->eager_pending = 0;
-    self->weakreflist = NULL;
-    PyObject_GC_Track(self);
+    if (add_entry(self, spec, engine, out) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
     return (PyObject *)self;
+}
+
+PyObject *
+cg_graphed_empty(cg_state *state, PyObject *on_miss)
+{
+    return (PyObject *)graphed_alloc(state, on_miss);
 }
 
 static int
 Graphed_traverse(GraphedObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
-    Py_VISIT(self->spec);
-    Py_VISIT(self->out.spec);
+    Py_VISIT(self->on_miss);
+    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
+        Py_VISIT(self->entries[k].spec);
+        Py_VISIT(self->entries[k].out.spec);
+    }
     return 0;
+}
+
+/* Frees every entry: graphs and pools go with the engines' last
+ * references (a pending backward holds one). */
+static void
+free_entries(GraphedObject *self, int reset)
+{
+    graph_entry *entries = self->entries;
+    Py_ssize_t n = self->n_entries;
+
+    self->entries = NULL;
+    self->n_entries = 0;
+    self->hot = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (reset) {
+            cg_engine_reset(entries[k].engine);
+        }
+        cg_engine_free(entries[k].engine);
+        Py_XDECREF(entries[k].spec);
+        Py_XDECREF(entries[k].out.spec);
+    }
+    PyMem_Free(entries);
 }
 
 static int
 Graphed_clear(GraphedObject *self)
 {
-    Py_CLEAR(self->spec);
-    Py_CLEAR(self->out.spec);
+    Py_CLEAR(self->on_miss);
+    free_entries(self, 0);
     return 0;
 }
 
@@ -98,13 +205,11 @@ Graphed_dealloc(GraphedObject *self)
         PyObject_ClearWeakRefs((PyObject *)self);
     }
     Graphed_clear(self);
-    cg_engine_free(self->engine);  /* graphs and pool go with the last reference */
-    self->engine = NULL;
     PyObject_GC_Del(self);
     Py_DECREF(type);
 }
 
-/* ---- replay --------------------------------------------------------------- */
+/* ---- replay: pieces shared by both paths ---------------------------------- */
 
 /* Always returns NULL, with the error of a call after reset(). */
 static PyObject *
@@ -144,27 +249,26 @@ call_eager(const cg_spec *spec, PyObject *module, PyObject *const *args, Py_ssiz
     return result;
 }
 
-/* For a graphed module: 1 if it is in the other train/eval mode than at
- * capture (run it eagerly), 0 if the graphs replay, -1 with an exception
- * set.  Re-checks its parameters and buffers when some module anywhere
- * registered new ones (state->module_epoch moved): load_state_dict(
- * assign=True) or `module.weight = nn.Parameter(...)` would leave the graphs
- * reading the old tensors.  Stores a NEW reference to the module. */
+/* For a graphed module: stores a NEW reference to it in *module and its
+ * train/eval mode in *training; re-checks its parameters and buffers when
+ * some module anywhere registered new ones (state->module_epoch moved):
+ * load_state_dict(assign=True) or `module.weight = nn.Parameter(...)`
+ * would leave the graphs reading the old tensors.  0, or -1 with an
+ * exception set. */
 static int
-route_module_call(GraphedObject *self, const cg_spec *spec, PyObject **module)
+resolve_module(GraphedObject *self, const cg_spec *spec, PyObject **module, int *training)
 {
-    PyObject *training, *ok;
-    int is_training;
+    PyObject *flag, *ok;
 
     *module = cg_spec_target(spec);
     if (*module == NULL) {
         return -1;
     }
-    training = PyObject_GetAttr(*module, self->state->str_training);
-    is_training = training ? PyObject_IsTrue(training) : -1;
-    Py_XDECREF(training);
-    if (is_training < 0 || is_training != spec->training) {
-        return is_training < 0 ? -1 : 1;
+    flag = PyObject_GetAttr(*module, self->state->str_training);
+    *training = flag ? PyObject_IsTrue(flag) : -1;
+    Py_XDECREF(flag);
+    if (*training < 0) {
+        return -1;
     }
     if (spec->verify == Py_None || self->verified_epoch == self->state->module_epoch) {
         return 0;
@@ -178,19 +282,31 @@ route_module_call(GraphedObject *self, const cg_spec *spec, PyObject **module)
     return 0;
 }
 
-/* The engine's replay for a call that is not the fast one: the callable's
- * defaults stripped, then its tensors checked against the capture.
- * Returns a NEW reference to the tuple of output leaves, or NULL with an
- * exception set. */
-static PyObject *
-replay_slowly(GraphedObject *self, const cg_spec *spec, PyObject *const *args,
-              Py_ssize_t nargs, PyObject *kwnames)
+/* A call's tensor leaves for one entry's spec: the callable's defaults
+ * stripped, then the keywords, structure and constants checked.  On
+ * success *tensors points at them (*nt of them) and *owned keeps them
+ * alive (Py_XDECREF it; NULL when they are the call's own arguments).
+ * 0, or -1 with an exception set (ValueError or TypeError: the call does
+ * not bind as the capture did). */
+static int
+call_tensors(GraphedObject *self, const cg_spec *spec, PyObject *const *args,
+             Py_ssize_t nargs, PyObject *kwnames, PyObject *const **tensors, Py_ssize_t *nt,
+             PyObject **owned)
 {
-    PyObject *tensors = NULL, *outs = NULL;
+    PyObject *list = NULL;
     cg_call call;
 
+    int status = -1;
+
+    *owned = NULL;
+    if (spec->flat && nargs == PyTuple_GET_SIZE(spec->args) &&
+        (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)) {
+        *tensors = args;  /* the fast path: a flat tuple of tensors as captured */
+        *nt = nargs;
+        return 0;
+    }
     if (cg_strip_defaults(spec, args, nargs, kwnames, &call) < 0) {
-        return NULL;
+        return -1;
     }
     if (spec->flat && call.kwnames != NULL) {
         PyErr_Format(PyExc_TypeError,
@@ -198,44 +314,32 @@ replay_slowly(GraphedObject *self, const cg_spec *spec, PyObject *const *args,
                      "without keywords. Capture with sample_kwargs= to pass keywords.",
                      PyTuple_GET_ITEM(call.kwnames, 0));
     } else if (spec->flat) {
-        outs = cg_engine_replay(self->engine, call.args, call.nargs);
+        *tensors = call.args;
+        *nt = call.nargs;
+        *owned = call.owned;  /* ours now */
+        call.owned = NULL;
+        status = 0;
     } else {
-        tensors = cg_call_tensors(self->state, spec, call.args, call.nargs, call.kwnames);
+        list = cg_call_tensors(self->state, spec, call.args, call.nargs, call.kwnames);
+        if (list != NULL) {
+            *tensors = PySequence_Fast_ITEMS(list);
+            *nt = PyList_GET_SIZE(list);
+            *owned = list;
+            status = 0;
+        }
     }
-    /* Flattening ran Python (pytree, __eq__ of constants): reset since? */
-    if (tensors != NULL) {
-        outs = self->engine == NULL
-                   ? raise_reset()
-                   : cg_engine_replay(self->engine, PySequence_Fast_ITEMS(tensors),
-                                      PyList_GET_SIZE(tensors));
-    }
-    Py_XDECREF(tensors);
     Py_XDECREF(call.owned);
-    return outs;
-}
-
-/* The engine's replay for this call: the fast path when the call passes a
- * flat tuple of tensors as captured.  Returns a NEW reference to the tuple
- * of output leaves, or NULL with an exception set. */
-static PyObject *
-replay(GraphedObject *self, const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
-       PyObject *kwnames)
-{
-    if (spec->flat && nargs == PyTuple_GET_SIZE(spec->args) &&
-        (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0)) {
-        return cg_engine_replay(self->engine, args, nargs);
-    }
-    return replay_slowly(self, spec, args, nargs, kwnames);
+    return status;
 }
 
 /* The outputs as the callable returned them at capture.  Steals `outs`;
  * returns a NEW reference, or NULL with an exception set. */
 static PyObject *
-rebuild_outputs(GraphedObject *self, PyObject *outs)
+rebuild_outputs(GraphedObject *self, const graph_entry *entry, PyObject *outs)
 {
     PyObject *result;
 
-    switch (self->out.kind) {
+    switch (entry->out.kind) {
     case CG_OUT_SINGLE:
         result = Py_NewRef(PyTuple_GET_ITEM(outs, 0));
         break;
@@ -243,11 +347,29 @@ rebuild_outputs(GraphedObject *self, PyObject *outs)
         return outs;
     default:
         result = PyObject_CallFunctionObjArgs(self->state->tree_unflatten, outs,
-                                              self->out.spec, NULL);
+                                              entry->out.spec, NULL);
     }
     Py_DECREF(outs);
     return result;
 }
+
+/* Replays entry k with these tensors.  Returns a NEW reference to the
+ * outputs as the callable returned them, or NULL with an exception set. */
+static PyObject *
+replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssize_t nt)
+{
+    /* Flattening ran Python (pytree, __eq__ of constants): reset since? */
+    PyObject *outs = k < self->n_entries
+                         ? cg_engine_replay(self->entries[k].engine, tensors, nt)
+                         : raise_reset();
+    if (outs == NULL) {
+        return NULL;
+    }
+    self->hot = k;
+    return rebuild_outputs(self, &self->entries[k], outs);
+}
+
+/* ---- replay with one graph: torch's rules ---------------------------------- */
 
 /* Whether this call must run eagerly because the backward of the previous
  * replay is still to run (Note [Calls before their backwards] in
@@ -256,7 +378,7 @@ rebuild_outputs(GraphedObject *self, PyObject *outs)
 static int
 backward_pending(GraphedObject *self)
 {
-    if (!cg_engine_backward_pending(self->engine)) {
+    if (!cg_engine_backward_pending(self->entries[0].engine)) {
         return 0;
     }
     if (self->eager_pending++ == 0 &&
@@ -266,48 +388,214 @@ backward_pending(GraphedObject *self)
     return 1;
 }
 
-/* The call path: the module routed, the graph replayed (or the callable run
- * eagerly), the outputs rebuilt.  Returns a NEW reference, or NULL with an
- * exception set. */
+/* The call path of a callable with one graph: the module routed (in the
+ * other train/eval mode it runs eagerly, as torch does), the graph
+ * replayed (or the callable run eagerly), the outputs rebuilt.  A call
+ * that does not match raises.  Returns a NEW reference, or NULL. */
 static PyObject *
-call(GraphedObject *self, const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
-     PyObject *kwnames)
+call_one(GraphedObject *self, const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
+         PyObject *kwnames)
 {
-    PyObject *module = NULL, *outs, *result = NULL;
-    int eager = spec->module != Py_None ? route_module_call(self, spec, &module) : 0;
+    PyObject *module = NULL, *owned = NULL, *result = NULL;
+    PyObject *const *tensors;
+    Py_ssize_t nt;
+    int training = spec->training;
+    int eager = spec->module != Py_None ? resolve_module(self, spec, &module, &training) : 0;
 
-    if (eager == 0 && self->engine == NULL) {  /* verify() ran Python: reset since? */
+    if (eager == 0 && training != spec->training) {
+        eager = 1;
+    } else if (eager == 0 && self->n_entries == 0) {  /* verify() ran Python */
         eager = -1;
         raise_reset();
-    }
-    if (eager == 0) {
+    } else if (eager == 0) {
         eager = backward_pending(self);
     }
     if (eager > 0) {
         result = call_eager(spec, module, args, nargs, kwnames);
-    } else if (eager == 0) {
-        outs = replay(self, spec, args, nargs, kwnames);
-        result = outs ? rebuild_outputs(self, outs) : NULL;
+    } else if (eager == 0 &&
+               call_tensors(self, spec, args, nargs, kwnames, &tensors, &nt, &owned) == 0) {
+        result = replay_entry(self, 0, tensors, nt);
     }
+    Py_XDECREF(owned);
     Py_XDECREF(module);
     return result;
 }
 
-/* Holds the spec for the duration of the call: Python code it runs (an
- * eager forward, a verify) could reset() this callable.  Returns a NEW
- * reference, or NULL with an exception set. */
+/* ---- replay with several graphs -------------------------------------------- */
+
+/* 1 if an entry in `pool` has a backward pending, else 0. */
+static int
+pool_busy(const GraphedObject *self, cg_pool pool)
+{
+    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
+        const graph_entry *e = &self->entries[k];
+        if (e->pool.first == pool.first && e->pool.second == pool.second &&
+            cg_engine_backward_pending(e->engine)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* What find_entry found. */
+typedef struct {
+    Py_ssize_t index;        /* the entry to replay, or -1 */
+    int pending;             /* some entry took the call but its pool was busy */
+    PyObject *const *tensors;
+    Py_ssize_t nt;
+    PyObject *owned;         /* keeps tensors alive; NULL if the caller's */
+} lookup;
+
+/* Whether entry k takes this call: 1 (out filled), 0, or -1 with an
+ * exception set. */
+static int
+entry_takes(GraphedObject *self, Py_ssize_t k, int training, PyObject *const *args,
+            Py_ssize_t nargs, PyObject *kwnames, lookup *out)
+{
+    PyObject *spec = (PyObject *)self->entries[k].spec;
+    const graph_entry *e;
+    int fits, bound;
+
+    if (((cg_spec *)spec)->module != Py_None && ((cg_spec *)spec)->training != training) {
+        return 0;
+    }
+    Py_INCREF(spec);  /* flattening runs Python, which could reset() us */
+    bound = call_tensors(self, (cg_spec *)spec, args, nargs, kwnames, &out->tensors,
+                         &out->nt, &out->owned);
+    Py_DECREF(spec);
+    if (bound < 0) {
+        /* Binds unlike this capture (ValueError, TypeError: the errors
+         * arguments.c raises for that): another entry's call, or a miss. */
+        if (!PyErr_ExceptionMatches(PyExc_ValueError) &&
+            !PyErr_ExceptionMatches(PyExc_TypeError)) {
+            return -1;
+        }
+        PyErr_Clear();
+        return 0;
+    }
+    if (k >= self->n_entries) {  /* reset() while flattening */
+        Py_CLEAR(out->owned);
+        return 0;
+    }
+    e = &self->entries[k];
+    fits = cg_engine_accepts(e->engine, out->tensors, out->nt, 1);
+    if (fits == 1 && pool_busy(self, e->pool)) {
+        out->pending = 1;
+        fits = 0;
+    }
+    if (fits != 1) {
+        Py_CLEAR(out->owned);
+    }
+    return fits;
+}
+
+/* The entry to replay for this call, the hot one first.  0 (out->index -1
+ * if none), or -1 with an exception set. */
+static int
+find_entry(GraphedObject *self, int training, PyObject *const *args, Py_ssize_t nargs,
+           PyObject *kwnames, lookup *out)
+{
+    *out = (lookup){.index = -1};
+    for (Py_ssize_t i = 0; i < self->n_entries; i++) {
+        Py_ssize_t k = i == 0 ? self->hot : (i <= self->hot ? i - 1 : i);
+        int takes = entry_takes(self, k, training, args, nargs, kwnames, out);
+        if (takes != 0) {
+            out->index = takes > 0 ? k : -1;
+            return takes > 0 ? 0 : -1;
+        }
+    }
+    return 0;
+}
+
+/* Asks on_miss to capture a graph for this call: 1 if it did, 0 if the
+ * call should run eagerly, -1 with an exception set. */
+static int
+ask_on_miss(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+            int pending)
+{
+    PyObject *positional = PyTuple_New(nargs), *keywords = PyDict_New(), *answer = NULL;
+    int captured = -1;
+
+    for (Py_ssize_t i = 0; positional != NULL && i < nargs; i++) {
+        PyTuple_SET_ITEM(positional, i, Py_NewRef(args[i]));
+    }
+    for (Py_ssize_t i = 0; keywords != NULL && kwnames != NULL &&
+                           i < PyTuple_GET_SIZE(kwnames); i++) {
+        if (PyDict_SetItem(keywords, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) {
+            Py_CLEAR(keywords);
+        }
+    }
+    if (positional != NULL && keywords != NULL) {
+        answer = PyObject_CallFunction(self->on_miss, "OOOO", (PyObject *)self, positional,
+                                       keywords, pending ? Py_True : Py_False);
+    }
+    captured = answer ? PyObject_IsTrue(answer) : -1;
+    Py_XDECREF(answer);
+    Py_XDECREF(positional);
+    Py_XDECREF(keywords);
+    return captured;
+}
+
+/* The call path of a callable that may have several graphs (Note [Several
+ * graphs per callable]).  Returns a NEW reference, or NULL. */
+static PyObject *
+call_any(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    PyObject *module = NULL, *result = NULL;
+    int training = 0, attempts = 2, captured = 1;
+    lookup found = {.index = -1};
+
+    while (captured == 1 && attempts-- > 0 && !self->is_reset) {
+        const cg_spec *first = self->n_entries ? self->entries[0].spec : NULL;
+        Py_CLEAR(module);
+        if (first != NULL && first->module != Py_None &&
+            (resolve_module(self, first, &module, &training) < 0 || self->is_reset)) {
+            break;  /* verify() ran Python: reset since? */
+        }
+        if (find_entry(self, training, args, nargs, kwnames, &found) < 0) {
+            break;
+        }
+        if (found.index >= 0) {
+            result = replay_entry(self, found.index, found.tensors, found.nt);
+            break;
+        }
+        captured = attempts > 0 ? ask_on_miss(self, args, nargs, kwnames, found.pending)
+                                : 0;
+    }
+    if (self->is_reset && result == NULL && !PyErr_Occurred()) {
+        raise_reset();
+    } else if (captured == 0 && self->n_entries > 0) {
+        *(found.pending ? &self->eager_pending : &self->eager_past_limit) += 1;
+        result = call_eager(self->entries[0].spec, module, args, nargs, kwnames);
+    } else if (captured == 0) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "cgraph: no graph was captured for this call (on_miss declined "
+                        "the first call); this is a bug in cgraph, please report it.");
+    }
+    Py_XDECREF(found.owned);
+    Py_XDECREF(module);
+    return result;
+}
+
+/* Holds the first spec for the duration of the call: Python code it runs
+ * (an eager forward, a verify, a capture) could reset() this callable.
+ * Returns a NEW reference, or NULL with an exception set. */
 static PyObject *
 Graphed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
                    PyObject *kwnames)
 {
     GraphedObject *self = (GraphedObject *)callable;
-    PyObject *spec = (PyObject *)self->spec, *result;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    PyObject *spec, *result;
 
-    if (self->engine == NULL || spec == NULL) {
+    if (self->is_reset) {
         return raise_reset();
     }
-    Py_INCREF(spec);
-    result = call(self, (cg_spec *)spec, args, PyVectorcall_NARGS(nargsf), kwnames);
+    if (self->on_miss != NULL) {
+        return call_any(self, args, nargs, kwnames);
+    }
+    spec = Py_NewRef(self->entries[0].spec);
+    result = call_one(self, (cg_spec *)spec, args, nargs, kwnames);
     Py_DECREF(spec);
     return result;
 }
@@ -323,28 +611,119 @@ PyDoc_STRVAR(Graphed_reset_doc,
 static PyObject *
 Graphed_reset(GraphedObject *self, PyObject *unused)
 {
-    if (self->engine != NULL) {
-        cg_engine_reset(self->engine);
-        cg_engine_free(self->engine);
-        self->engine = NULL;
+    self->is_reset = 1;
+    free_entries(self, 1);  /* and the samples their specs hold */
+    Py_CLEAR(self->on_miss);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Graphed_adopt_doc,
+"_adopt(other)\n\n"
+"Take the graphs of `other` (a Graphed just captured for a call this one\n"
+"did not take) as one more entry; `other` is left empty and reset.");
+
+/* Returns a NEW reference (None), or NULL with an exception set. */
+static PyObject *
+Graphed_adopt(GraphedObject *self, PyObject *arg)
+{
+    GraphedObject *other = (GraphedObject *)arg;
+
+    if (!PyObject_TypeCheck(arg, self->state->Graphed_Type) || other == self ||
+        other->n_entries != 1 || self->is_reset) {
+        PyErr_SetString(PyExc_TypeError, "_adopt: expects another Graphed with one graph, "
+                                         "into one that is not reset");
+        return NULL;
     }
-    Py_CLEAR(self->spec);  /* and the samples it holds */
+    graph_entry taken = other->entries[0];
+    other->n_entries = 0;
+    other->is_reset = 1;
+    if (add_entry(self, taken.spec, taken.engine, &taken.out) < 0) {
+        Py_DECREF(taken.spec);
+        return NULL;
+    }
+    Py_DECREF(taken.spec);  /* add_entry took its own reference */
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Graphed_idle_pool_doc,
+"_idle_pool(skip_first) -> tuple[int, int] | None\n\n"
+"A pool of this callable's graphs where none has a backward pending, so a\n"
+"new graph may share it (Note [Several graphs per callable]); skip_first\n"
+"leaves out the first graph's pool (shared with other callables).");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+Graphed_idle_pool(GraphedObject *self, PyObject *skip_first)
+{
+    int skip = PyObject_IsTrue(skip_first);
+
+    if (skip < 0) {
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
+        cg_pool pool = self->entries[k].pool;
+        int first = pool.first == self->pool.first && pool.second == self->pool.second;
+        if (!(skip && first) && !pool_busy(self, pool)) {
+            return Py_BuildValue("(KK)", pool.first, pool.second);
+        }
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Graphed_set_on_miss_doc,
+"_set_on_miss(on_miss)\n\n"
+"Let this callable capture more graphs: calls its graphs do not take go to\n"
+"on_miss(graphed, args, kwargs, pending) -> bool (Note [Several graphs per\n"
+"callable]).");
+
+/* Returns a NEW reference (None), or NULL with an exception set. */
+static PyObject *
+Graphed_set_on_miss(GraphedObject *self, PyObject *on_miss)
+{
+    if (!PyCallable_Check(on_miss) || self->is_reset) {
+        PyErr_SetString(PyExc_TypeError, "_set_on_miss: expects a callable, on a Graphed "
+                                         "that is not reset");
+        return NULL;
+    }
+    Py_XSETREF(self->on_miss, Py_NewRef(on_miss));
     Py_RETURN_NONE;
 }
 
 static PyMethodDef Graphed_methods[] = {
+    {"_set_on_miss", (PyCFunction)Graphed_set_on_miss, METH_O, Graphed_set_on_miss_doc},
     {"reset", (PyCFunction)Graphed_reset, METH_NOARGS, Graphed_reset_doc},
+    {"_adopt", (PyCFunction)Graphed_adopt, METH_O, Graphed_adopt_doc},
+    {"_idle_pool", (PyCFunction)Graphed_idle_pool, METH_O, Graphed_idle_pool_doc},
     {NULL, NULL, 0, NULL}
 };
+
+/* The first graph's engine, or NULL (none captured yet, or reset). */
+static cg_engine *
+first_engine(const GraphedObject *self)
+{
+    return self->n_entries ? self->entries[0].engine : NULL;
+}
 
 /* Returns a NEW reference. */
 static PyObject *
 Graphed_get_spec(GraphedObject *self, void *closure)
 {
-    if (self->spec == NULL) {
+    if (self->n_entries == 0) {
         Py_RETURN_NONE;
     }
-    return Py_NewRef(self->spec);
+    return Py_NewRef(self->entries[0].spec);
+}
+
+/* Returns a NEW reference: a list of every graph's CallableSpec. */
+static PyObject *
+Graphed_get_specs(GraphedObject *self, void *closure)
+{
+    PyObject *specs = PyList_New(self->n_entries);
+
+    for (Py_ssize_t k = 0; specs != NULL && k < self->n_entries; k++) {
+        PyList_SET_ITEM(specs, k, Py_NewRef(self->entries[k].spec));
+    }
+    return specs;
 }
 
 /* Returns a NEW reference. */
@@ -358,38 +737,57 @@ Graphed_get_pool(GraphedObject *self, void *closure)
 static PyObject *
 Graphed_get_is_reset(GraphedObject *self, void *closure)
 {
-    return PyBool_FromLong(self->engine == NULL);
+    return PyBool_FromLong(self->is_reset);
+}
+
+/* Returns a NEW reference. */
+static PyObject *
+Graphed_get_num_graphs(GraphedObject *self, void *closure)
+{
+    return PyLong_FromSsize_t(self->n_entries);
 }
 
 /* Returns a NEW reference. */
 static PyObject *
 Graphed_get_num_inputs(GraphedObject *self, void *closure)
 {
-    return PyLong_FromSsize_t(self->engine ? cg_engine_num_inputs(self->engine) : 0);
+    cg_engine *engine = first_engine(self);
+    return PyLong_FromSsize_t(engine ? cg_engine_num_inputs(engine) : 0);
 }
 
 /* Returns a NEW reference. */
 static PyObject *
 Graphed_get_num_params(GraphedObject *self, void *closure)
 {
-    return PyLong_FromSsize_t(self->engine ? cg_engine_num_params(self->engine) : 0);
+    cg_engine *engine = first_engine(self);
+    return PyLong_FromSsize_t(engine ? cg_engine_num_params(engine) : 0);
 }
 
-/* Returns a NEW reference: a dict of counters. */
+/* Returns a NEW reference: a dict of counters, summed over the graphs. */
 static PyObject *
 Graphed_get_stats(GraphedObject *self, void *closure)
 {
-    cg_stats stats = {0};
-    if (self->engine != NULL) {
-        stats = cg_engine_stats(self->engine);
+    cg_stats sum = {0};
+    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
+        cg_stats one = cg_engine_stats(self->entries[k].engine);
+        sum.forward += one.forward;
+        sum.backward += one.backward;
+        sum.grads_copied += one.grads_copied;
+        sum.grads_added += one.grads_added;
+        sum.grads_slow += one.grads_slow;
+        sum.copied_in_graph += one.copied_in_graph;
+        sum.copied_before += one.copied_before;
+        sum.outputs_copied += one.outputs_copied;
     }
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsK}", "forward", stats.forward,
-                         "backward", stats.backward, "grads_copied", stats.grads_copied,
-                         "grads_added", stats.grads_added, "grads_slow", stats.grads_slow,
-                         "copied_in_graph", stats.copied_in_graph,
-                         "copied_before", stats.copied_before,
-                         "outputs_copied", stats.outputs_copied,
-                         "eager_pending", self->eager_pending);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
+                         "backward", sum.backward, "grads_copied", sum.grads_copied,
+                         "grads_added", sum.grads_added, "grads_slow", sum.grads_slow,
+                         "copied_in_graph", sum.copied_in_graph,
+                         "copied_before", sum.copied_before,
+                         "outputs_copied", sum.outputs_copied,
+                         "eager_pending", self->eager_pending,
+                         "eager_past_limit", self->eager_past_limit,
+                         "graphs", self->n_entries);
 }
 
 /* A NEW reference to a dict describing one pass's graph, to None if the
@@ -415,8 +813,8 @@ graph_shape_dict(cg_engine *engine, cg_pass pass)
 static PyObject *
 Graphed_get_graphs(GraphedObject *self, void *closure)
 {
-    PyObject *forward = graph_shape_dict(self->engine, CG_FORWARD);
-    PyObject *backward = forward ? graph_shape_dict(self->engine, CG_BACKWARD) : NULL;
+    PyObject *forward = graph_shape_dict(first_engine(self), CG_FORWARD);
+    PyObject *backward = forward ? graph_shape_dict(first_engine(self), CG_BACKWARD) : NULL;
     PyObject *result = backward ? Py_BuildValue("{sOsO}", "forward", forward,
                                                 "backward", backward) : NULL;
     Py_XDECREF(forward);
@@ -426,7 +824,11 @@ Graphed_get_graphs(GraphedObject *self, void *closure)
 
 static PyGetSetDef Graphed_getset[] = {
     {"spec", (getter)Graphed_get_spec, NULL,
-     "The CallableSpec the graphs were captured from.", NULL},
+     "The CallableSpec the first graph was captured from (None before any).", NULL},
+    {"specs", (getter)Graphed_get_specs, NULL,
+     "The CallableSpec of every graph, in capture order.", NULL},
+    {"num_graphs", (getter)Graphed_get_num_graphs, NULL,
+     "How many forward/backward graph pairs this callable has captured.", NULL},
     {"stats", (getter)Graphed_get_stats, NULL,
      "How often each replay path ran: forward and backward replays; backwards whose\n"
      "parameter grads were copied (.grad was None), added (.grad accumulating) or\n"
@@ -434,9 +836,10 @@ static PyGetSetDef Graphed_getset[] = {
      "buffers by the graph itself or, for layouts a memcpy cannot copy, before it;\n"
      "outputs of earlier calls still held, moved to memory of their own before a\n"
      "replay (kept_outputs='copy'); calls run eagerly because the backward of the\n"
-     "previous call had not run yet.", NULL},
+     "previous call had not run yet, or because no graph took them and max_graphs\n"
+     "were captured; graphs captured.  Summed over the graphs.", NULL},
     {"graphs", (getter)Graphed_get_graphs, NULL,
-     "What the forward and backward graphs are made of: node counts by type\n"
+     "What the first forward and backward graphs are made of: node counts by type\n"
      "(kernels, memcpys, memsets, others), roots and edges; None for a pass\n"
      "without a graph.", NULL},
     {"pool", (getter)Graphed_get_pool, NULL,

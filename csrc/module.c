@@ -18,6 +18,7 @@
  *     def rng_set_state(state: Tensor, device: int) -> bool: ...
  *     def modules_changed() -> None: ...      # see cg_state.module_epoch
  *     def set_event_hook(hook) -> None: ...   # cgraph/_log.py
+ *     def new_graphed(on_miss) -> Graphed: ...  # no graph yet: graphed.c
  *
  * Laid out as CPython's Modules/xxlimited.c: state in the module (multi-phase
  * initialization), heap types, and PyInit__C the only exported symbol.
@@ -197,7 +198,25 @@ PyDoc_STRVAR(cgm_graph_callables_doc,
 "one memory pool.  Called by cgraph.make_graphed_callables, which builds\n"
 "`specs` (CallableSpec); not a public API.");
 
+PyDoc_STRVAR(cgm_new_graphed_doc,
+"new_graphed(on_miss) -> Graphed\n\n"
+"A graphed callable with no graph yet: its calls go to\n"
+"on_miss(graphed, args, kwargs, pending) -> bool, which captures one\n"
+"(cgraph/_regraph.py).  Not a public API.");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+cgm_new_graphed(PyObject *module, PyObject *on_miss)
+{
+    if (!PyCallable_Check(on_miss)) {
+        PyErr_SetString(PyExc_TypeError, "new_graphed: on_miss must be callable");
+        return NULL;
+    }
+    return cg_graphed_empty(get_state(module), on_miss);
+}
+
 static PyMethodDef cgm_methods[] = {
+    {"new_graphed", cgm_new_graphed, METH_O, cgm_new_graphed_doc},
     {"graph_callables", cg_graph_callables, METH_VARARGS, cgm_graph_callables_doc},
     {"device_count", cgm_device_count, METH_NOARGS, cgm_device_count_doc},
     {"new_pool", cgm_new_pool, METH_NOARGS, cgm_new_pool_doc},

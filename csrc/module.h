@@ -136,6 +136,12 @@ extern PyType_Spec cg_spec_type_spec;
  * weakref points to.  Returns a NEW reference, or NULL with an exception. */
 PyObject *cg_spec_target(const cg_spec *spec);
 
+/* What warm-up and capture call: the function, or the module's own forward
+ * (not module(...): make_graphed_callables replaces a module's forward with
+ * its Graphed, and a later capture must reach the original).  Returns a
+ * NEW reference, or NULL with an exception. */
+PyObject *cg_spec_forward(const cg_spec *spec);
+
 /* ---- graphed.c ---------------------------------------------------------- */
 
 extern PyType_Spec cg_graphed_type_spec;
@@ -157,6 +163,11 @@ typedef struct {
  * or NULL with an exception set. */
 PyObject *cg_graphed_new(cg_state *state, cg_spec *spec, cg_engine *engine,
                          cg_out_layout *out);
+
+/* A Graphed with no graph yet, that captures on its first calls through
+ * on_miss(graphed, args, kwargs, pending) -> bool (Note [Several graphs per
+ * callable] in graphed.c).  Returns a NEW reference, or NULL. */
+PyObject *cg_graphed_empty(cg_state *state, PyObject *on_miss);
 
 /* ---- arguments.c -------------------------------------------------------- */
 
@@ -191,7 +202,5 @@ PyObject *cg_call_tensors(cg_state *state, const cg_spec *spec, PyObject *const 
  * Returns a NEW reference to a tuple of Graphed, or NULL. */
 PyObject *cg_graph_callables(PyObject *module, PyObject *args);
 
-/* Names and advice per cg_failure, for CaptureError.kind (capture.c). */
-const char *cg_failure_name(cg_failure kind);
 
 #endif /* CGRAPH_MODULE_H */

@@ -228,6 +228,22 @@ cg_spec_target(const cg_spec *spec)
     return module;
 }
 
+PyObject *
+cg_spec_forward(const cg_spec *spec)
+{
+    PyObject *module = cg_spec_target(spec), *forward;
+
+    if (module == NULL || spec->module == Py_None || !spec->eager_takes_module) {
+        if (module != NULL && spec->module != Py_None) {
+            Py_SETREF(module, Py_NewRef(spec->eager));
+        }
+        return module;
+    }
+    forward = PyMethod_New(spec->eager, module);
+    Py_DECREF(module);
+    return forward;
+}
+
 PyDoc_STRVAR(Spec_doc,
 "CallableSpec(**fields)\n\n"
 "One callable as cgraph.make_graphed_callables describes it to the native\n"

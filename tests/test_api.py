@@ -68,14 +68,14 @@ def test_unsupported_sample_arg_is_named():
 
 
 def test_constants_and_keywords_are_described_in_leaf_order():
-    from cgraph._api import Constant, _draft
+    from cgraph._describe import Constant, Target, draft
 
     def f(x, n, *, mask, dtype):
         return x
 
     x, mask = torch.zeros(2), torch.ones(2)
-    spec = cgraph._C.CallableSpec(
-        **_draft(0, f, (x, 3), {"mask": mask, "dtype": torch.float16}, set()).fields, device=0)
+    fields = draft(Target.of(0, f), (x, 3), {"mask": mask, "dtype": torch.float16}, set()).fields
+    spec = cgraph._C.CallableSpec(**fields, device=0)
     assert list(spec.kwargs) == ["dtype", "mask"]  # sorted: calls flatten in this order
     assert spec.kw_names == ("dtype", "mask")
     assert spec.tensors == (x, mask) and spec.names == ("x", "mask") and not spec.flat
@@ -86,10 +86,10 @@ def test_constants_and_keywords_are_described_in_leaf_order():
 def test_a_module_is_held_weakly_by_its_spec():
     """module.forward holds the Graphed, which holds the spec: a strong
     reference back would keep the module alive until the cycle collector."""
-    from cgraph._api import _draft
+    from cgraph._describe import Target, draft
 
     layer = torch.nn.Linear(4, 4)
-    fields = _draft(0, layer, (torch.randn(2, 4),), None, set()).fields
+    fields = draft(Target.of(0, layer), (torch.randn(2, 4),), None, set()).fields
     spec = cgraph._C.CallableSpec(**fields, device=0)
     assert spec.module() is layer and spec.function is None and spec.training
     assert spec.eager is type(layer).forward and spec.eager_takes_module
@@ -97,9 +97,9 @@ def test_a_module_is_held_weakly_by_its_spec():
 
 
 def test_callable_spec_refuses_missing_unknown_and_mistyped_fields():
-    from cgraph._api import _draft
+    from cgraph._describe import Target, draft
 
-    fields = dict(_draft(0, len, (torch.zeros(1),), None, set()).fields, device=0)
+    fields = dict(draft(Target.of(0, len), (torch.zeros(1),), None, set()).fields, device=0)
     with pytest.raises(TypeError, match="missing field 'device'"):
         cgraph._C.CallableSpec(**{k: v for k, v in fields.items() if k != "device"})
     with pytest.raises(TypeError, match="unknown field"):
@@ -111,12 +111,12 @@ def test_callable_spec_refuses_missing_unknown_and_mistyped_fields():
 
 
 def test_samples_sharing_memory_get_their_own_static_buffers():
-    from cgraph._api import _draft
+    from cgraph._describe import Target, draft
 
     x = torch.randn(2, 4, requires_grad=True)
     claimed = set()
-    first = _draft(0, torch.nn.Linear(4, 4), (x,), None, claimed).fields
-    second = _draft(1, torch.nn.Linear(4, 4), (x, x[0]), None, claimed).fields
+    first = draft(Target.of(0, torch.nn.Linear(4, 4)), (x,), None, claimed).fields
+    second = draft(Target.of(1, torch.nn.Linear(4, 4)), (x, x[0]), None, claimed).fields
     assert first["tensors"] == (x,) and first["args"][0] is x  # the first use keeps the sample
     a, b = second["tensors"]
     assert second["args"] == (a, b)  # the callable is called with the same tensors
@@ -192,11 +192,12 @@ def test_clear_error_without_cuda():
 
 
 def test_leaf_names_come_from_forward_signature():
-    from cgraph._api import _leaf_names
+    from cgraph._describe import Target, leaf_names
 
     class M(torch.nn.Module):
         def forward(self, x, batch):
             return x
 
-    names = _leaf_names(M(), (torch.zeros(1), {"mask": torch.zeros(1), "ids": [torch.zeros(1)]}))
+    batch = {"mask": torch.zeros(1), "ids": [torch.zeros(1)]}
+    names = leaf_names(Target.of(0, M()).signature, (torch.zeros(1), batch))
     assert names == ["x", "batch['mask']", "batch['ids'][0]"]  # pytree keeps dict order

@@ -175,7 +175,7 @@ def test_main_with_fake_measurements(tmp_path, monkeypatch, capsys):
         if variant == "cgraph-whole":
             return _error(workload, variant)
         wall = 100.0 if variant != "floor" else 25.0
-        return _row(workload, variant, wall + (len(calls) < 6) * 50.0, 10.0)
+        return _row(workload, variant, wall + (len(calls) < 7) * 50.0, 10.0)
 
     monkeypatch.setattr(run.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(run, "run_variant", fake_run_variant)
@@ -188,8 +188,8 @@ def test_main_with_fake_measurements(tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     variants = list(workloads.WORKLOADS["overhead-8"].variants)
     assert calls == variants * 2  # the variants take turns
-    assert "[5/10] overhead-8 floor: 75.0 µs wall" in printed
-    assert "[10/10] overhead-8 floor: 25.0 µs wall" in printed
+    assert "[6/12] overhead-8 floor: 75.0 µs wall" in printed
+    assert "[12/12] overhead-8 floor: 25.0 µs wall" in printed
     assert "error: exit code 1" in printed
     data = json.loads((out / "results.json").read_text())
     assert data["meta"]["device"] == "Fake GPU" and data["meta"]["steps"] == 7

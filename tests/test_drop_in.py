@@ -84,15 +84,18 @@ class Siamese(nn.Module):
         return self.encoder(x)
 
 
-def test_two_forwards_before_one_backward_match_eager():
+@pytest.mark.parametrize("max_graphs", [None, 8], ids=["eagerly", "instances"])
+def test_two_forwards_before_one_backward_match_eager(max_graphs):
     """A siamese loss: torch's graphs would overwrite the first call's
-    activations (wrong grads, relative error 1); cgraph runs the second call
-    eagerly.  Dropout included: the generator moves as in eager."""
+    activations (wrong grads, relative error 1).  With one graph (torch's
+    rules) cgraph runs the second call eagerly; with room for more it
+    captures a second instance and both calls replay.  Dropout included:
+    the generator moves as in eager."""
     torch.manual_seed(32)
     encoder = Siamese().to(CUDA)
     eager = copy.deepcopy(encoder)
     sample = torch.randn(8, 32, device=CUDA, requires_grad=True)
-    graphed = cgraph.make_graphed(encoder, (sample,))
+    graphed = cgraph.make_graphed(encoder, (sample,), max_graphs=max_graphs)
     for step in range(3):
         a, b = torch.randn(8, 32, device=CUDA), torch.randn(8, 32, device=CUDA)
         torch.cuda.manual_seed(100 + step)
@@ -108,7 +111,12 @@ def test_two_forwards_before_one_backward_match_eager():
         # only when the sum starts empty.
         encoder.zero_grad(set_to_none=True)
         eager.zero_grad(set_to_none=True)
-    assert graphed.stats["eager_pending"] == 3 and graphed.stats["backward"] == 3
+    stats = graphed.stats
+    if max_graphs is None:
+        assert stats["eager_pending"] == 3 and stats["backward"] == 3
+    else:
+        assert stats["eager_pending"] == 0 and stats["graphs"] == 2
+        assert stats["forward"] == 6 and stats["backward"] == 6
 
 
 def test_micro_batches_forwards_first_then_backwards_in_any_order():
@@ -125,6 +133,7 @@ def test_micro_batches_forwards_first_then_backwards_in_any_order():
         losses[k].backward()
         losses_e[k].backward()
     assert_grads_equal(model, eager, "after three micro-batches")
+    assert graphed.stats["graphs"] == 3 and graphed.stats["eager_pending"] == 0
 
 
 # ---- defaults are not arguments --------------------------------------------------
@@ -167,7 +176,7 @@ def test_arguments_equal_to_the_callables_defaults_replay():
 ])
 def test_other_values_for_left_out_arguments_raise(call, error, text):
     block = Block().to(CUDA)
-    graphed = cgraph.make_graphed(block, (torch.randn(4, 32, device=CUDA),))
+    graphed = cgraph.make_graphed(block, (torch.randn(4, 32, device=CUDA),), max_graphs=None)
     with pytest.raises(error, match=text):
         call(graphed, torch.randn(4, 32, device=CUDA))
 

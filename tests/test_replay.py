@@ -229,7 +229,7 @@ def test_keyword_and_constant_mismatches_raise(call, error, text):
     model = Gated().to(CUDA)
     mask = torch.ones(8, 16, device=CUDA)
     graphed = cgraph.make_graphed(model, (torch.randn(8, 16, device=CUDA),),
-                                  sample_kwargs={"mask": mask, "scale": 2.0})
+                                  sample_kwargs={"mask": mask, "scale": 2.0}, max_graphs=None)
     with pytest.raises(error, match=text):
         call(graphed, torch.randn(8, 16, device=CUDA), mask)
 
@@ -240,7 +240,7 @@ def test_positional_constants_are_guarded():
         return y.to(dtype)
 
     x = torch.randn(8, device=CUDA)
-    graphed = cgraph.make_graphed(scaled, (x, 3, True, torch.float16))
+    graphed = cgraph.make_graphed(scaled, (x, 3, True, torch.float16), max_graphs=None)
     y = torch.randn(8, device=CUDA)
     assert_equal(graphed(y, 3, True, torch.float16), scaled(y, 3, True, torch.float16), "output")
     with pytest.raises(ValueError, match="argument 'n' was captured as 3, got 4"):
@@ -262,7 +262,7 @@ def test_pytrees_in_and_out():
         return {"x": torch.randn(4, 16, device=CUDA, requires_grad=True),
                 "skip": [torch.randn(4, 16, device=CUDA)]}
 
-    graphed = cgraph.make_graphed(lambda batch: f(batch, [lin]), (sample(),))
+    graphed = cgraph.make_graphed(lambda batch: f(batch, [lin]), (sample(),), max_graphs=None)
     batch = sample()
     twin_batch = {"x": twin(batch["x"]), "skip": [batch["skip"][0].clone()]}
     out, out_e = graphed(batch), f(twin_batch, [eager])

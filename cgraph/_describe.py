@@ -1,0 +1,305 @@
+"""Describing a callable to the native core: what to call, its samples, and
+how later calls are checked (the fields of ``_C.CallableSpec``).
+
+The first capture and every later one (cgraph/_regraph.py) describe their
+callable here, from one :class:`Target` made once per callable: a later
+capture must not look at the module again (its ``forward`` is the graphed
+callable by then, and hooks may have been registered since)."""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import weakref
+from typing import Any, NamedTuple, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from . import _C
+
+# Non-tensor arguments a graph can bake in as constants: each call must pass
+# the captured value again (checked in C on every call).
+CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype,
+                  torch.device, torch.layout, torch.memory_format)
+
+# Containers whose contents are the arguments.  Any other object a pytree
+# can flatten (transformers registers its caches) is the callable's to
+# change, which no replay would do: refused by _check_containers.
+_CONTAINERS = (tuple, list, dict)
+
+
+class Constant(NamedTuple):
+    """A non-tensor sample argument captured into the graph: each call must
+    pass the same value again (checked in csrc/arguments.c)."""
+
+    position: int  # among the pytree leaves of (args, kwargs)
+    name: str
+    value: Any
+
+
+class Default(NamedTuple):
+    """A parameter of the callable the samples leave out, with a default a
+    call may pass again (checked in csrc/arguments.c)."""
+
+    name: str
+    position: int  # its position among the positional parameters; -1: keyword only
+    value: Any
+    by_keyword: bool  # it may be passed by keyword
+
+
+class Target(NamedTuple):
+    """One callable, looked at once: what to call and how to run it eagerly
+    (CallableSpec's target fields, but ``training``, which each capture
+    reads afresh), and the signature its arguments bind to."""
+
+    index: int  # position among the callables graphed together
+    fn: Any  # the callable: weakly, for a module (module.forward holds the Graphed)
+    fields: dict
+    signature: inspect.Signature | None
+
+    @classmethod
+    def of(cls, index: int, fn) -> "Target":
+        if not callable(fn):
+            raise TypeError(f"cgraph: callable {index} is a {type(fn).__name__}, not callable.")
+        try:
+            signature = inspect.signature(fn.forward if isinstance(fn, nn.Module) else fn)
+        except (TypeError, ValueError):
+            signature = None
+        held = weakref.ref(fn) if isinstance(fn, nn.Module) else fn
+        return cls(index, held, _target_fields(index, fn), signature)
+
+    def callable(self):
+        """The callable, or None for a module that no longer exists."""
+        return self.fn() if isinstance(self.fn, weakref.ref) else self.fn
+
+
+class Draft(NamedTuple):
+    """A callable's description, checked, short of the device, which depends
+    on every callable and on CUDA (checked after the arguments)."""
+
+    fields: dict  # CallableSpec's fields but the device
+    leaves: list  # every pytree leaf of (args, kwargs)
+
+
+def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
+    """Describes a call of `target` with these samples.  `claimed`: sample
+    memory already used as a static input (see _static_input)."""
+    index, fn = target.index, target.callable()
+    if not isinstance(args, tuple):
+        hint = " (write (x,) for one tensor)" if isinstance(args, torch.Tensor) else ""
+        raise TypeError(
+            f"cgraph: sample args of callable {index} must be a tuple{hint}, "
+            f"got {type(args).__name__}."
+        )
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise TypeError(
+            f"cgraph: sample_kwargs of callable {index} must be a dict of keyword "
+            f"arguments, got {type(kwargs).__name__}."
+        )
+    kwargs = dict(sorted(kwargs.items()))  # calls are flattened in this order too
+    _check_containers(index, target.signature, args, kwargs)
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    leaves = [_static_input(leaf, claimed) if isinstance(leaf, torch.Tensor) else leaf
+              for leaf in leaves]
+    args, kwargs = pytree.tree_unflatten(leaves, in_spec)
+    names = leaf_names(target.signature, args, kwargs)
+    tensors, tensor_names, constants = _classify_leaves(index, leaves, names)
+    flat = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
+    module = isinstance(fn, nn.Module)
+    fields = dict(
+        index=index, **target.fields, training=fn.training if module else False,
+        args=args, kwargs=kwargs, kw_names=tuple(kwargs), tensors=tensors,
+        names=tensor_names, params=tuple(fn.parameters()) if module else (),
+        buffers=tuple(fn.buffers()) if module else (), flat=flat,
+        in_spec=None if flat else in_spec, constants=constants,
+        defaults=_defaults(target.signature, len(args), kwargs),
+    )
+    return Draft(fields, leaves)
+
+
+def device_of(drafts: Sequence[Draft]) -> int:
+    """The device of the first CUDA tensor among the samples and parameters,
+    else the current one: the device every graph of one call runs on."""
+    for d in drafts:
+        for t in (*d.leaves, *d.fields["params"]):
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                return t.device.index
+    return torch.cuda.current_device()
+
+
+def leaf_names(signature: inspect.Signature | None, args, kwargs=None) -> list[str]:
+    """A readable name per pytree leaf of ``(args, kwargs)``: the forward's
+    parameter name for positional arguments ('x', "batch['mask']"), the
+    keyword for keyword arguments, else the leaf's path ('args[2]')."""
+    positional = [] if signature is None else [
+        p.name for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    names = []
+    for path, _ in pytree.tree_flatten_with_path((args, kwargs or {}))[0]:
+        (part, head), rest = path[:2], path[2:]
+        if part.idx == 1:  # a keyword argument
+            base = str(head.key)
+        else:
+            base = positional[head.idx] if head.idx < len(positional) else f"args[{head.idx}]"
+        names.append(base + "".join(str(k) for k in rest))
+    return names
+
+
+def _defaults(signature: inspect.Signature | None, nargs: int,
+              kwargs: dict) -> tuple[Default, ...]:
+    """The parameters of the signature that the samples (nargs positional
+    arguments, these keywords) leave out, whose defaults are values a call
+    can be compared with: None, and the constant types.  (*args and
+    **kwargs have no default, so they are never among them.)"""
+    if signature is None:
+        return ()
+    defaults = []
+    for position, p in enumerate(signature.parameters.values()):
+        positional = p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        if p.default is p.empty or (positional and position < nargs) or p.name in kwargs:
+            continue
+        if isinstance(p.default, CONSTANT_TYPES):
+            defaults.append(Default(p.name, position if positional else -1, p.default,
+                                    p.kind != p.POSITIONAL_ONLY))
+    return tuple(defaults)
+
+
+def _check_containers(index: int, signature: inspect.Signature | None, args, kwargs) -> None:
+    """Refuses objects a pytree flattens that are not plain containers
+    (named tuples are tuples).  transformers' DynamicCache is one when it is
+    registered: the layer appends to it, a Python side effect no replay
+    performs."""
+    def visit(node, name):
+        if isinstance(node, (torch.Tensor, *CONSTANT_TYPES)):
+            return
+        if isinstance(node, _CONTAINERS):
+            items = node.items() if isinstance(node, dict) else enumerate(node)
+            for key, child in items:
+                visit(child, name)
+        elif type(node) in pytree.SUPPORTED_NODES:
+            raise _not_an_argument(index, name, node)
+
+    names = leaf_names(signature, tuple(range(len(args))), dict.fromkeys(kwargs, 0))
+    for name, value in zip(names, (*args, *kwargs.values())):
+        visit(value, name)
+
+
+def _not_an_argument(index: int, name: str, value) -> TypeError:
+    kind = type(value).__name__
+    if "Cache" in kind:  # transformers: past_key_values=DynamicCache(...)
+        return TypeError(
+            f"cgraph: argument '{name}' of callable {index} is a {kind}, which the callable "
+            "appends to: a Python side effect a graph replay would skip. Call the model with "
+            "use_cache=False (as training does), or leave this call eager.")
+    return TypeError(
+        f"cgraph: sample argument '{name}' of callable {index} is a {kind}; graphed "
+        "callables take tensors and constants (None, int, float, bool, str, enum, "
+        "torch.dtype, ...) nested in tuples, lists or dicts. Bind other values with "
+        "functools.partial.")
+
+
+def _classify_leaves(index: int, leaves: list, names: list[str]):
+    """The tensor leaves and their names, and the constants."""
+    tensors, tensor_names, constants = [], [], []
+    for position, (name, leaf) in enumerate(zip(names, leaves)):
+        if isinstance(leaf, torch.Tensor):
+            tensors.append(leaf)
+            tensor_names.append(name)
+        elif isinstance(leaf, CONSTANT_TYPES):
+            constants.append(Constant(position, name, leaf))
+        else:
+            raise _not_an_argument(index, name, leaf)
+    return tuple(tensors), tuple(tensor_names), tuple(constants)
+
+
+def _target_fields(index: int, fn) -> dict:
+    """What to call, and for a module how to run it eagerly and check it."""
+    if not isinstance(fn, nn.Module):
+        return dict(function=fn, module=None, eager=None, eager_takes_module=False,
+                    verify=None)
+    if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks:
+        raise ValueError(
+            f"cgraph: module {index} ({type(fn).__name__}) has module hooks; they would "
+            "run once, at capture, and never on replay. Remove them before graphing "
+            "(you may register hooks afterwards), as torch requires."
+        )
+    if any(b.requires_grad for b in fn.buffers()):
+        raise ValueError(
+            f"cgraph: module {index} has a buffer that requires grad; only parameters "
+            "may be trainable in a graphed module (make it an nn.Parameter)."
+        )
+    if "forward" in fn.__dict__:
+        eager, takes_module = fn.__dict__["forward"], False
+    else:
+        eager, takes_module = type(fn).forward, True
+    # The module weakly: module.forward holds the Graphed, which holds the spec.
+    return dict(function=None, module=weakref.ref(fn), eager=eager,
+                eager_takes_module=takes_module, verify=StateCheck(index, fn))
+
+
+def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
+    """Samples become the graphs' static input buffers.
+
+    * Two that share memory (one tensor passed to several callables, or twice
+      to one) would overwrite each other at replay, and backward would read
+      the wrong activations; torch computes wrong grads without a word.  A
+      sample whose memory an earlier sample already uses is replaced by a
+      clone.
+    * A sample with autograd history (the output of other ops) is replaced
+      by a leaf over the same memory: the backward capture runs a plain
+      .backward() that must stop at the graph's inputs (csrc/aten_capture.cpp,
+      Note [Backward capture runs .backward()])."""
+    key = sample.untyped_storage().data_ptr()
+    if sample.numel() and key in claimed:
+        sample = sample.detach().clone().requires_grad_(sample.requires_grad)
+        key = sample.untyped_storage().data_ptr()
+    elif sample.grad_fn is not None:
+        sample = sample.detach().requires_grad_()
+    claimed.add(key)
+    return sample
+
+
+class StateCheck:
+    """verify(module), called by graphed.c after any module anywhere registered
+    a parameter, buffer or submodule: raises if this module's parameters or
+    buffers are no longer the tensors its graphs read."""
+
+    __slots__ = ("index", "captured")
+
+    def __init__(self, index: int, module: nn.Module):
+        self.index = index
+        self.captured = dict(_named_state(module))
+
+    def __call__(self, module: nn.Module) -> None:
+        now = dict(_named_state(module))
+        for name in [*self.captured, *(k for k in now if k not in self.captured)]:
+            if self.captured.get(name) is not now.get(name):
+                raise RuntimeError(
+                    f"cgraph: '{name}' of graphed module {self.index} "
+                    f"({type(module).__name__}) was replaced after capture "
+                    "(load_state_dict(assign=True), a new nn.Parameter or buffer, or a "
+                    "removed one); the graphs would keep reading the old tensor. Graph the "
+                    "module again after replacing it, or load weights in place "
+                    "(load_state_dict without assign=True)."
+                )
+
+
+def _named_state(module: nn.Module):
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def _modules_changed(*_):
+    _C.modules_changed()
+
+
+# Any parameter, buffer or submodule registered anywhere tells the native
+# core to re-check graphed modules on their next call (see StateCheck).
+for _register in (nn.modules.module.register_module_parameter_registration_hook,
+                  nn.modules.module.register_module_buffer_registration_hook,
+                  nn.modules.module.register_module_module_registration_hook):
+    _register(_modules_changed)

@@ -1,0 +1,85 @@
+"""Graphs captured after the first: for a call that none of a callable's
+graphs takes (another shape, constant, autocast or grad mode, train/eval),
+for a second call before the first one's backward, and for the first call of
+a callable graphed without samples.  The native core calls this as on_miss
+and replays what it captured: Note [Several graphs per callable] in
+csrc/graphed.c."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import _C, _log
+from ._capture import CaptureOptions, graph
+from ._describe import Target, draft
+
+
+class Regraph:
+    """on_miss of one graphed callable: captures one more forward/backward
+    pair for the call at hand, with the callable's options, up to
+    ``max_graphs``; past that the call runs eagerly (graphed.c counts it)."""
+
+    __slots__ = ("target", "options", "max_graphs", "first_pool", "shares_pool", "told")
+
+    def __init__(self, target: Target, options: CaptureOptions, max_graphs: int,
+                 first_pool: tuple[int, int] | None, shares_pool: bool):
+        self.target = target
+        self.options = options
+        self.max_graphs = max_graphs
+        self.first_pool = first_pool  # pool= of a callable graphed without samples
+        # The first graph's pool is shared with other callables (graphed
+        # together, or pool=): later graphs stay out of it, or one could
+        # reuse memory another callable's pending backward still needs.
+        self.shares_pool = shares_pool
+        self.told = False  # the limit is logged once
+
+    def __call__(self, graphed: _C.Graphed, args: tuple, kwargs: dict, pending: bool) -> bool:
+        """True once a graph for this call is adopted by `graphed`; False:
+        run the call eagerly."""
+        if graphed.num_graphs >= self.max_graphs:
+            self._tell_limit(graphed, pending)
+            return False
+        _check_device(graphed, (args, kwargs))
+        started = time.perf_counter()
+        samples = pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
+        (captured,) = graph([draft(self.target, *samples, set())], self._pool(graphed),
+                            self.options)
+        graphed._adopt(captured)
+        _log.captured(graphed, "a second call before the first one's backward" if pending
+                      else "a call no graph takes", samples, time.perf_counter() - started)
+        return True
+
+    def _pool(self, graphed: _C.Graphed) -> tuple[int, int]:
+        """A pool where no graph of this callable has a backward pending:
+        the first graph's own when it may be shared, else a fresh one."""
+        if graphed.num_graphs == 0 and self.first_pool is not None:
+            return self.first_pool
+        return graphed._idle_pool(self.shares_pool) or _C.new_pool()
+
+    def _tell_limit(self, graphed: _C.Graphed, pending: bool) -> None:
+        if not self.told:
+            self.told = True
+            _log.past_limit(graphed, self.max_graphs, pending)
+
+
+def _check_device(graphed: _C.Graphed, call) -> None:
+    """A graph per device is not what anyone wants: a tensor on another
+    device than the first graph's is a mistake, raised as the first graph
+    would raise it."""
+    spec = graphed.spec
+    if spec is None:
+        return
+    for t in pytree.tree_leaves(call):
+        if isinstance(t, torch.Tensor) and t.device != torch.device("cuda", spec.device):
+            raise ValueError(
+                f"cgraph: an argument of shape {tuple(t.shape)} is on {t.device}, but the "
+                f"graphs run on cuda:{spec.device}. Move it to that device first.")
+
+
+def _sample_of(t: torch.Tensor) -> torch.Tensor:
+    """A copy of a call's tensor to capture with: the caller's tensor stays
+    the caller's (a graph's static inputs are its own memory)."""
+    return t.detach().clone().requires_grad_(t.requires_grad)

@@ -1,0 +1,270 @@
+"""Several graphs per callable (Note [Several graphs per callable] in
+csrc/graphed.c): a call no graph takes captures one on the spot, graphs of
+one callable share its pool, calls past max_graphs run eagerly and say so,
+and a callable graphed without samples captures on its first call.
+Comparisons are bitwise against eager PyTorch."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import cgraph
+from _helpers import CUDA, assert_equal, assert_grads_equal, twin
+
+pytestmark = pytest.mark.gpu
+
+
+def dropout_mlp(width=64):
+    return nn.Sequential(nn.Linear(width, 128), nn.GELU(), nn.Dropout(0.25),
+                         nn.Linear(128, width)).to(CUDA)
+
+
+def train_step(model, opt, x, upstream, seed):
+    torch.cuda.manual_seed(seed)
+    opt.zero_grad(set_to_none=True)
+    out = model(x)
+    (out * upstream).sum().backward()
+    opt.step()
+    return out
+
+
+def test_each_new_batch_size_captures_a_graph_and_every_step_matches_eager():
+    """The short last batch of an epoch and an eval batch size: one graph
+    each, dropout masks and Adam steps as eager's."""
+    torch.manual_seed(40)
+    model = dropout_mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),))
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for m in (model, eager)]
+    for step, rows in enumerate([16, 16, 5, 16, 5, 9]):
+        x, upstream = torch.randn(rows, 64, device=CUDA), torch.randn(rows, 64, device=CUDA)
+        out = train_step(graphed, opts[0], x, upstream, seed=step)
+        out_e = train_step(eager, opts[1], x, upstream, seed=step)
+        assert_equal(out, out_e, f"step {step} ({rows} rows): output")
+        assert_grads_equal(model, eager, step)
+    stats = graphed.stats
+    assert stats["graphs"] == 3 and stats["forward"] == 6 and stats["backward"] == 6
+    assert stats["eager_past_limit"] == 0 and stats["eager_pending"] == 0
+    assert [s.tensors[0].shape[0] for s in graphed._graphed.specs] == [16, 5, 9]
+
+
+def test_graphs_of_one_callable_share_its_pool():
+    """A later graph reuses the activations' memory of the earlier ones (free
+    blocks of the pool between replays): the pool grows by much less than
+    the second graph needs on its own."""
+    torch.manual_seed(41)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(CUDA)
+
+    def reserved_by(build):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        before = torch.cuda.memory_reserved()
+        result = build()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return result, torch.cuda.memory_reserved() - before
+
+    big = torch.randn(2048, 1024, device=CUDA, requires_grad=True)
+    small = torch.randn(1024, 1024, device=CUDA, requires_grad=True)
+    graphed, _ = reserved_by(lambda: cgraph.make_graphed(model, (big,)))
+    _, grown = reserved_by(lambda: graphed(small).sum().backward())
+    alone, alone_size = reserved_by(lambda: cgraph.make_graphed(copy.deepcopy(model), (small,)))
+    assert graphed.num_graphs == 2
+    assert grown < 0.6 * alone_size, (grown, alone_size)
+
+
+def test_past_max_graphs_calls_run_eagerly_logged_once(caplog):
+    torch.manual_seed(42)
+    model = dropout_mlp().eval()
+    graphed = cgraph.make_graphed(model, (torch.randn(4, 64, device=CUDA),), max_graphs=2)
+    with caplog.at_level(logging.INFO, logger="cgraph"), torch.no_grad():
+        for rows in (4, 5, 6, 7, 6):
+            x = torch.randn(rows, 64, device=CUDA)
+            assert_equal(graphed(x), model(x), f"{rows} rows")
+    stats = graphed.stats
+    assert stats["graphs"] == 2 and stats["eager_past_limit"] == 3
+    limits = [r for r in caplog.records if "max_graphs=2" in r.getMessage()]
+    assert len(limits) == 1 and limits[0].levelno == logging.WARNING
+    assert "eager_past_limit" in limits[0].getMessage()
+    assert any("captured graph 2" in r.getMessage() for r in caplog.records)
+
+
+def test_max_graphs_none_keeps_torch_rules():
+    model = dropout_mlp()
+    graphed = cgraph.make_graphed(model, (torch.randn(4, 64, device=CUDA),), max_graphs=None)
+    with pytest.raises(ValueError, match=r"captured with shape \[4, 64\]"):
+        graphed(torch.randn(5, 64, device=CUDA))
+    with pytest.raises(ValueError, match="max_graphs must be a positive int"):
+        cgraph.make_graphed(model, (torch.randn(4, 64, device=CUDA),), max_graphs=0)
+
+
+def test_a_tensor_on_another_device_still_raises():
+    graphed = cgraph.make_graphed(dropout_mlp(), (torch.randn(4, 64, device=CUDA),))
+    with pytest.raises(ValueError, match="is on cpu, but the graphs run on cuda"):
+        graphed(torch.randn(4, 64))
+
+
+def test_constants_autocast_and_grad_mode_are_part_of_the_signature():
+    torch.manual_seed(43)
+    lin = nn.Linear(32, 32).to(CUDA)
+    eager = copy.deepcopy(lin)
+
+    def scaled(x, scale):
+        return lin(x) * scale
+
+    def scaled_e(x, scale):
+        return eager(x) * scale
+
+    graphed = cgraph.make_graphed(scaled, (torch.randn(8, 32, device=CUDA), 2.0))
+    x = torch.randn(8, 32, device=CUDA, requires_grad=True)
+    for scale in (2.0, 3.0, 2.0):
+        assert_equal(graphed(x, scale), scaled_e(x, scale), f"scale {scale}")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        assert_equal(graphed(x, 2.0), scaled_e(x, 2.0), "under autocast")
+    with torch.no_grad():
+        assert_equal(graphed(x, 2.0), scaled_e(x, 2.0), "under no_grad")
+    # An input that requires grad unlike the sample: a graph with its grad.
+    xe = twin(x)
+    graphed(x, 2.0).sum().backward()
+    scaled_e(xe, 2.0).sum().backward()
+    assert_equal(x.grad, xe.grad, "grad of an input whose sample did not require grad")
+    assert_grads_equal(lin, eager, "after the backward")
+    # Graphs: scale 2.0, scale 3.0, autocast, and x requiring grad; the
+    # no_grad call replays a graph captured with grad.
+    assert graphed.num_graphs == 4 and graphed.stats["eager_past_limit"] == 0
+
+
+def test_a_graph_captured_under_no_grad_is_not_replayed_with_grad():
+    """An eval loop first, then training: the no_grad graph has no backward,
+    so the training call gets a graph of its own."""
+    torch.manual_seed(44)
+    model = dropout_mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model)
+    x = torch.randn(8, 64, device=CUDA)
+    with torch.no_grad():
+        torch.cuda.manual_seed(0)
+        out = graphed(x)
+        torch.cuda.manual_seed(0)
+        assert_equal(out, eager(x), "no_grad output")
+    upstream = torch.randn(8, 64, device=CUDA)
+    torch.cuda.manual_seed(1)
+    (graphed(x) * upstream).sum().backward()
+    torch.cuda.manual_seed(1)
+    (eager(x) * upstream).sum().backward()
+    assert_grads_equal(model, eager, "after the training call")
+    assert graphed.num_graphs == 2
+
+
+def test_eval_mode_gets_its_own_graph():
+    torch.manual_seed(45)
+    model = dropout_mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (torch.randn(8, 64, device=CUDA),))
+    x = torch.randn(8, 64, device=CUDA)
+    for mode in ("eval", "train", "eval"):
+        getattr(graphed, mode)()
+        getattr(eager, mode)()
+        torch.cuda.manual_seed(2)
+        out = graphed(x).detach()  # else its backward stays pending: the next call
+        torch.cuda.manual_seed(2)  # would need an instance of its own
+        assert_equal(out, eager(x), f"{mode} output")
+    assert graphed.num_graphs == 2 and graphed.stats["forward"] == 3
+
+
+def test_capture_on_first_call_equals_eager_from_the_first_step():
+    """make_graphed(module) with no samples: the first call captures, on
+    copies of its arguments, and replays; warm-up leaves grads, buffers and
+    the random-number stream as they were, so every step (dropout masks,
+    BatchNorm statistics, SGD) equals eager's."""
+    torch.manual_seed(46)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.GELU(), nn.Dropout(0.25),
+                          nn.Linear(128, 64)).to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model)
+    assert graphed.num_graphs == 0
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
+    for step in range(4):
+        x, upstream = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
+        out = train_step(graphed, opts[0], x, upstream, seed=10 + step)
+        out_e = train_step(eager, opts[1], x, upstream, seed=10 + step)
+        assert_equal(out, out_e, f"step {step}: output")
+        assert_grads_equal(model, eager, step)
+    for (name, b), b_e in zip(model.named_buffers(), eager.buffers()):
+        assert_equal(b, b_e, f"buffer {name}")
+    assert graphed.num_graphs == 1 and graphed.stats["forward"] == 4
+
+
+def test_random_stream_after_capture_is_the_one_eager_would_see():
+    """Warm-up draws dropout masks; the generator is put back, so the next
+    draw equals the one without graphing."""
+    model, sample = dropout_mlp(), torch.randn(8, 64, device=CUDA)
+    torch.cuda.manual_seed(3)
+    expected = torch.rand(4, device=CUDA)
+    torch.cuda.manual_seed(3)
+    cgraph.make_graphed(model, (sample,))
+    assert_equal(torch.rand(4, device=CUDA), expected, "the draw after graphing")
+
+
+def test_a_dataloader_epoch_with_a_short_last_batch():
+    torch.manual_seed(47)
+    model = dropout_mlp().eval()
+    graphed = cgraph.make_graphed(model)
+    data = torch.utils.data.TensorDataset(torch.randn(10, 64))
+    with torch.no_grad():
+        for (x,) in torch.utils.data.DataLoader(data, batch_size=4, drop_last=False):
+            x = x.to(CUDA)
+            assert_equal(graphed(x), model(x), f"batch of {len(x)}")
+    assert graphed.num_graphs == 2  # 4 rows, then 2
+
+
+def test_graphed_together_callables_capture_new_shapes_in_their_own_pools():
+    """Graphed together, callables share one pool; a later graph of one of
+    them stays out of it (it could reuse memory another callable's pending
+    backward needs) and the per-layer chain still matches eager."""
+    torch.manual_seed(48)
+    layers = [nn.Sequential(nn.Linear(64, 64), nn.GELU()).to(CUDA) for _ in range(3)]
+    eager = copy.deepcopy(layers)
+    samples = [torch.randn(8, 64, device=CUDA, requires_grad=True) for _ in layers]
+    graphed = cgraph.make_graphed_callables(tuple(layers), tuple((s,) for s in samples),
+                                            max_graphs=4)
+    for rows in (8, 3, 8, 3):
+        x = torch.randn(rows, 64, device=CUDA, requires_grad=True)
+        xe = twin(x)
+        h, h_e = x, xe
+        for g, e in zip(graphed, eager):
+            h, h_e = g(h), e(h_e)
+        upstream = torch.randn_like(h)
+        (h * upstream).sum().backward()
+        (h_e * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"{rows} rows: input grad")
+        for g, e in zip(graphed, eager):
+            assert_grads_equal(g, e, rows)
+    first_pool = graphed[0].forward.pool
+    for g in graphed:
+        specs = g.forward.specs
+        assert len(specs) == 2
+    assert graphed[0].forward._idle_pool(True) != first_pool
+
+
+class FakeCache:
+    """What transformers passes as past_key_values with use_cache=True."""
+
+    def __init__(self):
+        self.layers = []
+
+
+def test_a_cache_argument_is_refused_with_the_fix():
+    layer = nn.Linear(64, 64).to(CUDA)
+
+    def block(x, past_key_values=None):
+        if past_key_values is not None:
+            past_key_values.layers.append(x)
+        return layer(x)
+
+    graphed = cgraph.make_graphed(block)
+    with pytest.raises(TypeError, match="past_key_values.*FakeCache.*use_cache=False"):
+        graphed(torch.randn(4, 64, device=CUDA), past_key_values=FakeCache())

@@ -1,0 +1,103 @@
+"""Hugging Face models with every layer graphed on its first call, inside
+the real model (Note [Several graphs per callable] in csrc/graphed.c):
+cgraph.make_graphed(layer) with no samples, so nothing about how the model
+calls its layers is written down.  Trained for a few steps with sequence
+lengths that change between steps and a short last batch; loss and every
+parameter grad equal eager's (float32, eager attention: bitwise)."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cgraph
+from _helpers import CUDA, assert_equal
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.gpu
+
+# (batch, sequence length) per step: lengths change, the last batch is short.
+STEPS = [(2, 16), (2, 16), (2, 12), (2, 16), (1, 12)]
+
+
+def graph_layers(layers: nn.ModuleList) -> nn.ModuleList:
+    return nn.ModuleList(cgraph.make_graphed(layer) for layer in layers)
+
+
+def train(model, step_fn, seed):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses, grads = [], []
+    for step, (batch, length) in enumerate(STEPS):
+        torch.manual_seed(seed + step)
+        opt.zero_grad(set_to_none=True)
+        loss = step_fn(model, batch, length)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+        opt.step()
+    return losses, grads
+
+
+def assert_training_equal(graphed_run, eager_run):
+    for step, (loss, loss_e) in enumerate(zip(graphed_run[0], eager_run[0])):
+        assert_equal(loss, loss_e, f"step {step}: loss")
+    for step, (grads, grads_e) in enumerate(zip(graphed_run[1], eager_run[1])):
+        for i, (g, g_e) in enumerate(zip(grads, grads_e)):
+            if g is None and g_e is None:
+                continue  # unused by the loss in both (BERT's pooler)
+            assert_equal(g, g_e, f"step {step}: grad of parameter {i}")
+
+
+def llama_step(model, batch, length):
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=CUDA)
+    return model(input_ids=ids, labels=ids).loss
+
+
+def test_llama_with_every_decoder_layer_graphed_trains_as_eager():
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, attn_implementation="eager")
+    torch.manual_seed(50)
+    model = transformers.LlamaForCausalLM(config).to(CUDA)
+    eager = copy.deepcopy(model)
+    model.model.layers = graph_layers(model.model.layers)
+    assert_training_equal(train(model, llama_step, 500), train(eager, llama_step, 500))
+    shapes = {(b, n) for b, n in STEPS}
+    for layer in model.model.layers:
+        assert layer.num_graphs == len(shapes) and layer.stats["eager_past_limit"] == 0
+
+
+def test_llama_with_its_cache_on_is_refused_with_the_fix():
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=True,
+        attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config).to(CUDA)
+    model.model.layers = graph_layers(model.model.layers)
+    ids = torch.randint(0, 128, (1, 8), device=CUDA)
+    with pytest.raises(TypeError, match="past_key_values.*use_cache=False"):
+        model(input_ids=ids)
+
+
+def bert_step(model, batch, length):
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=CUDA)
+    mask = torch.ones(batch, length, dtype=torch.long, device=CUDA)
+    mask[0, length - 3:] = 0  # padding: the layers get a real attention mask
+    hidden = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    return (hidden * hidden).mean()
+
+
+def test_bert_with_every_encoder_layer_graphed_trains_as_eager():
+    """Dropout on (0.1): masks equal eager's call for call."""
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(51)
+    model = transformers.BertModel(config).to(CUDA)
+    eager = copy.deepcopy(model)
+    model.encoder.layer = graph_layers(model.encoder.layer)
+    assert_training_equal(train(model, bert_step, 600), train(eager, bert_step, 600))
+    for layer in model.encoder.layer:
+        assert layer.num_graphs == len(set(STEPS))
