@@ -5,6 +5,14 @@
 DEPS_FOR=gpu-tests
 source "$(dirname "$0")/_deps.sh"
 "$PY" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name())"
+# The notebook test's Jupyter packages, on a machine with no network: wheels
+# carried in .whl/notebook/ (git-ignored), installed after the build so that
+# they cannot change it.  Without them tests/test_notebook.py skips.
+if compgen -G ".whl/notebook/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/notebook/*.whl
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 status=0
 # -m "not slow": the packaging test's second full build (minutes of device
 # time) checks nothing GPU-specific; CI runs it.
