@@ -13,6 +13,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _C, _log
+from ._buckets import Bucketed
+from ._buckets import normalize as normalize_buckets
 from ._capture import CaptureOptions, graph
 from ._describe import Target, draft
 from ._regraph import Regraph
@@ -182,6 +184,7 @@ def make_graphed(
     kept_outputs: str = "copy",
     guard_outputs: bool | None = None,
     max_graphs: int = _MAX_GRAPHS,
+    buckets=None,
 ):
     """Graph one callable.
 
@@ -200,6 +203,15 @@ def make_graphed(
     callable share its pool where they can.  Up to ``max_graphs`` graphs;
     past that a call runs eagerly, logged once (logger ``cgraph``) and
     counted in ``stats``.  ``max_graphs=None``: one graph, torch's rules.
+
+    ``buckets`` (opt-in): sizes for the leading dimension (``[8, 16, 32]``)
+    or per dimension (``{0: [8, 16], 1: [128, 256, 512]}``).  A call is
+    padded with zeros up to the next bucket, replays that bucket's graph,
+    and its outputs are sliced back; grads of the padded rows are dropped.
+    This is exact only when padded rows cannot change the real ones: rows
+    no op mixes (BatchNorm in training mode does: refused), or positions
+    after the real ones under causal attention.  A size above the largest
+    bucket is not padded (a graph of its own, or eager past max_graphs).
 
     Without ``sample_args`` nothing is captured until the first call, whose
     arguments (tensors copied) become the samples: warm-up runs on the
@@ -244,10 +256,14 @@ def make_graphed(
         (g,) = _graph([target], (sample_args,), (sample_kwargs,), pool_id, options)
         if limit is not None:
             g._set_on_miss(Regraph(target, options, limit, None, pool_id is not None))
+    call = g
+    if buckets is not None:
+        call = Bucketed(g, normalize_buckets(buckets),
+                        inner if isinstance(inner, nn.Module) else None)
     if inner is not fn:  # DistributedDataParallel: see _unwrap_ddp
-        inner.forward = g
+        inner.forward = call
         return fn
-    return GraphedModule(fn, g) if isinstance(fn, nn.Module) else g
+    return GraphedModule(fn, g, call) if isinstance(fn, nn.Module) else call
 
 
 class GraphedModule(nn.Module):
@@ -260,12 +276,13 @@ class GraphedModule(nn.Module):
     :func:`make_graphed`.
     """
 
-    def __init__(self, module: nn.Module, graphed: _C.Graphed):
+    def __init__(self, module: nn.Module, graphed: _C.Graphed, forward=None):
         super().__init__()
         self.module = module
-        # Instance attributes, so nn.Module.__call__ goes straight to C.
+        # Instance attributes, so nn.Module.__call__ goes straight to C
+        # (or to the padding of buckets=, which calls the graphs).
         self.__dict__["_graphed"] = graphed
-        self.__dict__["forward"] = graphed
+        self.__dict__["forward"] = graphed if forward is None else forward
 
     def reset(self) -> None:
         """Free the graphs, their static tensors and their memory pool."""

@@ -201,3 +201,13 @@ def test_leaf_names_come_from_forward_signature():
     batch = {"mask": torch.zeros(1), "ids": [torch.zeros(1)]}
     names = leaf_names(Target.of(0, M()).signature, (torch.zeros(1), batch))
     assert names == ["x", "batch['mask']", "batch['ids'][0]"]  # pytree keeps dict order
+
+
+def test_buckets_are_checked_and_sorted():
+    from cgraph._buckets import normalize
+
+    assert normalize([16, 8, 8]) == {0: (8, 16)}
+    assert normalize({1: [256, 128], 0: (4,)}) == {0: (4,), 1: (128, 256)}
+    for bad in ([], [0], {"a": [1]}, {0: []}, [True], "8", 8):
+        with pytest.raises(ValueError, match="buckets must be sizes"):
+            normalize(bad)

@@ -268,3 +268,66 @@ def test_a_cache_argument_is_refused_with_the_fix():
     graphed = cgraph.make_graphed(block)
     with pytest.raises(TypeError, match="past_key_values.*FakeCache.*use_cache=False"):
         graphed(torch.randn(4, 64, device=CUDA), past_key_values=FakeCache())
+
+
+# ---- buckets ------------------------------------------------------------------
+# Padding changes the GEMMs' shapes, so cuBLAS may pick other kernels than
+# eager's for the real rows: outputs and grads are compared with
+# torch.testing.assert_close's float32 tolerances (rtol 1.3e-6, atol 1e-5).
+
+
+def test_buckets_pad_rows_and_slice_outputs_back():
+    torch.manual_seed(49)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16)).to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, buckets=[8, 16])
+    for rows in (5, 8, 12, 3, 16, 20):
+        x = torch.randn(rows, 32, device=CUDA, requires_grad=True)
+        xe = twin(x)
+        out, out_e = graphed(x), eager(xe)
+        assert out.shape == (rows, 16)
+        torch.testing.assert_close(out, out_e)
+        upstream = torch.randn(rows, 16, device=CUDA)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        torch.testing.assert_close(x.grad, xe.grad)
+        for p, q in zip(model.parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad)
+    # Buckets 8 and 16, and 20 rows above the largest: a graph of its own.
+    assert graphed.num_graphs == 3 and graphed.stats["eager_past_limit"] == 0
+
+
+def test_buckets_along_the_sequence_of_a_causal_block():
+    """Positions after the real ones cannot change them under causal
+    attention: padding the sequence is exact for the real positions."""
+    torch.manual_seed(50)
+
+    class Causal(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(32, 96)
+
+        def forward(self, x):
+            b, t, _ = x.shape
+            q, k, v = self.qkv(x).view(b, t, 3, 2, 16).permute(2, 0, 3, 1, 4)
+            y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return y.transpose(1, 2).reshape(b, t, 32)  # outputs sliced along dim 1 too
+
+    model = Causal().to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, buckets={1: [16, 32]})
+    for length in (12, 16, 30):
+        x = torch.randn(2, length, 32, device=CUDA)
+        torch.testing.assert_close(graphed(x), eager(x))
+    assert graphed.num_graphs == 2
+
+
+def test_buckets_refuse_batchnorm_in_training_mode():
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)).to(CUDA)
+    graphed = cgraph.make_graphed(model, buckets=[8])
+    with pytest.raises(ValueError, match="BatchNorm in training mode.*mix the rows"):
+        graphed(torch.randn(5, 16, device=CUDA))
+    graphed.eval()
+    with torch.no_grad():
+        x = torch.randn(5, 16, device=CUDA)
+        torch.testing.assert_close(graphed(x), model(x))
