@@ -27,6 +27,7 @@ from . import _C  # noqa: E402
 from ._version import __version__
 from ._api import (GraphedModule, graph_pool_handle, make_graphed, make_graphed_callables,
                    reset_all)
+from ._step import GraphedStep, make_graphed_step
 
 CaptureError = _C.CaptureError
 Graphed = _C.Graphed
@@ -35,8 +36,10 @@ __all__ = [
     "CaptureError",
     "Graphed",
     "GraphedModule",
+    "GraphedStep",
     "graph_pool_handle",
     "make_graphed",
     "make_graphed_callables",
+    "make_graphed_step",
     "reset_all",
 ]

@@ -79,3 +79,15 @@ def past_limit(graphed, max_graphs: int, pending: bool) -> None:
         "%s: a call ran eagerly because %s and max_graphs=%d graphs are captured; "
         "counted in stats[%r]. Raise max_graphs, or pad inputs to fewer shapes. Logged "
         "once per callable.", describe(graphed), why, max_graphs, counter)
+
+
+def step_captured(step, recapture: bool, seconds: float) -> None:
+    """A training step captured (cgraph/_step.py)."""
+    log.info("%r: %s in %.3f s.", step, "captured again" if recapture else "captured", seconds)
+
+
+def step_stale(step, key: str) -> None:
+    """A hyperparameter baked into a step's graph changed: it is captured again."""
+    log.info("%r: the optimizer's %r changed since capture (a graph bakes it in): capturing "
+             "the step again. For SGD's lr, SGD(fused=True) reads it from the device instead.",
+             step, key)

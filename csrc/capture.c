@@ -214,35 +214,70 @@ static const char *const stages[] = {
 };
 static const char *const warming_up = "warming up";
 
+/* A NEW reference to a CaptureError saying what failed (`what`: "capturing
+ * the forward of callable 0"), its cause (.kind) and the fix, with `cause`
+ * (borrowed; may be NULL) as __cause__; NULL with an exception set if even
+ * that failed. */
+static PyObject *
+capture_error_for(cg_state *state, PyObject *cause, const char *what, cg_failure native)
+{
+    cg_failure kind = classify(state, cause, native);
+    PyObject *text = cause ? PyObject_Str(cause) : NULL, *message, *error, *name;
+    const char *utf8 = text ? PyUnicode_AsUTF8(text) : NULL;
+
+    if (utf8 == NULL) {
+        PyErr_WriteUnraisable(cause);  /* the message is lost, not the error */
+    }
+    message = PyUnicode_FromFormat("cgraph: %s failed: %s Torch said: %s", what,
+                                   failures[kind].advice, utf8 ? utf8 : "(no message)");
+    error = message ? PyObject_CallOneArg(state->CaptureError, message) : NULL;
+    name = error ? PyUnicode_FromString(failures[kind].name) : NULL;
+    if (name == NULL || PyObject_SetAttrString(error, "kind", name) < 0) {
+        Py_CLEAR(error);
+    } else {
+        PyException_SetCause(error, Py_XNewRef(cause));  /* steals the new ref */
+    }
+    Py_XDECREF(name);
+    Py_XDECREF(message);
+    Py_XDECREF(text);
+    return error;
+}
+
 /* Replaces the pending exception with CaptureError naming the stage, the
  * callable, the cause (.kind) and the fix; the original becomes __cause__.
  * Always returns -1. */
 static int
 raise_capture_error(session *s, Py_ssize_t index, const char *stage, cg_failure native)
 {
-    PyObject *cause = cg_err_take(), *text, *message, *error, *name;
-    cg_failure kind = classify(s->state, cause, native);
-    const char *utf8;
+    PyObject *cause = cg_err_take(), *what, *error = NULL;
 
-    text = cause ? PyObject_Str(cause) : NULL;
-    utf8 = text ? PyUnicode_AsUTF8(text) : NULL;
-    if (utf8 == NULL) {
-        PyErr_WriteUnraisable(cause);  /* the message is lost, not the error */
+    what = PyUnicode_FromFormat("%s callable %zd", stage, index);
+    if (what != NULL) {
+        error = capture_error_for(s->state, cause, PyUnicode_AsUTF8(what), native);
     }
-    message = PyUnicode_FromFormat("cgraph: %s callable %zd failed: %s Torch said: %s", stage,
-                                   index, failures[kind].advice, utf8 ? utf8 : "(no message)");
-    error = message ? PyObject_CallOneArg(s->state->CaptureError, message) : NULL;
-    name = error ? PyUnicode_FromString(failures[kind].name) : NULL;
-    if (name != NULL && PyObject_SetAttrString(error, "kind", name) == 0) {
-        PyException_SetCause(error, Py_XNewRef(cause));  /* steals the new ref */
-        cg_err_restore(Py_NewRef(error));
+    if (error != NULL) {
+        cg_err_restore(error);
     }
-    Py_XDECREF(name);
-    Py_XDECREF(error);
-    Py_XDECREF(message);
-    Py_XDECREF(text);
+    Py_XDECREF(what);
     Py_XDECREF(cause);
     return -1;
+}
+
+PyObject *
+cg_capture_error(PyObject *module, PyObject *args)
+{
+    PyObject *cause;
+    const char *what;
+
+    if (!PyArg_ParseTuple(args, "Os", &cause, &what)) {
+        return NULL;
+    }
+    if (!PyExceptionInstance_Check(cause)) {
+        PyErr_SetString(PyExc_TypeError, "capture_error: expects an exception");
+        return NULL;
+    }
+    return capture_error_for((cg_state *)PyModule_GetState(module), cause, what,
+                             CG_FAILURE_OTHER);
 }
 
 /* ---- the session's set-up and teardown ---------------------------------- */

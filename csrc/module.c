@@ -19,6 +19,7 @@
  *     def modules_changed() -> None: ...      # see cg_state.module_epoch
  *     def set_event_hook(hook) -> None: ...   # cgraph/_log.py
  *     def new_graphed(on_miss) -> Graphed: ...  # no graph yet: graphed.c
+ *     def capture_error(cause, what) -> CaptureError: ...  # capture.c
  *
  * Laid out as CPython's Modules/xxlimited.c: state in the module (multi-phase
  * initialization), heap types, and PyInit__C the only exported symbol.
@@ -198,6 +199,11 @@ PyDoc_STRVAR(cgm_graph_callables_doc,
 "one memory pool.  Called by cgraph.make_graphed_callables, which builds\n"
 "`specs` (CallableSpec); not a public API.");
 
+PyDoc_STRVAR(cgm_capture_error_doc,
+"capture_error(cause, what) -> CaptureError\n\n"
+"The CaptureError for `cause`, raised while capturing `what`: its .kind\n"
+"and the fix (csrc/capture.c, Note [Capture failures]).");
+
 PyDoc_STRVAR(cgm_new_graphed_doc,
 "new_graphed(on_miss) -> Graphed\n\n"
 "A graphed callable with no graph yet: its calls go to\n"
@@ -217,6 +223,7 @@ cgm_new_graphed(PyObject *module, PyObject *on_miss)
 
 static PyMethodDef cgm_methods[] = {
     {"new_graphed", cgm_new_graphed, METH_O, cgm_new_graphed_doc},
+    {"capture_error", cg_capture_error, METH_VARARGS, cgm_capture_error_doc},
     {"graph_callables", cg_graph_callables, METH_VARARGS, cgm_graph_callables_doc},
     {"device_count", cgm_device_count, METH_NOARGS, cgm_device_count_doc},
     {"new_pool", cgm_new_pool, METH_NOARGS, cgm_new_pool_doc},

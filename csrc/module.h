@@ -202,5 +202,11 @@ PyObject *cg_call_tensors(cg_state *state, const cg_spec *spec, PyObject *const 
  * Returns a NEW reference to a tuple of Graphed, or NULL. */
 PyObject *cg_graph_callables(PyObject *module, PyObject *args);
 
+/* _C.capture_error(cause, what) -> CaptureError
+ * The CaptureError for an exception raised while capturing `what` (a
+ * training step, cgraph/_step.py): its kind, the fix, cause as __cause__.
+ * Returns a NEW reference, or NULL. */
+PyObject *cg_capture_error(PyObject *module, PyObject *args);
+
 
 #endif /* CGRAPH_MODULE_H */

@@ -1,0 +1,314 @@
+"""A whole training step in one CUDA graph: ``cgraph.make_graphed_step``.
+
+The step is the user's own eager function (zero_grad, forward, loss,
+backward, clip, GradScaler, optimizer.step), captured as one graph, so
+everything on the host between kernels is gone.  The lifecycle, in the
+order of the code below:
+
+1. Warm-up: the first ``num_warmup_iters`` calls run the function eagerly.
+   They are real steps (the docstring says so): n calls of the graphed step
+   are n training steps, warm-up or not.  The optimizers the step uses are
+   found there, through torch's global optimizer step hook.
+2. Capture, on the next call: each optimizer is made capturable (Note
+   [Capturable optimizers]), the call's arguments are copied into static
+   inputs, and the function is captured on a side stream.  The capture
+   runs no kernel; that call's step is the first replay.
+3. Replay: arguments copied into the static inputs, learning rates and
+   other hyperparameters brought up to date, the graph replayed, outputs
+   copied out (they keep their values across calls).
+4. Reset: ``step.reset()`` frees the graph and its pool.
+
+Note [Capturable optimizers]
+Q: torch's optimizers keep state a graph cannot replay: a host-side step
+   count and learning rate read as Python numbers.  How does one graph run
+   the user's optimizer step after step?
+A: Before capture, every param group that has torch's ``capturable`` flag
+   (Adam, AdamW, ...) gets it set, and its ``step`` counters move to the
+   device, as ``capturable=True`` would have made them.  The learning rate
+   must change without a recapture (a scheduler steps between replays): an
+   optimizer that reads it from the device (capturable Adam/AdamW, fused
+   SGD) gets a device tensor in ``group["lr"]`` while it is captured, then
+   the float back; before each replay, a group whose float changed since
+   refills its tensor (one fill kernel).  Any other hyperparameter baked
+   into the graph as a number (SGD's lr unless fused, betas, weight decay,
+   momentum) is compared before each replay, and a change recaptures, with
+   a log line: nothing replays with a stale value.  A GradScaler needs an
+   optimizer that takes its scale on the device (fused=True); else its
+   ``step`` reads ``found_inf`` on the host, and the capture says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+import weakref
+from typing import Any, Callable, NamedTuple
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils import _pytree as pytree
+
+from . import _C, _log
+from ._describe import CONSTANT_TYPES
+
+__all__ = ["make_graphed_step", "GraphedStep"]
+
+def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
+                      sample_kwargs: dict | None = None, num_warmup_iters: int = 3,
+                      pool=None) -> "GraphedStep":
+    """Graph a whole training step: ``step = make_graphed_step(fn, args)``.
+
+    ``fn(*args, **kwargs)`` is an ordinary eager training step (zero_grad,
+    forward, loss, backward, optionally ``clip_grad_norm_`` and a
+    ``GradScaler``, ``optimizer.step()``) returning the loss or any pytree
+    of tensors.  ``step(*args)`` then runs it: the first
+    ``num_warmup_iters`` calls eagerly, the next one captures it into one
+    CUDA graph, and every call from then on replays that graph.  Every call
+    is one real training step, so n calls of ``step`` leave parameters,
+    optimizer state, grads and the random-number stream as n eager calls of
+    ``fn`` would.  Arguments are copied into the graph's inputs (calls pass
+    tensors of ``sample_args``' shapes, dtypes and devices, and the same
+    constants); the returned tensors are copies that keep their values.
+
+    Optimizers are made capturable before capture (Note [Capturable
+    optimizers] in cgraph/_step.py): Adam, AdamW and SGD (default, foreach,
+    fused) work as built; an LR scheduler stepped between calls takes effect
+    without recapture (for SGD without ``fused=True`` it recaptures, logged).
+    Capturable Adam/AdamW compute the step size on the device in float32,
+    not on the host in float64: parameters then match eager's to float32
+    rounding, not bitwise (fused ones: bitwise).  A ``GradScaler`` needs
+    ``fused=True`` optimizers.  Python side effects in ``fn`` (a counter, a
+    print) run once, at capture.  A host sync in ``fn`` (``.item()``, a
+    branch on a tensor) raises ``CaptureError`` naming it and the fix.
+
+    Example::
+
+        def train_step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        step = cgraph.make_graphed_step(train_step, (x, y))
+        for x, y in loader:
+            loss = step(x, y)
+            scheduler.step()
+    """
+    if not callable(fn):
+        raise TypeError(f"cgraph: make_graphed_step takes a function, got {type(fn).__name__}.")
+    if not isinstance(sample_args, tuple):
+        raise TypeError("cgraph: sample_args must be a tuple (write (x,) for one tensor).")
+    if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
+        raise ValueError(
+            f"cgraph: num_warmup_iters must be at least 1 for a step, got {num_warmup_iters!r}: "
+            "the first eager call finds the optimizers and creates their state, which a "
+            "graph cannot do.")
+    return GraphedStep(fn, sample_args, sample_kwargs or {}, num_warmup_iters, pool)
+
+
+class _Static(NamedTuple):
+    """The captured call: its static input tensors (pytree leaves of the
+    call, constants left as they were) and structure."""
+
+    leaves: list
+    spec: Any
+
+
+@dataclasses.dataclass
+class _Group:
+    """One param group as the graph captured it."""
+
+    group: dict
+    lr: torch.Tensor | None  # the device lr the graph reads; None: baked in
+    lr_value: float | None  # the float that lr holds
+    baked: dict  # the values baked into the graph: compared before each replay
+
+
+class GraphedStep:
+    """A training step replayed as one CUDA graph; see make_graphed_step."""
+
+    def __init__(self, fn, sample_args, sample_kwargs, num_warmup_iters, pool):
+        self.fn = fn
+        self.num_warmup_iters = num_warmup_iters
+        self.pool = pool
+        self.sample = pytree.tree_flatten((sample_args, sample_kwargs))
+        self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.static: _Static | None = None
+        self.outputs: Any = None  # the captured outputs (pool memory)
+        self.groups: list[_Group] = []
+        self.stats = {"eager": 0, "captures": 0, "replays": 0}
+
+    # -- 1. warm-up: real eager steps, optimizers found ----------------------
+
+    def __call__(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        self._check(leaves, spec)
+        if self.graph is None and self.stats["eager"] < self.num_warmup_iters:
+            return self._run_eagerly(args, kwargs)
+        if self.graph is None or self._stale():
+            self._capture(leaves, spec)
+        return self._replay(leaves)
+
+    def _run_eagerly(self, args, kwargs):
+        handle = register_optimizer_step_pre_hook(self._found)
+        try:
+            out = self.fn(*args, **kwargs)
+        finally:
+            handle.remove()
+        self.stats["eager"] += 1
+        # Detached, as replays return them: a loss kept with its grad_fn
+        # would keep this step's autograd graph, whose AccumulateGrad nodes
+        # (on this stream) the capture would then reuse from its own stream.
+        return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+    def _found(self, optimizer, args, kwargs):
+        self.optimizers.add(optimizer)
+
+    def _check(self, leaves: list, spec) -> None:
+        """Calls pass what the samples (or the first call) passed."""
+        want, want_spec = (self.static.leaves, self.static.spec) if self.static else self.sample
+        if self.static is None and not want:  # no samples: the capture's call decides
+            return
+        if spec != want_spec:
+            raise TypeError(f"cgraph: the step was graphed with arguments structured as "
+                            f"{want_spec}, got {spec}.")
+        for i, (got, w) in enumerate(zip(leaves, want)):
+            if isinstance(w, torch.Tensor):
+                if not (isinstance(got, torch.Tensor) and got.shape == w.shape and
+                        got.dtype == w.dtype and got.device == w.device):
+                    raise ValueError(
+                        f"cgraph: step argument {i} is {_describe(got)}, but the step was "
+                        f"graphed with {_describe(w)}. A graphed step replays fixed shapes: "
+                        "pad to the sample's shape, or graph one step per shape.")
+            elif got != w or type(got) is not type(w):
+                raise ValueError(f"cgraph: step argument {i} was graphed as {w!r}, got {got!r}.")
+
+    # -- 2. capture ----------------------------------------------------------
+
+    def _capture(self, leaves: list, spec) -> None:
+        started = time.perf_counter()
+        recapture = self.graph is not None
+        self.reset()
+        static = [_static_copy(x) if isinstance(x, torch.Tensor) else _constant(i, x)
+                  for i, x in enumerate(leaves)]
+        self.static = _Static(static, spec)
+        self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
+                       for g in opt.param_groups]
+        graph = torch.cuda.CUDAGraph()
+        args, kwargs = pytree.tree_unflatten(static, spec)
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        before = generator.clone_state()
+        try:
+            with self._device_lrs(), torch.cuda.graph(graph, pool=self.pool):
+                outputs = self.fn(*args, **kwargs)
+        except Exception as exc:
+            # A failed capture leaves the generator in capture mode (torch
+            # ends it only after a successful cudaStreamEndCapture): give it
+            # back its state from before, or every later draw raises.
+            generator.graphsafe_set_state(before)
+            cause = _first_cause(exc)
+            raise _C.capture_error(cause, "capturing the training step") from cause
+        self.graph, self.outputs = graph, pytree.tree_map_only(torch.Tensor, torch.Tensor.detach,
+                                                               outputs)
+        self.stats["captures"] += 1
+        _log.step_captured(self, recapture, time.perf_counter() - started)
+
+    def _capturable(self, optimizer, group: dict) -> _Group:
+        """Note [Capturable optimizers], for one param group."""
+        if "capturable" in group and not group["capturable"]:
+            group["capturable"] = True
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                step = state.get("step")
+                if isinstance(step, torch.Tensor) and step.device != p.device:
+                    state["step"] = step.to(p.device, torch.float32)
+        reads_device_lr = group.get("capturable") or group.get("fused")
+        lr = None
+        if reads_device_lr and not isinstance(group["lr"], torch.Tensor):
+            lr = torch.tensor(float(group["lr"]), device=group["params"][0].device)
+        baked = {k: v for k, v in group.items()
+                 if k != "params" and not (k == "lr" and lr is not None)}
+        return _Group(group, lr, float(group["lr"]) if lr is not None else None, baked)
+
+    @contextlib.contextmanager
+    def _device_lrs(self):
+        """While captured, a group whose optimizer reads lr from the device
+        holds the tensor the graph will read; the float comes back after."""
+        swapped = [g for g in self.groups if g.lr is not None]
+        for g in swapped:
+            g.group["lr"] = g.lr
+        try:
+            yield
+        finally:
+            for g in swapped:
+                g.group["lr"] = g.lr_value
+
+    # -- 3. replay -----------------------------------------------------------
+
+    def _stale(self) -> bool:
+        """Whether a hyperparameter baked into the graph changed (then the
+        step is captured again), after refreshing the device lrs."""
+        for g in self.groups:
+            if g.lr is not None and g.group["lr"] != g.lr_value:
+                g.lr.fill_(float(g.group["lr"]))  # one fill kernel, no sync
+                g.lr_value = g.group["lr"]
+            for key, value in g.baked.items():
+                if g.group.get(key) != value:
+                    _log.step_stale(self, key)
+                    return True
+        return False
+
+    def _replay(self, leaves: list):
+        static = self.static.leaves
+        pairs = [(s, x) for s, x in zip(static, leaves)
+                 if isinstance(s, torch.Tensor) and s.data_ptr() != x.data_ptr()]
+        if pairs:
+            with torch.no_grad():
+                torch._foreach_copy_([s for s, _ in pairs], [x for _, x in pairs])
+        self.graph.replay()
+        self.stats["replays"] += 1
+        return pytree.tree_map_only(torch.Tensor, torch.clone, self.outputs)
+
+    # -- 4. reset --------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Free the graph, its static tensors and its pool memory.  The next
+        call captures again."""
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph, self.static, self.outputs, self.groups = None, None, None, []
+
+    def __repr__(self) -> str:
+        name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
+        state = "captured" if self.graph is not None else "not captured yet"
+        return (f"GraphedStep({name}, {state}, eager={self.stats['eager']}, "
+                f"captures={self.stats['captures']}, replays={self.stats['replays']})")
+
+
+def _first_cause(exc: BaseException) -> BaseException:
+    """The error that broke the capture: torch.cuda.graph's exit raises its
+    own (the capture was invalidated) while handling the callable's."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    return exc
+
+
+def _static_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def _constant(i: int, value):
+    if not isinstance(value, CONSTANT_TYPES):
+        raise TypeError(f"cgraph: step argument {i} is a {type(value).__name__}; a graphed "
+                        "step takes tensors and constants (None, int, float, bool, str, ...). "
+                        "Bind other values with functools.partial or a closure.")
+    return value
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)} on {x.device}"
+    return f"a {type(x).__name__}"

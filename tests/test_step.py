@@ -1,0 +1,239 @@
+"""A whole training step in one graph (cgraph.make_graphed_step): n calls
+are n eager training steps, for the optimizers as users build them, with
+LR schedulers, GradScaler, clipping and gradient accumulation inside, and
+host syncs refused with the fix.  Each test runs the same step eagerly on
+a deep copy from the same random state and compares bitwise, or with the
+float32 tolerance stated where the optimizer's math differs."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cgraph
+from _helpers import CUDA, assert_equal
+
+pytestmark = pytest.mark.gpu
+
+
+def model_and_data(seed=60, dropout=0.1):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Dropout(dropout),
+                          nn.Linear(64, 10)).to(CUDA)
+    batches = [(torch.randn(16, 32, device=CUDA), torch.randint(0, 10, (16,), device=CUDA))
+               for _ in range(8)]
+    return model, batches
+
+
+def make_step(model, opt, scaler=None, clip=None, dtype=None):
+    def step(x, y):
+        opt.zero_grad()
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype is not None):
+            loss = F.cross_entropy(model(x), y)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            if clip is not None:
+                scaler.unscale_(opt)
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+        return loss
+    return step
+
+
+def run(step_fn, batches, after_step=None):
+    """Calls step_fn on each batch from one CUDA random state; returns the
+    losses (copies)."""
+    torch.cuda.manual_seed(7)
+    losses = []
+    for x, y in batches:
+        losses.append(step_fn(x, y).detach().clone())
+        if after_step is not None:
+            after_step()
+    return losses
+
+
+def assert_same_training(model, eager, losses, losses_e, exact=True):
+    check = assert_equal if exact else (lambda a, b, what: torch.testing.assert_close(a, b))
+    for i, (a, b) in enumerate(zip(losses, losses_e)):
+        tolerance = dict(rtol=0, atol=0) if exact else {}
+        torch.testing.assert_close(a, b, equal_nan=True, **tolerance,
+                                   msg=lambda m: f"loss of step {i}: {m}")
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        check(p, q, f"parameter {name}")
+        check(p.grad, q.grad, f"grad of {name}")
+
+
+OPTIMIZERS = {
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "sgd-default": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "sgd-foreach": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "sgd-fused": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    "adam-fused": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_n_calls_are_n_eager_steps(name):
+    """Parameters, grads, losses (dropout on) equal eager's after every
+    step; warm-up calls are real steps; outputs keep their values."""
+    model, batches = model_and_data()
+    eager = copy.deepcopy(model)
+    opt, opt_e = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](eager.parameters())
+    step = cgraph.make_graphed_step(make_step(model, opt), batches[0], num_warmup_iters=2)
+    losses = run(step, batches)
+    losses_e = run(make_step(eager, opt_e), batches)
+    assert_same_training(model, eager, losses, losses_e)
+    assert step.stats == {"eager": 2, "captures": 1, "replays": 6}
+    for (p, q) in zip(opt.state.values(), opt_e.state.values()):
+        for key in q:
+            assert_equal(p[key].to(q[key].device).to(q[key].dtype), q[key], f"state {key}")
+
+
+@pytest.mark.parametrize("name", ["adam", "adamw"])
+def test_adam_is_made_capturable(name):
+    """Built without capturable=True: cgraph sets it.  Capturable Adam
+    computes its step size on the device in float32, eager's on the host in
+    float64: parameters agree to float32 rounding (assert_close)."""
+    make = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opt, opt_e = make(model.parameters(), lr=1e-2), make(eager.parameters(), lr=1e-2)
+    step = cgraph.make_graphed_step(make_step(model, opt), batches[0])
+    losses = run(step, batches)
+    losses_e = run(make_step(eager, opt_e), batches)
+    assert_same_training(model, eager, losses, losses_e, exact=False)
+    assert opt.param_groups[0]["capturable"] and step.stats["captures"] == 1
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["sgd-fused", "sgd-foreach"])
+def test_a_cosine_schedule_with_warm_up_matches_eager(fused):
+    """50 steps of linear warm-up then cosine decay, stepped between calls.
+    Fused SGD reads lr from the device: no recapture; foreach SGD bakes it
+    in: each change recaptures (logged), and the result is still eager's."""
+    torch.manual_seed(61)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).to(CUDA)
+    eager = copy.deepcopy(model)
+    batches = [(torch.randn(8, 16, device=CUDA), torch.randint(0, 4, (8,), device=CUDA))
+               for _ in range(50)]
+
+    def schedule(opt):
+        warm = torch.optim.lr_scheduler.LinearLR(opt, start_factor=0.1, total_iters=10)
+        cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=40)
+        return torch.optim.lr_scheduler.SequentialLR(opt, [warm, cosine], milestones=[10])
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9, fused=fused)
+    sched, sched_e = schedule(opt), schedule(opt_e)
+    step = cgraph.make_graphed_step(make_step(model, opt), batches[0])
+    losses = run(step, batches, sched.step)
+    losses_e = run(make_step(eager, opt_e), batches, sched_e.step)
+    assert_same_training(model, eager, losses, losses_e)
+    captures = step.stats["captures"]
+    assert captures == 1 if fused else captures > 40  # lr changes at almost every step
+
+
+def test_grad_scaler_skips_a_step_with_an_inf_as_eager_does():
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    batches[4] = (batches[4][0] * float("inf"), batches[4][1])  # an inf at step 4
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**10) for _ in range(2)]
+    step = cgraph.make_graphed_step(make_step(model, opts[0], scalers[0], clip=1.0,
+                                              dtype=torch.float16), batches[0])
+    losses = run(step, batches)
+    losses_e = run(make_step(eager, opts[1], scalers[1], clip=1.0, dtype=torch.float16),
+                   batches)
+    assert_same_training(model, eager, losses, losses_e)
+    assert_equal(scalers[0]._scale, scalers[1]._scale, "the scale after the skipped step")
+    assert scalers[0].get_scale() == 2.0**9
+
+
+def test_clip_grad_norm_inside_matches_eager():
+    model, batches = model_and_data()
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5, fused=True) for m in (model, eager)]
+    step = cgraph.make_graphed_step(make_step(model, opts[0], clip=0.05), batches[0])
+    assert_same_training(model, eager, run(step, batches),
+                         run(make_step(eager, opts[1], clip=0.05), batches))
+
+
+def test_gradient_accumulation_in_one_graph():
+    """Three micro-batches' forwards and backwards, then one optimizer step."""
+    model, _ = model_and_data()
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
+
+    def accumulate(net, opt):
+        def step(xs, ys):
+            opt.zero_grad()
+            total = 0
+            for x, y in zip(xs.unbind(), ys.unbind()):
+                loss = F.cross_entropy(net(x), y) / xs.shape[0]
+                loss.backward()
+                total = total + loss.detach()
+            opt.step()
+            return total
+        return step
+
+    batches = [(torch.randn(3, 16, 32, device=CUDA), torch.randint(0, 10, (3, 16), device=CUDA))
+               for _ in range(6)]
+    step = cgraph.make_graphed_step(accumulate(model, opts[0]), batches[0])
+    assert_same_training(model, eager, run(step, batches),
+                         run(accumulate(eager, opts[1]), batches))
+
+
+def test_outputs_keep_their_values_and_grads_are_this_steps():
+    model, batches = model_and_data(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    step = cgraph.make_graphed_step(make_step(model, opt), batches[0], num_warmup_iters=1)
+    kept = [step(*b) for b in batches[:4]]
+    copies = [k.clone() for k in kept]
+    step(*batches[4])
+    for i, (k, c) in enumerate(zip(kept, copies)):
+        assert_equal(k, c, f"loss {i} kept across calls")
+    # p.grad is the latest step's grad: the graph's zero_grad and backward.
+    x, y = batches[5]
+    probe = copy.deepcopy(model)
+    F.cross_entropy(probe(x), y).backward()
+    step(x, y)
+    for p, q in zip(model.parameters(), probe.parameters()):
+        assert_equal(p.grad, q.grad, "grad after a replay")
+
+
+@pytest.mark.parametrize("body", ["item", "branch"])
+def test_a_host_sync_in_the_step_is_refused_with_the_fix(body):
+    model, batches = model_and_data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        if body == "item":
+            print(loss.item())
+        elif loss > 100:  # a Python branch on a tensor: a sync
+            loss = loss * 0
+        loss.backward()
+        opt.step()
+        return loss
+
+    graphed = cgraph.make_graphed_step(step, batches[0], num_warmup_iters=1)
+    graphed(*batches[0])
+    with pytest.raises(cgraph.CaptureError, match="training step.*\\.item\\(\\)") as info:
+        graphed(*batches[1])
+    assert info.value.kind == "sync"
+
+
+def test_arguments_of_another_shape_raise():
+    model, batches = model_and_data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    step = cgraph.make_graphed_step(make_step(model, opt), batches[0])
+    with pytest.raises(ValueError, match=r"step argument 0 is .*\(8, 32\).*\(16, 32\)"):
+        step(torch.randn(8, 32, device=CUDA), torch.randint(0, 10, (8,), device=CUDA))
