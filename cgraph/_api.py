@@ -326,10 +326,20 @@ class GraphedModule(nn.Module):
         return self._graphed.num_graphs
 
     def extra_repr(self) -> str:
+        """What the graphs are at a glance (also in a notebook's output):
+        their argument shapes, replays, eager calls and pool memory."""
         g = self._graphed
-        state = "reset" if g.is_reset else f"inputs={g.num_inputs}, params={g.num_params}"
-        return f"graphed: {state}, graphs={g.num_graphs}, pool={g.pool}"
+        if g.is_reset or g.num_graphs == 0:
+            return repr(g)
+        return f"{repr(g)[1:-1]}, pool memory {pool_mib(g.pools):.1f} MiB"
 
+
+
+def pool_mib(pools) -> float:
+    """Memory the caching allocator holds for these pools (reserved, MiB)."""
+    wanted = {tuple(p) for p in pools}
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", (0, 0))) in wanted) / 2**20
 
 
 def _unwrap_ddp(fn):

@@ -37,7 +37,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 import torch.utils.checkpoint as checkpoint_module
 
-from . import _C
+from . import _C, _log
 from ._describe import Draft, device_of
 
 
@@ -57,7 +57,7 @@ def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
     one session: a Graphed per callable, with one graph each."""
     device = device_of(drafts)
     specs = tuple(_C.CallableSpec(**d.fields, device=device) for d in drafts)
-    with capture_session(specs):
+    with capture_session(specs), _log.progress(len(specs)):
         return _C.graph_callables(specs, pool, *options)
 
 

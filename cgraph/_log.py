@@ -12,8 +12,10 @@ of your own.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 
 log = logging.getLogger("cgraph")
 
@@ -48,7 +50,10 @@ def describe(graphed) -> str:
 
 def on_event(event: str, graphed) -> None:
     """The native core's event hook (_C.set_event_hook)."""
-    if event == "eager_pending":
+    if event == "progress":
+        if _bar is not None:
+            _bar.update(1)
+    elif event == "eager_pending":
         log.info(
             "%s: a call ran eagerly because the backward of its previous call has not "
             "run yet (a replay would overwrite the activations it needs); counted in "
@@ -91,3 +96,33 @@ def step_stale(step, key: str) -> None:
     log.info("%r: the optimizer's %r changed since capture (a graph bakes it in): capturing "
              "the step again. For SGD's lr, SGD(fused=True) reads it from the device instead.",
              step, key)
+
+
+# The progress bar of the set-up in progress, if any (progress()).
+_bar = None
+
+
+@contextlib.contextmanager
+def progress(callables: int):
+    """A progress bar over one set-up's warm-ups and captures (three steps
+    per callable), with tqdm when it is installed.  It shows only once the
+    set-up has taken a second, and only on a terminal or in a notebook."""
+    global _bar
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        yield
+        return
+    noun = "callable" if callables == 1 else "callables"
+    bar = tqdm(total=3 * callables, desc=f"cgraph: graphing {callables} {noun}", delay=1.0,
+               leave=False, unit="step", disable=not _interactive())
+    outer, _bar = _bar, bar
+    try:
+        yield
+    finally:
+        _bar = outer
+        bar.close()
+
+
+def _interactive() -> bool:
+    return sys.stderr.isatty() or "ipykernel" in sys.modules

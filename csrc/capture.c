@@ -25,6 +25,9 @@
  *                 e.finish_setup()      # BatchNorm stats, grad accumulators
  *         return tuple(Graphed(s, e, out_layout) for s, e in zip(specs, engines))
  *
+ * Each callable's warm-up, forward capture and backward capture reports a
+ * "progress" event (cgraph/_log.py draws a progress bar from them).
+ *
  * Capturing in the order the graphs will replay is what makes sharing one
  * pool safe: a graph only reuses memory that earlier graphs are done with.
  */
@@ -465,6 +468,9 @@ warm_up(session *s)
             }
             return -1;
         }
+        if (cg_report_event(s->state, "progress", Py_None) < 0) {
+            return -1;
+        }
     }
     return cg_setup_release_warmup_memory(s->setup);
 }
@@ -506,7 +512,7 @@ static int
 capture(session *s)
 {
     for (Py_ssize_t i = 0; i < s->n; i++) {
-        if (capture_forward(s, i) < 0) {
+        if (capture_forward(s, i) < 0 || cg_report_event(s->state, "progress", Py_None) < 0) {
             return -1;
         }
     }
@@ -514,6 +520,9 @@ capture(session *s)
         cg_failure failure = CG_FAILURE_OTHER;
         if (cg_engine_capture_backward(s->engines[i], s->pool, s->mode, &failure) < 0) {
             return raise_capture_error(s, i, stages[CG_BACKWARD], failure);
+        }
+        if (cg_report_event(s->state, "progress", Py_None) < 0) {
+            return -1;
         }
     }
     for (Py_ssize_t i = 0; i < s->n; i++) {

@@ -733,6 +733,24 @@ Graphed_get_pool(GraphedObject *self, void *closure)
     return Py_BuildValue("(KK)", self->pool.first, self->pool.second);
 }
 
+/* Returns a NEW reference: a list of the distinct pools of the graphs. */
+static PyObject *
+Graphed_get_pools(GraphedObject *self, void *closure)
+{
+    PyObject *pools = PyList_New(0);
+
+    for (Py_ssize_t k = 0; pools != NULL && k < self->n_entries; k++) {
+        cg_pool pool = self->entries[k].pool;
+        PyObject *item = Py_BuildValue("(KK)", pool.first, pool.second);
+        int seen = item ? PySequence_Contains(pools, item) : -1;
+        if (seen < 0 || (seen == 0 && PyList_Append(pools, item) < 0)) {
+            Py_CLEAR(pools);
+        }
+        Py_XDECREF(item);
+    }
+    return pools;
+}
+
 /* Returns a NEW reference. */
 static PyObject *
 Graphed_get_is_reset(GraphedObject *self, void *closure)
@@ -822,6 +840,94 @@ Graphed_get_graphs(GraphedObject *self, void *closure)
     return result;
 }
 
+/* "Linear", "train_step": what the graphs were captured from.  Returns a
+ * NEW reference, or NULL with an exception set. */
+static PyObject *
+callable_name(const cg_spec *spec)
+{
+    PyObject *target = cg_spec_target(spec), *name;
+
+    if (target == NULL) {
+        return NULL;
+    }
+    if (spec->module != Py_None) {
+        name = PyType_GetName(Py_TYPE(target));
+    } else {
+        name = PyObject_GetAttrString(target, "__qualname__");
+        if (name == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();  /* a callable object: its type's name */
+            name = PyType_GetName(Py_TYPE(target));
+        }
+    }
+    Py_DECREF(target);
+    return name;
+}
+
+/* "[(16, 64), (16,)]": the shapes of one graph's tensor arguments.  Returns
+ * a NEW reference, or NULL with an exception set. */
+static PyObject *
+entry_shapes(const graph_entry *entry)
+{
+    Py_ssize_t n = PyTuple_GET_SIZE(entry->spec->tensors);
+    PyObject *shapes = PyList_New(n), *text = NULL;
+
+    for (Py_ssize_t i = 0; shapes != NULL && i < n; i++) {
+        PyObject *shape = PyObject_GetAttrString(PyTuple_GET_ITEM(entry->spec->tensors, i),
+                                                 "shape");
+        PyObject *tuple = shape ? PySequence_Tuple(shape) : NULL;
+        Py_XDECREF(shape);
+        if (tuple == NULL) {
+            Py_CLEAR(shapes);
+            break;
+        }
+        PyList_SET_ITEM(shapes, i, tuple);
+    }
+    text = shapes ? PyObject_Repr(shapes) : NULL;
+    Py_XDECREF(shapes);
+    return text;
+}
+
+/* What a graphed callable is at a glance: the callable, each graph's
+ * argument shapes, replays, eager calls and the first pool.  Returns a NEW
+ * reference, or NULL with an exception set. */
+static PyObject *
+Graphed_repr(GraphedObject *self)
+{
+    PyObject *name, *shapes, *sep, *joined, *result;
+    cg_stats stats = first_engine(self) ? cg_engine_stats(first_engine(self)) : (cg_stats){0};
+
+    if (self->is_reset) {
+        return PyUnicode_FromString("<cgraph.Graphed: reset>");
+    }
+    if (self->n_entries == 0) {
+        return PyUnicode_FromString("<cgraph.Graphed: no graph yet (captures on its first "
+                                    "call)>");
+    }
+    shapes = PyList_New(self->n_entries);
+    for (Py_ssize_t k = 0; shapes != NULL && k < self->n_entries; k++) {
+        PyObject *one = entry_shapes(&self->entries[k]);
+        if (one == NULL) {
+            Py_CLEAR(shapes);
+            break;
+        }
+        stats.forward += k ? cg_engine_stats(self->entries[k].engine).forward : 0;
+        PyList_SET_ITEM(shapes, k, one);
+    }
+    name = shapes ? callable_name(self->entries[0].spec) : NULL;
+    sep = name ? PyUnicode_FromString(" ") : NULL;
+    joined = sep ? PyUnicode_Join(sep, shapes) : NULL;
+    result = joined ? PyUnicode_FromFormat(
+        "<cgraph.Graphed of %U: %zd graph%s %U, %llu replays, %llu eager calls, pool (%llu, "
+        "%llu)>", name, self->n_entries, self->n_entries == 1 ? "" : "s", joined,
+        stats.forward, self->eager_pending + self->eager_past_limit, self->pool.first,
+        self->pool.second) : NULL;
+    Py_XDECREF(joined);
+    Py_XDECREF(sep);
+    Py_XDECREF(name);
+    Py_XDECREF(shapes);
+    return result;
+}
+
 static PyGetSetDef Graphed_getset[] = {
     {"spec", (getter)Graphed_get_spec, NULL,
      "The CallableSpec the first graph was captured from (None before any).", NULL},
@@ -845,6 +951,8 @@ static PyGetSetDef Graphed_getset[] = {
     {"pool", (getter)Graphed_get_pool, NULL,
      "The graphs' memory pool, usable as pool= for later captures.", NULL},
     {"is_reset", (getter)Graphed_get_is_reset, NULL, "Whether reset() ran.", NULL},
+    {"pools", (getter)Graphed_get_pools, NULL,
+     "The distinct memory pools of the graphs (the first is .pool).", NULL},
     {"num_inputs", (getter)Graphed_get_num_inputs, NULL,
      "Number of tensor arguments (pytree leaves) the graph takes.", NULL},
     {"num_params", (getter)Graphed_get_num_params, NULL,
@@ -866,6 +974,7 @@ static PyType_Slot Graphed_slots[] = {
     {Py_tp_dealloc, Graphed_dealloc},
     {Py_tp_call, PyVectorcall_Call},
     {Py_tp_doc, (void *)Graphed_doc},
+    {Py_tp_repr, Graphed_repr},
     {Py_tp_traverse, Graphed_traverse},
     {Py_tp_clear, Graphed_clear},
     {Py_tp_methods, Graphed_methods},

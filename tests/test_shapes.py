@@ -331,3 +331,35 @@ def test_buckets_refuse_batchnorm_in_training_mode():
     with torch.no_grad():
         x = torch.randn(5, 16, device=CUDA)
         torch.testing.assert_close(graphed(x), model(x))
+
+
+def test_repr_says_what_the_graphs_are():
+    graphed = cgraph.make_graphed(dropout_mlp().eval())
+    assert "no graph yet" in repr(graphed)
+    with torch.no_grad():
+        graphed(torch.randn(8, 64, device=CUDA))
+        graphed(torch.randn(4, 64, device=CUDA))
+    text = repr(graphed)
+    assert ("Graphed of Sequential: 2 graphs [(8, 64)] [(4, 64)], 2 replays, 0 eager calls"
+            in text), text
+    assert "pool memory" in text and "MiB" in text
+    sine = cgraph.make_graphed(torch.sin, (torch.randn(3, device=CUDA),))
+    assert repr(sine).startswith("<cgraph.Graphed of sin: 1 graph [(3,)], 0 replays"), repr(sine)
+    graphed.reset()
+    assert "reset" in repr(graphed)
+
+
+def test_a_long_set_up_shows_a_progress_bar(capsys, monkeypatch):
+    pytest.importorskip("tqdm")
+    from cgraph import _log
+    import time
+
+    monkeypatch.setattr(_log, "_interactive", lambda: True)
+
+    def slow(x):
+        time.sleep(0.15)
+        return x * 2
+
+    layers = (slow, slow)
+    cgraph.make_graphed_callables(layers, ((torch.randn(4, device=CUDA),),) * 2)
+    assert "cgraph: graphing 2 callables" in capsys.readouterr().err
