@@ -135,6 +135,7 @@ class GraphedStep:
         self.pool = pool
         self.sample = pytree.tree_flatten((sample_args, sample_kwargs))
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
+        self.scaled: weakref.WeakSet = weakref.WeakSet()  # stepped by a GradScaler
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: _Static | None = None
         self.outputs: Any = None  # the captured outputs (pool memory)
@@ -154,9 +155,18 @@ class GraphedStep:
 
     def _run_eagerly(self, args, kwargs):
         handle = register_optimizer_step_pre_hook(self._found)
+        scaler_step = torch.amp.GradScaler.step
+        step = self
+
+        def noted_scaler_step(scaler, optimizer, *a, **k):
+            step.scaled.add(optimizer)
+            return scaler_step(scaler, optimizer, *a, **k)
+
+        torch.amp.GradScaler.step = noted_scaler_step
         try:
             out = self.fn(*args, **kwargs)
         finally:
+            torch.amp.GradScaler.step = scaler_step
             handle.remove()
         self.stats["eager"] += 1
         # Detached, as replays return them: a loss kept with its grad_fn
@@ -195,6 +205,8 @@ class GraphedStep:
         static = [_static_copy(x) if isinstance(x, torch.Tensor) else _constant(i, x)
                   for i, x in enumerate(leaves)]
         self.static = _Static(static, spec)
+        for opt in list(self.optimizers):
+            _check_capturable(opt, opt in self.scaled)
         self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
                        for g in opt.param_groups]
         graph = torch.cuda.CUDAGraph()
@@ -286,6 +298,24 @@ class GraphedStep:
         state = "captured" if self.graph is not None else "not captured yet"
         return (f"GraphedStep({name}, {state}, eager={self.stats['eager']}, "
                 f"captures={self.stats['captures']}, replays={self.stats['replays']})")
+
+
+def _check_capturable(optimizer, scaled: bool) -> None:
+    """Refuses, naming the fix, an optimizer a graph cannot step: one with
+    no capturable form, or one a GradScaler steps through the host."""
+    name = type(optimizer).__name__
+    groups = optimizer.param_groups
+    if not (isinstance(optimizer, torch.optim.SGD) or
+            all("capturable" in g or g.get("fused") for g in groups)):
+        raise ValueError(
+            f"cgraph: torch.optim.{name} has no capturable form (no capturable= or "
+            "fused= option), so its step cannot be part of a graphed training step. Step it "
+            "outside the graphed step, or use Adam, AdamW or SGD.")
+    if scaled and not getattr(optimizer, "_step_supports_amp_scaling", False):
+        raise ValueError(
+            f"cgraph: a GradScaler steps this {name} by reading found_inf on the host (a "
+            f"sync a graph cannot hold). Build it with {name}(..., fused=True): the scaler "
+            "then hands it the scale and found_inf on the device.")
 
 
 def _first_cause(exc: BaseException) -> BaseException:

@@ -211,3 +211,15 @@ def test_buckets_are_checked_and_sorted():
     for bad in ([], [0], {"a": [1]}, {0: []}, [True], "8", 8):
         with pytest.raises(ValueError, match="buckets must be sizes"):
             normalize(bad)
+
+
+def test_a_step_refuses_optimizers_it_cannot_capture_naming_the_fix():
+    from cgraph._step import _check_capturable
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="LBFGS has no capturable form.*outside"):
+        _check_capturable(torch.optim.LBFGS(params), scaled=False)
+    with pytest.raises(ValueError, match=r"GradScaler.*Adam\(\.\.\., fused=True\)"):
+        _check_capturable(torch.optim.Adam(params), scaled=True)
+    _check_capturable(torch.optim.Adam(params), scaled=False)
+    _check_capturable(torch.optim.SGD(params, lr=0.1), scaled=False)

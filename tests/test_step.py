@@ -237,3 +237,14 @@ def test_arguments_of_another_shape_raise():
     step = cgraph.make_graphed_step(make_step(model, opt), batches[0])
     with pytest.raises(ValueError, match=r"step argument 0 is .*\(8, 32\).*\(16, 32\)"):
         step(torch.randn(8, 32, device=CUDA), torch.randint(0, 10, (8,), device=CUDA))
+
+
+def test_a_grad_scaler_with_an_unfused_optimizer_is_refused_with_the_fix():
+    model, batches = model_and_data(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda")
+    step = cgraph.make_graphed_step(make_step(model, opt, scaler, dtype=torch.float16),
+                                    batches[0], num_warmup_iters=1)
+    step(*batches[0])
+    with pytest.raises(ValueError, match=r"AdamW\(\.\.\., fused=True\)"):
+        step(*batches[1])
