@@ -27,14 +27,18 @@ from . import _C  # noqa: E402
 from ._version import __version__
 from ._api import (GraphedModule, graph_pool_handle, make_graphed, make_graphed_callables,
                    reset_all)
+from ._explain import Explanation, Problem, explain
 
 CaptureError = _C.CaptureError
 Graphed = _C.Graphed
 
 __all__ = [
     "CaptureError",
+    "Explanation",
     "Graphed",
     "GraphedModule",
+    "Problem",
+    "explain",
     "graph_pool_handle",
     "make_graphed",
     "make_graphed_callables",
