@@ -141,7 +141,8 @@ def explain(fn: Callable[..., Any], sample_args: tuple,
     * ``"output"``: an output on the CPU; ``"output_alias"``: an output that
       is an argument or a view of one.  ``"state"``: a tensor assigned to a
       module attribute during the call (a buffer replaced, not updated in
-      place).  ``"error"``: the callable raised.
+      place).  ``"input_mutation"``: an op writes into an argument (a graph
+      writes into its own copy).  ``"error"``: the callable raised.
 
     Not seen: Python's ``random`` and ``numpy.random`` (no torch op runs);
     a global tensor assigned (only module attributes are watched); branches
@@ -392,6 +393,7 @@ class _Recorder:
         self.quiet = 0  # inside a host read already reported: its ops are not again
         self.calls: list[list[_Op]] = []  # the ops of each checked call
         self.first_op: _Op | None = None  # of any call
+        self.arguments: dict[int, str] = {}  # memory of the tensor arguments -> their names
         self._problems: dict[tuple, Problem] = {}
         self._after_warmup: set[tuple] = set()  # keys seen outside the warm-up call
 
@@ -504,36 +506,33 @@ class _FunctionChecks(TorchFunctionMode):
         """Reports a host read, a copy to the host or from host data; True if
         it did (the ops it runs are then not reported again)."""
         try:
-            rec, this = self.rec, args[0] if args else None
-            site = _user_site(sys._getframe(2))
-            op = f"Tensor.{getattr(func, '__name__', func)}"
-            if func in _READS and isinstance(this, torch.Tensor) and rec.is_device(this):
-                rec.add("sync", op, f"{op} hands a tensor's value to Python: the host waits "
-                        "for the GPU, and a graph would replay with the value read at "
-                        "capture.", _FIX_VALUE, site)
-                return True
-            if func in _TO_HOST and isinstance(this, torch.Tensor) and rec.is_device(this):
-                rec.add("host_copy", op, f"{op} copies a tensor to host memory: the host "
-                        "waits for the GPU, and a graph cannot return host memory.",
-                        _FIX_TO_HOST, site)
-                return True
-            if func is _T.to and isinstance(this, torch.Tensor) and rec.is_device(this) \
-                    and self._to_host(args, kwargs):
-                rec.add("host_copy", op, "Tensor.to copies a tensor to host memory: the host "
-                        "waits for the GPU, and a graph cannot return host memory.",
-                        _FIX_TO_HOST, site)
-                return True
-            if func in _FROM_DATA and args and not isinstance(args[0], torch.Tensor) \
-                    and kwargs.get("device") is not None \
-                    and torch.device(kwargs["device"]).type == (rec.device or _GPU):
-                name = f"torch.{func.__name__}"
-                rec.add("host_copy", name, f"{name}(data, device=...) copies host data to "
-                        "the GPU on every call: a graph cannot record a copy from pageable "
-                        "host memory.", _FIX_FROM_HOST, site)
-                return True
-            return False
+            found = self._problem(func, args, kwargs)
+            if found is not None:
+                self.rec.add(*found, _user_site(sys._getframe(2)))
+            return found is not None
         except Exception as error:
             raise _InternalError(f"cgraph.explain: checking {func} failed") from error
+
+    def _problem(self, func, args, kwargs) -> tuple[str, str, str, str] | None:
+        """(kind, op, message, fix) of this call, or None."""
+        rec, this = self.rec, args[0] if args else None
+        on_device = isinstance(this, torch.Tensor) and rec.is_device(this)
+        op = f"Tensor.{getattr(func, '__name__', func)}"
+        if func in _READS and on_device:
+            return ("sync", op, f"{op} hands a tensor's value to Python: the host waits for "
+                    "the GPU, and a graph would replay with the value read at capture.",
+                    _FIX_VALUE)
+        if (func in _TO_HOST or func is _T.to and self._to_host(args, kwargs)) and on_device:
+            return ("host_copy", op, f"{op} copies a tensor to host memory: the host waits "
+                    "for the GPU, and a graph cannot return host memory.", _FIX_TO_HOST)
+        if func in _FROM_DATA and args and not isinstance(args[0], torch.Tensor) \
+                and kwargs.get("device") is not None \
+                and torch.device(kwargs["device"]).type == (rec.device or _GPU):
+            name = f"torch.{func.__name__}"
+            return ("host_copy", name, f"{name}(data, device=...) copies host data to the "
+                    "GPU on every call: a graph cannot record a copy from pageable host "
+                    "memory.", _FIX_FROM_HOST)
+        return None
 
     def _to_host(self, args, kwargs) -> bool:
         """Whether Tensor.to(...) targets the host.  On a CPU callable only
@@ -625,6 +624,7 @@ class _DispatchChecks(TorchDispatchMode):
             if rec.device == _GPU:
                 self._check_copy(name, args, kwargs, site)
         elif any(rec.is_device(t) for t in _tensors((args, kwargs))):
+            self._check_argument_written(func, name, args, kwargs, site)
             if name in _VALUE_OPS or torch.Tag.data_dependent_output in func.tags:
                 rec.add("sync", name, f"{name} reads a tensor's value on the host: the host "
                         "waits for the GPU, and a graph would replay with the value read at "
@@ -635,6 +635,25 @@ class _DispatchChecks(TorchDispatchMode):
                 rec.add("sync", name, f"{name} {what}: the host waits for the GPU to learn "
                         "how many elements there are, and a graph has fixed shapes.",
                         _FIX_SHAPE, site)
+
+    def _check_argument_written(self, func, name, args, kwargs, site) -> None:
+        """An op writing into the memory of an argument of the call."""
+        if not func._schema.is_mutable or not self.rec.arguments:
+            return
+        for position, argument in enumerate(func._schema.arguments):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[position] if position < len(args) else kwargs.get(argument.name)
+            if not isinstance(value, torch.Tensor) or not value.untyped_storage().data_ptr():
+                continue
+            written = self.rec.arguments.get(value.untyped_storage().data_ptr())
+            if written is not None:
+                self.rec.add("input_mutation", name, f"{name} writes into argument "
+                             f"'{written}' in place: a graph writes into its own copy of the "
+                             "argument, so a tensor passed in later calls would not change "
+                             "(in eager it does).", "return the new value as an output and "
+                             "assign it after the call, or copy it back there "
+                             f"({written}.copy_(out)).", site)
 
     def _check_copy(self, name, args, kwargs, site) -> None:
         source, target = _copy_devices(name, args, kwargs)
@@ -651,10 +670,14 @@ class _DispatchChecks(TorchDispatchMode):
         rec = self.rec
         if rec.device != _GPU or name in _COPY_OPS:
             return
-        host = [t for t in _tensors((args, kwargs, out)) if rec.is_host(t)]
+        tensors = _tensors((args, kwargs, out))
+        host = [t for t in tensors if rec.is_host(t)]
         if not host:
             return
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        # An op with a GPU tensor draws from the GPU's generator, even where it
+        # returns CPU tensors (flash attention's philox seed and offset).
+        if torch.Tag.nondeterministic_seeded in func.tags and \
+                not any(t.device.type == _GPU for t in tensors):
             rec.add("rng_changed", name, f"{name} draws random numbers from the CPU "
                     "generator: a graph records GPU work only, and would replay the numbers "
                     "drawn at capture.", _FIX_CPU_RNG, site)
@@ -795,6 +818,9 @@ class _Session:
         self.fn, self.args, self.kwargs, self.rec = fn, args, kwargs, rec
         self.names = names  # of the pytree leaves of (args, kwargs)
         self.completed = False  # every call ran without raising
+        for name, leaf in zip(names, pytree.tree_leaves((args, kwargs))):
+            if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr():
+                rec.arguments.setdefault(leaf.untyped_storage().data_ptr(), name)
 
     def run(self) -> None:
         rec = self.rec
@@ -965,7 +991,8 @@ def _autograd_leaves(roots: list[torch.Tensor]) -> list[torch.Tensor]:
 def _state_kept(module: nn.Module | None, leaves: list) -> Iterator[None]:
     """Puts back what the calls change that explain can reach: the CPU and
     CUDA generators, the module's parameters, buffers (values too) and
-    tensor attributes, and the grads of parameters and arguments."""
+    tensor attributes, the arguments' values, and the grads of parameters
+    and arguments."""
     cpu_rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     modules = list(module.modules()) if module is not None else []
@@ -978,6 +1005,8 @@ def _state_kept(module: nn.Module | None, leaves: list) -> Iterator[None]:
     # the callable assigns grads itself.
     grads = [(t, t.grad) for t in [*leaves, *(module.parameters() if module else ())]
              if t.is_leaf]
+    with torch.no_grad():
+        arguments = [(t, t.clone()) for t in leaves]  # a callable may write into them
     try:
         yield
     finally:
@@ -994,8 +1023,9 @@ def _state_kept(module: nn.Module | None, leaves: list) -> Iterator[None]:
                     del m.__dict__[name]
             m.__dict__.update(attributes)
         with torch.no_grad():
-            for buffer, value in values.values():
-                buffer.copy_(value)
+            for tensor, value in [*values.values(), *arguments]:
+                if tensor.shape == value.shape:  # else resized by the callable: left so
+                    tensor.copy_(value)
         for t, grad in grads:
             t.grad = grad
 

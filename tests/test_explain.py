@@ -325,6 +325,19 @@ def test_module_hooks_are_found():
     assert "remove them" in report.problems[1].fix
 
 
+def test_an_argument_written_in_place_is_found_and_put_back():
+    def accumulate(total, x):
+        total.add_(x)  # @input-mutation
+        return x * 2
+
+    total = torch.zeros(8)
+    report = cgraph.explain(accumulate, (total, torch.ones(8)))
+    assert found(report, on_cpu=True) == [
+        ("input_mutation", "aten.add_", line_of("input-mutation"))]
+    assert "'total'" in report.problems[1].message
+    assert torch.equal(total, torch.zeros(8))
+
+
 def test_an_output_that_is_an_argument_is_found():
     report = cgraph.explain(lambda x, y: (x[0], y * 2), (torch.randn(8), torch.randn(8)))
     assert found(report, on_cpu=True) == [("output_alias", "", None)]
@@ -429,6 +442,9 @@ GPU_CASES = {
     "cpu_output": (_cuda_cpu_output, [("host_copy", "Tensor.cpu", "cpu-output"),
                                       ("output", "", None)]),
     "raises": (_raises, [("error", "ValueError", "raises")]),
+    "input_mutation": (lambda x: x.mul_(2),  # @cuda-input-mutation
+                       [("input_mutation", "aten.mul_", "cuda-input-mutation"),
+                        ("output_alias", "", None)]),
 }
 
 
