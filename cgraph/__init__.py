@@ -27,6 +27,7 @@ from . import _C  # noqa: E402
 from ._version import __version__
 from ._api import (GraphedModule, graph_pool_handle, make_graphed, make_graphed_callables,
                    reset_all)
+from ._explain import Explanation, Problem, explain
 from ._step import GraphedStep, make_graphed_step
 
 CaptureError = _C.CaptureError
@@ -34,9 +35,12 @@ Graphed = _C.Graphed
 
 __all__ = [
     "CaptureError",
+    "Explanation",
     "Graphed",
     "GraphedModule",
     "GraphedStep",
+    "Problem",
+    "explain",
     "graph_pool_handle",
     "make_graphed",
     "make_graphed_callables",
