@@ -101,17 +101,21 @@ def _autocast_cache_off() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _patched(patches: dict) -> Iterator[None]:
+def patched(patches: dict) -> Iterator[None]:
     """Sets each (owner, name) to its value for the duration, then puts the
-    originals back."""
-    saved = {key: getattr(*key) for key in patches}
+    originals back (cgraph/_explain.py patches with it too)."""
+    # Each original, or None where the owner only inherited it.
+    saved = {(owner, name): vars(owner).get(name) for owner, name in patches}
     for (owner, name), value in patches.items():
         setattr(owner, name, value)
     try:
         yield
     finally:
         for (owner, name), original in saved.items():
-            setattr(owner, name, original)
+            if original is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
 
 
 def _rng_hooks():
@@ -142,7 +146,7 @@ def _rng_hooks():
     patches = {(torch.cuda, "get_rng_state"): get_rng_state,
                (torch.cuda, "set_rng_state"): set_rng_state}
     patches.update({key: refuse_while_capturing(getattr(*key)) for key in seeds})
-    return _patched(patches)
+    return patched(patches)
 
 
 def _reentrant_regions_checked(specs):
@@ -176,7 +180,7 @@ def _reentrant_regions_checked(specs):
                 )
         return backward(tensors, *args, **kwargs)
 
-    return _patched({(checkpoint_module, "detach_variable"): detach_and_note,
+    return patched({(checkpoint_module, "detach_variable"): detach_and_note,
                      (torch.autograd, "backward"): checked_backward})
 
 

@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._capture import patched
 from ._describe import _CONTAINERS, CONSTANT_TYPES, leaf_names
 
 __all__ = ["explain", "Explanation", "Problem"]
@@ -736,7 +737,7 @@ def _reporting(rec: _Recorder, kind: str, op: str, message: str, fix: str, origi
 
 
 def _patches(rec: _Recorder) -> dict:
-    """(owner, name) -> stand-in, for _patched."""
+    """(owner, name) -> stand-in, for patched."""
     patches = {}
     sync_fix = ("remove it from the callable; synchronize after the graphed call if the "
                 "host must wait.")
@@ -790,22 +791,6 @@ def _setattr_reporting(rec: _Recorder, original):
     return __setattr__
 
 
-@contextlib.contextmanager
-def _patched(patches: dict) -> Iterator[None]:
-    # Each original, or None where the owner only inherited it.
-    saved = {(owner, name): vars(owner).get(name) for owner, name in patches}
-    for (owner, name), value in patches.items():
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for (owner, name), original in saved.items():
-            if original is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
-
 # ---- the calls --------------------------------------------------------------
 
 
@@ -826,7 +811,7 @@ class _Session:
         rec = self.rec
         # Anomaly mode keeps each autograd node's forward traceback: the line
         # of a problem in a built-in backward (without NaN checks).
-        with _patched(_patches(rec)), \
+        with patched(_patches(rec)), \
                 torch.autograd.set_detect_anomaly(True, check_nan=False), \
                 _FunctionChecks(rec), _DispatchChecks(rec):
             for number in range(_WARMUP_CALLS + _CHECKED_CALLS):
