@@ -369,9 +369,10 @@ bool attaches(const Output& o, bool ungraded) {
 //    make_graphed_callables then computes wrong grads without a word.
 //    cgraph knows whether the latest replay's backward is still to run: the
 //    engine holds its node weakly, and the node says when it has run.  While
-//    it is pending, a call runs the callable eagerly (graphed.c, counted in
-//    stats as eager_pending), so every backward, in any order, sees eager's
-//    activations.  A node that was dropped without running (its outputs
+//    it is pending, a call replays another instance of the graph, with
+//    activations of its own, or runs the callable eagerly (graphed.c: Note
+//    [Several graphs per callable]; counted in stats as eager_pending), so
+//    every backward, in any order, sees its own activations.  A node that was dropped without running (its outputs
 //    freed, or no backward needed it) is no longer pending.
 bool Engine::backward_pending() const {
   const NodePtr node = latest_node.lock();
@@ -379,14 +380,12 @@ bool Engine::backward_pending() const {
 }
 
 NodePtr make_backward_node(std::shared_ptr<Engine> engine, BackwardWiring&& wiring) {
-  Engine& e = *engine;
-  auto node = make_node<GraphedBackward>(std::move(engine), std::move(wiring));
-  if (e.has_bwd) {
-    e.latest_node = WeakNodePtr(NodePtr(node));
-  } else {
-    e.latest_node = WeakNodePtr(NodePtr());
-  }
-  return node;
+  return make_node<GraphedBackward>(std::move(engine), std::move(wiring));
+}
+
+void Engine::note_latest_node(const NodePtr& node) {
+  // Only a node that replays the backward graph reads the activations.
+  latest_node = WeakNodePtr(has_bwd ? node : NodePtr());
 }
 
 }  // namespace cgraph

@@ -250,6 +250,7 @@ struct Engine {
   // (aten_backward.cpp).
   WeakNodePtr latest_node = WeakNodePtr(NodePtr());
   bool backward_pending() const;
+  void note_latest_node(const NodePtr& node);  // null: this call has no backward
   // Forward replays so far.  A backward replay is valid only for the latest
   // forward: an earlier call's activations have been overwritten.
   uint64_t generation = 0;

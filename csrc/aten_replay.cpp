@@ -273,7 +273,6 @@ NodePtr wire_backward(const std::shared_ptr<Engine>& shared, const StagedCall& c
   Engine& e = *shared;
   const bool graded = e.has_bwd && (call.any_grad_arg || params_need_grad);
   if (!(graded || call.ungraded_arg) || !at::GradMode::is_enabled()) {
-    e.latest_node = WeakNodePtr(NodePtr());
     return NodePtr();
   }
   BackwardWiring w;
@@ -364,6 +363,7 @@ PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, s
   const bool params_need_grad = check_params(e);
   launch_forward(e, call);
   const NodePtr node = wire_backward(shared, call, params_need_grad);
+  e.note_latest_node(node);
   return wrap_outputs(e, node, call.ungraded_arg);
 }
 
