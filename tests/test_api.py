@@ -223,3 +223,11 @@ def test_a_step_refuses_optimizers_it_cannot_capture_naming_the_fix():
         _check_capturable(torch.optim.Adam(params), scaled=True)
     _check_capturable(torch.optim.Adam(params), scaled=False)
     _check_capturable(torch.optim.SGD(params, lr=0.1), scaled=False)
+
+
+def test_repr_of_a_callable_with_no_graph_yet():
+    graphed = cgraph._C.new_graphed(lambda *a: False)
+    assert repr(graphed) == "<cgraph.Graphed: no graph yet (captures on its first call)>"
+    assert graphed.num_graphs == 0 and graphed.specs == [] and graphed.pools == []
+    graphed.reset()
+    assert repr(graphed) == "<cgraph.Graphed: reset>" and graphed.is_reset
