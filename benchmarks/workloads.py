@@ -35,6 +35,11 @@ backward between them, then the eager optimizer: the least a step costs
 when only the model is graphed, as in the ``*-whole`` variants).  Neither
 eager-part floor runs ``zero_grad``: their grads are the graphs' own.
 
+``cgraph-step`` (mlp, gpt: the step as the user writes it, zero_grad,
+loss, backward and the optimizer as built, through
+``cgraph.make_graphed_step``: one graph, the inputs copied in and the loss
+copied out each step) is the one to hold against ``floor``.
+
 ``compile-reduce-overhead`` fails on the overhead workloads, by torch's
 design: their step accumulates ``.grad`` across steps, and under
 cudagraph trees those grads are outputs of the backward graph that its
@@ -65,6 +70,7 @@ VARIANTS = (
     "cgraph-whole-unguarded",
     "cgraph-whole-shapes",
     "cgraph-layer",
+    "cgraph-step",
     "floor",
     "floor-eager-opt",
     "floor-eager-loss",
@@ -79,7 +85,8 @@ _WHOLE_SCALING = ("eager", "torch-mgc-whole", "cgraph-whole", "cgraph-whole-ungu
 _LAYER_SCALING = ("eager", "torch-mgc-layer", "cgraph-layer", "floor")
 # The eager-part floors need a loss and an optimizer step, which the overhead
 # step has not.
-_NO_OPTIMIZER = tuple(v for v in VARIANTS if v not in ("floor-eager-opt", "floor-eager-loss"))
+_NO_OPTIMIZER = tuple(v for v in VARIANTS
+                      if v not in ("floor-eager-opt", "floor-eager-loss", "cgraph-step"))
 
 # torch.compile compiles (and reduce-overhead records its graphs) during the
 # first steps; setup time covers this many.
@@ -256,6 +263,8 @@ def prepare(problem: Problem, variant: str) -> Callable[[], object]:
         return _floor_eager_optimizer(problem)
     if variant == "floor-eager-loss":
         return _floor_eager_loss(problem)
+    if variant == "cgraph-step":
+        return _cgraph_step(problem)
     step = _train_step(problem, _forward(problem, variant))
     if variant.startswith("compile-"):
         for _ in range(COMPILE_STEPS):
@@ -313,6 +322,28 @@ def _train_step(problem: Problem, forward: Callable) -> Callable[[], None]:
         opt.step()
 
     return step
+
+
+def _cgraph_step(problem: Problem) -> Callable[[], object]:
+    """The mlp and gpt step, unchanged, through ``cgraph.make_graphed_step``;
+    set-up runs its eager warm-up steps and the capture (the capturing call
+    is a step too, as the floor's set-up runs its warm-up)."""
+    import cgraph  # not built: this variant fails alone, as an error row
+
+    model, x, y = problem.model, problem.x, problem.y
+    opt = problem.optimizer(model.parameters())
+
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = cgraph.make_graphed_step(train_step, (x, y), num_warmup_iters=FLOOR_WARMUP_ITERS)
+    for _ in range(FLOOR_WARMUP_ITERS + 1):
+        step(x, y)
+    return functools.partial(step, x, y)
 
 
 class _Replay:
