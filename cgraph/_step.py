@@ -125,6 +125,66 @@ class _Group:
     lr_value: float | None  # the float that lr holds
     baked: dict  # the values baked into the graph: compared before each replay
 
+    @property
+    def baked_values(self) -> tuple:
+        return self.__dict__.setdefault("_values", tuple(self.baked.values()))
+
+
+# Note [The step's hot path]
+# Q: Why does a replay not flatten its arguments and check them as
+#    make_graphed_callables' Python did?
+# A: The whole step is one graph replay: on a host of the lent machines a
+#    replay costs about 13 us, and pytree flattening, per-leaf checks and a
+#    tree_map over the outputs cost five times that.  A call with the
+#    captured call's flat structure (positional arguments, no keywords, the
+#    usual ``step(x, y)``) is checked against a record made once at capture:
+#    one comparison of shape, dtype and device per tensor, one equality per
+#    constant.  Anything else (keywords, nested arguments, a mismatch) takes
+#    the general path, which checks fully and names what differs.
+@dataclasses.dataclass
+class _HotCall:
+    """A captured call whose arguments are positional leaves, as checked
+    on the replay path."""
+
+    inputs: list  # the static input tensors, in argument order
+    copy_outputs: Callable[[], Any]  # the outputs, copied out of the pool
+    # Per argument of a flat call: (shape, dtype, device index) of a tensor,
+    # or the constant; None when the captured call was not flat.
+    slots: tuple | None
+    is_tensor: tuple  # per argument: whether it is a tensor slot
+
+    @classmethod
+    def of(cls, static: list, spec, outputs) -> "_HotCall":
+        inputs = [x for x in static if isinstance(x, torch.Tensor)]
+        if outputs is None:
+            copy = lambda: None  # noqa: E731
+        elif isinstance(outputs, torch.Tensor):
+            copy = outputs.clone
+        else:
+            copy = lambda: pytree.tree_map_only(torch.Tensor, torch.clone, outputs)  # noqa: E731
+        is_tensor = tuple(isinstance(x, torch.Tensor) for x in static)
+        if spec != pytree.tree_flatten((tuple(static), {}))[1]:
+            return cls(inputs, copy, None, is_tensor)  # keywords or nesting: the general path
+        slots = tuple((x.shape, x.dtype, x.get_device()) if isinstance(x, torch.Tensor) else x
+                      for x in static)
+        return cls(inputs, copy, slots, is_tensor)
+
+    def takes(self, args: tuple) -> bool:
+        if self.slots is None or len(args) != len(self.slots):
+            return False
+        for a, slot, tensor in zip(args, self.slots, self.is_tensor):
+            if tensor:
+                if not (isinstance(a, torch.Tensor) and a.shape == slot[0] and
+                        a.dtype == slot[1] and a.get_device() == slot[2]):
+                    return False
+            elif type(a) is not type(slot) or a != slot:
+                return False
+        return True
+
+    def tensors(self, leaves) -> list:
+        """The tensors of a call's arguments (or pytree leaves), in order."""
+        return [a for a, tensor in zip(leaves, self.is_tensor) if tensor]
+
 
 class GraphedStep:
     """A training step replayed as one CUDA graph; see make_graphed_step."""
@@ -140,18 +200,23 @@ class GraphedStep:
         self.static: _Static | None = None
         self.outputs: Any = None  # the captured outputs (pool memory)
         self.groups: list[_Group] = []
+        self.hot: _HotCall | None = None  # made by capture: Note [The step's hot path]
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
 
     # -- 1. warm-up: real eager steps, optimizers found ----------------------
 
     def __call__(self, *args, **kwargs):
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        self._check(leaves, spec)
-        if self.graph is None and self.stats["eager"] < self.num_warmup_iters:
-            return self._run_eagerly(args, kwargs)
+        hot = self.hot
+        if hot is not None and not kwargs and hot.takes(args):  # Note [The step's hot path]
+            leaves, spec = list(args), self.static.spec
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            self._check(leaves, spec)
+            if self.graph is None and self.stats["eager"] < self.num_warmup_iters:
+                return self._run_eagerly(args, kwargs)
         if self.graph is None or self._stale():
             self._capture(leaves, spec)
-        return self._replay(leaves)
+        return self._replay(self.hot.tensors(leaves))
 
     def _run_eagerly(self, args, kwargs):
         handle = register_optimizer_step_pre_hook(self._found)
@@ -225,6 +290,7 @@ class GraphedStep:
             raise _C.capture_error(cause, "capturing the training step") from cause
         self.graph, self.outputs = graph, pytree.tree_map_only(torch.Tensor, torch.Tensor.detach,
                                                                outputs)
+        self.hot = _HotCall.of(static, spec, self.outputs)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
 
@@ -264,25 +330,31 @@ class GraphedStep:
         """Whether a hyperparameter baked into the graph changed (then the
         step is captured again), after refreshing the device lrs."""
         for g in self.groups:
-            if g.lr is not None and g.group["lr"] != g.lr_value:
-                g.lr.fill_(float(g.group["lr"]))  # one fill kernel, no sync
-                g.lr_value = g.group["lr"]
-            for key, value in g.baked.items():
-                if g.group.get(key) != value:
-                    _log.step_stale(self, key)
-                    return True
+            group = g.group
+            if g.lr is not None and group["lr"] != g.lr_value:
+                g.lr.fill_(float(group["lr"]))  # one fill kernel, no sync
+                g.lr_value = group["lr"]
+            if tuple(map(group.get, g.baked)) != g.baked_values:
+                key = next(k for k, v in g.baked.items() if group.get(k) != v)
+                _log.step_stale(self, key)
+                return True
         return False
 
-    def _replay(self, leaves: list):
-        static = self.static.leaves
-        pairs = [(s, x) for s, x in zip(static, leaves)
-                 if isinstance(s, torch.Tensor) and s.data_ptr() != x.data_ptr()]
-        if pairs:
-            with torch.no_grad():
-                torch._foreach_copy_([s for s, _ in pairs], [x for _, x in pairs])
+    def _replay(self, tensors: list):
+        """Copies the call's tensors into the static inputs (those that are
+        not the static inputs themselves), replays, and returns copies of
+        the outputs."""
+        dst, src = [], []
+        for s, x in zip(self.hot.inputs, tensors):
+            if x.data_ptr() != s.data_ptr():
+                dst.append(s)
+                src.append(x)
+        if dst:
+            with torch.no_grad():  # an argument that requires grad: no autograd record
+                torch._foreach_copy_(dst, src)
         self.graph.replay()
         self.stats["replays"] += 1
-        return pytree.tree_map_only(torch.Tensor, torch.clone, self.outputs)
+        return self.hot.copy_outputs()
 
     # -- 4. reset --------------------------------------------------------------
 
@@ -292,6 +364,7 @@ class GraphedStep:
         if self.graph is not None:
             self.graph.reset()
         self.graph, self.static, self.outputs, self.groups = None, None, None, []
+        self.hot = None
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)

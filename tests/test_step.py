@@ -239,6 +239,39 @@ def test_arguments_of_another_shape_raise():
         step(torch.randn(8, 32, device=CUDA), torch.randint(0, 10, (8,), device=CUDA))
 
 
+@pytest.mark.parametrize("call", ["positional", "keywords"])
+def test_constants_and_keywords_replay_and_other_arguments_raise_after_capture(call):
+    """A positional call with a constant (the replay path of Note [The
+    step's hot path]) and one with a keyword (the general path) replay as
+    eager steps; after capture, another constant or shape still raises."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, fused=True) for m in (model, eager)]
+
+    def make(m, opt):
+        def step(x, y, scale, smoothing=0.0):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x) * scale, y, label_smoothing=smoothing)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    graphed, plain = make(model, opts[0]), make(eager, opts[1])
+    graphed = cgraph.make_graphed_step(graphed, num_warmup_iters=1)  # the first call decides
+    extra = {"smoothing": 0.1} if call == "keywords" else {}
+    for i, (x, y) in enumerate(batches[:5]):
+        assert_equal(graphed(x, y, 2.0, **extra), plain(x, y, 2.0, **extra), f"loss {i}")
+    assert graphed.stats == {"eager": 1, "captures": 1, "replays": 4}
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert_equal(p, q, "parameter after 5 steps")
+    with pytest.raises(ValueError, match="step argument 2 was graphed as 2.0, got 3.0"):
+        graphed(*batches[5], 3.0, **extra)
+    with pytest.raises(ValueError, match=r"step argument 0 is .*\(8, 32\).*\(16, 32\)"):
+        graphed(batches[5][0][:8], batches[5][1][:8], 2.0, **extra)
+    assert graphed.stats["replays"] == 4
+
+
 def test_a_grad_scaler_with_an_unfused_optimizer_is_refused_with_the_fix():
     model, batches = model_and_data(dropout=0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
