@@ -5,6 +5,7 @@ core, and wrap what comes back.  Warm-up, capture and replay are in csrc/."""
 from __future__ import annotations
 
 import atexit
+import time
 import weakref
 from typing import Any, Callable
 
@@ -331,15 +332,8 @@ class GraphedModule(nn.Module):
         g = self._graphed
         if g.is_reset or g.num_graphs == 0:
             return repr(g)
-        return f"{repr(g)[1:-1]}, pool memory {pool_mib(g.pools):.1f} MiB"
+        return f"{repr(g)[1:-1]}, pool memory {_log.pool_mib(g.pools):.1f} MiB"
 
-
-
-def pool_mib(pools) -> float:
-    """Memory the caching allocator holds for these pools (reserved, MiB)."""
-    wanted = {tuple(p) for p in pools}
-    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
-               if tuple(s.get("segment_pool_id", (0, 0))) in wanted) / 2**20
 
 
 def _unwrap_ddp(fn):
@@ -424,6 +418,8 @@ def _graph(targets, sample_args, sample_kwargs, pool_id, options):
     drafts = [draft(t, args, kwargs, claimed)
               for t, args, kwargs in zip(targets, sample_args, sample_kwargs)]
     _require_cuda()
+    started = time.perf_counter()
     graphed = graph(drafts, pool_id, options)
     _live.update(graphed)
+    _log.set_up(graphed, time.perf_counter() - started)
     return graphed

@@ -53,6 +53,10 @@ def on_event(event: str, graphed) -> None:
     if event == "progress":
         if _bar is not None:
             _bar.update(1)
+    elif event == "reset":
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s: reset: %d graph(s) freed; their pools held %.1f MiB.",
+                     describe(graphed), graphed.num_graphs, pool_mib(graphed.pools))
     elif event == "eager_pending":
         log.info(
             "%s: a call ran eagerly because the backward of its previous call has not "
@@ -71,8 +75,28 @@ def captured(graphed, why: str, samples, seconds: float) -> None:
 
     shapes = ", ".join(str(tuple(t.shape)) for t in pytree.tree_leaves(samples)
                        if isinstance(t, torch.Tensor))
-    log.info("%s: captured graph %d for %s (tensors %s) in %.3f s.", describe(graphed),
-             graphed.num_graphs, why, shapes or "none", seconds)
+    log.info("%s: captured graph %d for %s (tensors %s) in %.3f s; its pools hold %.1f MiB.",
+             describe(graphed), graphed.num_graphs, why, shapes or "none", seconds,
+             pool_mib(graphed.pools))
+
+
+def set_up(graphed: tuple, seconds: float) -> None:
+    """Callables graphed together: their first graphs captured
+    (make_graphed_callables, make_graphed with samples)."""
+    if not log.isEnabledFor(logging.INFO):
+        return
+    pools = {tuple(p) for g in graphed for p in g.pools}
+    log.info("captured %s in %.3f s; pool memory %.1f MiB.",
+             ", ".join(describe(g) for g in graphed), seconds, pool_mib(pools))
+
+
+def pool_mib(pools) -> float:
+    """Memory the caching allocator holds for these pools (reserved, MiB)."""
+    import torch  # only when asked
+
+    wanted = {tuple(p) for p in pools}
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+               if tuple(s.get("segment_pool_id", (0, 0))) in wanted) / 2**20
 
 
 def past_limit(graphed, max_graphs: int, pending: bool) -> None:
@@ -88,7 +112,10 @@ def past_limit(graphed, max_graphs: int, pending: bool) -> None:
 
 def step_captured(step, recapture: bool, seconds: float) -> None:
     """A training step captured (cgraph/_step.py)."""
-    log.info("%r: %s in %.3f s.", step, "captured again" if recapture else "captured", seconds)
+    if log.isEnabledFor(logging.INFO):
+        log.info("%r: %s in %.3f s; its pool holds %.1f MiB.", step,
+                 "captured again" if recapture else "captured", seconds,
+                 pool_mib([step.graph.pool()]))
 
 
 def step_stale(step, key: str) -> None:
@@ -96,6 +123,11 @@ def step_stale(step, key: str) -> None:
     log.info("%r: the optimizer's %r changed since capture (a graph bakes it in): capturing "
              "the step again. For SGD's lr, SGD(fused=True) reads it from the device instead.",
              step, key)
+
+
+def step_reset(step) -> None:
+    """A graphed training step reset by its user."""
+    log.info("%r: reset: its graph freed; the next call captures again.", step)
 
 
 # The progress bar of the set-up in progress, if any (progress()).

@@ -266,7 +266,7 @@ class GraphedStep:
     def _capture(self, leaves: list, spec) -> None:
         started = time.perf_counter()
         recapture = self.graph is not None
-        self.reset()
+        self._free()
         static = [_static_copy(x) if isinstance(x, torch.Tensor) else _constant(i, x)
                   for i, x in enumerate(leaves)]
         self.static = _Static(static, spec)
@@ -361,6 +361,11 @@ class GraphedStep:
     def reset(self) -> None:
         """Free the graph, its static tensors and its pool memory.  The next
         call captures again."""
+        if self.graph is not None:
+            _log.step_reset(self)
+        self._free()
+
+    def _free(self) -> None:
         if self.graph is not None:
             self.graph.reset()
         self.graph, self.static, self.outputs, self.groups = None, None, None, []

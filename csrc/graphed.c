@@ -611,6 +611,12 @@ PyDoc_STRVAR(Graphed_reset_doc,
 static PyObject *
 Graphed_reset(GraphedObject *self, PyObject *unused)
 {
+    /* Told before the graphs go, so that the log can say what is freed; a
+     * hook that fails does not keep the memory. */
+    if (!self->is_reset && self->n_entries > 0 &&
+        cg_report_event(self->state, "reset", (PyObject *)self) < 0) {
+        PyErr_WriteUnraisable((PyObject *)self);
+    }
     self->is_reset = 1;
     free_entries(self, 1);  /* and the samples their specs hold */
     Py_CLEAR(self->on_miss);

@@ -6,6 +6,7 @@ Comparisons are bitwise against eager PyTorch."""
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -90,6 +91,41 @@ def test_past_max_graphs_calls_run_eagerly_logged_once(caplog):
     assert len(limits) == 1 and limits[0].levelno == logging.WARNING
     assert "eager_past_limit" in limits[0].getMessage()
     assert any("captured graph 2" in r.getMessage() for r in caplog.records)
+
+
+def test_captures_and_resets_are_logged_with_time_and_pool_memory(caplog):
+    """Issue #22's log lines: the first capture (time and pool memory), a
+    later graph (its pool memory) and a reset (graphs and memory freed);
+    the same for a graphed step."""
+    torch.manual_seed(43)
+    model = nn.Linear(32, 32).to(CUDA)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        graphed = cgraph.make_graphed(model, (torch.randn(8, 32, device=CUDA),))
+        graphed(torch.randn(4, 32, device=CUDA)).sum().backward()
+        graphed.reset()
+        graphed_step = cgraph.make_graphed_step(step, (torch.randn(8, 32, device=CUDA),),
+                                                num_warmup_iters=1)
+        for _ in range(2):
+            graphed_step(torch.randn(8, 32, device=CUDA))
+        graphed_step.reset()
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    number = r"[0-9]+\.[0-9]"
+    for pattern in (rf"captured callable 0 \(Linear\) in {number}+ s; pool memory [1-9]",
+                    rf"callable 0 \(Linear\): captured graph 2 for a call no graph takes "
+                    rf"\(tensors \(4, 32\)\) in {number}+ s; its pools hold [1-9]",
+                    r"callable 0 \(Linear\): reset: 2 graph\(s\) freed; their pools held [1-9]",
+                    rf"GraphedStep\([^,]*step, .*\): captured in {number}+ s; its pool holds [1-9]",
+                    r"GraphedStep\([^,]*step, .*\): reset: its graph freed"):
+        assert re.search(pattern, text), (pattern, text)
 
 
 def test_max_graphs_none_keeps_torch_rules():
