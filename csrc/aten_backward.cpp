@@ -118,7 +118,8 @@ void accumulate_param_grads_slowly(Engine& e, const std::vector<uint32_t>& fused
       add_src.push_back(p.grad);
       continue;
     }
-    grad = sole_owner(p.store) ? p.store : at::empty_like(p.tensor, at::MemoryFormat::Preserve);
+    grad = sole_owner(p.store()) ? p.store()
+                                 : at::empty_like(p.tensor, at::MemoryFormat::Preserve);
     copy_dst.push_back(grad);
     copy_src.push_back(p.grad);
   }
@@ -145,8 +146,8 @@ GradPath choose_grad_path(const Engine& e, const std::vector<uint32_t>& fused) {
   for (size_t k = 0; k < fused.size() && (all_fresh || all_ours); ++k) {
     const Param& p = e.params[fused[k]];
     const at::Tensor& grad = p.tensor.mutable_grad();
-    all_ours = all_ours && grad.unsafeGetTensorImpl() == p.store.unsafeGetTensorImpl();
-    all_fresh = all_fresh && !grad.defined() && sole_owner(p.store);
+    all_ours = all_ours && grad.unsafeGetTensorImpl() == p.store().unsafeGetTensorImpl();
+    all_fresh = all_fresh && !grad.defined() && sole_owner(p.store());
   }
   return all_ours ? GradPath::AddTail : all_fresh ? GradPath::CopyTail : GradPath::Slow;
 }
@@ -161,7 +162,7 @@ void deliver_param_grads(Engine& e, const std::vector<uint32_t>& fused, GradPath
       return;
     case GradPath::CopyTail:
       for (const uint32_t j : fused) {
-        e.params[j].tensor.mutable_grad() = e.params[j].store;
+        e.params[j].tensor.mutable_grad() = e.params[j].store();
       }
       ++e.stats.grads_copied;
       return;

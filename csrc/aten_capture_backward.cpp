@@ -10,6 +10,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include <map>
+#include <mutex>
+#include <unordered_map>
 
 namespace cgraph {
 namespace {
@@ -100,7 +102,7 @@ void Engine::capture_backward(at::cuda::MempoolId_t pool_id, cudaStreamCaptureMo
     capture_end(CG_BACKWARD);
     for (Param& p : params) {
       if (!p.grad.defined()) {
-        p.store = at::Tensor();  // no grad flows to it
+        p.store_ref.reset();  // no grad flows to it
       }
     }
   }
@@ -142,12 +144,58 @@ void Engine::record_backward(const std::vector<at::Tensor>& diff) {
 // every path of Note [Parameter gradients] writes a store before it hands it
 // out, and adds into it only once handed out.
 void Engine::allocate_grad_stores() {
-  c10::cuda::CUDAStreamGuard on_caller(caller_stream);
   for (Param& p : params) {
     if (p.requires_grad) {
-      p.store = at::empty_like(p.tensor, at::MemoryFormat::Preserve);
+      p.store_ref = grad_store_for(p.tensor, caller_stream);
     }
   }
+}
+
+// Note [One grad store per parameter]
+// Q: A callable with several graphs (a shape each), or a parameter that
+//    several graphed callables read: why do their backward graphs write one
+//    store for it, not one each?
+// A: A store is a parameter-sized tensor that lives as long as its graphs:
+//    one per graph made the eight graphs of a model with eight shapes hold
+//    eight copies of its grads (the varlen benchmark's 60 MiB beyond eager
+//    on gpt-6).  Sharing one is exact because every path of Note [Parameter
+//    gradients] decides at each replay, from .grad and from who holds the
+//    store, whether to copy into it, add into it or leave it alone: the
+//    copy tail runs only while nobody holds the store (sole_owner counts
+//    the shared reference as one), the add tail only into a .grad that is
+//    the store, so a second graph's backward in the same step accumulates
+//    into what the first handed out, as AccumulateGrad would.  The registry
+//    holds stores weakly: they go with the last graph that writes them.
+std::shared_ptr<const at::Tensor> grad_store_for(const at::Tensor& param,
+                                                 const c10::cuda::CUDAStream& stream) {
+  struct Key {
+    const c10::TensorImpl* param;
+    c10::StreamId stream;
+    bool operator==(const Key& o) const { return param == o.param && stream == o.stream; }
+  };
+  struct Hash {
+    size_t operator()(const Key& k) const {
+      return std::hash<const void*>()(k.param) ^ (std::hash<int64_t>()(k.stream) << 1);
+    }
+  };
+  static std::mutex mutex;
+  static std::unordered_map<Key, std::weak_ptr<const at::Tensor>, Hash> stores;
+  std::lock_guard<std::mutex> lock(mutex);
+  for (auto it = stores.begin(); it != stores.end();) {  // captures are rare: prune
+    it = it->second.expired() ? stores.erase(it) : std::next(it);
+  }
+  std::weak_ptr<const at::Tensor>& slot = stores[Key{param.unsafeGetTensorImpl(), stream.id()}];
+  if (auto store = slot.lock()) {
+    if (store->sizes().equals(param.sizes()) && store->strides().equals(param.strides()) &&
+        store->scalar_type() == param.scalar_type()) {
+      return store;
+    }
+  }
+  c10::cuda::CUDAStreamGuard on_caller(stream);
+  auto store = std::make_shared<const at::Tensor>(
+      at::empty_like(param, at::MemoryFormat::Preserve));
+  slot = store;
+  return store;
 }
 
 // During the backward capture, once it has the parameter grads: the two
@@ -160,7 +208,7 @@ void Engine::capture_param_grad_tails() {
   std::vector<at::Tensor> stores, sources;
   for (const Param& p : params) {
     if (p.grad.defined()) {  // else frozen at capture, or unused (allow_unused_input)
-      stores.push_back(p.store);
+      stores.push_back(p.store());
       sources.push_back(p.grad);
     }
   }

@@ -99,9 +99,20 @@ struct Param {
   // and the next graph's.  Undefined where no grad flows.
   at::Tensor grad;
   // What the grad tails write and what is handed out as param.grad (Note
-  // [Parameter gradients]): a regular allocation, so it outlives reset().
-  at::Tensor store;
+  // [Parameter gradients]): a regular allocation, so it outlives reset(),
+  // shared by every graph that writes this parameter's grad (Note [One grad
+  // store per parameter]).  Null where no grad flows.
+  std::shared_ptr<const at::Tensor> store_ref;
+  const at::Tensor& store() const {
+    static const at::Tensor none;
+    return store_ref ? *store_ref : none;
+  }
 };
+
+// The grad store of `param` for grads read on `stream`: the one its other
+// graphs use if any is alive, else a new one (aten_capture_backward.cpp).
+std::shared_ptr<const at::Tensor> grad_store_for(const at::Tensor& param,
+                                                 const c10::cuda::CUDAStream& stream);
 
 // The ways the backward graph fills its buffer for one incoming grad itself:
 // Note [Incoming grads] (aten_backward.cpp).

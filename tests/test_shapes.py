@@ -77,6 +77,34 @@ def test_graphs_of_one_callable_share_its_pool():
     assert grown < 0.6 * alone_size, (grown, alone_size)
 
 
+def test_graphs_of_one_callable_share_one_grad_store_per_parameter():
+    """Note [One grad store per parameter]: a second graph adds no
+    parameter-sized memory (a 4 MiB weight, tiny activations), and grads of
+    two shapes in one step accumulate as eager's, across several steps."""
+    torch.manual_seed(44)
+    model = nn.Linear(1024, 1024).to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model)  # captures on the first calls
+    xs = [torch.randn(rows, 1024, device=CUDA) for rows in (2, 3, 2, 3, 2, 3)]
+    graphed(xs[0]).sum().backward()  # warm-up calls, then the first graph
+    for _ in range(3):
+        graphed(xs[0]).sum().backward()
+    model.zero_grad(set_to_none=True)
+    before = torch.cuda.memory_allocated()
+    graphed(xs[1]).sum().backward()  # the second graph
+    grown = torch.cuda.memory_allocated() - before
+    assert graphed.num_graphs == 2
+    weight_bytes = model.weight.numel() * model.weight.element_size()
+    assert grown < weight_bytes / 4, (grown, weight_bytes)
+    for step in range(2):
+        for m in (model, eager):
+            m.zero_grad(set_to_none=True)
+        for x in xs:
+            (graphed(x) * 1.5).sum().backward()
+            (eager(x) * 1.5).sum().backward()
+        assert_grads_equal(model, eager, f"step {step}")
+
+
 def test_past_max_graphs_calls_run_eagerly_logged_once(caplog):
     torch.manual_seed(42)
     model = dropout_mlp().eval()
