@@ -52,13 +52,15 @@ class CaptureOptions(NamedTuple):
 
 
 def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
-          options: CaptureOptions) -> tuple[_C.Graphed, ...]:
+          options: CaptureOptions, warm_in_pool: bool = False) -> tuple[_C.Graphed, ...]:
     """Warms up and captures these callables together (csrc/capture.c), in
-    one session: a Graphed per callable, with one graph each."""
+    one session: a Graphed per callable, with one graph each.  With
+    ``warm_in_pool``, warm-up allocates from ``pool`` (Note [Warm-up in the
+    pool] in csrc/aten_setup.cpp)."""
     device = device_of(drafts)
     specs = tuple(_C.CallableSpec(**d.fields, device=device) for d in drafts)
     with capture_session(specs), _log.progress(len(specs)):
-        return _C.graph_callables(specs, pool, *options)
+        return _C.graph_callables(specs, pool, *options, warm_in_pool)
 
 
 @contextlib.contextmanager

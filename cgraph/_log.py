@@ -99,6 +99,15 @@ def pool_mib(pools) -> float:
                if tuple(s.get("segment_pool_id", (0, 0))) in wanted) / 2**20
 
 
+def pool_dropped(graphed, dropped: int) -> None:
+    """Note [Warm-up in the pool]: a warm-up kept memory in a pool, so the
+    earlier graphs there were dropped."""
+    log.info("%s: a warm-up kept memory allocated in the pool of %d earlier graph(s) "
+             "(state the callable made for these arguments), which their replays would "
+             "overwrite: those graphs are dropped and captured again when needed.",
+             describe(graphed), dropped)
+
+
 def past_limit(graphed, max_graphs: int, pending: bool) -> None:
     """A call runs eagerly: no graph takes it and max_graphs are captured."""
     why, counter = (("the backwards of its graphs for these arguments are pending",

@@ -45,19 +45,32 @@ class Regraph:
         _check_device(graphed, (args, kwargs))
         started = time.perf_counter()
         samples = pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
-        (captured,) = graph([draft(self.target, *samples, set())], self._pool(graphed),
-                            self.options)
+        drafts = [draft(self.target, *samples, set())]
+        pool, has_graphs = self._pool(graphed)
+        try:
+            # A pool of earlier (idle) graphs: warm up in it, Note [Warm-up in the pool].
+            (captured,) = graph(drafts, pool, self.options, warm_in_pool=has_graphs)
+        except _C.CaptureError as exc:
+            if exc.kind != "warmup_state":
+                raise
+            # Warm-up kept memory in the pool, where the earlier graphs
+            # would overwrite it: they go (captured again when needed), and
+            # this one is warmed up outside any pool.
+            _log.pool_dropped(graphed, graphed._drop_pool(pool))
+            (captured,) = graph(drafts, _C.new_pool(), self.options)
         graphed._adopt(captured)
         _log.captured(graphed, "a second call before the first one's backward" if pending
                       else "a call no graph takes", samples, time.perf_counter() - started)
         return True
 
-    def _pool(self, graphed: _C.Graphed) -> tuple[int, int]:
-        """A pool where no graph of this callable has a backward pending:
-        the first graph's own when it may be shared, else a fresh one."""
+    def _pool(self, graphed: _C.Graphed) -> tuple[tuple[int, int], bool]:
+        """A pool where no graph of this callable has a backward pending
+        (the first graph's own when it may be shared, else a fresh one),
+        and whether graphs of this callable are in it."""
         if graphed.num_graphs == 0 and self.first_pool is not None:
-            return self.first_pool
-        return graphed._idle_pool(self.shares_pool) or _C.new_pool()
+            return self.first_pool, False
+        idle = graphed._idle_pool(self.shares_pool)
+        return (tuple(idle), True) if idle else (_C.new_pool(), False)
 
     def _tell_limit(self, graphed: _C.Graphed, pending: bool) -> None:
         if not self.told:

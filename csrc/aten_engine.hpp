@@ -318,7 +318,8 @@ struct Engine {
 // The set-up session (aten_setup.cpp): the capture stream made current for
 // the warm-up and capture of one make_graphed call.
 cg_setup* open_setup(c10::DeviceIndex device);
-void release_warmup_memory(cg_setup& setup);
+void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool);
+bool release_warmup_memory(cg_setup& setup);
 void close_setup(cg_setup* setup) noexcept;
 
 // The forward replay of one call (aten_replay.cpp): a NEW reference to the
@@ -378,4 +379,7 @@ struct cg_setup {
   c10::DeviceIndex device;
   c10::cuda::CUDAStream caller;
   c10::cuda::CUDAStream side;
+  // While warm-up allocates from a graph pool: Note [Warm-up in the pool].
+  std::optional<at::cuda::MempoolId_t> warm_pool = std::nullopt;
+  int64_t allocated_before = 0;  // the device's allocated bytes when it began
 };

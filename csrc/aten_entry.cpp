@@ -74,10 +74,16 @@ cg_setup* cg_setup_begin(int device_index) {
   END_HANDLE_TH_ERRORS_RET(nullptr)
 }
 
+int cg_setup_warm_up_in(cg_setup* setup, cg_pool pool) {
+  HANDLE_TH_ERRORS
+  cgraph::warm_up_in(*setup, to_mempool(pool));
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
 int cg_setup_release_warmup_memory(cg_setup* setup) {
   HANDLE_TH_ERRORS
-  cgraph::release_warmup_memory(*setup);
-  return 0;
+  return cgraph::release_warmup_memory(*setup) ? 1 : 0;
   END_HANDLE_TH_ERRORS_RET(-1)
 }
 

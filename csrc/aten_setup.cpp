@@ -139,6 +139,15 @@ void Engine::finish_setup() {
 
 // ---- the set-up session: the capture stream, current while it lasts --------
 
+namespace {
+
+int64_t allocated_bytes(c10::DeviceIndex device) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
+  return stats.allocated_bytes[0].current;  // [0]: StatType::AGGREGATE, every pool
+}
+
+}  // namespace
+
 cg_setup* open_setup(c10::DeviceIndex device) {
   c10::cuda::CUDAGuard guard(device);
   {
@@ -153,11 +162,55 @@ cg_setup* open_setup(c10::DeviceIndex device) {
   return setup;
 }
 
-void release_warmup_memory(cg_setup& setup) {
+// Note [Warm-up in the pool]
+// Q: Why does the warm-up of a callable's later graph (another shape)
+//    allocate from the pool of its earlier graphs?
+// A: Warm-up runs the callable eagerly, so its activations need memory; in
+//    the device's ordinary cache that is a second copy of what the graph
+//    pool already holds free between replays: the varlen benchmark's peak
+//    was the pool plus a whole eager step.  In the pool, warm-up reuses the
+//    blocks the earlier graphs use as temporaries, and the capture then
+//    reuses the warm-up's.  That is safe only because (1) no graph of the
+//    pool is between its forward and its backward (cgraph/_regraph.py picks
+//    an idle pool), so nothing in those blocks is needed, and (2) nothing
+//    warm-up allocates outlives it: a tensor the callable keeps (a cache
+//    made on the first call with a new shape) would sit in blocks the
+//    earlier graphs overwrite at their next replay.  (2) is checked: if the
+//    device holds more allocated memory after warm-up than before, the
+//    session fails with kind "warmup_state", and cgraph/_regraph.py drops
+//    the earlier graphs of that pool and captures again in a fresh pool,
+//    warmed up outside it.  The check counts the whole device, so a kept
+//    tensor anywhere makes that (slower, always safe) choice.
+void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
+  setup.allocated_before = allocated_bytes(setup.device);
+  const cudaStream_t side = setup.side.stream();
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(
+      setup.device, pool, [side](cudaStream_t stream) { return stream == side; });
+  setup.warm_pool = pool;
+}
+
+namespace {
+
+void end_warm_up_in_pool(cg_setup& setup) {
+  if (setup.warm_pool) {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(setup.device, *setup.warm_pool);
+    c10::cuda::CUDACachingAllocator::releasePool(setup.device, *setup.warm_pool);
+    setup.warm_pool.reset();
+  }
+}
+
+}  // namespace
+
+// Returns whether a warm-up in a pool left memory allocated (Note [Warm-up
+// in the pool]).
+bool release_warmup_memory(cg_setup& setup) {
   GilRelease nogil;
   setup.side.synchronize();
   drop_blas_workspaces(setup.side.stream());  // Note [cuBLAS workspaces during capture]
+  const bool in_pool = setup.warm_pool.has_value();
+  end_warm_up_in_pool(setup);
   c10::cuda::CUDACachingAllocator::emptyCache();
+  return in_pool && allocated_bytes(setup.device) > setup.allocated_before;
 }
 
 void close_setup(cg_setup* setup) noexcept {
@@ -171,6 +224,7 @@ void close_setup(cg_setup* setup) noexcept {
     // After a failed warm-up too, none outlives the session: Note [cuBLAS
     // workspaces during capture].
     drop_blas_workspaces(setup->side.stream());
+    end_warm_up_in_pool(*setup);
   } catch (const std::exception& e) {
     TORCH_WARN("cgraph: could not wait for the capture stream: ", e.what());
   }

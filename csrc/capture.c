@@ -5,16 +5,18 @@
  * Python equivalent (the contract; the real thing is below):
  *
  *     def graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
- *                         capture_error_mode, kept_outputs):
+ *                         capture_error_mode, kept_outputs, warm_in_pool):
  *         pool = pool or new_pool()           # one pool for all callables
  *         engines = [Engine(s) for s in specs]
  *         with capture_stream(specs[0].device):   # warm-up and capture share it
+ *             if warm_in_pool: allocate_from(pool)   # Note [Warm-up in the pool]
  *             for s, e in zip(specs, engines):                    # warm-up
  *                 for _ in range(num_warmup_iters):
  *                     with e.warmup():        # notes RNG use (aten_rng.cpp)
  *                         out = s.target()(*s.args, **s.kwargs)
  *                     e.warmup_backward(tree_leaves(out))
  *             torch.cuda.empty_cache()   # warm-up's cache, not beside the pool
+ *             if warm_in_pool and memory_allocated() grew: raise CaptureError("warmup_state")
  *             for s, e in zip(specs, engines):            # forwards 1..N
  *                 with e.capture(FORWARD, pool):
  *                     out = s.target()(*s.args, **s.kwargs)
@@ -51,6 +53,7 @@ typedef struct {
     int warmup_iters;
     int allow_unused;
     int kept_outputs;       /* a cg_kept_outputs */
+    int warm_in_pool;       /* warm up in `pool`: Note [Warm-up in the pool] */
     cg_setup *setup;        /* the capture stream, while warm-up and capture run */
 } session;
 
@@ -126,6 +129,11 @@ static const struct {
      "a torch.utils.checkpoint(use_reentrant=True) region reads a tensor that requires "
      "grad but is neither an argument nor a parameter (see __cause__). Make it an "
      "nn.Parameter of the module, pass it as an argument, or use use_reentrant=False."},
+    [CG_FAILURE_WARMUP_STATE] = {"warmup_state",
+     "a warm-up call for a later graph left memory allocated that outlives it (state "
+     "the callable keeps, made on its first call with these arguments). cgraph handles "
+     "this itself (Note [Warm-up in the pool]): it drops the earlier graphs of that "
+     "pool and captures again; seeing this error is a cgraph bug, please report it."},
 };
 
 /* torch's capture errors that carry no code: Note [Capture failures]. */
@@ -336,8 +344,8 @@ session_open(session *s, PyObject *module, PyObject *args)
 
     memset(s, 0, sizeof(*s));
     s->state = (cg_state *)PyModule_GetState(module);
-    if (!PyArg_ParseTuple(args, "O!Oipii", &PyTuple_Type, &specs, &pool, &s->warmup_iters,
-                          &s->allow_unused, &mode, &s->kept_outputs)) {
+    if (!PyArg_ParseTuple(args, "O!Oipiip", &PyTuple_Type, &specs, &pool, &s->warmup_iters,
+                          &s->allow_unused, &mode, &s->kept_outputs, &s->warm_in_pool)) {
         return -1;
     }
     s->mode = (cg_capture_mode)mode;
@@ -458,6 +466,11 @@ warm_up_once(session *s, Py_ssize_t i)
 static int
 warm_up(session *s)
 {
+    int kept;
+
+    if (s->warm_in_pool && cg_setup_warm_up_in(s->setup, s->pool) < 0) {
+        return -1;
+    }
     for (Py_ssize_t i = 0; i < s->n; i++) {
         for (int k = 0; k < s->warmup_iters; k++) {
             if (warm_up_once(s, i) == 0) {
@@ -472,7 +485,12 @@ warm_up(session *s)
             return -1;
         }
     }
-    return cg_setup_release_warmup_memory(s->setup);
+    kept = cg_setup_release_warmup_memory(s->setup);
+    if (kept <= 0) {
+        return kept;
+    }
+    PyErr_SetString(PyExc_RuntimeError, "warm-up in the graph pool left memory allocated");
+    return raise_capture_error(s, 0, warming_up, CG_FAILURE_WARMUP_STATE);
 }
 
 /* ---- capture -------------------------------------------------------------- */

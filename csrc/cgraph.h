@@ -67,6 +67,7 @@ typedef enum {
     CG_FAILURE_RNG_CHANGED,     /* a generator seeded or host RNG drawn */
     CG_FAILURE_RNG_REGIONS,     /* RNG state asked for unlike in warm-up */
     CG_FAILURE_REENTRANT_LEAF,  /* a closure leaf in a reentrant checkpoint */
+    CG_FAILURE_WARMUP_STATE,    /* a warm-up in a pool left memory allocated */
     CG_FAILURE_COUNT
 } cg_failure;
 
@@ -83,10 +84,18 @@ int cg_new_pool(cg_pool *out);
  * Returns NULL with an exception set on failure. */
 cg_setup *cg_setup_begin(int device_index);
 
+/* Before warm-up, for a later graph of a callable: the side stream
+ * allocates from `pool`, where the callable's idle graphs keep their
+ * temporaries, until cg_setup_release_warmup_memory (Note [Warm-up in the
+ * pool] in aten_setup.cpp).  0, or -1 with an exception set. */
+int cg_setup_warm_up_in(cg_setup *setup, cg_pool pool);
+
 /* Between warm-up and capture: waits for the warm-up and returns the
  * memory it left cached to the device, so the graph pool does not sit on
  * top of a second copy of the activations.  torch.cuda.graph empties the
- * cache before every capture; this does it once. */
+ * cache before every capture; this does it once.  Returns 1 if a warm-up
+ * in a pool left memory allocated that outlives it, 0 if not, -1 with an
+ * exception set. */
 int cg_setup_release_warmup_memory(cg_setup *setup);
 
 /* Restores the caller's stream and waits for the side stream.  Never raises

@@ -676,6 +676,42 @@ Graphed_idle_pool(GraphedObject *self, PyObject *skip_first)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(Graphed_drop_pool_doc,
+"_drop_pool(pool) -> int\n\n"
+"Free this callable's graphs in `pool` (none may have a backward pending) and\n"
+"return how many: Note [Warm-up in the pool] in aten_setup.cpp.");
+
+/* Returns a NEW reference (an int), or NULL with an exception set. */
+static PyObject *
+Graphed_drop_pool(GraphedObject *self, PyObject *arg)
+{
+    cg_pool pool;
+    Py_ssize_t kept = 0, n = self->n_entries;
+
+    if (!PyArg_ParseTuple(arg, "KK;_drop_pool: expects a pool, a pair of ints", &pool.first,
+                          &pool.second)) {
+        return NULL;
+    }
+    if (pool_busy(self, pool)) {
+        PyErr_SetString(PyExc_RuntimeError, "_drop_pool: a graph of that pool has a backward "
+                                            "pending");
+        return NULL;
+    }
+    for (Py_ssize_t k = 0; k < n; k++) {
+        graph_entry e = self->entries[k];
+        if (e.pool.first == pool.first && e.pool.second == pool.second) {
+            cg_engine_free(e.engine);
+            Py_XDECREF(e.spec);
+            Py_XDECREF(e.out.spec);
+        } else {
+            self->entries[kept++] = e;
+        }
+    }
+    self->n_entries = kept;
+    self->hot = 0;
+    return PyLong_FromSsize_t(n - kept);
+}
+
 PyDoc_STRVAR(Graphed_set_on_miss_doc,
 "_set_on_miss(on_miss)\n\n"
 "Let this callable capture more graphs: calls its graphs do not take go to\n"
@@ -700,6 +736,7 @@ static PyMethodDef Graphed_methods[] = {
     {"reset", (PyCFunction)Graphed_reset, METH_NOARGS, Graphed_reset_doc},
     {"_adopt", (PyCFunction)Graphed_adopt, METH_O, Graphed_adopt_doc},
     {"_idle_pool", (PyCFunction)Graphed_idle_pool, METH_O, Graphed_idle_pool_doc},
+    {"_drop_pool", (PyCFunction)Graphed_drop_pool, METH_O, Graphed_drop_pool_doc},
     {NULL, NULL, 0, NULL}
 };
 

@@ -105,6 +105,78 @@ def test_graphs_of_one_callable_share_one_grad_store_per_parameter():
         assert_grads_equal(model, eager, f"step {step}")
 
 
+def test_a_later_graph_warms_up_in_the_pool_of_the_earlier_ones():
+    """Note [Warm-up in the pool]: capturing a second shape reserves far
+    less than the eager step its warm-up runs would on its own (its
+    activations reuse the first graph's temporaries), and the results stay
+    eager's."""
+    torch.manual_seed(45)
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (torch.randn(2048, 1024, device=CUDA),))
+    x = torch.randn(1536, 1024, device=CUDA)
+
+    def peak_growth(step):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_reserved()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_reserved() - before
+
+    eager_step = peak_growth(lambda: copy.deepcopy(eager)(x).sum().backward())
+    model.zero_grad(set_to_none=True)
+    eager.zero_grad(set_to_none=True)
+    grown = peak_growth(lambda: graphed(x).sum().backward())
+    assert graphed.num_graphs == 2
+    assert grown < 0.5 * eager_step, (grown, eager_step)
+    eager(x).sum().backward()
+    assert_grads_equal(model, eager, "the capturing call")
+    for step in range(2):
+        for rows in (2048, 1536):
+            y = torch.randn(rows, 1024, device=CUDA)
+            assert_equal(graphed(y), eager(y), f"step {step}: {rows} rows")
+
+
+class CachePerShape(nn.Module):
+    """Keeps a tensor made on the first call with each batch size: state a
+    warm-up makes and a replay of another shape's graph must not overwrite."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.cache = {}
+
+    def forward(self, x):
+        rows = x.shape[0]
+        if rows not in self.cache:
+            self.cache[rows] = torch.arange(rows * 64, device=x.device).view(rows, 64) / 7.0
+        return self.lin(x) * self.cache[rows]
+
+
+def test_state_made_by_a_later_warm_up_is_kept_safe_and_logged(caplog):
+    """Note [Warm-up in the pool]: the cache made while warming up the
+    second shape would sit in blocks the first graph overwrites; cgraph
+    drops the first graph (captured again when its shape returns), logs it,
+    and every result equals eager's."""
+    torch.manual_seed(46)
+    model = CachePerShape().to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (torch.randn(32, 64, device=CUDA),))
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for step in range(3):
+            for rows in (32, 48):
+                x = torch.randn(rows, 64, device=CUDA)
+                out, want = graphed(x), eager(x)
+                assert_equal(out, want, f"step {step}: {rows} rows")
+                out.sum().backward()
+                want.sum().backward()
+                assert_grads_equal(model, eager, f"step {step}: {rows} rows")
+    assert any("those graphs are dropped" in r.getMessage() for r in caplog.records)
+    assert graphed.num_graphs == 2
+
+
 def test_past_max_graphs_calls_run_eagerly_logged_once(caplog):
     torch.manual_seed(42)
     model = dropout_mlp().eval()
