@@ -139,6 +139,13 @@ def step_reset(step) -> None:
     log.info("%r: reset: its graph freed; the next call captures again.", step)
 
 
+def step_ddp_warmup(step, eager: int, forwards: int) -> None:
+    """A step calls DistributedDataParallel: its first `eager` calls run eagerly."""
+    log.info("%r: the step calls DistributedDataParallel, whose first %d forwards sync the GPU "
+             "(Note [DDP inside a graphed step] in cgraph/_ddp.py): %d eager steps before "
+             "capture, not %d.", step, forwards, eager, step.num_warmup_iters)
+
+
 # The progress bar of the set-up in progress, if any (progress()).
 _bar = None
 

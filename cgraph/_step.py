@@ -50,6 +50,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from . import _C, _log
+from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES
 
 __all__ = ["make_graphed_step", "GraphedStep"]
@@ -78,9 +79,13 @@ def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
     Capturable Adam/AdamW compute the step size on the device in float32,
     not on the host in float64: parameters then match eager's to float32
     rounding, not bitwise (fused ones: bitwise).  A ``GradScaler`` needs
-    ``fused=True`` optimizers.  Python side effects in ``fn`` (a counter, a
-    print) run once, at capture.  A host sync in ``fn`` (``.item()``, a
-    branch on a tensor) raises ``CaptureError`` naming it and the fix.
+    ``fused=True`` optimizers.  A ``DistributedDataParallel`` model built as
+    usual may be called in ``fn``: its gradient allreduce is captured too, and
+    the step stays eager until DDP has had the 11 forwards it needs (Note [DDP
+    inside a graphed step] in cgraph/_ddp.py).  Python side effects in ``fn``
+    (a counter, a print) run once, at capture.  A host sync in ``fn``
+    (``.item()``, a branch on a tensor) raises ``CaptureError`` naming it and
+    the fix.
 
     Example::
 
@@ -196,6 +201,7 @@ class GraphedStep:
         self.sample = pytree.tree_flatten((sample_args, sample_kwargs))
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.scaled: weakref.WeakSet = weakref.WeakSet()  # stepped by a GradScaler
+        self.ddp = DDPInStep()  # the DDP models it calls: Note [DDP inside a graphed step]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.static: _Static | None = None
         self.outputs: Any = None  # the captured outputs (pool memory)
@@ -229,11 +235,13 @@ class GraphedStep:
 
         torch.amp.GradScaler.step = noted_scaler_step
         try:
-            out = self.fn(*args, **kwargs)
+            with self.ddp.watch():
+                out = self.fn(*args, **kwargs)
         finally:
             torch.amp.GradScaler.step = scaler_step
             handle.remove()
         self.stats["eager"] += 1
+        self.num_warmup_iters = self.ddp.warmup_iters(self)
         # Detached, as replays return them: a loss kept with its grad_fn
         # would keep this step's autograd graph, whose AccumulateGrad nodes
         # (on this stream) the capture would then reuse from its own stream.
@@ -272,6 +280,7 @@ class GraphedStep:
         self.static = _Static(static, spec)
         for opt in list(self.optimizers):
             _check_capturable(opt, opt in self.scaled)
+        self.ddp.before_capture()
         self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
                        for g in opt.param_groups]
         graph = torch.cuda.CUDAGraph()
@@ -280,7 +289,7 @@ class GraphedStep:
         before = generator.clone_state()
         try:
             with self._device_lrs(), torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.fn(*args, **kwargs)
+                outputs = self.ddp.call(self.fn, args, kwargs)
         except Exception as exc:
             # A failed capture leaves the generator in capture mode (torch
             # ends it only after a successful cudaStreamEndCapture): give it

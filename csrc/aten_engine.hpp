@@ -365,6 +365,12 @@ bool delivered_by_autograd(const at::Tensor& p);
 // once (aten_warmup.cpp).
 std::vector<at::Tensor> autograd_leaves(const std::vector<at::Tensor>& roots);
 
+// Moves the live grad accumulators of `params` onto the current stream;
+// restore_accumulators gives them their streams back and frees the record
+// (aten_accumulators.cpp, Note [DDP inside a graphed step] in cgraph/_ddp.py).
+cg_moved_accumulators* move_accumulators(const std::vector<at::Tensor>& params);
+void restore_accumulators(cg_moved_accumulators* moved) noexcept;
+
 // Unpacks a Python sequence of tensors.  `what` names the items in errors
 // (aten_setup.cpp).
 std::vector<at::Tensor> unpack_tensors(PyObject* seq, const char* what);
@@ -373,6 +379,17 @@ std::vector<at::Tensor> unpack_tensors(PyObject* seq, const char* what);
 
 struct cg_engine {
   std::shared_ptr<cgraph::Engine> ptr;
+};
+
+// Grad accumulators moved onto a capture stream: each node, its parameter and
+// the metadata it had, its stream included.
+struct cg_moved_accumulators {
+  struct Moved {
+    cgraph::NodePtr node;
+    at::Tensor param;
+    torch::autograd::InputMetadata was;
+  };
+  std::vector<Moved> moved;
 };
 
 struct cg_setup {

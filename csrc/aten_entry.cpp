@@ -213,6 +213,21 @@ cg_failure cg_failure_of_cuda_error(int code) {
   }
 }
 
+// ---- a whole training step's capture ---------------------------------------
+
+cg_moved_accumulators* cg_accumulators_move(PyObject* params, Py_ssize_t* count) {
+  HANDLE_TH_ERRORS
+  cg_moved_accumulators* moved =
+      cgraph::move_accumulators(cgraph::unpack_tensors(params, "parameter"));
+  *count = static_cast<Py_ssize_t>(moved->moved.size());
+  return moved;
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
+void cg_accumulators_restore(cg_moved_accumulators* moved) {
+  cgraph::restore_accumulators(moved);
+}
+
 // ---- replay ------------------------------------------------------------------
 
 PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args, Py_ssize_t nargs) {

@@ -184,6 +184,23 @@ int cg_engine_capture_backward(cg_engine *engine, cg_pool pool, cg_capture_mode 
  * failure. */
 cg_failure cg_failure_of_cuda_error(int code);
 
+/* ---- a whole training step's capture (aten_accumulators.cpp) ------------ */
+
+/* Parameters' grad accumulators moved onto the capture stream, with the
+ * streams they had. */
+typedef struct cg_moved_accumulators cg_moved_accumulators;
+
+/* Makes the live grad accumulator (AccumulateGrad node) of each tensor of
+ * `params` (a sequence) run on its device's current stream, as if it had been
+ * made there; its hooks stay.  A tensor without one is skipped.  *count: how
+ * many moved.  NULL with an exception set on failure.  Why: Note [DDP inside
+ * a graphed step] in cgraph/_ddp.py. */
+cg_moved_accumulators *cg_accumulators_move(PyObject *params, Py_ssize_t *count);
+
+/* Gives the moved accumulators their streams back and frees `moved`.  Never
+ * raises; NULL is allowed. */
+void cg_accumulators_restore(cg_moved_accumulators *moved);
+
 /* ---- replay (aten_replay.cpp, aten_backward.cpp) ------------------------ */
 
 /* The hot path.  Checks `args[0..nargs)` against the captured inputs, copies

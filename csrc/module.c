@@ -20,6 +20,9 @@
  *     def set_event_hook(hook) -> None: ...   # cgraph/_log.py
  *     def new_graphed(on_miss) -> Graphed: ...  # no graph yet: graphed.c
  *     def capture_error(cause, what) -> CaptureError: ...  # capture.c
+ *     def call_with_accumulators_here(params, fn, args, kwargs) -> tuple[object, int]:
+ *         ...  # fn(*args, **kwargs), the grad accumulators of params on the
+ *              # current stream meanwhile: aten_accumulators.cpp
  *
  * Laid out as CPython's Modules/xxlimited.c: state in the module (multi-phase
  * initialization), heap types, and PyInit__C the only exported symbol.
@@ -221,6 +224,37 @@ cgm_new_graphed(PyObject *module, PyObject *on_miss)
     return cg_graphed_empty(get_state(module), on_miss);
 }
 
+PyDoc_STRVAR(cgm_call_with_accumulators_here_doc,
+"call_with_accumulators_here(params, fn, args, kwargs) -> tuple[object, int]\n\n"
+"(fn(*args, **kwargs), n): while fn runs, the live grad accumulators of the\n"
+"tensors `params` (n of them) run on the current stream, hooks and all, then\n"
+"get their own streams back.  Note [DDP inside a graphed step] in\n"
+"cgraph/_ddp.py says why.  Not a public API.");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+cgm_call_with_accumulators_here(PyObject *module, PyObject *args)
+{
+    PyObject *params, *fn, *call_args, *call_kwargs, *result;
+    cg_moved_accumulators *moved;
+    Py_ssize_t count = 0;
+
+    if (!PyArg_ParseTuple(args, "OOO!O!", &params, &fn, &PyTuple_Type, &call_args,
+                          &PyDict_Type, &call_kwargs)) {
+        return NULL;
+    }
+    moved = cg_accumulators_move(params, &count);
+    if (moved == NULL) {
+        return NULL;
+    }
+    result = PyObject_Call(fn, call_args, call_kwargs);
+    cg_accumulators_restore(moved);
+    if (result == NULL) {
+        return NULL;
+    }
+    return Py_BuildValue("(Nn)", result, count);
+}
+
 static PyMethodDef cgm_methods[] = {
     {"new_graphed", cgm_new_graphed, METH_O, cgm_new_graphed_doc},
     {"capture_error", cg_capture_error, METH_VARARGS, cgm_capture_error_doc},
@@ -232,6 +266,8 @@ static PyMethodDef cgm_methods[] = {
     {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},
     {"modules_changed", cgm_modules_changed, METH_NOARGS, cgm_modules_changed_doc},
     {"set_event_hook", cgm_set_event_hook, METH_O, cgm_set_event_hook_doc},
+    {"call_with_accumulators_here", cgm_call_with_accumulators_here, METH_VARARGS,
+     cgm_call_with_accumulators_here_doc},
     {NULL, NULL, 0, NULL}
 };
 

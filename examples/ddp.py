@@ -18,7 +18,8 @@ No collective is captured into a graph: they run from DDP's hooks between
 and after replays.  So none of the full-step-capture precautions apply
 (11 warm-up iterations, DDP built on a side stream,
 TORCH_NCCL_ASYNC_ERROR_HANDLING=0).  Teardown: cgraph.reset_all() and then
-dist.destroy_process_group().
+dist.destroy_process_group().  A step graphed whole, its allreduce inside the
+graph: examples/ddp_step.py.
 """
 
 import os

@@ -1,31 +1,191 @@
-"""DDP on two GPUs, in a file of its own because it needs two: the test runs
-examples/ddp.py under torchrun, which checks both DDP recipes (graphed layers
-inside DDP, and a graphed model wrapped in DDP) against eager DDP with
-bitwise-equal grads, that the allreduce overlaps the backward, and teardown;
-the test asserts each rank's report of every check.  Skipped with fewer than
-two GPUs."""
+"""DistributedDataParallel with cgraph.  On GPUs, the examples run under
+torchrun and the tests assert each rank's report of every check:
+examples/ddp.py (graphed layers inside DDP, a graphed model wrapped in DDP;
+two GPUs) and examples/ddp_step.py (a DDP training step graphed whole, its
+allreduce in the graph: Note [DDP inside a graphed step]; one GPU, and two).
+On the CPU, a one-process gloo group checks the warm-up DDP needs, the
+refusal of find_unused_parameters, and that DDP's hooks survive the move of
+its grad accumulators."""
 
+import logging
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-pytestmark = pytest.mark.gpu
+import cgraph
+from _helpers import assert_equal
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_ddp_recipes_on_two_gpus():
+def torchrun(example, nproc):
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         os.path.join(ROOT, "examples", "ddp.py")],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={nproc}", os.path.join(ROOT, "examples", example)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "PYTHONPATH": ROOT})
     print(run.stdout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_ddp_recipes_on_two_gpus():
+    out = torchrun("ddp.py", 2)
     for rank in (0, 1):
         for check in ("graphed layers in DDP: grads equal", "overlap:",
                       "graphed DDP model: grads equal", "teardown:"):
-            assert f"rank {rank} {check}" in run.stdout, run.stdout
+            assert f"rank {rank} {check}" in out, out
+
+
+STEP_CHECKS = ("graphed DDP step: losses, parameters and grads equal to eager DDP",
+               "warm-up: {'eager': 11, 'captures': 1, 'replays': 5}",
+               "allreduce in the graph:", "teardown:")
+
+
+def assert_step_checks(out, ranks):
+    for rank in range(ranks):
+        for check in STEP_CHECKS:
+            assert f"rank {rank} {check}" in out, out
+
+
+@pytest.mark.gpu
+def test_a_ddp_step_graphed_whole_on_one_gpu():
+    """One rank: no reduction to see in the grads, but the comm hook's GPU
+    counter shows DDP's reduction replaying with the graph."""
+    assert_step_checks(torchrun("ddp_step.py", 1), 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_ddp_step_graphed_whole_on_two_gpus():
+    """Two ranks, each its own data: grads equal eager DDP's only if the
+    graph averages them."""
+    assert_step_checks(torchrun("ddp_step.py", 2), 2)
+
+
+# ---- on the CPU: a one-process gloo group -------------------------------------
+
+@pytest.fixture
+def gloo():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def cpu_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def batches(n):
+    torch.manual_seed(1)
+    return [(torch.randn(6, 8), torch.randint(0, 4, (6,))) for _ in range(n)]
+
+
+def ddp_step(model, opt, forwards=1, no_sync=0):
+    """`no_sync` micro-batches under DDP's no_sync, then `forwards` synced."""
+
+    def step(x, y):
+        opt.zero_grad()
+        for _ in range(no_sync):
+            with model.no_sync():
+                F.cross_entropy(model(x), y).backward()
+        for _ in range(forwards):
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+@pytest.mark.parametrize("forwards,no_sync,eager", [(1, 0, 11), (2, 0, 6), (1, 2, 11)],
+                         ids=["one-forward", "two-synced-forwards", "no_sync-not-counted"])
+def test_a_step_calling_ddp_stays_eager_for_11_ddp_forwards(gloo, caplog, forwards, no_sync,
+                                                            eager):
+    """Note [DDP inside a graphed step], 2: num_warmup_iters=3 is raised to
+    what DDP needs, counting only the forwards that sync grads; logged."""
+    model = DDP(cpu_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(eager)
+    step = cgraph.make_graphed_step(ddp_step(model, opt, forwards, no_sync), data[0],
+                                    num_warmup_iters=3)
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for x, y in data:
+            step(x, y)
+    assert step.stats == {"eager": eager, "captures": 0, "replays": 0}
+    assert step.num_warmup_iters == eager
+    assert step.ddp.pace[model] == forwards
+    assert f"{eager} eager steps before capture, not 3" in caplog.text
+
+
+def test_a_step_without_ddp_keeps_its_warmup(gloo):
+    model = cpu_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = cgraph.make_graphed_step(ddp_step(model, opt), batches(1)[0], num_warmup_iters=2)
+    for x, y in batches(2):
+        step(x, y)
+    assert step.num_warmup_iters == 2 and not step.ddp.models()
+
+
+def test_find_unused_parameters_is_refused_at_capture_with_the_fix(gloo):
+    model = DDP(cpu_model(), find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(12)
+    step = cgraph.make_graphed_step(ddp_step(model, opt), data[0])
+    for x, y in data[:11]:
+        step(x, y)
+    with pytest.raises(ValueError, match="find_unused_parameters=False"):
+        step(*data[11])  # the capture: refused before any CUDA call
+
+
+def test_ddp_hooks_survive_the_captured_call(gloo, caplog):
+    """The captured call moves DDP's grad accumulators (alive: DDP keeps
+    them; on the CPU, onto the stream they had) and back: the same nodes,
+    DDP's hooks still on them, so its reduction still runs (else DDP's next
+    forward raises "Expected to have finished reduction"), and training
+    matches an eager twin."""
+    model, eager = DDP(cpu_model()), DDP(cpu_model())
+    opt, opt_e = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager))
+    data = batches(14)
+    fn, fn_e = ddp_step(model, opt), ddp_step(eager, opt_e)
+    step = cgraph.make_graphed_step(fn, data[0])
+    for x, y in data[:11]:
+        step(x, y)
+        fn_e(x, y)
+    for x, y in data[11:13]:  # as _capture calls it, without a graph
+        with caplog.at_level(logging.DEBUG, logger="cgraph"):
+            step.ddp.call(fn, (x, y), {})
+        fn_e(x, y)
+    assert "4 grad accumulators of 1 DDP model(s)" in caplog.text
+    fn(*data[13])  # DDP checks here that the last reduction finished
+    fn_e(*data[13])
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert_equal(p, q, "parameter")
+        assert_equal(p.grad, q.grad, "grad")
+
+
+def test_the_captured_call_reports_the_accumulators_it_moved():
+    """Parameters whose accumulator is alive move (a kept node: its hooks
+    still run); those without one are skipped."""
+    kept, fresh = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    node = kept.view_as(kept).grad_fn.next_functions[0][0]
+    ran = []
+    node.register_hook(lambda grad_inputs, grad_outputs: ran.append(True))
+    from cgraph import _C
+    out, moved = _C.call_with_accumulators_here(
+        [kept, fresh], lambda x: ((kept + fresh) * x).sum().backward() or "done",
+        (torch.ones(3),), {})
+    assert (out, moved, ran) == ("done", 1, [True])
+    assert kept.view_as(kept).grad_fn.next_functions[0][0] is node

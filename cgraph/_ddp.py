@@ -1,0 +1,164 @@
+"""DistributedDataParallel inside a graphed training step (make_graphed_step):
+the DDP models a step calls are found in its first eager call, the step
+stays eager until DDP is ready for capture, and the capture records DDP's
+gradient allreduce with the rest.  cgraph/_step.py calls this module
+at three places: around each eager step (``watch``, ``warmup_iters``),
+before capture (``before_capture``) and for the captured call (``call``).
+
+Note [DDP inside a graphed step]
+Q: A step's model is wrapped in DistributedDataParallel, built as users build
+   it (on the default stream).  What does capturing its allreduce in the
+   step's graph take, and why does the user write nothing for it (NVIDIA's
+   guide: build DDP under a side stream, 11 warm-up iterations,
+   TORCH_NCCL_ASYNC_ERROR_HANDLING=0)?
+A: Three things, each from torch's source:
+   1. DDP's grad accumulators on the capture stream.  DDP's Reducer makes
+      each parameter's AccumulateGrad node when DDP is built, hangs its
+      autograd hook on it (the hook copies the grad into its bucket and, when
+      the bucket is full, launches the allreduce) and keeps the node alive
+      (reducer.cpp, Reducer::Reducer).  A node runs on the stream that was
+      current when it was made: InputMetadata's constructor records it,
+      Node::stream() returns it, and the autograd engine guards onto it and
+      makes it wait for the grad's producer (input_buffer.cpp,
+      InputBuffer::add).  For DDP built on the default stream, the captured
+      backward would have the legacy default stream wait on the capture
+      stream, which CUDA refuses (cudaError 906; torch >= 2.9 also warns "The
+      AccumulateGrad node's stream does not match ...").  The guide, torch's
+      docs and Megatron build DDP on the stream that later captures.  cgraph
+      instead moves the accumulators of each DDP model's parameters onto the
+      capture stream for the length of the captured call (their one input
+      metadata remade there; the nodes and DDP's hooks stay:
+      csrc/aten_accumulators.cpp) and gives them their streams back after.
+      DDP's hooks, its bucket copies, the allreduce (NCCL's stream joins the
+      capture through ProcessGroupNCCL's event) and the copy back into the
+      grads then run on the capture stream and are captured.
+   2. Eleven eager forwards first.  At each grad-syncing forward DDP's logger
+      first reads the previous iteration's CUDA timing events
+      (Logger::set_runtime_stats_and_log -> CudaTimer::measureDifference ->
+      cudaEventSynchronize) at sampled iterations: Reducer::
+      should_collect_runtime_stats, num_iterations_ in 1..10 and every
+      100th, read before prepare_for_forward counts the forward.  Forwards
+      2 to 11 sync, so the forward captured must be the 12th or later; DDP
+      also rebuilds its buckets at the 2nd (a broadcast and a host copy).  So
+      the step stays eager for as many calls as DDP_WARMUP_FORWARDS
+      grad-syncing forwards of each DDP model take (logged), counted in the
+      first call by a global module forward pre-hook (a step does the same
+      every call: its graph replays it).  And before capture the models'
+      runtime-stats sampling is turned off (the sample rate set to
+      2**31 - 1): a recapture (a changed hyperparameter) runs the forward
+      again, and every 100th would sync.  Stats of a replayed step would
+      measure nothing anyway: its forward ran once, at capture.
+   3. Nothing for NCCL's error handling.  The guide disables it because
+      ProcessGroupNCCL's watchdog thread queried CUDA events, which a capture
+      in global mode on another thread forbids.  torch no longer needs that:
+      collectives issued while capturing are not enqueued for the watchdog
+      (ProcessGroupNCCL::collective, enqueue only when not capturing;
+      pytorch PR 102542), and the watchdog queries earlier work under
+      thread-local capture mode (a CUDAStreamCaptureModeGuard in its loop;
+      PR 148594; before it, CUDAGraph::capture_begin waited out pending
+      queries, PR 104487).  The variable is read when the process group is
+      made, before cgraph could set it anyway.
+   Refused at capture, with the fix: find_unused_parameters=True without
+   static_graph.  Its Reducer searches the autograd graph for unused
+   parameters on the host at every forward (prepare_for_backward), which
+   replays would not redo, and, when it finds one, reads the map of used
+   parameters back from the GPU in finalize_backward: a sync.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parallel import DistributedDataParallel
+
+from . import _C, _log
+
+__all__ = ["DDPInStep", "DDP_WARMUP_FORWARDS"]
+
+# Note [DDP inside a graphed step], 2: forwards 2..11 read CUDA events.
+DDP_WARMUP_FORWARDS = 11
+# The largest sample rate DDP's C++ takes (an int): never reached.
+_NEVER = 2**31 - 1
+
+
+class DDPInStep:
+    """The DDP models one graphed step calls, each with its grad-syncing
+    forwards per step (weakly held), found in the step's first eager call."""
+
+    def __init__(self) -> None:
+        self.pace: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.watched = False
+
+    # -- warm-up ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def watch(self):
+        """Around an eager step: in the first one only, a global module
+        forward pre-hook notes each DDP model called and counts its
+        grad-syncing forwards.  A step is the same every call (its graph
+        replays it), and the hook is best gone before torch.compile
+        compiles a module of the step again: its traces see global hooks."""
+        if self.watched:
+            yield
+            return
+        self.watched = True
+        handle = register_module_forward_pre_hook(self._forward)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _forward(self, module, args) -> None:
+        # As DDP's _pre_forward: only these forwards count an iteration.
+        if (isinstance(module, DistributedDataParallel) and torch.is_grad_enabled()
+                and module.require_backward_grad_sync):
+            self.pace[module] = self.pace.get(module, 0) + 1
+
+    def warmup_iters(self, step) -> int:
+        """The step's num_warmup_iters after an eager step: raised (and
+        logged) to the steps DDP_WARMUP_FORWARDS forwards take of the DDP
+        model the step calls least often."""
+        paces = [p for p in self.pace.values() if p > 0]
+        wanted = max((-(-DDP_WARMUP_FORWARDS // p) for p in paces), default=0)
+        if wanted > step.num_warmup_iters:
+            _log.step_ddp_warmup(step, wanted, DDP_WARMUP_FORWARDS)
+            return wanted
+        return step.num_warmup_iters
+
+    # -- capture ---------------------------------------------------------------
+
+    def models(self) -> list:
+        return list(self.pace.keys())
+
+    def before_capture(self) -> None:
+        """Refuses, naming the fix, a DDP model a graph cannot reduce for;
+        turns off DDP's runtime-stats sampling (Note [DDP inside a graphed
+        step], 2)."""
+        for model in self.models():
+            if model.find_unused_parameters and not model.static_graph:
+                raise ValueError(
+                    "cgraph: this DistributedDataParallel model has "
+                    "find_unused_parameters=True: it searches the autograd graph for unused "
+                    "parameters on the host at every step, which a replayed graph would not "
+                    "redo (and reads their map back from the GPU when it finds one: a "
+                    "sync). A graphed step runs the same graph every call: build DDP with "
+                    "find_unused_parameters=False if every parameter gets a grad, or with "
+                    "static_graph=True (DDP then finds unused parameters once, in its first "
+                    "step).")
+            model._set_ddp_runtime_logging_sample_rate(_NEVER)
+
+    def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict):
+        """fn(*args, **kwargs), the captured call: with DDP's grad
+        accumulators on the current (capture) stream meanwhile."""
+        models = self.models()
+        if not models:
+            return fn(*args, **kwargs)
+        params = [p for model in models for p in model.parameters() if p.requires_grad]
+        out, moved = _C.call_with_accumulators_here(params, fn, args, kwargs)
+        _log.log.debug("capture: %d grad accumulators of %d DDP model(s) on the capture "
+                       "stream.", moved, len(models))
+        return out

@@ -1,0 +1,83 @@
+// aten_accumulators.cpp -- parameters' grad accumulators moved onto the
+// current stream for the length of a whole-step capture, then given their own
+// streams back: Note [DDP inside a graphed step] in cgraph/_ddp.py.
+#include "aten_engine.hpp"
+
+#include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/input_metadata.h>
+#include <c10/core/StreamGuard.h>
+
+#include <utility>
+#include <vector>
+
+namespace cgraph {
+
+namespace {
+
+using torch::autograd::InputMetadata;
+
+// Recent torch releases give InputMetadata a grad dtype (Tensor.grad_dtype);
+// remade metadata keeps the accumulator's.  Releases without one have
+// nothing to keep.
+template <class Metadata>
+auto keep_grad_dtype(Metadata& remade, const Metadata& was, int)
+    -> decltype(remade.set_grad_dtype(was.grad_dtype()), void()) {
+  remade.set_grad_dtype(was.grad_dtype());
+}
+
+template <class Metadata>
+void keep_grad_dtype(Metadata&, const Metadata&, long) {}
+
+// Remakes accumulator `node`'s one input metadata from its parameter, as its
+// constructor made it, with the parameter's device's current stream
+// (InputMetadata is not assignable: its options are const).
+void remake_metadata(torch::autograd::Node& node, const at::Tensor& param,
+                     const InputMetadata& was) {
+  node.clear_input_metadata();
+  node.add_input_metadata(param);
+  keep_grad_dtype(node.mutable_input_metadata(0), was, 0);
+}
+
+}  // namespace
+
+// An AccumulateGrad node runs on the stream its one input's metadata names:
+// the stream that was current when the node was made (InputMetadata's
+// constructor reads it; Node::stream() returns it; the engine guards onto it
+// and makes it wait for the grad's producer).  Remaking that metadata while
+// another stream is current moves the node, its hooks untouched, onto that
+// stream.
+cg_moved_accumulators* move_accumulators(const std::vector<at::Tensor>& params) {
+  auto out = std::make_unique<cg_moved_accumulators>();
+  try {
+    for (const at::Tensor& p : params) {
+      NodePtr node = torch::autograd::impl::try_get_grad_accumulator(p);
+      if (!node || node->num_inputs() != 1) {
+        continue;
+      }
+      // Recorded first, so that a failure below gives back what moved.
+      out->moved.push_back({node, p, node->input_metadata(0)});
+      remake_metadata(*node, p, out->moved.back().was);
+    }
+  } catch (...) {
+    restore_accumulators(out.release());
+    throw;
+  }
+  return out.release();
+}
+
+void restore_accumulators(cg_moved_accumulators* moved) noexcept {
+  if (moved == nullptr) {
+    return;
+  }
+  try {
+    for (const cg_moved_accumulators::Moved& m : moved->moved) {
+      c10::StreamGuard guard(m.was.stream());
+      remake_metadata(*m.node, m.param, m.was);
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("cgraph: could not give grad accumulators their streams back: ", e.what());
+  }
+  delete moved;
+}
+
+}  // namespace cgraph

@@ -1,0 +1,139 @@
+"""A DDP training step graphed whole, its gradient allreduce inside the graph:
+from the repository root after a build,
+
+    PYTHONPATH=. torchrun --nproc_per_node=2 examples/ddp_step.py   # or 1
+
+The recipe is the eager one: build DDP as usual (on the default stream),
+write the step as for eager training, graph it with make_graphed_step.
+Nothing else: cgraph runs the eager steps DDP needs before capture (11,
+logged with CGRAPH_LOGS=info), moves DDP's grad accumulators onto the
+capture stream while it captures, and needs no
+TORCH_NCCL_ASYNC_ERROR_HANDLING (Note [DDP inside a graphed step] in
+cgraph/_ddp.py).
+
+Each rank checks, and prints one line per check (tests/test_ddp.py reads
+them):
+
+1. graphed DDP step: STEPS steps of an MLP with fused AdamW, graphed and on
+   an eager DDP twin (same weights, each rank its own data): every loss, and
+   the parameters and grads after, bitwise equal.  With two ranks the grads
+   are equal only if the graph averaged them: its allreduce replays.
+2. warm-up: the graphed step ran 11 eager steps, then one capture, then
+   replays.
+3. allreduce in the graph: a DDP comm hook (torch's allreduce_hook) that
+   also counts its calls on the host and in a GPU tensor.  The host count
+   stops at the capture; the GPU count goes on by one per bucket per replay,
+   so the reduction DDP launches is replayed by the graph, not the host.
+4. teardown: step.reset(), then dist.destroy_process_group().
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import cgraph
+
+WIDTH, CLASSES, BATCH, STEPS = 64, 10, 32, 16
+
+
+def mlp():
+    torch.manual_seed(0)  # the same weights on every rank (DDP broadcasts them anyway)
+    return nn.Sequential(nn.Linear(WIDTH, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
+                         nn.Linear(128, CLASSES)).cuda()
+
+
+def train_step(model, opt):
+    """An ordinary eager training step."""
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def batch(step, rank):
+    torch.manual_seed(1000 * step + rank)  # each rank its own data
+    return (torch.randn(BATCH, WIDTH, device="cuda"),
+            torch.randint(0, CLASSES, (BATCH,), device="cuda"))
+
+
+def check(ok, rank, what):
+    if not ok:
+        raise SystemExit(f"rank {rank} {what}: FAILED")
+    print(f"rank {rank} {what}: OK", flush=True)
+
+
+def graphed_vs_eager(rank, device):
+    model = DDP(mlp(), device_ids=[device])  # as users build it: on the default stream
+    eager = DDP(mlp(), device_ids=[device])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    opt_e = torch.optim.AdamW(eager.parameters(), lr=1e-3, fused=True)
+    step = cgraph.make_graphed_step(train_step(model, opt), batch(0, rank))
+    eager_step = train_step(eager, opt_e)
+    for i in range(STEPS):
+        x, y = batch(i, rank)
+        loss, loss_e = step(x, y), eager_step(x, y)
+        if not torch.equal(loss, loss_e):
+            raise SystemExit(f"rank {rank} graphed DDP step: loss {i} {loss.item()} != eager "
+                             f"{loss_e.item()}")
+    for (name, p), q in zip(model.module.named_parameters(), eager.module.parameters()):
+        if not (torch.equal(p, q) and torch.equal(p.grad, q.grad)):
+            raise SystemExit(f"rank {rank} graphed DDP step: {name} or its grad differs from "
+                             "eager DDP")
+    check(True, rank, f"graphed DDP step: losses, parameters and grads equal to eager DDP "
+                      f"over {STEPS} steps")
+    want = {"eager": 11, "captures": 1, "replays": STEPS - 11}  # the capture's call replays too
+    check(step.stats == want, rank, f"warm-up: {step.stats} (want {want})")
+    return step
+
+
+def allreduce_in_graph(rank, device):
+    model = DDP(mlp(), device_ids=[device])
+    host, gpu = [0], torch.zeros((), dtype=torch.int64, device="cuda")
+
+    def counting_allreduce(state, bucket):
+        host[0] += 1
+        gpu.add_(1)
+        return default_hooks.allreduce_hook(state, bucket)
+
+    model.register_comm_hook(None, counting_allreduce)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    step = cgraph.make_graphed_step(train_step(model, opt), batch(0, rank))
+    counts = []  # (host, gpu) after each step
+    for i in range(STEPS):
+        step(*batch(i, rank))
+        counts.append((host[0], int(gpu.item())))
+    captured = step.stats["eager"]  # index of the capture's step
+    buckets = counts[captured][0] - counts[captured - 1][0]
+    later = STEPS - 1 - captured  # replays after the capture's call (which replays once)
+    ok = (buckets > 0 and counts[-1][0] == counts[captured][0]
+          and counts[-1][1] - counts[captured][1] == later * buckets)
+    check(ok, rank, f"allreduce in the graph: comm hook calls on the host / on the GPU after "
+                    f"each step {counts}, {buckets} bucket(s) a step")
+    return step
+
+
+def main():
+    device = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    steps = [graphed_vs_eager(rank, device), allreduce_in_graph(rank, device)]
+    for step in steps:
+        step.reset()
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank} teardown: step.reset + destroy_process_group: OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
