@@ -144,6 +144,7 @@ void Engine::record_backward(const std::vector<at::Tensor>& diff) {
 // every path of Note [Parameter gradients] writes a store before it hands it
 // out, and adds into it only once handed out.
 void Engine::allocate_grad_stores() {
+  prune_grad_stores();  // once per capture: the stores of graphs freed since
   for (Param& p : params) {
     if (p.requires_grad) {
       p.store_ref = grad_store_for(p.tensor, caller_stream);
@@ -166,8 +167,11 @@ void Engine::allocate_grad_stores() {
 //    the store, so a second graph's backward in the same step accumulates
 //    into what the first handed out, as AccumulateGrad would.  The registry
 //    holds stores weakly: they go with the last graph that writes them.
-std::shared_ptr<const at::Tensor> grad_store_for(const at::Tensor& param,
-                                                 const c10::cuda::CUDAStream& stream) {
+namespace {
+
+// The registry of Note [One grad store per parameter]: a store per
+// parameter and stream, held weakly.
+struct GradStores {
   struct Key {
     const c10::TensorImpl* param;
     c10::StreamId stream;
@@ -178,13 +182,31 @@ std::shared_ptr<const at::Tensor> grad_store_for(const at::Tensor& param,
       return std::hash<const void*>()(k.param) ^ (std::hash<int64_t>()(k.stream) << 1);
     }
   };
-  static std::mutex mutex;
-  static std::unordered_map<Key, std::weak_ptr<const at::Tensor>, Hash> stores;
-  std::lock_guard<std::mutex> lock(mutex);
-  for (auto it = stores.begin(); it != stores.end();) {  // captures are rare: prune
-    it = it->second.expired() ? stores.erase(it) : std::next(it);
+  std::mutex mutex;
+  std::unordered_map<Key, std::weak_ptr<const at::Tensor>, Hash> stores;
+};
+
+GradStores& grad_stores() {
+  static GradStores registry;
+  return registry;
+}
+
+}  // namespace
+
+void prune_grad_stores() {
+  GradStores& r = grad_stores();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  for (auto it = r.stores.begin(); it != r.stores.end();) {
+    it = it->second.expired() ? r.stores.erase(it) : std::next(it);
   }
-  std::weak_ptr<const at::Tensor>& slot = stores[Key{param.unsafeGetTensorImpl(), stream.id()}];
+}
+
+std::shared_ptr<const at::Tensor> grad_store_for(const at::Tensor& param,
+                                                 const c10::cuda::CUDAStream& stream) {
+  GradStores& r = grad_stores();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  std::weak_ptr<const at::Tensor>& slot =
+      r.stores[GradStores::Key{param.unsafeGetTensorImpl(), stream.id()}];
   if (auto store = slot.lock()) {
     if (store->sizes().equals(param.sizes()) && store->strides().equals(param.strides()) &&
         store->scalar_type() == param.scalar_type()) {

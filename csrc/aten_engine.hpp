@@ -113,6 +113,8 @@ struct Param {
 // graphs use if any is alive, else a new one (aten_capture_backward.cpp).
 std::shared_ptr<const at::Tensor> grad_store_for(const at::Tensor& param,
                                                  const c10::cuda::CUDAStream& stream);
+// Forgets the stores no graph holds any more (aten_capture_backward.cpp).
+void prune_grad_stores();
 
 // The ways the backward graph fills its buffer for one incoming grad itself:
 // Note [Incoming grads] (aten_backward.cpp).
