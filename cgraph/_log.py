@@ -62,6 +62,20 @@ def on_event(event: str, graphed) -> None:
             "%s: a call ran eagerly because the backward of its previous call has not "
             "run yet (a replay would overwrite the activations it needs); counted in "
             "stats['eager_pending']. Logged once per callable.", describe(graphed))
+    elif event == "outputs_copied":
+        log.info(
+            "%s: an output of an earlier call was still held when the graph replayed over "
+            "its memory, so it was copied to memory of its own first (kept_outputs='copy'): "
+            "one device copy per held output per call, counted in stats['outputs_copied']. "
+            "Drop outputs you no longer need (or keep .item() / a clone) to save the copy. "
+            "Logged once per callable.", describe(graphed))
+    elif event == "outputs_invalidated":
+        log.info(
+            "%s: an output of an earlier call was still held when the graph replayed over "
+            "its memory; it now raises when read (kept_outputs='error'), counted in "
+            "stats['outputs_invalidated']. Clone outputs you keep across calls, or graph "
+            "with kept_outputs='copy' (the default). Logged once per callable.",
+            describe(graphed))
     else:
         log.debug("%s: %s", describe(graphed), event)
 

@@ -238,6 +238,7 @@ void release_earlier_outputs(Engine& e) {
         move_to_own_memory(e, *storage);
       } else {
         storage->release_data_and_set_meta_custom_data_ptr_error_msg_(kOverwrittenOutput);
+        ++e.stats.outputs_invalidated;
       }
     }
   }

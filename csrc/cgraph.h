@@ -267,6 +267,9 @@ typedef struct {
     /* Outputs of earlier calls moved to memory of their own before a replay
      * (CG_KEEP_COPY): one per output still referenced. */
     unsigned long long outputs_copied;
+    /* Outputs of earlier calls made unreadable before a replay
+     * (CG_KEEP_ERROR): one per output still referenced. */
+    unsigned long long outputs_invalidated;
 } cg_stats;
 
 cg_stats cg_engine_stats(const cg_engine *engine);

@@ -74,6 +74,7 @@ typedef struct {
     unsigned long long verified_epoch;  /* state->module_epoch at the last check */
     unsigned long long eager_pending;   /* calls run eagerly: a backward was pending */
     unsigned long long eager_past_limit;  /* calls run eagerly: no graph, no room */
+    char kept_reported;  /* the event hook was told a replay kept an earlier output */
     PyObject *weakreflist;
 } GraphedObject;
 
@@ -126,6 +127,7 @@ graphed_alloc(cg_state *state, PyObject *on_miss)
     self->verified_epoch = 0;
     self->eager_pending = 0;
     self->eager_past_limit = 0;
+    self->kept_reported = 0;
     self->weakreflist = NULL;
     PyObject_GC_Track(self);
     return self;
@@ -353,6 +355,24 @@ rebuild_outputs(GraphedObject *self, const graph_entry *entry, PyObject *outs)
     return result;
 }
 
+/* Tells the event hook, once per callable, that a replay copied or
+ * invalidated an output of an earlier call that the caller still held (Note
+ * [Outputs of earlier calls] in aten_replay.cpp): a cost or a trap the
+ * caller may not know of.  0, or -1 with an exception set. */
+static int
+report_kept_outputs(GraphedObject *self, const cg_engine *engine)
+{
+    cg_stats stats = cg_engine_stats(engine);
+
+    if (stats.outputs_copied + stats.outputs_invalidated == 0) {
+        return 0;
+    }
+    self->kept_reported = 1;
+    return cg_report_event(self->state,
+                           stats.outputs_copied ? "outputs_copied" : "outputs_invalidated",
+                           (PyObject *)self);
+}
+
 /* Replays entry k with these tensors.  Returns a NEW reference to the
  * outputs as the callable returned them, or NULL with an exception set. */
 static PyObject *
@@ -366,6 +386,10 @@ replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssi
         return NULL;
     }
     self->hot = k;
+    if (!self->kept_reported && report_kept_outputs(self, self->entries[k].engine) < 0) {
+        Py_DECREF(outs);
+        return NULL;
+    }
     return rebuild_outputs(self, &self->entries[k], outs);
 }
 
@@ -824,9 +848,9 @@ Graphed_get_num_params(GraphedObject *self, void *closure)
     return PyLong_FromSsize_t(engine ? cg_engine_num_params(engine) : 0);
 }
 
-/* Returns a NEW reference: a dict of counters, summed over the graphs. */
-static PyObject *
-Graphed_get_stats(GraphedObject *self, void *closure)
+/* The counters of every graph of the callable, summed. */
+static cg_stats
+summed_stats(const GraphedObject *self)
 {
     cg_stats sum = {0};
     for (Py_ssize_t k = 0; k < self->n_entries; k++) {
@@ -839,13 +863,23 @@ Graphed_get_stats(GraphedObject *self, void *closure)
         sum.copied_in_graph += one.copied_in_graph;
         sum.copied_before += one.copied_before;
         sum.outputs_copied += one.outputs_copied;
+        sum.outputs_invalidated += one.outputs_invalidated;
     }
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
+    return sum;
+}
+
+/* Returns a NEW reference: a dict of counters, summed over the graphs. */
+static PyObject *
+Graphed_get_stats(GraphedObject *self, void *closure)
+{
+    cg_stats sum = summed_stats(self);
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
                          "backward", sum.backward, "grads_copied", sum.grads_copied,
                          "grads_added", sum.grads_added, "grads_slow", sum.grads_slow,
                          "copied_in_graph", sum.copied_in_graph,
                          "copied_before", sum.copied_before,
                          "outputs_copied", sum.outputs_copied,
+                         "outputs_invalidated", sum.outputs_invalidated,
                          "eager_pending", self->eager_pending,
                          "eager_past_limit", self->eager_past_limit,
                          "graphs", self->n_entries);
@@ -937,7 +971,7 @@ static PyObject *
 Graphed_repr(GraphedObject *self)
 {
     PyObject *name, *shapes, *sep, *joined, *result;
-    cg_stats stats = first_engine(self) ? cg_engine_stats(first_engine(self)) : (cg_stats){0};
+    cg_stats stats = summed_stats(self);
 
     if (self->is_reset) {
         return PyUnicode_FromString("<cgraph.Graphed: reset>");
@@ -953,7 +987,6 @@ Graphed_repr(GraphedObject *self)
             Py_CLEAR(shapes);
             break;
         }
-        stats.forward += k ? cg_engine_stats(self->entries[k].engine).forward : 0;
         PyList_SET_ITEM(shapes, k, one);
     }
     name = shapes ? callable_name(self->entries[0].spec) : NULL;
@@ -984,7 +1017,8 @@ static PyGetSetDef Graphed_getset[] = {
      "took the slow path; arguments and incoming grads copied into the static\n"
      "buffers by the graph itself or, for layouts a memcpy cannot copy, before it;\n"
      "outputs of earlier calls still held, moved to memory of their own before a\n"
-     "replay (kept_outputs='copy'); calls run eagerly because the backward of the\n"
+     "replay (kept_outputs='copy') or made unreadable (kept_outputs='error'); calls\n"
+     "run eagerly because the backward of the\n"
      "previous call had not run yet, or because no graph took them and max_graphs\n"
      "were captured; graphs captured.  Summed over the graphs.", NULL},
     {"graphs", (getter)Graphed_get_graphs, NULL,

@@ -6,6 +6,7 @@ another floating dtype is cast as torch casts it, and a graphed training
 script prints nothing.  Comparisons are bitwise against eager PyTorch."""
 
 import copy
+import logging
 import os
 import subprocess
 import sys
@@ -41,6 +42,22 @@ def test_kept_outputs_keep_their_values_and_cost_one_copy_each():
         assert_equal(total, model(xs[0]) + model(xs[1]), "two calls' outputs together")
     # Calls 2..4 each found the previous call's output held: one copy each.
     assert graphed.stats["outputs_copied"] == 3, graphed.stats
+
+
+@pytest.mark.parametrize("kept", ["copy", "error"])
+def test_a_replay_over_a_held_output_is_logged_once(kept, caplog):
+    """Issue #22: the copy (or the read guard) a held output costs is logged,
+    once per callable, and counted."""
+    model = stack()
+    graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),),
+                                  kept_outputs=kept)
+    with caplog.at_level(logging.INFO, logger="cgraph"), torch.no_grad():
+        held = [graphed(torch.randn(16, 64, device=CUDA)) for _ in range(3)]
+    verb = {"copy": "copied to memory of its own", "error": "it now raises when read"}[kept]
+    lines = [r.getMessage() for r in caplog.records if verb in r.getMessage()]
+    assert len(lines) == 1 and "callable 0 (Sequential)" in lines[0], caplog.text
+    counter = {"copy": "outputs_copied", "error": "outputs_invalidated"}[kept]
+    assert graphed.stats[counter] == 2 and len(held) == 3, graphed.stats
 
 
 def test_outputs_nobody_keeps_cost_nothing():
