@@ -52,22 +52,28 @@ class CaptureOptions(NamedTuple):
 
 
 def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
-          options: CaptureOptions, warm_in_pool: bool = False) -> tuple[_C.Graphed, ...]:
+          options: CaptureOptions, warm_in_pool: bool = False, *,
+          step: bool = False) -> tuple[_C.Graphed, ...]:
     """Warms up and captures these callables together (csrc/capture.c), in
     one session: a Graphed per callable, with one graph each.  With
     ``warm_in_pool``, warm-up allocates from ``pool`` (Note [Warm-up in the
-    pool] in csrc/aten_setup.cpp)."""
+    pool] in csrc/aten_setup.cpp).  With ``step``, the one callable is a
+    whole training step (cgraph/_step.py): its backward runs inside its own
+    capture, so Note [Reentrant regions] does not apply, and capture errors
+    name the training step."""
     device = device_of(drafts)
     specs = tuple(_C.CallableSpec(**d.fields, device=device) for d in drafts)
-    with capture_session(specs), _log.progress(len(specs)):
-        return _C.graph_callables(specs, pool, *options, warm_in_pool)
+    what = "the training step" if step else None
+    with capture_session(specs, reentrant_checked=not step), _log.progress(len(specs)):
+        return _C.graph_callables(specs, pool, *options, warm_in_pool, what)
 
 
 @contextlib.contextmanager
-def capture_session(specs: Sequence[_C.CallableSpec]) -> Iterator[None]:
+def capture_session(specs: Sequence[_C.CallableSpec],
+                    reentrant_checked: bool = True) -> Iterator[None]:
     """The patches of Note [Patches during capture], for these callables."""
-    with _rng_stream_kept(specs), _autocast_cache_off(), _rng_hooks(), \
-            _reentrant_regions_checked(specs):
+    reentrant = _reentrant_regions_checked(specs) if reentrant_checked else contextlib.nullcontext()
+    with _rng_stream_kept(specs), _autocast_cache_off(), _rng_hooks(), reentrant:
         yield
 
 

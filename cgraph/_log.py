@@ -138,7 +138,7 @@ def step_captured(step, recapture: bool, seconds: float) -> None:
     if log.isEnabledFor(logging.INFO):
         log.info("%r: %s in %.3f s; its pool holds %.1f MiB.", step,
                  "captured again" if recapture else "captured", seconds,
-                 pool_mib([step.graph.pool()]))
+                 pool_mib(step.graphed.pools))
 
 
 def step_stale(step, key: str) -> None:

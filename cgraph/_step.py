@@ -13,9 +13,10 @@ order of the code below:
    [Capturable optimizers]), the call's arguments are copied into static
    inputs, and the function is captured on a side stream.  The capture
    runs no kernel; that call's step is the first replay.
-3. Replay: arguments copied into the static inputs, learning rates and
-   other hyperparameters brought up to date, the graph replayed, outputs
-   copied out (they keep their values across calls).
+3. Replay: learning rates and other hyperparameters brought up to date,
+   then one native call (Note [The step's hot path]): the arguments copied
+   into the static inputs by the graph itself, the graph replayed, the
+   outputs handed out (they keep their values across calls).
 4. Reset: ``step.reset()`` frees the graph and its pool.
 
 Note [Capturable optimizers]
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 import weakref
 from typing import Any, Callable, NamedTuple
@@ -50,8 +52,10 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from . import _C, _log
+from ._api import _live, _pool_id, _require_cuda
+from ._capture import CaptureOptions, graph
 from ._ddp import DDPInStep
-from ._describe import CONSTANT_TYPES
+from ._describe import CONSTANT_TYPES, Target, draft
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
@@ -70,7 +74,7 @@ def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
     optimizer state, grads and the random-number stream as n eager calls of
     ``fn`` would.  Arguments are copied into the graph's inputs (calls pass
     tensors of ``sample_args``' shapes, dtypes and devices, and the same
-    constants); the returned tensors are copies that keep their values.
+    constants); the returned tensors keep their values across calls.
 
     Optimizers are made capturable before capture (Note [Capturable
     optimizers] in cgraph/_step.py): Adam, AdamW and SGD (default, foreach,
@@ -84,8 +88,8 @@ def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
     the step stays eager until DDP has had the 11 forwards it needs (Note [DDP
     inside a graphed step] in cgraph/_ddp.py).  Python side effects in ``fn``
     (a counter, a print) run once, at capture.  A host sync in ``fn``
-    (``.item()``, a branch on a tensor) raises ``CaptureError`` naming it and
-    the fix.
+    (``.item()``, a branch on a tensor) or a draw from the CPU's random
+    generator raises ``CaptureError`` naming it and the fix.
 
     Example::
 
@@ -113,6 +117,13 @@ def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
     return GraphedStep(fn, sample_args, sample_kwargs or {}, num_warmup_iters, pool)
 
 
+# How a step is captured: no warm-up there (its warm-up calls are the
+# first real, eager steps), torch's default capture mode, outputs that keep
+# their values (Note [Outputs of earlier calls] in csrc/aten_replay.cpp).
+_OPTIONS = CaptureOptions(num_warmup_iters=0, allow_unused_input=False, capture_error_mode=0,
+                          kept_outputs=0)
+
+
 class _Static(NamedTuple):
     """The captured call: its static input tensors (pytree leaves of the
     call, constants left as they were) and structure."""
@@ -129,66 +140,26 @@ class _Group:
     lr: torch.Tensor | None  # the device lr the graph reads; None: baked in
     lr_value: float | None  # the float that lr holds
     baked: dict  # the values baked into the graph: compared before each replay
-
-    @property
-    def baked_values(self) -> tuple:
-        return self.__dict__.setdefault("_values", tuple(self.baked.values()))
+    baked_values: tuple  # baked's values, in its order
 
 
 # Note [The step's hot path]
-# Q: Why does a replay not flatten its arguments and check them as
-#    make_graphed_callables' Python did?
-# A: The whole step is one graph replay: on a host of the lent machines a
-#    replay costs about 13 us, and pytree flattening, per-leaf checks and a
-#    tree_map over the outputs cost five times that.  A call with the
-#    captured call's flat structure (positional arguments, no keywords, the
-#    usual ``step(x, y)``) is checked against a record made once at capture:
-#    one comparison of shape, dtype and device per tensor, one equality per
-#    constant.  Anything else (keywords, nested arguments, a mismatch) takes
-#    the general path, which checks fully and names what differs.
-@dataclasses.dataclass
-class _HotCall:
-    """A captured call whose arguments are positional leaves, as checked
-    on the replay path."""
-
-    inputs: list  # the static input tensors, in argument order
-    copy_outputs: Callable[[], Any]  # the outputs, copied out of the pool
-    # Per argument of a flat call: (shape, dtype, device index) of a tensor,
-    # or the constant; None when the captured call was not flat.
-    slots: tuple | None
-    is_tensor: tuple  # per argument: whether it is a tensor slot
-
-    @classmethod
-    def of(cls, static: list, spec, outputs) -> "_HotCall":
-        inputs = [x for x in static if isinstance(x, torch.Tensor)]
-        if outputs is None:
-            copy = lambda: None  # noqa: E731
-        elif isinstance(outputs, torch.Tensor):
-            copy = outputs.clone
-        else:
-            copy = lambda: pytree.tree_map_only(torch.Tensor, torch.clone, outputs)  # noqa: E731
-        is_tensor = tuple(isinstance(x, torch.Tensor) for x in static)
-        if spec != pytree.tree_flatten((tuple(static), {}))[1]:
-            return cls(inputs, copy, None, is_tensor)  # keywords or nesting: the general path
-        slots = tuple((x.shape, x.dtype, x.get_device()) if isinstance(x, torch.Tensor) else x
-                      for x in static)
-        return cls(inputs, copy, slots, is_tensor)
-
-    def takes(self, args: tuple) -> bool:
-        if self.slots is None or len(args) != len(self.slots):
-            return False
-        for a, slot, tensor in zip(args, self.slots, self.is_tensor):
-            if tensor:
-                if not (isinstance(a, torch.Tensor) and a.shape == slot[0] and
-                        a.dtype == slot[1] and a.get_device() == slot[2]):
-                    return False
-            elif type(a) is not type(slot) or a != slot:
-                return False
-        return True
-
-    def tensors(self, leaves) -> list:
-        """The tensors of a call's arguments (or pytree leaves), in order."""
-        return [a for a, tensor in zip(leaves, self.is_tensor) if tensor]
+# Q: What runs on the host when a captured step is called?
+# A: The whole step is one graph replay, which costs about 13 us of host
+#    time on the lent machines; anything in Python around it is of the same
+#    order.  So a call goes from GraphedStep.__call__ (one check that no
+#    hyperparameter baked into the graph changed) straight to the native
+#    graphed callable the step was captured as (csrc/graphed.c): arguments
+#    checked in C, copied into the static inputs by memcpy nodes at the head
+#    of the graph itself (Note [Argument copies inside the graph] in
+#    csrc/aten_graph_nodes.cpp), the graph launched, and the outputs handed
+#    out over the graph's memory, copied only if still held when the next
+#    replay would overwrite them (Note [Outputs of earlier calls]).  The
+#    step is captured by the same native session as make_graphed, with no
+#    warm-up (the step's own eager calls were its warm-up) and no backward
+#    graph (the step's outputs are detached: its backward is inside).
+#    Python flattens and checks a call only when the native call refuses
+#    it, to name what differs in the step's terms.
 
 
 class GraphedStep:
@@ -197,32 +168,41 @@ class GraphedStep:
     def __init__(self, fn, sample_args, sample_kwargs, num_warmup_iters, pool):
         self.fn = fn
         self.num_warmup_iters = num_warmup_iters
-        self.pool = pool
+        self.pool = _pool_id(pool)
         self.sample = pytree.tree_flatten((sample_args, sample_kwargs))
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.scaled: weakref.WeakSet = weakref.WeakSet()  # stepped by a GradScaler
         self.ddp = DDPInStep()  # the DDP models it calls: Note [DDP inside a graphed step]
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graphed: _C.Graphed | None = None  # the captured step: Note [The step's hot path]
         self.static: _Static | None = None
-        self.outputs: Any = None  # the captured outputs (pool memory)
         self.groups: list[_Group] = []
-        self.hot: _HotCall | None = None  # made by capture: Note [The step's hot path]
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
 
-    # -- 1. warm-up: real eager steps, optimizers found ----------------------
-
     def __call__(self, *args, **kwargs):
-        hot = self.hot
-        if hot is not None and not kwargs and hot.takes(args):  # Note [The step's hot path]
-            leaves, spec = list(args), self.static.spec
-        else:
-            leaves, spec = pytree.tree_flatten((args, kwargs))
-            self._check(leaves, spec)
-            if self.graph is None and self.stats["eager"] < self.num_warmup_iters:
-                return self._run_eagerly(args, kwargs)
-        if self.graph is None or self._stale():
-            self._capture(leaves, spec)
-        return self._replay(self.hot.tensors(leaves))
+        graphed = self.graphed
+        if graphed is None or graphed.is_reset or self._stale():
+            return self._warm_up_or_capture(args, kwargs)
+        try:
+            out = graphed(*args, **kwargs)  # Note [The step's hot path]
+        except (TypeError, ValueError):
+            self._check(*pytree.tree_flatten((args, kwargs)))  # the step's own words
+            raise
+        self.stats["replays"] += 1
+        return out
+
+    def _warm_up_or_capture(self, args: tuple, kwargs: dict):
+        """A call that does not replay: a warm-up step, or the call that
+        captures (again) and then replays."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        self._check(leaves, spec)
+        if self.graphed is None and self.stats["eager"] < self.num_warmup_iters:
+            return self._run_eagerly(args, kwargs)
+        self._capture(leaves, spec)
+        out = self.graphed(*args, **kwargs)
+        self.stats["replays"] += 1
+        return out
+
+    # -- 1. warm-up: real eager steps, optimizers found ----------------------
 
     def _run_eagerly(self, args, kwargs):
         handle = register_optimizer_step_pre_hook(self._found)
@@ -272,8 +252,10 @@ class GraphedStep:
     # -- 2. capture ----------------------------------------------------------
 
     def _capture(self, leaves: list, spec) -> None:
+        """Captures the step, called with copies of this call's tensors
+        (they become the static inputs), by the native capture session."""
         started = time.perf_counter()
-        recapture = self.graph is not None
+        recapture = self.graphed is not None
         self._free()
         static = [_static_copy(x) if isinstance(x, torch.Tensor) else _constant(i, x)
                   for i, x in enumerate(leaves)]
@@ -283,25 +265,27 @@ class GraphedStep:
         self.ddp.before_capture()
         self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
                        for g in opt.param_groups]
-        graph = torch.cuda.CUDAGraph()
         args, kwargs = pytree.tree_unflatten(static, spec)
-        generator = torch.cuda.default_generators[torch.cuda.current_device()]
-        before = generator.clone_state()
-        try:
-            with self._device_lrs(), torch.cuda.graph(graph, pool=self.pool):
-                outputs = self.ddp.call(self.fn, args, kwargs)
-        except Exception as exc:
-            # A failed capture leaves the generator in capture mode (torch
-            # ends it only after a successful cudaStreamEndCapture): give it
-            # back its state from before, or every later draw raises.
-            generator.graphsafe_set_state(before)
-            cause = _first_cause(exc)
-            raise _C.capture_error(cause, "capturing the training step") from cause
-        self.graph, self.outputs = graph, pytree.tree_map_only(torch.Tensor, torch.Tensor.detach,
-                                                               outputs)
-        self.hot = _HotCall.of(static, spec, self.outputs)
+        drafted = draft(Target.of(0, self._captured_call()), args, kwargs, set())
+        _require_cuda()
+        with self._device_lrs():
+            (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
+        _live.add(self.graphed)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
+
+    def _captured_call(self) -> Callable[..., Any]:
+        """What the capture calls: the step (DDP's accumulators moved as
+        Note [DDP inside a graphed step] says), its outputs detached, with
+        the step's signature (errors name its parameters)."""
+        fn, ddp = self.fn, self.ddp
+
+        @functools.wraps(fn)
+        def training_step(*args, **kwargs):
+            out = ddp.call(fn, args, kwargs)
+            return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+        return training_step
 
     def _capturable(self, optimizer, group: dict) -> _Group:
         """Note [Capturable optimizers], for one param group."""
@@ -318,7 +302,8 @@ class GraphedStep:
             lr = torch.tensor(float(group["lr"]), device=group["params"][0].device)
         baked = {k: v for k, v in group.items()
                  if k != "params" and not (k == "lr" and lr is not None)}
-        return _Group(group, lr, float(group["lr"]) if lr is not None else None, baked)
+        return _Group(group, lr, float(group["lr"]) if lr is not None else None, baked,
+                      tuple(baked.values()))
 
     @contextlib.contextmanager
     def _device_lrs(self):
@@ -333,7 +318,7 @@ class GraphedStep:
             for g in swapped:
                 g.group["lr"] = g.lr_value
 
-    # -- 3. replay -----------------------------------------------------------
+    # -- 3. replay: the native call (Note [The step's hot path]) ---------------
 
     def _stale(self) -> bool:
         """Whether a hyperparameter baked into the graph changed (then the
@@ -349,40 +334,24 @@ class GraphedStep:
                 return True
         return False
 
-    def _replay(self, tensors: list):
-        """Copies the call's tensors into the static inputs (those that are
-        not the static inputs themselves), replays, and returns copies of
-        the outputs."""
-        dst, src = [], []
-        for s, x in zip(self.hot.inputs, tensors):
-            if x.data_ptr() != s.data_ptr():
-                dst.append(s)
-                src.append(x)
-        if dst:
-            with torch.no_grad():  # an argument that requires grad: no autograd record
-                torch._foreach_copy_(dst, src)
-        self.graph.replay()
-        self.stats["replays"] += 1
-        return self.hot.copy_outputs()
-
     # -- 4. reset --------------------------------------------------------------
 
     def reset(self) -> None:
         """Free the graph, its static tensors and its pool memory.  The next
         call captures again."""
-        if self.graph is not None:
+        if self.graphed is not None:
             _log.step_reset(self)
         self._free()
 
     def _free(self) -> None:
-        if self.graph is not None:
-            self.graph.reset()
-        self.graph, self.static, self.outputs, self.groups = None, None, None, []
-        self.hot = None
+        if self.graphed is not None:
+            self.graphed.reset()
+        self.graphed, self.static, self.groups = None, None, []
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
-        state = "captured" if self.graph is not None else "not captured yet"
+        state = ("captured" if self.graphed is not None and not self.graphed.is_reset
+                 else "not captured yet")
         return (f"GraphedStep({name}, {state}, eager={self.stats['eager']}, "
                 f"captures={self.stats['captures']}, replays={self.stats['replays']})")
 
@@ -403,14 +372,6 @@ def _check_capturable(optimizer, scaled: bool) -> None:
             f"cgraph: a GradScaler steps this {name} by reading found_inf on the host (a "
             f"sync a graph cannot hold). Build it with {name}(..., fused=True): the scaler "
             "then hands it the scale and found_inf on the device.")
-
-
-def _first_cause(exc: BaseException) -> BaseException:
-    """The error that broke the capture: torch.cuda.graph's exit raises its
-    own (the capture was invalidated) while handling the callable's."""
-    while exc.__cause__ is not None or exc.__context__ is not None:
-        exc = exc.__cause__ or exc.__context__
-    return exc
 
 
 def _static_copy(t: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,8 @@ typedef struct {
     int allow_unused;
     int kept_outputs;       /* a cg_kept_outputs */
     int warm_in_pool;       /* warm up in `pool`: Note [Warm-up in the pool] */
+    const char *what;       /* how failures name the callable: "the training
+                               step"; NULL: "callable <i>" after the stage */
     cg_setup *setup;        /* the capture stream, while warm-up and capture run */
 } session;
 
@@ -262,7 +264,8 @@ raise_capture_error(session *s, Py_ssize_t index, const char *stage, cg_failure 
 {
     PyObject *cause = cg_err_take(), *what, *error = NULL;
 
-    what = PyUnicode_FromFormat("%s callable %zd", stage, index);
+    what = s->what ? PyUnicode_FromFormat("capturing %s", s->what)
+                   : PyUnicode_FromFormat("%s callable %zd", stage, index);
     if (what != NULL) {
         error = capture_error_for(s->state, cause, PyUnicode_AsUTF8(what), native);
     }
@@ -344,8 +347,9 @@ session_open(session *s, PyObject *module, PyObject *args)
 
     memset(s, 0, sizeof(*s));
     s->state = (cg_state *)PyModule_GetState(module);
-    if (!PyArg_ParseTuple(args, "O!Oipiip", &PyTuple_Type, &specs, &pool, &s->warmup_iters,
-                          &s->allow_unused, &mode, &s->kept_outputs, &s->warm_in_pool)) {
+    if (!PyArg_ParseTuple(args, "O!Oipiip|z", &PyTuple_Type, &specs, &pool,
+                          &s->warmup_iters, &s->allow_unused, &mode, &s->kept_outputs,
+                          &s->warm_in_pool, &s->what)) {
         return -1;
     }
     s->mode = (cg_capture_mode)mode;

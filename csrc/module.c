@@ -197,10 +197,12 @@ cgm_set_event_hook(PyObject *module, PyObject *hook)
 
 PyDoc_STRVAR(cgm_graph_callables_doc,
 "graph_callables(specs, pool, num_warmup_iters, allow_unused_input,\n"
-"                capture_error_mode, kept_outputs) -> tuple[Graphed, ...]\n\n"
+"                capture_error_mode, kept_outputs, warm_in_pool, what=None)\n"
+"    -> tuple[Graphed, ...]\n\n"
 "Warm up, then capture forward graphs 1..N and backward graphs N..1 into\n"
-"one memory pool.  Called by cgraph.make_graphed_callables, which builds\n"
-"`specs` (CallableSpec); not a public API.");
+"one memory pool.  Called by cgraph._capture.graph, which builds `specs`\n"
+"(CallableSpec); `what` names the callable in capture errors (\"the training\n"
+"step\").  Not a public API.");
 
 PyDoc_STRVAR(cgm_capture_error_doc,
 "capture_error(cause, what) -> CaptureError\n\n"

@@ -206,6 +206,12 @@ def test_outputs_keep_their_values_and_grads_are_this_steps():
     step(x, y)
     for p, q in zip(model.parameters(), probe.parameters()):
         assert_equal(p.grad, q.grad, "grad after a replay")
+    # Note [The step's hot path]: the graph copied every argument in itself,
+    # and each held loss was copied once, before the replay that followed it.
+    native = step.graphed.stats
+    assert native["forward"] == step.stats["replays"] == 5, (native, step.stats)
+    assert native["copied_in_graph"] == 10 and native["copied_before"] == 0, native
+    assert native["outputs_copied"] == 3, native  # replays 1-3; the 4th was not held
 
 
 @pytest.mark.parametrize("body", ["item", "branch"])
