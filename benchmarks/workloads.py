@@ -37,8 +37,9 @@ eager-part floor runs ``zero_grad``: their grads are the graphs' own.
 
 ``cgraph-step`` (mlp, gpt: the step as the user writes it, zero_grad,
 loss, backward and the optimizer as built, through
-``cgraph.make_graphed_step``: one graph, the inputs copied in and the loss
-copied out each step) is the one to hold against ``floor``.
+``cgraph.make_graphed_step``: one graph, the inputs copied in each step) is
+the one to hold against ``floor`` and ``floor-copies`` (the floor plus a
+``copy_`` of each input into the graph's static copy before the replay).
 
 ``compile-reduce-overhead`` fails on the overhead workloads, by torch's
 design: their step accumulates ``.grad`` across steps, and under
@@ -72,6 +73,7 @@ VARIANTS = (
     "cgraph-layer",
     "cgraph-step",
     "floor",
+    "floor-copies",
     "floor-eager-opt",
     "floor-eager-loss",
 )
@@ -86,7 +88,8 @@ _LAYER_SCALING = ("eager", "torch-mgc-layer", "cgraph-layer", "floor")
 # The eager-part floors need a loss and an optimizer step, which the overhead
 # step has not.
 _NO_OPTIMIZER = tuple(v for v in VARIANTS
-                      if v not in ("floor-eager-opt", "floor-eager-loss", "cgraph-step"))
+                      if v not in ("floor-copies", "floor-eager-opt", "floor-eager-loss",
+                                   "cgraph-step"))
 
 # torch.compile compiles (and reduce-overhead records its graphs) during the
 # first steps; setup time covers this many.
@@ -259,6 +262,8 @@ def prepare(problem: Problem, variant: str) -> Callable[[], object]:
         raise ValueError(f"unknown variant {variant!r}; the variants are {', '.join(VARIANTS)}")
     if variant == "floor":
         return _floor(problem)
+    if variant == "floor-copies":
+        return _floor_whole_step(problem, copy_inputs=True)
     if variant == "floor-eager-opt":
         return _floor_eager_optimizer(problem)
     if variant == "floor-eager-loss":
@@ -460,13 +465,18 @@ def _floor_eager_loss(problem: Problem) -> Callable[[], None]:
     return step
 
 
-def _floor_whole_step(problem: Problem) -> _Replay:
+def _floor_whole_step(problem: Problem, copy_inputs: bool = False) -> Callable[[], None]:
     """mlp, gpt: forward, loss, backward and optimizer step (``capturable=True``)
     in one graph, by the whole-network capture recipe of the PyTorch CUDA
     graphs docs: warm up on a side stream, set grads to None, then capture,
     so that backward allocates the grads from the graph's private pool and
-    each replay refills them."""
-    model, x, y = problem.model, problem.x, problem.y
+    each replay refills them.  With ``copy_inputs`` (``floor-copies``), the
+    graph reads static copies of the inputs, and each step first copies the
+    workload's inputs into them (``copy_``, as the docs' recipe and
+    ``make_graphed_callables`` do): the floor of a step that takes its batch
+    as an argument, as ``cgraph-step`` does."""
+    model = problem.model
+    x, y = (problem.x.clone(), problem.y.clone()) if copy_inputs else (problem.x, problem.y)
     opt = problem.optimizer(model.parameters(), capturable=True)
 
     def whole_step() -> torch.Tensor:
@@ -484,4 +494,14 @@ def _floor_whole_step(problem: Problem) -> _Replay:
     opt.zero_grad(set_to_none=True)
     with torch.cuda.graph(graph):
         loss = whole_step()
-    return _Replay((graph,), static=(x, y, loss))
+    replay = _Replay((graph,), static=(x, y, loss))
+    if not copy_inputs:
+        return replay
+    batch = (problem.x, problem.y)
+
+    def step() -> None:
+        x.copy_(batch[0])
+        y.copy_(batch[1])
+        replay()
+
+    return step

@@ -213,6 +213,8 @@ def make_graphed(
     no op mixes (BatchNorm in training mode does: refused), or positions
     after the real ones under causal attention.  A size above the largest
     bucket is not padded (a graph of its own, or eager past max_graphs).
+    Random ops (dropout) draw for the padded rows too, so their masks are
+    as random as eager's but not the same numbers.
 
     Without ``sample_args`` nothing is captured until the first call, whose
     arguments (tensors copied) become the samples: warm-up runs on the
