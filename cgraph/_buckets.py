@@ -45,7 +45,10 @@ class Bucketed:
     bucket's size in that same dimension is sliced back (an output laid out
     otherwise, heads before positions, is not: return (batch, seq, ...)).  Grads of padded rows are dropped
     (the slice's backward).  A size above the largest bucket is not padded:
-    it gets a graph of its own, or runs eagerly past ``max_graphs``."""
+    it gets a graph of its own, or runs eagerly past ``max_graphs``.  A
+    tensor that broadcasts along a bucketed dimension is padded like the
+    others when the call's size there is 1 (Llama's (1, T, d) rotary tables
+    under a batch of 1), which costs that call a graph of its own."""
 
     __slots__ = ("graphed", "buckets", "module")
 
