@@ -268,8 +268,13 @@ class GraphedStep:
         args, kwargs = pytree.tree_unflatten(static, spec)
         drafted = draft(Target.of(0, self._captured_call()), args, kwargs, set())
         _require_cuda()
-        with self._device_lrs():
-            (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
+        try:
+            with self._device_lrs():
+                (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
+        except _C.CaptureError as exc:
+            if exc.kind != "rng_regions":
+                raise
+            raise _rng_state_refused(exc) from exc.__cause__
         _live.add(self.graphed)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
@@ -372,6 +377,20 @@ def _check_capturable(optimizer, scaled: bool) -> None:
             f"cgraph: a GradScaler steps this {name} by reading found_inf on the host (a "
             f"sync a graph cannot hold). Build it with {name}(..., fused=True): the scaler "
             "then hands it the scale and found_inf on the device.")
+
+
+def _rng_state_refused(exc: BaseException) -> BaseException:
+    """The step asked for the CUDA RNG state while captured: the CaptureError
+    of kind ``rng_regions``, in a step's terms."""
+    error = _C.CaptureError(
+        "cgraph: capturing the training step failed: the step asked for the CUDA RNG state "
+        "(torch.utils.checkpoint with preserve_rng_state=True does, to redraw dropout masks "
+        "in its recompute), which a whole-step graph does not replay yet. Graph the model "
+        "inside the step with cgraph.make_graphed instead (it handles checkpointing, "
+        "dropout included), or checkpoint with preserve_rng_state=False where the region "
+        f"draws no random numbers. Torch said: {exc.__cause__}")
+    error.kind = "rng_regions"
+    return error
 
 
 def _static_copy(t: torch.Tensor) -> torch.Tensor:

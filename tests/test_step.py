@@ -237,6 +237,41 @@ def test_a_host_sync_in_the_step_is_refused_with_the_fix(body):
     assert info.value.kind == "sync"
 
 
+@pytest.mark.parametrize("preserve_rng_state", [False, True])
+def test_a_checkpointed_model_in_the_step(preserve_rng_state):
+    """torch.utils.checkpoint inside a whole step: without preserve_rng_state
+    (a region with no dropout) it trains as eager bitwise; with it, the
+    capture is refused, naming make_graphed and preserve_rng_state=False."""
+    from torch.utils.checkpoint import checkpoint
+
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, fused=True) for m in (model, eager)]
+
+    def make(m, opt):
+        def step(x, y):
+            opt.zero_grad()
+            logits = checkpoint(m, x, use_reentrant=False, preserve_rng_state=preserve_rng_state)
+            loss = F.cross_entropy(logits, y)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    graphed = cgraph.make_graphed_step(make(model, opts[0]), batches[0], num_warmup_iters=1)
+    plain = make(eager, opts[1])
+    if preserve_rng_state:
+        graphed(*batches[0])
+        with pytest.raises(cgraph.CaptureError, match="preserve_rng_state=False") as info:
+            graphed(*batches[1])
+        assert info.value.kind == "rng_regions" and "make_graphed" in str(info.value)
+        return
+    for i, (x, y) in enumerate(batches[:4]):
+        assert_equal(graphed(x, y), plain(x, y), f"loss {i}")
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert_equal(p, q, "parameter after 4 steps")
+
+
 def test_arguments_of_another_shape_raise():
     model, batches = model_and_data()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
