@@ -62,18 +62,23 @@ def assert_training_equal(graphed_run, eager_run, tolerance=None):
             check(g, g_e, f"step {step}: grad of parameter {i}")
 
 
+def small_llama(attention: str, seed: int):
+    """A random-initialised two-layer Llama, its cache off (as training sets it)."""
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, attn_implementation=attention)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).to(CUDA)
+
+
 def llama_step(model, batch, length):
     ids = torch.randint(0, model.config.vocab_size, (batch, length), device=CUDA)
     return model(input_ids=ids, labels=ids).loss
 
 
 def test_llama_with_every_decoder_layer_graphed_trains_as_eager():
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False, attn_implementation="eager")
-    torch.manual_seed(50)
-    model = transformers.LlamaForCausalLM(config).to(CUDA)
+    model = small_llama("eager", seed=50)
     eager = copy.deepcopy(model)
     model.model.layers = graph_layers(model.model.layers)
     assert_training_equal(train(model, llama_step, 500), train(eager, llama_step, 500))
@@ -90,12 +95,7 @@ def test_llama_layers_padded_to_sequence_buckets_train_as_eager():
     graph per batch size.  (The batch is not bucketed here: the rotary
     tables are (1, T, d), so a batch of 1 would pad them too, into a graph
     of its own.)"""
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        use_cache=False, attn_implementation="sdpa")
-    torch.manual_seed(52)
-    model = transformers.LlamaForCausalLM(config).to(CUDA)
+    model = small_llama("sdpa", seed=52)
     eager = copy.deepcopy(model)
     model.model.layers = graph_layers(model.model.layers, buckets={1: [16]})
     assert_training_equal(train(model, llama_step, 700), train(eager, llama_step, 700),
