@@ -355,22 +355,25 @@ rebuild_outputs(GraphedObject *self, const graph_entry *entry, PyObject *outs)
     return result;
 }
 
-/* Tells the event hook, once per callable, that a replay copied or
+/* The event to report, once per callable, when a replay copied or
  * invalidated an output of an earlier call that the caller still held (Note
  * [Outputs of earlier calls] in aten_replay.cpp): a cost or a trap the
- * caller may not know of.  0, or -1 with an exception set. */
-static int
-report_kept_outputs(GraphedObject *self, const cg_engine *engine)
+ * caller may not know of.  NULL when there is none to report.  Runs no
+ * Python. */
+static const char *
+kept_outputs_event(GraphedObject *self, const cg_engine *engine)
 {
-    cg_stats stats = cg_engine_stats(engine);
+    cg_stats stats;
 
+    if (self->kept_reported) {
+        return NULL;
+    }
+    stats = cg_engine_stats(engine);
     if (stats.outputs_copied + stats.outputs_invalidated == 0) {
-        return 0;
+        return NULL;
     }
     self->kept_reported = 1;
-    return cg_report_event(self->state,
-                           stats.outputs_copied ? "outputs_copied" : "outputs_invalidated",
-                           (PyObject *)self);
+    return stats.outputs_copied ? "outputs_copied" : "outputs_invalidated";
 }
 
 /* Replays entry k with these tensors.  Returns a NEW reference to the
@@ -382,15 +385,22 @@ replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssi
     PyObject *outs = k < self->n_entries
                          ? cg_engine_replay(self->entries[k].engine, tensors, nt)
                          : raise_reset();
+    const char *event;
+    PyObject *result;
+
     if (outs == NULL) {
         return NULL;
     }
     self->hot = k;
-    if (!self->kept_reported && report_kept_outputs(self, self->entries[k].engine) < 0) {
-        Py_DECREF(outs);
-        return NULL;
+    event = kept_outputs_event(self, self->entries[k].engine);
+    result = rebuild_outputs(self, &self->entries[k], outs);
+    /* After the replay ran: a failing hook (a logging handler) must not
+     * lose the call's outputs, whose step the graph has already taken. */
+    if (event != NULL && result != NULL &&
+        cg_report_event(self->state, event, (PyObject *)self) < 0) {
+        PyErr_WriteUnraisable((PyObject *)self);
     }
-    return rebuild_outputs(self, &self->entries[k], outs);
+    return result;
 }
 
 /* ---- replay with one graph: torch's rules ---------------------------------- */
