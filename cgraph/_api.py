@@ -41,8 +41,9 @@ def reset_all() -> None:
     """Free every live graphed callable's graphs, static tensors and pool memory.
 
     Call it before ``torch.distributed.destroy_process_group()`` or before
-    re-graphing a whole model.  Later calls of a reset callable raise.  It also
-    runs at interpreter exit, so graphs are freed while CUDA is still up.
+    re-graphing a whole model.  Later calls of a reset callable raise (a
+    graphed step captures again on its next call).  It also runs at
+    interpreter exit, so graphs are freed while CUDA is still up.
     """
     for graphed in list(_live):
         graphed.reset()

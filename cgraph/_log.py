@@ -65,9 +65,9 @@ def on_event(event: str, graphed) -> None:
     elif event == "outputs_copied":
         log.info(
             "%s: an output of an earlier call was still held when the graph replayed over "
-            "its memory, so it was copied to memory of its own first (kept_outputs='copy'): "
-            "one device copy per held output per call, counted in stats['outputs_copied']. "
-            "Drop outputs you no longer need (or keep .item() / a clone) to save the copy. "
+            "its memory, so it was copied to memory of its own first and keeps its value "
+            "(make_graphed's kept_outputs='copy', the default, and every graphed step): one "
+            "small device copy per held output per call, counted in stats['outputs_copied']. "
             "Logged once per callable.", describe(graphed))
     elif event == "outputs_invalidated":
         log.info(

@@ -73,8 +73,12 @@ def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
     is one real training step, so n calls of ``step`` leave parameters,
     optimizer state, grads and the random-number stream as n eager calls of
     ``fn`` would.  Arguments are copied into the graph's inputs (calls pass
-    tensors of ``sample_args``' shapes, dtypes and devices, and the same
-    constants); the returned tensors keep their values across calls.
+    tensors of ``sample_args``' shapes and devices, and the same constants; a
+    tensor of another floating dtype is cast on the way in, as
+    ``make_graphed`` casts it); the returned tensors keep their values
+    across calls, and the step may return non-tensor values beside them.
+    Arguments are data: one that requires grad is refused (the graph
+    computes no grad for its copy of it).
 
     Optimizers are made capturable before capture (Note [Capturable
     optimizers] in cgraph/_step.py): Adam, AdamW and SGD (default, foreach,
@@ -157,9 +161,13 @@ class _Group:
 #    replay would overwrite them (Note [Outputs of earlier calls]).  The
 #    step is captured by the same native session as make_graphed, with no
 #    warm-up (the step's own eager calls were its warm-up) and no backward
-#    graph (the step's outputs are detached: its backward is inside).
-#    Python flattens and checks a call only when the native call refuses
-#    it, to name what differs in the step's terms.
+#    graph (the step's outputs are detached: its backward is inside), and
+#    called under no_grad, so that no output gets a grad_fn.  A call of
+#    tensors only (``step(x, y)``) is checked in C without Python; one with
+#    constants, keywords or nesting goes through torch's pytree flattening
+#    in the native call first, as any graphed callable's does.  Python
+#    checks a call itself only when the native call refuses it, to name
+#    what differs in the step's terms.
 
 
 class GraphedStep:
@@ -169,12 +177,13 @@ class GraphedStep:
         self.fn = fn
         self.num_warmup_iters = num_warmup_iters
         self.pool = _pool_id(pool)
-        self.sample = pytree.tree_flatten((sample_args, sample_kwargs))
+        self.sample = _flatten(sample_args, sample_kwargs)
         self.optimizers: weakref.WeakSet = weakref.WeakSet()
         self.scaled: weakref.WeakSet = weakref.WeakSet()  # stepped by a GradScaler
         self.ddp = DDPInStep()  # the DDP models it calls: Note [DDP inside a graphed step]
         self.graphed: _C.Graphed | None = None  # the captured step: Note [The step's hot path]
         self.static: _Static | None = None
+        self.outputs: _Outputs | None = None  # None: the native call returns them as they are
         self.groups: list[_Group] = []
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
 
@@ -183,9 +192,9 @@ class GraphedStep:
         if graphed is None or graphed.is_reset or self._stale():
             return self._warm_up_or_capture(args, kwargs)
         try:
-            out = graphed(*args, **kwargs)  # Note [The step's hot path]
+            out = self._replay(graphed, args, kwargs)  # Note [The step's hot path]
         except (TypeError, ValueError):
-            self._check(*pytree.tree_flatten((args, kwargs)))  # the step's own words
+            self._check(*_flatten(args, kwargs))  # the step's own words, if they apply
             raise
         self.stats["replays"] += 1
         return out
@@ -193,12 +202,12 @@ class GraphedStep:
     def _warm_up_or_capture(self, args: tuple, kwargs: dict):
         """A call that does not replay: a warm-up step, or the call that
         captures (again) and then replays."""
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, spec = _flatten(args, kwargs)
         self._check(leaves, spec)
         if self.graphed is None and self.stats["eager"] < self.num_warmup_iters:
             return self._run_eagerly(args, kwargs)
         self._capture(leaves, spec)
-        out = self.graphed(*args, **kwargs)
+        out = self._replay(self.graphed, args, kwargs)
         self.stats["replays"] += 1
         return out
 
@@ -234,19 +243,24 @@ class GraphedStep:
         """Calls pass what the samples (or the first call) passed."""
         want, want_spec = (self.static.leaves, self.static.spec) if self.static else self.sample
         if self.static is None and not want:  # no samples: the capture's call decides
-            return
+            want, want_spec = leaves, spec
         if spec != want_spec:
             raise TypeError(f"cgraph: the step was graphed with arguments structured as "
                             f"{want_spec}, got {spec}.")
         for i, (got, w) in enumerate(zip(leaves, want)):
+            if isinstance(got, torch.Tensor) and got.requires_grad:
+                raise ValueError(
+                    f"cgraph: step argument {i} requires grad. A graphed step's arguments are "
+                    "data copied into the graph, which computes no grad for them: pass it "
+                    "detached (x.detach()), or make it an nn.Parameter the step's optimizer "
+                    "steps.")
             if isinstance(w, torch.Tensor):
-                if not (isinstance(got, torch.Tensor) and got.shape == w.shape and
-                        got.dtype == w.dtype and got.device == w.device):
+                if not (isinstance(got, torch.Tensor) and _fits(got, w)):
                     raise ValueError(
                         f"cgraph: step argument {i} is {_describe(got)}, but the step was "
                         f"graphed with {_describe(w)}. A graphed step replays fixed shapes: "
                         "pad to the sample's shape, or graph one step per shape.")
-            elif got != w or type(got) is not type(w):
+            elif type(got) is not type(w) or got != w:
                 raise ValueError(f"cgraph: step argument {i} was graphed as {w!r}, got {got!r}.")
 
     # -- 2. capture ----------------------------------------------------------
@@ -266,7 +280,8 @@ class GraphedStep:
         self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
                        for g in opt.param_groups]
         args, kwargs = pytree.tree_unflatten(static, spec)
-        drafted = draft(Target.of(0, self._captured_call()), args, kwargs, set())
+        returned: list[_Outputs | None] = []  # what the captured call returned, as a record
+        drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
         _require_cuda()
         try:
             with self._device_lrs():
@@ -275,20 +290,23 @@ class GraphedStep:
             if exc.kind != "rng_regions":
                 raise
             raise _rng_state_refused(exc) from exc.__cause__
+        self.outputs = returned[0]
         _live.add(self.graphed)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
 
-    def _captured_call(self) -> Callable[..., Any]:
+    def _captured_call(self, returned: list) -> Callable[..., Any]:
         """What the capture calls: the step (DDP's accumulators moved as
-        Note [DDP inside a graphed step] says), its outputs detached, with
-        the step's signature (errors name its parameters)."""
+        Note [DDP inside a graphed step] says), its outputs detached and
+        reduced to tensors (_Outputs), with the step's signature (errors name
+        its parameters).  Appends the outputs' record to ``returned``."""
         fn, ddp = self.fn, self.ddp
 
         @functools.wraps(fn)
         def training_step(*args, **kwargs):
-            out = ddp.call(fn, args, kwargs)
-            return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+            record, tensors = _Outputs.split(ddp.call(fn, args, kwargs))
+            returned.append(record)
+            return tensors
 
         return training_step
 
@@ -339,6 +357,14 @@ class GraphedStep:
                 return True
         return False
 
+    def _replay(self, graphed: _C.Graphed, args: tuple, kwargs: dict):
+        """The native call, without grad: an argument that requires grad
+        must not give the outputs a grad_fn (the step's backward is inside
+        the graph)."""
+        with torch.no_grad():
+            out = graphed(*args, **kwargs)
+        return out if self.outputs is None else self.outputs.rebuild(out)
+
     # -- 4. reset --------------------------------------------------------------
 
     def reset(self) -> None:
@@ -351,7 +377,7 @@ class GraphedStep:
     def _free(self) -> None:
         if self.graphed is not None:
             self.graphed.reset()
-        self.graphed, self.static, self.groups = None, None, []
+        self.graphed, self.static, self.outputs, self.groups = None, None, None, []
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
@@ -359,6 +385,52 @@ class GraphedStep:
                  else "not captured yet")
         return (f"GraphedStep({name}, {state}, eager={self.stats['eager']}, "
                 f"captures={self.stats['captures']}, replays={self.stats['replays']})")
+
+
+class _Outputs:
+    """What a step returned, when it is more than tensors (None, a number
+    beside the loss): the native call hands out tensors only, so the
+    structure and the other leaves are kept here and the tensors put back
+    after each replay.  A step returning only tensors (the loss, a tuple or
+    dict of them) needs no record: the native call rebuilds those itself."""
+
+    __slots__ = ("spec", "leaves")
+    _TENSOR = object()  # where a tensor goes among the leaves
+
+    def __init__(self, spec, leaves: list):
+        self.spec, self.leaves = spec, leaves
+
+    @classmethod
+    def split(cls, out) -> tuple["_Outputs | None", Any]:
+        """The record (None when not needed) and what the capture returns:
+        the detached tensors, as returned or as a tuple."""
+        if isinstance(out, torch.Tensor):
+            return None, out.detach()
+        leaves, spec = pytree.tree_flatten(out)
+        if leaves and all(isinstance(x, torch.Tensor) for x in leaves):
+            return None, pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+        tensors = tuple(x.detach() for x in leaves if isinstance(x, torch.Tensor))
+        kept = [cls._TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        return cls(spec, kept), tensors
+
+    def rebuild(self, tensors: tuple):
+        given = iter(tensors)
+        return pytree.tree_unflatten(
+            [next(given) if x is self._TENSOR else x for x in self.leaves], self.spec)
+
+
+def _flatten(args: tuple, kwargs: dict):
+    """A call's pytree leaves and structure, keywords in sorted order (as the
+    native call flattens them)."""
+    return pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
+
+
+def _fits(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The native call's rule: same shape and device, and the same dtype or
+    another floating one (cast by the copy into the static input)."""
+    return got.shape == want.shape and got.device == want.device and (
+        got.dtype == want.dtype or (got.dtype.is_floating_point and
+                                    want.dtype.is_floating_point))
 
 
 def _check_capturable(optimizer, scaled: bool) -> None:

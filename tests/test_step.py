@@ -272,6 +272,70 @@ def test_a_checkpointed_model_in_the_step(preserve_rng_state):
         assert_equal(p, q, "parameter after 4 steps")
 
 
+def test_a_cpu_random_draw_in_the_step_is_refused():
+    """A number drawn from the CPU generator would be baked into the graph
+    at capture and never drawn again: refused (kind rng_changed)."""
+    model, batches = model_and_data()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y) * (1 + torch.rand(()))  # a CPU draw
+        loss.backward()
+        opt.step()
+        return loss
+
+    graphed = cgraph.make_graphed_step(step, batches[0], num_warmup_iters=1)
+    graphed(*batches[0])
+    with pytest.raises(cgraph.CaptureError, match="training step.*host-side random") as info:
+        graphed(*batches[1])
+    assert info.value.kind == "rng_changed"
+
+
+@pytest.mark.parametrize("returns", ["none", "dict"])
+def test_a_step_may_return_none_or_numbers_beside_its_tensors(returns):
+    """The native call hands out tensors only; what else the step returned
+    comes back around them, call after call, and training equals eager's."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, fused=True) for m in (model, eager)]
+
+    def make(m, opt):
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+            if returns == "dict":
+                return {"loss": loss, "rows": x.shape[0], "note": None}
+        return step
+
+    graphed, plain = cgraph.make_graphed_step(make(model, opts[0]), num_warmup_iters=1), \
+        make(eager, opts[1])
+    for i, (x, y) in enumerate(batches[:4]):
+        got, want = graphed(x, y), plain(x, y)
+        if returns == "none":
+            assert got is None and want is None, got
+        else:
+            assert (got["rows"], got["note"]) == (16, None), got
+            assert_equal(got["loss"], want["loss"], f"loss {i}")
+    assert graphed.stats == {"eager": 1, "captures": 1, "replays": 3}
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert_equal(p, q, "parameter after 4 steps")
+
+
+def test_an_argument_that_requires_grad_is_refused_and_outputs_have_no_grad_fn():
+    model, batches = model_and_data(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    step = cgraph.make_graphed_step(make_step(model, opt), num_warmup_iters=1)
+    x, y = batches[0]
+    with pytest.raises(ValueError, match="step argument 0 requires grad.*x.detach"):
+        step(x.clone().requires_grad_(), y)
+    for b in batches[:3]:
+        loss = step(*b)
+    assert step.stats["replays"] == 2 and loss.grad_fn is None and not loss.requires_grad
+
+
 def test_arguments_of_another_shape_raise():
     model, batches = model_and_data()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
