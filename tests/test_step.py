@@ -214,8 +214,13 @@ def test_outputs_keep_their_values_and_grads_are_this_steps():
     assert native["outputs_copied"] == 3, native  # replays 1-3; the 4th was not held
 
 
-@pytest.mark.parametrize("body", ["item", "branch"])
-def test_a_host_sync_in_the_step_is_refused_with_the_fix(body):
+@pytest.mark.parametrize("body, match, kind", [
+    ("item", r"training step.*\.item\(\)", "sync"),
+    ("branch", r"training step.*\.item\(\)", "sync"),  # a Python branch on a tensor
+    # A CPU draw would be baked into the graph at capture and never drawn again.
+    ("cpu_random", "training step.*host-side random", "rng_changed"),
+], ids=["item", "branch", "cpu_random"])
+def test_a_host_sync_or_cpu_draw_in_the_step_is_refused_with_the_fix(body, match, kind):
     model, batches = model_and_data()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
 
@@ -224,17 +229,19 @@ def test_a_host_sync_in_the_step_is_refused_with_the_fix(body):
         loss = F.cross_entropy(model(x), y)
         if body == "item":
             print(loss.item())
-        elif loss > 100:  # a Python branch on a tensor: a sync
+        elif body == "branch" and loss > 100:
             loss = loss * 0
+        elif body == "cpu_random":
+            loss = loss * (1 + torch.rand(()))
         loss.backward()
         opt.step()
         return loss
 
     graphed = cgraph.make_graphed_step(step, batches[0], num_warmup_iters=1)
     graphed(*batches[0])
-    with pytest.raises(cgraph.CaptureError, match="training step.*\\.item\\(\\)") as info:
+    with pytest.raises(cgraph.CaptureError, match=match) as info:
         graphed(*batches[1])
-    assert info.value.kind == "sync"
+    assert info.value.kind == kind
 
 
 @pytest.mark.parametrize("preserve_rng_state", [False, True])
@@ -272,26 +279,6 @@ def test_a_checkpointed_model_in_the_step(preserve_rng_state):
         assert_equal(p, q, "parameter after 4 steps")
 
 
-def test_a_cpu_random_draw_in_the_step_is_refused():
-    """A number drawn from the CPU generator would be baked into the graph
-    at capture and never drawn again: refused (kind rng_changed)."""
-    model, batches = model_and_data()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y) * (1 + torch.rand(()))  # a CPU draw
-        loss.backward()
-        opt.step()
-        return loss
-
-    graphed = cgraph.make_graphed_step(step, batches[0], num_warmup_iters=1)
-    graphed(*batches[0])
-    with pytest.raises(cgraph.CaptureError, match="training step.*host-side random") as info:
-        graphed(*batches[1])
-    assert info.value.kind == "rng_changed"
-
-
 @pytest.mark.parametrize("returns", ["none", "dict"])
 def test_a_step_may_return_none_or_numbers_beside_its_tensors(returns):
     """The native call hands out tensors only; what else the step returned
@@ -301,11 +288,10 @@ def test_a_step_may_return_none_or_numbers_beside_its_tensors(returns):
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, fused=True) for m in (model, eager)]
 
     def make(m, opt):
+        train = make_step(m, opt)
+
         def step(x, y):
-            opt.zero_grad()
-            loss = F.cross_entropy(m(x), y)
-            loss.backward()
-            opt.step()
+            loss = train(x, y)
             if returns == "dict":
                 return {"loss": loss, "rows": x.shape[0], "note": None}
         return step
