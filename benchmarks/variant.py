@@ -108,8 +108,9 @@ def _pay_one_time_costs(workload: str) -> None:
     prepare(build(WORKLOADS[workload]), "eager")()
     torch.cuda.synchronize()
     # Its memory must not count as the variant's: that includes the cuBLAS
-    # workspaces it left on the default stream, which graphed variants
-    # never allocate (their cuBLAS work runs on the capture stream).
+    # workspaces it left on the default stream, which each variant makes for
+    # itself (eager mode one per thread; cgraph one that its graphs share
+    # with eager GEMMs: Note [One cuBLAS workspace per stream]).
     torch._C._cuda_clearCublasWorkspaces()
     gc.collect()
     torch.cuda.empty_cache()

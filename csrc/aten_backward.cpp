@@ -316,7 +316,7 @@ void GraphedBackward::launch(GradPath path) {
     e.rng_before_backward_replay();
   }
   RECORD_FUNCTION("cgraph::replay_backward_graph", std::vector<c10::IValue>());
-  e.bwd->launch();
+  e.launch(*e.bwd);
   ++e.stats.backward;
 }
 

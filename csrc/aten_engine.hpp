@@ -241,6 +241,9 @@ struct Engine {
   //    segments: stores = grads, or stores += grads (Note [Parameter gradients]).
   std::unique_ptr<Graph> fwd = std::make_unique<Graph>();
   std::unique_ptr<Graph> bwd = std::make_unique<Graph>();
+  // The cuBLAS workspace the graphs' GEMMs use, shared with eager mode on
+  // caller_stream: Note [One cuBLAS workspace per stream].
+  std::shared_ptr<BlasWorkspace> blas_workspace;
   bool has_bwd = false;  // false when no output requires grad
   SegmentId tail_copy;
   SegmentId tail_add;
@@ -304,6 +307,11 @@ struct Engine {
   void rng_before_forward_replay();
   void rng_after_forward_replay();
   void rng_before_backward_replay();
+
+  // Launches one of this engine's graphs on the current stream, ordered
+  // with caller_stream if that is another: Note [Replays on another stream]
+  // (aten_replay.cpp).
+  void launch(Graph& graph);
 
  private:
   // aten_capture_backward.cpp
@@ -401,4 +409,6 @@ struct cg_setup {
   // While warm-up allocates from a graph pool: Note [Warm-up in the pool].
   std::optional<at::cuda::MempoolId_t> warm_pool = std::nullopt;
   int64_t allocated_before = 0;  // the device's allocated bytes when it began
+  // Note [One cuBLAS workspace per stream] (aten_workspace.cpp).
+  std::shared_ptr<cgraph::BlasWorkspace> blas_workspace;
 };

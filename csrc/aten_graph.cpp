@@ -1,17 +1,13 @@
 // aten_graph.cpp -- a Graph's capture: begin, end, or abandon; the stream
-// every capture runs on, and the cuBLAS workspaces torch keeps per stream.
+// every capture runs on.
 #include "aten_graph.hpp"
 
-#include <ATen/cuda/CUDAContextLight.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
-#include <iterator>
 #include <mutex>
-#include <shared_mutex>
-#include <tuple>
 #include <unordered_map>
 
 namespace cgraph {
@@ -38,50 +34,21 @@ c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device) {
   return c10::cuda::getStreamFromExternal(stream, device);
 }
 
-// Note [cuBLAS workspaces during capture]
-// Q: Why does cgraph drop the capture stream's cuBLAS workspaces?
-// A: torch keeps a cuBLAS and a cuBLASLt workspace (32 MiB each on Hopper)
-//    per (handle, stream), and each thread has its own handle: a forward
-//    captured on the caller's thread and a backward captured on autograd's
-//    device thread would pin up to four workspaces to the capture stream for
-//    the life of the process, beside those of the caller's stream that
-//    eager GEMMs use: 64-128 MiB more than eager mode holds.  cgraph drops
-//    the capture stream's entries after warm-up and around every capture.
-//    The first GEMM of a capture then allocates its workspace from the graph
-//    pool, and dropping it at the capture's end frees that block like any
-//    other temporary of the graph: later captures reuse it (for their own
-//    workspace, among others), which is safe for the same reason sharing a
-//    pool is (Note at the top of capture.c): graphs replay in the order they
-//    were captured, one at a time.
 namespace {
-template <class WorkspaceMap>
-void drop_stream_entries(WorkspaceMap& workspaces, cudaStream_t stream) {
-  std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
-  for (auto it = workspaces.map.begin(); it != workspaces.map.end();) {
-    it = std::get<1>(it->first) == static_cast<void*>(stream) ? workspaces.map.erase(it)
-                                                               : std::next(it);
-  }
-}
-
 // Swallows torch warnings while alive ("The CUDA Graph is empty").
 struct QuietWarnings : c10::WarningHandler {
   void process(const c10::Warning&) override {}
 };
 }  // namespace
 
-void drop_blas_workspaces(cudaStream_t stream) {
-  drop_stream_entries(at::cuda::cublas_handle_stream_to_workspace(), stream);
-  drop_stream_entries(at::cuda::cublaslt_handle_stream_to_workspace(), stream);
-}
-
 void Graph::capture_begin(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode) {
-  drop_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
+  drop_foreign_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
   at::cuda::CUDAGraph::capture_begin(pool, mode);
 }
 
 void Graph::capture_end() {
   at::cuda::CUDAGraph::capture_end();
-  drop_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
+  drop_foreign_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
   if (!has_graph_exec_) {
     capture_rng_seeds();
     instantiate();  // a graph that keeps its cudaGraph_t: torch leaves this to us
@@ -120,7 +87,7 @@ void Graph::abandon() noexcept {
   }
   try {
     reset();
-    drop_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
+    drop_foreign_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
   } catch (const std::exception& e) {
     TORCH_WARN("cgraph: could not free the graph of a failed capture: ", e.what());
   }

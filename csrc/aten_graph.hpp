@@ -13,6 +13,8 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
+#include <set>
 #include <vector>
 
 #include "cgraph.h"
@@ -50,9 +52,9 @@ class Graph : public at::cuda::CUDAGraph {
   // switches on and off (aten_graph_nodes.cpp).
   Graph() : at::cuda::CUDAGraph(/*keep_graph=*/true) {}
 
-  // torch's, with the capture stream's cuBLAS workspaces made temporaries
-  // of this graph: Note [cuBLAS workspaces during capture].  capture_end()
-  // also instantiates a graph that keeps its cudaGraph_t.
+  // torch's; a cuBLAS workspace the capture allocates from the pool is a
+  // temporary of this graph: Note [One cuBLAS workspace per stream].
+  // capture_end() also instantiates a graph that keeps its cudaGraph_t.
   void capture_begin(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode);
   void capture_end();
   // Never throws; a failure to release the pool is reported as a warning.
@@ -141,8 +143,22 @@ bool memcpy_copies(const at::Tensor& dst, const at::Tensor& src);
 // capture stream] (aten_graph.cpp).
 c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device);
 
-// Drops the cuBLAS workspaces torch keeps for `stream`: Note [cuBLAS
-// workspaces during capture] (aten_graph.cpp).
-void drop_blas_workspaces(cudaStream_t stream);
+// The cuBLAS workspace graphs share with eager mode on one caller stream:
+// Note [One cuBLAS workspace per stream] (aten_workspace.cpp).
+class BlasWorkspace;
+// The caller stream's workspace, or nullptr if none is alive.
+std::shared_ptr<BlasWorkspace> live_blas_workspace(const c10::cuda::CUDAStream& caller);
+// The caller stream's workspace, made if none is alive and `handles` (those
+// a warm-up used) is not empty, with torch's entries on the caller and
+// capture streams pointed at it for `handles` and the handles an earlier
+// session pointed; nullptr, with the capture stream's aliases erased, if
+// there is none.
+std::shared_ptr<BlasWorkspace> share_blas_workspace(const c10::cuda::CUDAStream& caller,
+                                                    cudaStream_t capture,
+                                                    const std::set<void*>& handles);
+// Drops torch's workspace entries for `stream` that are not cgraph's (a
+// warm-up's, or those a capture allocated from its pool, freed with its
+// other temporaries) and returns their handles.
+std::set<void*> drop_foreign_blas_workspaces(cudaStream_t stream);
 
 }  // namespace cgraph

@@ -253,10 +253,10 @@ void launch_forward(Engine& e, const StagedCall& call) {
   {
     RECORD_FUNCTION("cgraph::replay_forward_graph", std::vector<c10::IValue>());
     if (e.rng.regions.empty()) {
-      e.fwd->launch();
+      e.launch(*e.fwd);
     } else {
       e.rng_before_forward_replay();
-      e.fwd->launch();
+      e.launch(*e.fwd);
       e.rng_after_forward_replay();
     }
   }
@@ -330,7 +330,47 @@ PyObject* wrap_outputs(Engine& e, const NodePtr& node, bool ungraded) {
   return result.release();
 }
 
+bool capturing(const c10::cuda::CUDAStream& stream) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+// Makes `waiter`'s later work wait for `stream`'s work so far.
+void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& stream) {
+  cudaEvent_t event = nullptr;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+  const cudaError_t recorded = cudaEventRecord(event, stream.stream());
+  const cudaError_t waited =
+      recorded == cudaSuccess ? cudaStreamWaitEvent(waiter.stream(), event, 0) : recorded;
+  C10_CUDA_CHECK(cudaEventDestroy(event));  // released once the wait is done
+  C10_CUDA_CHECK(waited);
+}
+
 }  // namespace
+
+// Note [Replays on another stream]
+// A graph replays on the stream current at the call, usually the stream it
+// was captured from (caller_stream), in order with the eager work there.
+// Its GEMMs share that stream's cuBLAS workspace with the eager GEMMs on it
+// (Note [One cuBLAS workspace per stream], aten_workspace.cpp), so a replay
+// on another stream, running beside them, would race them for it.  Such a
+// replay waits for caller_stream's work so far, and caller_stream's later
+// work waits for the replay: what would run beside it runs after it.  (This
+// also orders graphs whose capture ran no GEMM, if a workspace was alive:
+// the price of not tracking which graph used it; one pointer compare when
+// the streams match.)
+void Engine::launch(Graph& graph) {
+  const c10::cuda::CUDAStream now = c10::cuda::getCurrentCUDAStream(device);
+  if (now == caller_stream || !blas_workspace || capturing(now)) {
+    graph.launch();  // while capturing, launch() refuses with its own error
+    return;
+  }
+  c10::cuda::CUDAGuard on_device(device);  // the events must be the streams'
+  wait_for(now, caller_stream);
+  graph.launch();
+  wait_for(caller_stream, now);
+}
 
 // The same checks as check_call and check_argument, answered instead of
 // raised; with exact_grad, an argument that requires grad unlike its

@@ -37,6 +37,7 @@ void Engine::reset() noexcept {
     setup.reset();
     fwd.reset();
     bwd.reset();
+    blas_workspace.reset();  // after the graphs that write it
     if (pool.first != 0 || pool.second != 0) {
       empty_pool_cache(pool, 0);
     }

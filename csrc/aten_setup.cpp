@@ -9,7 +9,9 @@
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <memory>
 #include <mutex>
+#include <set>
 
 namespace cgraph {
 
@@ -156,10 +158,13 @@ cg_setup* open_setup(c10::DeviceIndex device) {
     GilRelease nogil;
     c10::cuda::device_synchronize();
   }
-  auto* setup = new cg_setup{device, c10::cuda::getCurrentCUDAStream(device),
-                             capture_stream(device)};
+  std::unique_ptr<cg_setup> setup(new cg_setup{device, c10::cuda::getCurrentCUDAStream(device),
+                                               capture_stream(device)});
+  // Warm-up GEMMs, on the capture stream, use the workspace earlier graphs
+  // from this stream share: Note [One cuBLAS workspace per stream].
+  setup->blas_workspace = share_blas_workspace(setup->caller, setup->side.stream(), {});
   c10::cuda::setCurrentCUDAStream(setup->side);
-  return setup;
+  return setup.release();
 }
 
 // Note [Warm-up in the pool]
@@ -206,11 +211,16 @@ void end_warm_up_in_pool(cg_setup& setup) {
 bool release_warmup_memory(cg_setup& setup) {
   GilRelease nogil;
   setup.side.synchronize();
-  drop_blas_workspaces(setup.side.stream());  // Note [cuBLAS workspaces during capture]
+  // Note [One cuBLAS workspace per stream]: the workspaces torch made for
+  // the warm-up go (in the pool, they would count as kept below); the
+  // threads they name share the caller stream's from here on.
+  const std::set<void*> warmed = drop_foreign_blas_workspaces(setup.side.stream());
   const bool in_pool = setup.warm_pool.has_value();
   end_warm_up_in_pool(setup);
-  c10::cuda::CUDACachingAllocator::emptyCache();
-  return in_pool && allocated_bytes(setup.device) > setup.allocated_before;
+  const bool kept = in_pool && allocated_bytes(setup.device) > setup.allocated_before;
+  setup.blas_workspace = share_blas_workspace(setup.caller, setup.side.stream(), warmed);
+  c10::cuda::CUDACachingAllocator::emptyCache();  // and torch's workspaces it replaced
+  return kept;
 }
 
 void close_setup(cg_setup* setup) noexcept {
@@ -221,9 +231,10 @@ void close_setup(cg_setup* setup) noexcept {
     c10::cuda::setCurrentCUDAStream(setup->caller);
     GilRelease nogil;
     setup->side.synchronize();
-    // After a failed warm-up too, none outlives the session: Note [cuBLAS
-    // workspaces during capture].
-    drop_blas_workspaces(setup->side.stream());
+    // After a failed warm-up too, no workspace torch allocated on the
+    // capture stream outlives the session: Note [One cuBLAS workspace per
+    // stream].
+    drop_foreign_blas_workspaces(setup->side.stream());
     end_warm_up_in_pool(*setup);
   } catch (const std::exception& e) {
     TORCH_WARN("cgraph: could not wait for the capture stream: ", e.what());

@@ -1,0 +1,219 @@
+// aten_workspace.cpp -- the cuBLAS workspace that graphs share with eager
+// mode on the caller's stream, and torch's workspace entries cgraph manages.
+#include "aten_graph.hpp"
+
+#include <ATen/cuda/CUDAContextLight.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <set>
+#include <shared_mutex>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+namespace cgraph {
+
+// Note [One cuBLAS workspace per stream]
+// Q: Which memory do a graph's GEMMs use as their cuBLAS workspace?
+// A: torch keeps a workspace per (cuBLAS handle, stream): 32 MiB on Hopper,
+//    allocated at the handle's first GEMM on that stream, and every thread
+//    has a handle of its own, so eager training holds two on its stream (the
+//    caller's thread and autograd's device thread).  A capture's GEMMs used
+//    to get theirs from the graph pool, one per pool: 32 MiB more for
+//    whole-model graphs, and one per separately graphed layer.
+//    A workspace is scratch that each GEMM writes before it reads, so GEMMs
+//    ordered on one stream can share one.  Graphs replay on the stream they
+//    were captured from, in order with the eager GEMMs there.  So cgraph
+//    keeps one workspace per caller stream (BlasWorkspace) and points
+//    torch's entries at it, on the caller stream and the capture stream,
+//    for every handle a warm-up used: eager mode's GEMMs on both threads,
+//    the warm-ups and every capture made from that stream share it.  Eager
+//    mode's two workspaces become one, and pools hold none.  Handles are
+//    learnt from the capture stream only: it is one device's, while the
+//    caller's default stream is stream 0 on every device.
+//    Ownership: the graphs (Engine::blas_workspace) and the set-up session.
+//    torch's entries are aliases that own nothing, so torch.compile's
+//    clearCublasWorkspaces() drops them without freeing memory a graph still
+//    writes; when the last owner goes, the workspace erases its aliases and
+//    torch allocates afresh, as after any clear.
+//    Limits: a replay on another stream would race the caller stream's
+//    GEMMs, so it is ordered after and before that stream (Note [Replays on
+//    another stream], aten_replay.cpp); a capture with no warm-up before it
+//    (a graphed step's) on a thread no warm-up used gets its workspace from
+//    the pool, and the capture's end drops it with the graph's other
+//    temporaries (drop_foreign_blas_workspaces), as before.
+namespace {
+
+// An alias's deleter: torch's entry owns nothing; the BlasWorkspace does.
+void owns_nothing(void*) {}
+
+template <class WorkspaceMap>
+using EntryOf =
+    typename std::remove_reference_t<decltype(std::declval<WorkspaceMap&>().map)>::mapped_type;
+
+// torch 2.11 maps to a DataPtr; later releases to (DataPtr, size).
+template <class Entry>
+const at::DataPtr& data_of(const Entry& entry) {
+  if constexpr (std::is_same_v<Entry, at::DataPtr>) {
+    return entry;
+  } else {
+    return entry.first;
+  }
+}
+
+template <class Entry>
+Entry alias_entry(void* data, const void* owner, c10::Device device, size_t bytes) {
+  at::DataPtr alias(data, const_cast<void*>(owner), &owns_nothing, device);
+  if constexpr (std::is_same_v<Entry, at::DataPtr>) {
+    return alias;
+  } else {
+    return Entry(std::move(alias), bytes);
+  }
+}
+
+// Whether `data` is an alias of cgraph's: of `owner`'s, or of any if nullptr.
+bool is_alias(const at::DataPtr& data, const void* owner) {
+  return data.get_deleter() == &owns_nothing && (owner == nullptr || data.get_context() == owner);
+}
+
+// Points (handle, caller) and (handle, capture) at `data`, for `handles` and
+// for the handles already pointed on `capture` by an earlier session.
+// Entries torch owned are freed (back to its cache).
+template <class WorkspaceMap>
+void point_entries(WorkspaceMap& workspaces, cudaStream_t caller, cudaStream_t capture,
+                   std::set<void*> handles, void* data, const void* owner,
+                   c10::Device device, size_t bytes) {
+  using Entry = EntryOf<WorkspaceMap>;
+  std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
+  for (const auto& entry : workspaces.map) {
+    if (std::get<1>(entry.first) == static_cast<void*>(capture) &&
+        is_alias(data_of(entry.second), nullptr)) {
+      handles.insert(std::get<0>(entry.first));
+    }
+  }
+  for (void* handle : handles) {
+    for (cudaStream_t stream : {caller, capture}) {
+      workspaces.map.insert_or_assign(std::make_tuple(handle, static_cast<void*>(stream)),
+                                      alias_entry<Entry>(data, owner, device, bytes));
+    }
+  }
+}
+
+// Erases the entries on `stream` (nullptr: on every stream) that `keep`
+// rejects, and returns their handles.
+template <class WorkspaceMap, class Keep>
+std::set<void*> erase_entries(WorkspaceMap& workspaces, cudaStream_t stream, Keep keep) {
+  std::set<void*> erased;
+  std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
+  for (auto it = workspaces.map.begin(); it != workspaces.map.end();) {
+    const bool on_stream =
+        stream == nullptr || std::get<1>(it->first) == static_cast<void*>(stream);
+    if (on_stream && !keep(data_of(it->second))) {
+      erased.insert(std::get<0>(it->first));
+      it = workspaces.map.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  return erased;
+}
+
+// Erases cgraph's aliases on `stream`, whichever workspace they point at.
+void erase_aliases_on(cudaStream_t stream) {
+  const auto torch_owned = [](const at::DataPtr& data) { return !is_alias(data, nullptr); };
+  erase_entries(at::cuda::cublas_handle_stream_to_workspace(), stream, torch_owned);
+  erase_entries(at::cuda::cublaslt_handle_stream_to_workspace(), stream, torch_owned);
+}
+
+using Registry = std::map<std::pair<c10::DeviceIndex, cudaStream_t>, std::weak_ptr<BlasWorkspace>>;
+
+Registry& registry(std::unique_lock<std::mutex>& lock) {
+  static std::mutex mutex;
+  static Registry workspaces;
+  lock = std::unique_lock<std::mutex>(mutex);
+  return workspaces;
+}
+
+}  // namespace
+
+// One workspace shared by the graphs captured from one stream and the eager
+// GEMMs on it: Note [One cuBLAS workspace per stream].
+class BlasWorkspace {
+ public:
+  explicit BlasWorkspace(const c10::cuda::CUDAStream& caller)
+      : caller_(caller),
+        blas_bytes_(at::cuda::getChosenWorkspaceSize()),
+        lt_bytes_(at::cuda::getCUDABlasLtWorkspaceSize()) {
+    c10::cuda::CUDAStreamGuard on_caller(caller);  // freed in the caller stream's order
+    memory_ = c10::cuda::CUDACachingAllocator::get()->allocate(std::max(blas_bytes_, lt_bytes_));
+  }
+
+  ~BlasWorkspace() {
+    const auto not_mine = [this](const at::DataPtr& data) { return !is_alias(data, this); };
+    erase_entries(at::cuda::cublas_handle_stream_to_workspace(), nullptr, not_mine);
+    erase_entries(at::cuda::cublaslt_handle_stream_to_workspace(), nullptr, not_mine);
+  }
+
+  BlasWorkspace(const BlasWorkspace&) = delete;
+  BlasWorkspace& operator=(const BlasWorkspace&) = delete;
+
+  void point_torch_at_this(cudaStream_t capture, const std::set<void*>& handles) {
+    void* data = memory_.get();
+    const c10::Device device = memory_.device();
+    point_entries(at::cuda::cublas_handle_stream_to_workspace(), caller_.stream(), capture,
+                  handles, data, this, device, blas_bytes_);
+    point_entries(at::cuda::cublaslt_handle_stream_to_workspace(), caller_.stream(), capture,
+                  handles, data, this, device, lt_bytes_);
+  }
+
+ private:
+  c10::cuda::CUDAStream caller_;
+  size_t blas_bytes_;
+  size_t lt_bytes_;
+  at::DataPtr memory_;
+};
+
+std::shared_ptr<BlasWorkspace> live_blas_workspace(const c10::cuda::CUDAStream& caller) {
+  std::unique_lock<std::mutex> lock;
+  Registry& workspaces = registry(lock);
+  const auto it = workspaces.find({caller.device_index(), caller.stream()});
+  return it == workspaces.end() ? nullptr : it->second.lock();
+}
+
+std::shared_ptr<BlasWorkspace> share_blas_workspace(const c10::cuda::CUDAStream& caller,
+                                                    cudaStream_t capture,
+                                                    const std::set<void*>& handles) {
+  std::shared_ptr<BlasWorkspace> workspace = live_blas_workspace(caller);
+  if (!workspace) {
+    if (handles.empty()) {
+      // No warm-up GEMM yet: nothing to share, and the capture stream's
+      // GEMMs must not use another caller stream's workspace.
+      erase_aliases_on(capture);
+      return nullptr;
+    }
+    auto made = std::make_shared<BlasWorkspace>(caller);  // allocates: not under the lock
+    std::unique_lock<std::mutex> lock;
+    std::weak_ptr<BlasWorkspace>& slot = registry(lock)[{caller.device_index(), caller.stream()}];
+    workspace = slot.lock();
+    if (!workspace) {
+      slot = made;
+      workspace = std::move(made);
+    }
+  }
+  workspace->point_torch_at_this(capture, handles);
+  return workspace;
+}
+
+std::set<void*> drop_foreign_blas_workspaces(cudaStream_t stream) {
+  const auto cgraphs = [](const at::DataPtr& data) { return is_alias(data, nullptr); };
+  std::set<void*> handles =
+      erase_entries(at::cuda::cublas_handle_stream_to_workspace(), stream, cgraphs);
+  handles.merge(erase_entries(at::cuda::cublaslt_handle_stream_to_workspace(), stream, cgraphs));
+  return handles;
+}
+
+}  // namespace cgraph

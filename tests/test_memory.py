@@ -1,0 +1,164 @@
+"""The memory graphs hold beyond eager's: Note [One cuBLAS workspace per
+stream] (csrc/aten_workspace.cpp) and Note [Replays on another stream]
+(csrc/aten_replay.cpp).  Results are compared bitwise against eager
+PyTorch."""
+
+import copy
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import cgraph
+from _helpers import CUDA, assert_equal, assert_grads_equal, pool_segments
+
+pytestmark = pytest.mark.gpu
+
+
+def settled_reserved():
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
+
+
+def cublas_workspace_bytes():
+    """What torch reserves for one (handle, stream) workspace: the growth of
+    one GEMM's first run on a fresh stream, less its 2 MiB result segment."""
+    a = torch.randn(64, 64, device=CUDA)
+    before = settled_reserved()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        a @ a
+    grown = settled_reserved() - before - (2 << 20)
+    torch._C._cuda_clearCublasWorkspaces()  # that stream's entry, and any other
+    return grown
+
+
+def layers_and_head(seed):
+    torch.manual_seed(seed)
+    return [nn.Linear(256, 256).to(CUDA) for _ in range(4)], nn.Linear(256, 256).to(CUDA)
+
+
+def graph_each(layers):
+    """Each layer graphed on its own, so each has a pool of its own.  The
+    samples become the static inputs, as in torch: fresh tensors each."""
+    return [cgraph.make_graphed(layer, (torch.randn(64, 256, device=CUDA, requires_grad=True),))
+            for layer in layers]
+
+
+def train_step(layers, head, x):
+    y = x
+    for layer in layers:
+        y = torch.relu(layer(y))
+    head(y).sum().backward()
+
+
+def test_separately_graphed_layers_share_eager_modes_cublas_workspace():
+    """Four layers graphed one by one (four pools) beside an eager head, as
+    per-layer graphs of a language model leave its LM head: graphing them
+    reserves no workspace of its own.  Before, each pool held one (32 MiB
+    on Hopper), and eager mode held two (the caller's thread and autograd's
+    device thread); now all of them use one.  Grads stay bitwise eager's."""
+    workspace = cublas_workspace_bytes()
+    assert workspace >= (1 << 20), workspace
+    layers, head = layers_and_head(50)
+    eager_layers, eager_head = copy.deepcopy(layers), copy.deepcopy(head)
+    x = torch.randn(64, 256, device=CUDA, requires_grad=True)
+    train_step(layers, head, x)  # eager: both threads' workspaces exist
+    before = settled_reserved()
+    graphed = graph_each(layers)
+    for _ in range(3):
+        train_step(graphed, head, x)
+    grown = settled_reserved() - before
+    assert len({g.pool for g in graphed}) == 4
+    largest = max(s["total_size"] for g in graphed for s in pool_segments(g.pool))
+    assert largest < workspace, (largest, workspace)
+    assert grown < workspace, (grown, workspace)
+    for m in (*layers, head, *eager_layers, eager_head):
+        m.zero_grad(set_to_none=True)
+    x.grad = None
+    train_step(graphed, head, x)
+    expected_x_grad = x.grad
+    x.grad = None
+    train_step(eager_layers, eager_head, x)
+    assert_equal(expected_x_grad, x.grad, "the input's grad")
+    for g, e in zip((*layers, head), (*eager_layers, eager_head)):
+        assert_grads_equal(g, e, "after graphing")
+
+
+def test_graphs_keep_their_workspace_when_torch_clears_its_own():
+    """torch.compile clears torch's workspace entries around each recording
+    (torch._C._cuda_clearCublasWorkspaces).  The graphs' workspace is
+    cgraph's, and torch's entries only alias it, so the clear frees nothing
+    a replay writes: memory handed out after it keeps its contents, and
+    results stay eager's.  (Guards the aliases: were they to own the
+    workspace, the clear would free it under the graphs.)"""
+    layers, head = layers_and_head(51)
+    eager_layers, eager_head = copy.deepcopy(layers), copy.deepcopy(head)
+    x = torch.randn(64, 256, device=CUDA, requires_grad=True)
+    graphed = graph_each(layers)
+    train_step(graphed, head, x)
+    torch._C._cuda_clearCublasWorkspaces()
+    # Whatever the clear freed is handed out again here.
+    junk = [torch.full((8 << 20,), float("nan"), device=CUDA) for _ in range(4)]
+    for m in (*layers, head):
+        m.zero_grad(set_to_none=True)
+    train_step(graphed, head, x)
+    train_step(eager_layers, eager_head, x)
+    for g, e in zip((*layers, head), (*eager_layers, eager_head)):
+        assert_grads_equal(g, e, "after torch cleared its workspaces")
+    torch.cuda.synchronize()
+    assert all(bool(j.isnan().all()) for j in junk), "a replay wrote memory it does not own"
+
+
+def test_a_replay_on_another_stream_is_ordered_with_the_callers():
+    """Note [Replays on another stream]: the replay waits for the caller
+    stream's work, and the caller stream's later work waits for the replay,
+    so reading its output there without a wait_stream still sees it."""
+    torch.manual_seed(52)
+    model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).to(CUDA)
+    x1, x2 = (torch.randn(64, 256, device=CUDA) for _ in range(2))
+    graphed = cgraph.make_graphed(model, (torch.randn_like(x1),))
+    with torch.no_grad():
+        graphed(x1)  # the output buffer holds model(x1)
+        expected = model(x2)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(50_000_000)  # the side stream is still busy...
+            out = graphed(x2)
+        seen = out.clone()  # ...when the caller stream reads the output
+    assert_equal(seen, expected, "the output read on the caller stream")
+
+
+def test_a_later_graphs_first_gemm_does_not_look_like_warm_up_state(caplog):
+    """Note [Warm-up in the pool]: the pool check counts memory a warm-up
+    leaves allocated.  A later shape whose warm-up runs the callable's first
+    GEMM makes the shared workspace; that is not the warm-up's, so the
+    earlier graph stays in its pool and both results are eager's."""
+    weight = torch.randn(256, 256, device=CUDA, requires_grad=True)
+
+    def gemm_for_big_batches(x):
+        return x @ weight if x.shape[0] > 4 else x * 2
+
+    graphed = cgraph.make_graphed(gemm_for_big_batches)  # captures on the first calls
+    small = torch.randn(2, 256, device=CUDA, requires_grad=True)
+    big = torch.randn(8, 256, device=CUDA, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for _ in range(4):
+            graphed(small).sum().backward()
+        for _ in range(4):
+            graphed(big).sum().backward()
+    assert graphed.num_graphs == 2
+    assert not any("those graphs are dropped" in r.getMessage() for r in caplog.records)
+    for x in (small, big):
+        weight.grad = x.grad = None
+        graphed(x).sum().backward()
+        got = (weight.grad, x.grad)
+        weight.grad = x.grad = None
+        gemm_for_big_batches(x).sum().backward()
+        assert_equal(got[1], x.grad, f"the input's grad, batch {x.shape[0]}")
+        if got[0] is not None:
+            assert_equal(got[0], weight.grad, f"the weight's grad, batch {x.shape[0]}")
