@@ -73,13 +73,13 @@ def _prepare(variant: str):
     return model, graphed, [graphed]
 
 
-def measure(variant: str, cycles: int) -> dict:
-    torch.cuda.init()
+def trainer(variant: str):
+    """A training step of ``variant`` for a given (batch, length) of
+    :func:`_steps`, with its data made; and the graphed callables."""
     model, forward, graphed = _prepare(variant)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     data = {(b, t): (torch.randint(0, VOCAB, (b, t), device="cuda"),
                      torch.randint(0, VOCAB, (b, t), device="cuda")) for b, t in _steps()}
-    torch.cuda.reset_peak_memory_stats()
 
     def step(shape):
         x, y = data[shape]
@@ -87,6 +87,13 @@ def measure(variant: str, cycles: int) -> dict:
         F.cross_entropy(forward(x).flatten(0, -2), y.flatten()).backward()
         opt.step()
 
+    return step, graphed
+
+
+def measure(variant: str, cycles: int) -> dict:
+    torch.cuda.init()
+    step, graphed = trainer(variant)
+    torch.cuda.reset_peak_memory_stats()
     started = time.perf_counter()
     for _ in range(WARM_CYCLES):
         for shape in _steps():

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import breakdown, run, variant, workloads
+from benchmarks import breakdown, memory, run, variant, workloads
 
 REPO = Path(__file__).resolve().parent.parent
 NO_CUDA = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -334,6 +334,35 @@ def test_breakdown_phases_make_up_the_step(name):
 def test_breakdown_without_cuda_says_so():
     proc = subprocess.run([sys.executable, "-m", "benchmarks.breakdown"], cwd=REPO, env=NO_CUDA,
                           capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "no CUDA device" in proc.stdout
+
+
+def test_memory_groups_segments_by_owner_stream_and_kind():
+    """benchmarks.memory's grouping, on a made-up snapshot: the device's own
+    cache and a graph pool apart, streams named by first appearance, and
+    segments sorted into small (2 MiB), large (20 MiB) and huge."""
+    mib = 2**20
+
+    def seg(pool, stream, size, allocated):
+        return {"segment_pool_id": pool, "stream": stream, "total_size": size * mib,
+                "allocated_size": allocated * mib}
+
+    groups = memory.group_segments([
+        seg((0, 0), 0, 2, 1), seg((0, 0), 0, 2, 2), seg((0, 0), 0, 32, 32),
+        seg((0, 1), 77, 20, 4), seg((0, 1), 77, 2, 0), seg((0, 0), 77, 2, 0),
+    ])
+    assert groups == {
+        ("eager", "default", "huge"): memory.Group(32.0, 32.0, 1),
+        ("eager", "default", "small"): memory.Group(4.0, 3.0, 2),
+        ("eager", "stream 1", "small"): memory.Group(2.0, 0.0, 1),
+        ("pool (0, 1)", "stream 1", "large"): memory.Group(20.0, 4.0, 1),
+        ("pool (0, 1)", "stream 1", "small"): memory.Group(2.0, 0.0, 1),
+    }
+
+
+def test_memory_without_cuda_says_so():
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.memory", "gpt-6", "eager"], cwd=REPO,
+                          env=NO_CUDA, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "no CUDA device" in proc.stdout
 
 
