@@ -10,7 +10,8 @@ then prints the peak reserved and allocated memory and the segments of
 ``torch.cuda.memory_snapshot()`` grouped by owner (``eager``: the device's
 own cache; ``pool (a, b)``: a graph pool), stream and kind of segment
 (``small``: the 2 MiB segments of blocks up to 1 MiB; ``large``: the 20 MiB
-segments of blocks up to 10 MiB; ``huge``: a segment per larger block).
+segments of blocks up to 10 MiB; ``huge``: a segment per larger block).  For
+``varlen``, ``--steps`` is at least one cycle, so every shape's graphs exist.
 Each group: MiB reserved, MiB allocated and how many segments.
 
 A diagnostic, not a benchmark: one process, one set-up.  The breakdowns in
@@ -22,7 +23,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -39,8 +40,11 @@ class Group:
     segments: int = 0
 
 
-def _kind(size: int) -> str:
-    return "small" if size <= SMALL_SEGMENT else "large" if size == LARGE_SEGMENT else "huge"
+def _kind(seg: dict) -> str:
+    size = seg["total_size"]
+    if seg.get("segment_type", "small" if size <= SMALL_SEGMENT else "large") == "small":
+        return "small"
+    return "large" if size == LARGE_SEGMENT else "huge"
 
 
 def group_segments(snapshot: Iterable[dict]) -> dict[tuple[str, str, str], Group]:
@@ -53,23 +57,25 @@ def group_segments(snapshot: Iterable[dict]) -> dict[tuple[str, str, str], Group
         pool = tuple(seg.get("segment_pool_id") or (0, 0))
         owner = "eager" if pool == (0, 0) else f"pool {pool}"
         stream = streams.setdefault(seg["stream"], f"stream {len(streams)}")
-        group = groups.setdefault((owner, stream, _kind(seg["total_size"])), Group())
+        group = groups.setdefault((owner, stream, _kind(seg)), Group())
         group.reserved_mib += seg["total_size"] / MIB
         group.allocated_mib += seg["allocated_size"] / MIB
         group.segments += 1
     return dict(sorted(groups.items()))
 
 
-def _train(workload: str, variant: str, steps: int) -> None:
+def _train(workload: str, variant: str, steps: int) -> Callable[..., object]:
+    """Sets ``variant`` up and trains ``steps`` steps; returns the step, which
+    keeps the model, its optimizer and its graphs alive for the snapshot."""
     if workload == "varlen":
         from .varlen import _steps, trainer
 
         step, _ = trainer(variant)
         torch.cuda.reset_peak_memory_stats()
         shapes = _steps()
-        for k in range(steps):
+        for k in range(max(steps, len(shapes))):  # every shape at least once
             step(shapes[k % len(shapes)])
-        return
+        return step
     from .variant import _pay_one_time_costs
     from .workloads import WORKLOADS, build, prepare
 
@@ -79,6 +85,7 @@ def _train(workload: str, variant: str, steps: int) -> None:
     step = prepare(problem, variant)
     for _ in range(steps):
         step()
+    return step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("memory: no CUDA device; run this on a machine with an NVIDIA GPU.")
         return 0
-    _train(args.workload, args.variant, args.steps)
+    step = _train(args.workload, args.variant, args.steps)
     torch.cuda.synchronize()
     print(f"{args.workload} {args.variant}: peak reserved "
           f"{torch.cuda.max_memory_reserved() / MIB:.1f} MiB, peak allocated "
@@ -99,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for (owner, stream, kind), g in group_segments(torch.cuda.memory_snapshot()).items():
         print(f"  {owner:<14} {stream:<10} {kind:<6} {g.reserved_mib:7.1f} MiB reserved "
               f"{g.allocated_mib:7.1f} allocated  {g.segments:3d} segments")
+    del step  # alive until here: its tensors are what "allocated" counts
     return 0
 
 
