@@ -409,6 +409,8 @@ struct cg_setup {
   // While warm-up allocates from a graph pool: Note [Warm-up in the pool].
   std::optional<at::cuda::MempoolId_t> warm_pool = std::nullopt;
   int64_t allocated_before = 0;  // the device's allocated bytes when it began
-  // Note [One cuBLAS workspace per stream] (aten_workspace.cpp).
+  // Note [One cuBLAS workspace per stream] (aten_workspace.cpp), and eager
+  // mode's own workspaces it replaced, freed when the session ends.
   std::shared_ptr<cgraph::BlasWorkspace> blas_workspace;
+  std::vector<at::DataPtr> replaced_workspaces;
 };

@@ -79,9 +79,10 @@ class Graph : public at::cuda::CUDAGraph {
   // Before a replay: whether the segment runs this time.
   void set_segment(SegmentId segment, bool enabled);
 
-  // Replays the graph on the current stream: torch's replay() without its
-  // ATen calls.  See Note [Seeding random numbers inside the graph].
-  void launch();
+  // Replays the graph on `stream`, the current stream of its device (the
+  // caller has it already): torch's replay() without its ATen calls.  See
+  // Note [Seeding random numbers inside the graph].
+  void launch(cudaStream_t stream);
 
   // What the captured graph is made of (aten_inspect.cpp); false if it was
   // not captured (or was reset).
@@ -148,14 +149,16 @@ c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device);
 class BlasWorkspace;
 // The caller stream's workspace, or nullptr if none is alive.
 std::shared_ptr<BlasWorkspace> live_blas_workspace(const c10::cuda::CUDAStream& caller);
-// The caller stream's workspace, made if none is alive and `handles` (those
-// a warm-up used) is not empty, with torch's entries on the caller and
-// capture streams pointed at it for `handles` and the handles an earlier
-// session pointed; nullptr, with the capture stream's aliases erased, if
-// there is none.
+// The caller stream's workspace, with torch's entries on the caller and
+// capture streams pointed at it for `handles` (those a warm-up used), the
+// handles of eager GEMMs on the caller stream and those an earlier session
+// pointed; made if none is alive and there are such handles, else nullptr,
+// with the capture stream's aliases erased.  Eager mode's own workspaces
+// move to `replaced`: free them once other threads' GEMMs are done.
 std::shared_ptr<BlasWorkspace> share_blas_workspace(const c10::cuda::CUDAStream& caller,
                                                     cudaStream_t capture,
-                                                    const std::set<void*>& handles);
+                                                    std::set<void*> handles,
+                                                    std::vector<at::DataPtr>& replaced);
 // Drops torch's workspace entries for `stream` that are not cgraph's (a
 // warm-up's, or those a capture allocated from its pool, freed with its
 // other temporaries) and returns their handles.

@@ -352,13 +352,12 @@ void Graph::write_seeds(RngSeed& r) {
   }
 }
 
-void Graph::launch() {
+void Graph::launch(cudaStream_t stream) {
   if (!seeds_in_graph_) {
     replay();
     return;
   }
   c10::cuda::CUDAGuard guard(capture_dev_);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(capture_dev_).stream();
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &status));
   TORCH_CHECK(status == cudaStreamCaptureStatusNone, "cgraph: a graphed callable was called "

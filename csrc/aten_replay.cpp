@@ -363,12 +363,12 @@ void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& 
 void Engine::launch(Graph& graph) {
   const c10::cuda::CUDAStream now = c10::cuda::getCurrentCUDAStream(device);
   if (now == caller_stream || !blas_workspace || capturing(now)) {
-    graph.launch();  // while capturing, launch() refuses with its own error
+    graph.launch(now.stream());  // while capturing, launch() refuses with its own error
     return;
   }
   c10::cuda::CUDAGuard on_device(device);  // the events must be the streams'
   wait_for(now, caller_stream);
-  graph.launch();
+  graph.launch(now.stream());
   wait_for(caller_stream, now);
 }
 

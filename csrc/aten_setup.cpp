@@ -162,7 +162,8 @@ cg_setup* open_setup(c10::DeviceIndex device) {
                                                capture_stream(device)});
   // Warm-up GEMMs, on the capture stream, use the workspace earlier graphs
   // from this stream share: Note [One cuBLAS workspace per stream].
-  setup->blas_workspace = share_blas_workspace(setup->caller, setup->side.stream(), {});
+  setup->blas_workspace =
+      share_blas_workspace(setup->caller, setup->side.stream(), {}, setup->replaced_workspaces);
   c10::cuda::setCurrentCUDAStream(setup->side);
   return setup.release();
 }
@@ -218,8 +219,13 @@ bool release_warmup_memory(cg_setup& setup) {
   const bool in_pool = setup.warm_pool.has_value();
   end_warm_up_in_pool(setup);
   const bool kept = in_pool && allocated_bytes(setup.device) > setup.allocated_before;
-  setup.blas_workspace = share_blas_workspace(setup.caller, setup.side.stream(), warmed);
-  c10::cuda::CUDACachingAllocator::emptyCache();  // and torch's workspaces it replaced
+  // The warm-up's memory goes back before the shared workspace is made (the
+  // freed workspaces are the capture stream's, which the caller's cannot
+  // reuse), then the workspaces of torch's it replaced on the caller stream.
+  c10::cuda::CUDACachingAllocator::emptyCache();
+  setup.blas_workspace = share_blas_workspace(setup.caller, setup.side.stream(), warmed,
+                                              setup.replaced_workspaces);
+  c10::cuda::CUDACachingAllocator::emptyCache();
   return kept;
 }
 
@@ -236,6 +242,10 @@ void close_setup(cg_setup* setup) noexcept {
     // stream].
     drop_foreign_blas_workspaces(setup->side.stream());
     end_warm_up_in_pool(*setup);
+    if (!setup->replaced_workspaces.empty()) {
+      setup->replaced_workspaces.clear();  // freed in the caller stream's order
+      c10::cuda::CUDACachingAllocator::emptyCache();
+    }
   } catch (const std::exception& e) {
     TORCH_WARN("cgraph: could not wait for the capture stream: ", e.what());
   }

@@ -9,11 +9,13 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <shared_mutex>
 #include <tuple>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace cgraph {
 
@@ -30,11 +32,11 @@ namespace cgraph {
 //    were captured from, in order with the eager GEMMs there.  So cgraph
 //    keeps one workspace per caller stream (BlasWorkspace) and points
 //    torch's entries at it, on the caller stream and the capture stream,
-//    for every handle a warm-up used: eager mode's GEMMs on both threads,
-//    the warm-ups and every capture made from that stream share it.  Eager
-//    mode's two workspaces become one, and pools hold none.  Handles are
-//    learnt from the capture stream only: it is one device's, while the
-//    caller's default stream is stream 0 on every device.
+//    for every handle eager mode or a warm-up used: eager mode's GEMMs on
+//    both threads, the warm-ups and every capture made from that stream
+//    share it.  Eager mode's two workspaces become one, and pools hold
+//    none.  A handle on the caller stream counts only if its workspace is
+//    on this device: the default stream is stream 0 on every device.
 //    Ownership: the graphs (Engine::blas_workspace) and the set-up session.
 //    torch's entries are aliases that own nothing, so torch.compile's
 //    clearCublasWorkspaces() drops them without freeing memory a graph still
@@ -42,10 +44,11 @@ namespace cgraph {
 //    torch allocates afresh, as after any clear.
 //    Limits: a replay on another stream would race the caller stream's
 //    GEMMs, so it is ordered after and before that stream (Note [Replays on
-//    another stream], aten_replay.cpp); a capture with no warm-up before it
-//    (a graphed step's) on a thread no warm-up used gets its workspace from
-//    the pool, and the capture's end drops it with the graph's other
-//    temporaries (drop_foreign_blas_workspaces), as before.
+//    another stream], aten_replay.cpp); the first GEMM of a thread that
+//    neither eager mode nor an earlier set-up used gets a workspace of
+//    torch's: in a warm-up, on the capture stream, until the warm-up ends;
+//    in a capture without warm-up, from the pool, until the capture ends
+//    (drop_foreign_blas_workspaces).
 namespace {
 
 // An alias's deleter: torch's entry owns nothing; the BlasWorkspace does.
@@ -58,6 +61,15 @@ using EntryOf =
 // torch 2.11 maps to a DataPtr; later releases to (DataPtr, size).
 template <class Entry>
 const at::DataPtr& data_of(const Entry& entry) {
+  if constexpr (std::is_same_v<Entry, at::DataPtr>) {
+    return entry;
+  } else {
+    return entry.first;
+  }
+}
+
+template <class Entry>
+at::DataPtr& data_of(Entry& entry) {
   if constexpr (std::is_same_v<Entry, at::DataPtr>) {
     return entry;
   } else {
@@ -81,8 +93,7 @@ bool is_alias(const at::DataPtr& data, const void* owner) {
 }
 
 // Points (handle, caller) and (handle, capture) at `data`, for `handles` and
-// for the handles already pointed on `capture` by an earlier session.
-// Entries torch owned are freed (back to its cache).
+// for the handles already pointed by an earlier session.
 template <class WorkspaceMap>
 void point_entries(WorkspaceMap& workspaces, cudaStream_t caller, cudaStream_t capture,
                    std::set<void*> handles, void* data, const void* owner,
@@ -90,8 +101,13 @@ void point_entries(WorkspaceMap& workspaces, cudaStream_t caller, cudaStream_t c
   using Entry = EntryOf<WorkspaceMap>;
   std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
   for (const auto& entry : workspaces.map) {
-    if (std::get<1>(entry.first) == static_cast<void*>(capture) &&
-        is_alias(data_of(entry.second), nullptr)) {
+    // The capture stream's aliases name the threads earlier sessions
+    // warmed up; the caller stream's aliases of this workspace name them
+    // still after torch dropped the capture stream's (a graph's reset).
+    void* stream = std::get<1>(entry.first);
+    const at::DataPtr& data = data_of(entry.second);
+    if ((stream == static_cast<void*>(capture) && is_alias(data, nullptr)) ||
+        (stream == static_cast<void*>(caller) && is_alias(data, owner))) {
       handles.insert(std::get<0>(entry.first));
     }
   }
@@ -103,16 +119,20 @@ void point_entries(WorkspaceMap& workspaces, cudaStream_t caller, cudaStream_t c
   }
 }
 
-// Erases the entries on `stream` (nullptr: on every stream) that `keep`
-// rejects, and returns their handles.
+// Erases the entries on `stream` (nullopt: on every stream; nullptr is the
+// default stream) that `keep` rejects, and returns their handles.  Their
+// memory moves to `taken` if given, else goes back to torch's cache.
 template <class WorkspaceMap, class Keep>
-std::set<void*> erase_entries(WorkspaceMap& workspaces, cudaStream_t stream, Keep keep) {
+std::set<void*> erase_entries(WorkspaceMap& workspaces, std::optional<cudaStream_t> stream,
+                              Keep keep, std::vector<at::DataPtr>* taken = nullptr) {
   std::set<void*> erased;
   std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
   for (auto it = workspaces.map.begin(); it != workspaces.map.end();) {
-    const bool on_stream =
-        stream == nullptr || std::get<1>(it->first) == static_cast<void*>(stream);
+    const bool on_stream = !stream || std::get<1>(it->first) == static_cast<void*>(*stream);
     if (on_stream && !keep(data_of(it->second))) {
+      if (taken != nullptr) {
+        taken->push_back(std::move(data_of(it->second)));
+      }
       erased.insert(std::get<0>(it->first));
       it = workspaces.map.erase(it);
     } else {
@@ -154,8 +174,8 @@ class BlasWorkspace {
 
   ~BlasWorkspace() {
     const auto not_mine = [this](const at::DataPtr& data) { return !is_alias(data, this); };
-    erase_entries(at::cuda::cublas_handle_stream_to_workspace(), nullptr, not_mine);
-    erase_entries(at::cuda::cublaslt_handle_stream_to_workspace(), nullptr, not_mine);
+    erase_entries(at::cuda::cublas_handle_stream_to_workspace(), std::nullopt, not_mine);
+    erase_entries(at::cuda::cublaslt_handle_stream_to_workspace(), std::nullopt, not_mine);
   }
 
   BlasWorkspace(const BlasWorkspace&) = delete;
@@ -186,12 +206,26 @@ std::shared_ptr<BlasWorkspace> live_blas_workspace(const c10::cuda::CUDAStream& 
 
 std::shared_ptr<BlasWorkspace> share_blas_workspace(const c10::cuda::CUDAStream& caller,
                                                     cudaStream_t capture,
-                                                    const std::set<void*>& handles) {
+                                                    std::set<void*> handles,
+                                                    std::vector<at::DataPtr>& replaced) {
+  // Eager GEMMs' threads too, so a warm-up, or a capture without one, uses
+  // the shared workspace from its first GEMM.  Only this device's: the
+  // default stream is stream 0 on every device.  Their workspaces go to
+  // `replaced`, not back to the cache: another thread may have read one
+  // just before, for a GEMM it has yet to launch.
+  const c10::DeviceIndex device = caller.device_index();
+  const auto not_torchs_here = [device](const at::DataPtr& data) {
+    return is_alias(data, nullptr) || data.device().index() != device;
+  };
+  handles.merge(erase_entries(at::cuda::cublas_handle_stream_to_workspace(), caller.stream(),
+                              not_torchs_here, &replaced));
+  handles.merge(erase_entries(at::cuda::cublaslt_handle_stream_to_workspace(), caller.stream(),
+                              not_torchs_here, &replaced));
   std::shared_ptr<BlasWorkspace> workspace = live_blas_workspace(caller);
   if (!workspace) {
     if (handles.empty()) {
-      // No warm-up GEMM yet: nothing to share, and the capture stream's
-      // GEMMs must not use another caller stream's workspace.
+      // No GEMM has run here yet: nothing to share, and the capture
+      // stream's GEMMs must not use another caller stream's workspace.
       erase_aliases_on(capture);
       return nullptr;
     }

@@ -162,3 +162,53 @@ def test_a_later_graphs_first_gemm_does_not_look_like_warm_up_state(caplog):
         assert_equal(got[1], x.grad, f"the input's grad, batch {x.shape[0]}")
         if got[0] is not None:
             assert_equal(got[0], weight.grad, f"the weight's grad, batch {x.shape[0]}")
+
+
+def test_set_up_after_eager_steps_allocates_no_workspace_of_its_own():
+    """After eager steps, the warm-up and capture use the workspace eager
+    GEMMs use from their first GEMM: setting graphs up adds no
+    workspace-sized peak (before, warm-up made one per thread on the capture
+    stream, then the shared one was made)."""
+    workspace = cublas_workspace_bytes()
+    layers, head = layers_and_head(53)
+    x = torch.randn(64, 256, device=CUDA, requires_grad=True)
+    train_step(layers, head, x)  # eager: both threads' workspaces exist
+    settled_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    graphed = graph_each(layers)
+    # The pools stay; what set-up held only while it ran must be no workspace.
+    transient = torch.cuda.max_memory_reserved() - settled_reserved()
+    assert transient < workspace / 2, (transient, workspace)
+    train_step(graphed, head, x)
+
+
+def test_a_graphed_steps_pool_holds_no_workspace():
+    """make_graphed_step captures with no warm-up of its own: its eager
+    calls' threads are the ones the shared workspace is made for, so its
+    capture takes none from the pool, and the step trains as eager does."""
+    workspace = cublas_workspace_bytes()
+    torch.manual_seed(54)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).to(CUDA)
+    eager = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
+    xs = [torch.randn(64, 256, device=CUDA) for _ in range(5)]
+
+    def make(m, o):
+        def step(x):
+            o.zero_grad()
+            loss = m(x).square().mean()
+            loss.backward()
+            o.step()
+            return loss
+        return step
+
+    step = cgraph.make_graphed_step(make(model, opt), (xs[0],))
+    losses = [step(x).clone() for x in xs]
+    losses_e = [make(eager, opt_e)(x) for x in xs]
+    largest = max(s["total_size"] for s in pool_segments(step.graphed.pool))
+    assert largest < workspace, (largest, workspace)
+    for k, (a, b) in enumerate(zip(losses, losses_e)):
+        assert_equal(a, b, f"loss {k}")
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert_equal(p, q, "a parameter after five steps")
