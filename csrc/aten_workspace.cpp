@@ -7,6 +7,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -164,12 +165,23 @@ Registry& registry(std::unique_lock<std::mutex>& lock) {
 // GEMMs on it: Note [One cuBLAS workspace per stream].
 class BlasWorkspace {
  public:
-  explicit BlasWorkspace(const c10::cuda::CUDAStream& caller)
+  // `adopted`: a workspace of torch's on `caller`, large enough, that
+  // becomes this one; else one is allocated.
+  BlasWorkspace(const c10::cuda::CUDAStream& caller, std::optional<at::DataPtr> adopted)
       : caller_(caller),
         blas_bytes_(at::cuda::getChosenWorkspaceSize()),
         lt_bytes_(at::cuda::getCUDABlasLtWorkspaceSize()) {
+    if (adopted) {
+      memory_ = std::move(*adopted);
+      return;
+    }
     c10::cuda::CUDAStreamGuard on_caller(caller);  // freed in the caller stream's order
-    memory_ = c10::cuda::CUDACachingAllocator::get()->allocate(std::max(blas_bytes_, lt_bytes_));
+    memory_ = c10::cuda::CUDACachingAllocator::get()->allocate(bytes());
+  }
+
+  // What one workspace for both kinds of handle needs.
+  static size_t bytes() {
+    return std::max(at::cuda::getChosenWorkspaceSize(), at::cuda::getCUDABlasLtWorkspaceSize());
   }
 
   ~BlasWorkspace() {
@@ -217,11 +229,26 @@ std::shared_ptr<BlasWorkspace> share_blas_workspace(const c10::cuda::CUDAStream&
   const auto not_torchs_here = [device](const at::DataPtr& data) {
     return is_alias(data, nullptr) || data.device().index() != device;
   };
+  std::vector<at::DataPtr> blas_taken, lt_taken;
   handles.merge(erase_entries(at::cuda::cublas_handle_stream_to_workspace(), caller.stream(),
-                              not_torchs_here, &replaced));
+                              not_torchs_here, &blas_taken));
   handles.merge(erase_entries(at::cuda::cublaslt_handle_stream_to_workspace(), caller.stream(),
-                              not_torchs_here, &replaced));
+                              not_torchs_here, &lt_taken));
   std::shared_ptr<BlasWorkspace> workspace = live_blas_workspace(caller);
+  // The first shared workspace is one of eager mode's, if one is large
+  // enough (each kind of handle has its own size), so that sharing adds no
+  // workspace to the peak: the caller's GEMMs that may still read it run on
+  // the caller stream, in order with every later use.
+  const bool blas_larger = at::cuda::getChosenWorkspaceSize() >= at::cuda::getCUDABlasLtWorkspaceSize();
+  std::vector<at::DataPtr>& large_enough = blas_larger ? blas_taken : lt_taken;
+  std::optional<at::DataPtr> adopted;
+  if (!workspace && !large_enough.empty()) {
+    adopted = std::move(large_enough.back());
+    large_enough.pop_back();
+  }
+  for (auto* taken : {&blas_taken, &lt_taken}) {
+    std::move(taken->begin(), taken->end(), std::back_inserter(replaced));
+  }
   if (!workspace) {
     if (handles.empty()) {
       // No GEMM has run here yet: nothing to share, and the capture
@@ -229,7 +256,8 @@ std::shared_ptr<BlasWorkspace> share_blas_workspace(const c10::cuda::CUDAStream&
       erase_aliases_on(capture);
       return nullptr;
     }
-    auto made = std::make_shared<BlasWorkspace>(caller);  // allocates: not under the lock
+    // Allocates unless it adopts: not under the lock.
+    auto made = std::make_shared<BlasWorkspace>(caller, std::move(adopted));
     std::unique_lock<std::mutex> lock;
     std::weak_ptr<BlasWorkspace>& slot = registry(lock)[{caller.device_index(), caller.stream()}];
     workspace = slot.lock();
