@@ -13,6 +13,10 @@ step of each cycle (a short last batch), AdamW (fused).  Variants:
 * ``cgraph-layer`` / ``cgraph-whole``: each block, or the whole model,
   graphed with ``cgraph.make_graphed`` and no samples: a graph per shape,
   captured on its first call;
+* ``cgraph-layer-pool``: the blocks graphed with one ``pool=``: each pass
+  with new shapes runs eagerly, recorded, and is captured on the next call,
+  every block's graphs in that pool (Note [One pool for separately graphed
+  callables] in cgraph/_group.py);
 * ``cgraph-layer-buckets`` / ``cgraph-whole-buckets``: the same with
   ``buckets={0: [BATCH], 1: BUCKETS}``: calls padded up to the bucket
   (exact: rows are independent and attention is causal) and outputs sliced.
@@ -39,7 +43,8 @@ BATCH, LAST_BATCH = 8, 5
 BUCKETS = (64, 128)
 WARM_CYCLES = 2
 VARIANTS = ("eager", "compile-default", "compile-dynamic", "compile-reduce-overhead",
-            "cgraph-layer", "cgraph-whole", "cgraph-layer-buckets", "cgraph-whole-buckets")
+            "cgraph-layer", "cgraph-layer-pool", "cgraph-whole", "cgraph-layer-buckets",
+            "cgraph-whole-buckets")
 VOCAB = 1024
 
 
@@ -66,6 +71,8 @@ def _prepare(variant: str):
 
     kwargs = {"buckets": {0: [BATCH], 1: list(BUCKETS)}} if variant.endswith("-buckets") else {}
     if variant.startswith("cgraph-layer"):
+        if variant == "cgraph-layer-pool":  # the blocks' graphs share one pool
+            kwargs["pool"] = cgraph.graph_pool_handle()
         blocks = [cgraph.make_graphed(b, **kwargs) for b in model.blocks]
         model.blocks = torch.nn.Sequential(*blocks)
         return model, model, blocks

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _C, _log
+from . import _C, _group, _log
 from ._buckets import Bucketed
 from ._buckets import normalize as normalize_buckets
 from ._capture import CaptureOptions, graph
@@ -163,7 +163,7 @@ def make_graphed_callables(
     if max_graphs is not None:
         shares_pool = len(described) > 1 or pool_id is not None
         for target, g in zip(described, graphed):
-            g._set_on_miss(Regraph(target, options, _max_graphs(max_graphs), None, shares_pool))
+            g._set_on_miss(Regraph(target, options, _max_graphs(max_graphs), shares_pool))
     out = []
     for fn, target, g in zip(callables, targets, graphed):
         if isinstance(target, nn.Module):
@@ -222,10 +222,23 @@ def make_graphed(
     copies, puts back every grad, buffer and the random-number state, then
     the graph is captured and replayed for the call.  Results are eager's
     throughout.  This graphs a model's layers without knowing how the model
-    calls them::
+    calls them; give them one ``pool`` and their graphs share its memory::
 
+        pool = cgraph.graph_pool_handle()
         layers = model.model.layers
-        model.model.layers = torch.nn.ModuleList(cgraph.make_graphed(l) for l in layers)
+        model.model.layers = torch.nn.ModuleList(
+            cgraph.make_graphed(l, pool=pool) for l in layers)
+
+    Callables graphed without samples but with one ``pool`` are captured
+    together: a pass through them with new shapes runs eagerly and is
+    recorded, and the next call of a recorded callable captures the whole
+    pass, forwards in call order and backwards in reverse, into that pool
+    (``stats["eager_recorded"]`` counts the recorded calls).  Graphs of
+    every shape and every layer then share one pool, as graphs captured
+    together do, instead of a pool per layer (Note [One pool for separately
+    graphed callables] in cgraph/_group.py).  They need the same
+    ``num_warmup_iters``, ``allow_unused_input``, ``capture_error_mode`` and
+    ``kept_outputs``.
 
     Returns a :class:`GraphedModule` for an
     ``nn.Module`` (the module stays untouched inside it) and a graphed
@@ -254,12 +267,14 @@ def make_graphed(
             raise ValueError("cgraph: sample_kwargs without sample_args; pass both, or "
                              "neither to capture on the first call.")
         _require_cuda()
-        g = _C.new_graphed(Regraph(target, options, limit or 1, pool_id, pool_id is not None))
+        on_miss = (Regraph(target, options, limit or 1, False) if pool_id is None
+                   else _group.member(target, pool_id, options, limit or 1))
+        g = _C.new_graphed(on_miss)
         _live.add(g)
     else:
         (g,) = _graph([target], (sample_args,), (sample_kwargs,), pool_id, options)
         if limit is not None:
-            g._set_on_miss(Regraph(target, options, limit, None, pool_id is not None))
+            g._set_on_miss(Regraph(target, options, limit, pool_id is not None))
     call = g
     if buckets is not None:
         call = Bucketed(g, normalize_buckets(buckets),

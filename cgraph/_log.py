@@ -59,9 +59,10 @@ def on_event(event: str, graphed) -> None:
                      describe(graphed), graphed.num_graphs, pool_mib(graphed.pools))
     elif event == "eager_pending":
         log.info(
-            "%s: a call ran eagerly because the backward of its previous call has not "
-            "run yet (a replay would overwrite the activations it needs); counted in "
-            "stats['eager_pending']. Logged once per callable.", describe(graphed))
+            "%s: a call ran eagerly because a backward that has not run yet (of its "
+            "previous call, or of another graph of its pool) needs memory a replay would "
+            "overwrite; counted in stats['eager_pending']. Logged once per callable.",
+            describe(graphed))
     elif event == "outputs_copied":
         log.info(
             "%s: an output of an earlier call was still held when the graph replayed over "

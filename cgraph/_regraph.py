@@ -22,14 +22,13 @@ class Regraph:
     pair for the call at hand, with the callable's options, up to
     ``max_graphs``; past that the call runs eagerly (graphed.c counts it)."""
 
-    __slots__ = ("target", "options", "max_graphs", "first_pool", "shares_pool", "told")
+    __slots__ = ("target", "options", "max_graphs", "shares_pool", "told")
 
     def __init__(self, target: Target, options: CaptureOptions, max_graphs: int,
-                 first_pool: tuple[int, int] | None, shares_pool: bool):
+                 shares_pool: bool):
         self.target = target
         self.options = options
         self.max_graphs = max_graphs
-        self.first_pool = first_pool  # pool= of a callable graphed without samples
         # The first graph's pool is shared with other callables (graphed
         # together, or pool=): later graphs stay out of it, or one could
         # reuse memory another callable's pending backward still needs.
@@ -64,11 +63,9 @@ class Regraph:
         return True
 
     def _pool(self, graphed: _C.Graphed) -> tuple[tuple[int, int], bool]:
-        """A pool where no graph of this callable has a backward pending
-        (the first graph's own when it may be shared, else a fresh one),
-        and whether graphs of this callable are in it."""
-        if graphed.num_graphs == 0 and self.first_pool is not None:
-            return self.first_pool, False
+        """A pool of this callable's graphs where no graph has a backward
+        pending (not the first graph's when that is shared), else a fresh
+        one, and whether graphs of this callable are in it."""
         idle = graphed._idle_pool(self.shares_pool)
         return (tuple(idle), True) if idle else (_C.new_pool(), False)
 

@@ -343,6 +343,7 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
     return autograd::variable_list(sources.size());  // only ungraded edges, none needed
   }
   check_replayable();
+  engine->check_backward_replayable();  // Note [Captures that share a pool] (aten_pool.cpp)
   ran = true;
   const TensorVec clones = route_incoming_grads(grads);
   // 2. Which tail delivers the parameter grads: Note [Parameter gradients].
@@ -384,9 +385,5 @@ NodePtr make_backward_node(std::shared_ptr<Engine> engine, BackwardWiring&& wiri
   return make_node<GraphedBackward>(std::move(engine), std::move(wiring));
 }
 
-void Engine::note_latest_node(const NodePtr& node) {
-  // Only a node that replays the backward graph reads the activations.
-  latest_node = WeakNodePtr(has_bwd ? node : NodePtr());
-}
 
 }  // namespace cgraph

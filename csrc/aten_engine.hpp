@@ -219,10 +219,16 @@ struct SetupState {
 
 // ---- the engine -----------------------------------------------------------
 
+// The captures into one memory pool and their engines: Note [Captures that
+// share a pool] (aten_pool.cpp).
+struct PoolLedger;
+// Whether an engine of `pool` has a backward pending (aten_pool.cpp).
+bool pool_busy(at::cuda::MempoolId_t pool);
+
 // One graphed callable.  Shared between the C half (through cg_engine) and
 // every backward node still pending, so a live autograd graph keeps the
 // buffers its backward replay needs.
-struct Engine {
+struct Engine : std::enable_shared_from_this<Engine> {
   explicit Engine(const cg_engine_config& config);
   ~Engine();
 
@@ -271,6 +277,15 @@ struct Engine {
   // forward: an earlier call's activations have been overwritten.
   uint64_t generation = 0;
   cg_stats stats{};  // how often each path ran, for introspection and tests
+
+  // -- the pool's other graphs: Note [Captures that share a pool] (aten_pool.cpp)
+  std::shared_ptr<PoolLedger> ledger;          // from the first capture on
+  uint64_t captured_at[2] = {0, 0};            // the pool's number of each capture
+  void note_capture(cg_pass pass);             // at each capture's start
+  bool may_replay_forward() const;             // no pending graph needs what it writes
+  void check_backward_replayable() const;      // throws if one does
+  void release_earlier_outputs();              // this engine's: Note [Outputs of earlier calls]
+  void release_later_outputs();                // those of engines captured after it
 
   Graph& graph(cg_pass pass) { return pass == CG_FORWARD ? *fwd : *bwd; }
 

@@ -244,8 +244,12 @@ int cg_engine_accepts(const cg_engine* engine, PyObject* const* args, Py_ssize_t
   END_HANDLE_TH_ERRORS_RET(-1)
 }
 
-int cg_engine_backward_pending(const cg_engine* engine) {
-  return engine->ptr->backward_pending() ? 1 : 0;
+int cg_engine_may_replay(const cg_engine* engine) {
+  return engine->ptr->may_replay_forward() ? 1 : 0;
+}
+
+int cg_pool_busy(cg_pool pool) {
+  return cgraph::pool_busy(to_mempool(pool)) ? 1 : 0;
 }
 
 // ---- random numbers ------------------------------------------------------------

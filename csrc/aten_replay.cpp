@@ -231,19 +231,6 @@ void move_to_own_memory(Engine& e, c10::StorageImpl& storage) {
   ++e.stats.outputs_copied;
 }
 
-void release_earlier_outputs(Engine& e) {
-  for (const auto& weak : e.handed_out) {
-    if (auto storage = weak.lock()) {
-      if (e.kept_outputs == CG_KEEP_COPY) {
-        move_to_own_memory(e, *storage);
-      } else {
-        storage->release_data_and_set_meta_custom_data_ptr_error_msg_(kOverwrittenOutput);
-        ++e.stats.outputs_invalidated;
-      }
-    }
-  }
-  e.handed_out.clear();
-}
 
 // 3. One copy launch for the arguments the graph does not copy itself, then
 //    the forward graph.
@@ -349,6 +336,21 @@ void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& 
 
 }  // namespace
 
+void Engine::release_earlier_outputs() {
+  Engine& e = *this;
+  for (const auto& weak : e.handed_out) {
+    if (auto storage = weak.lock()) {
+      if (e.kept_outputs == CG_KEEP_COPY) {
+        move_to_own_memory(e, *storage);
+      } else {
+        storage->release_data_and_set_meta_custom_data_ptr_error_msg_(kOverwrittenOutput);
+        ++e.stats.outputs_invalidated;
+      }
+    }
+  }
+  e.handed_out.clear();
+}
+
 // Note [Replays on another stream]
 // A graph replays on the stream current at the call, usually the stream it
 // was captured from (caller_stream), in order with the eager work there.
@@ -398,7 +400,8 @@ PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, s
   check_call(e, nargs);
   // First the earlier call's outputs saved from this replay: one may be an
   // argument now, or a static input that staging refills.
-  release_earlier_outputs(e);
+  e.release_earlier_outputs();
+  e.release_later_outputs();  // Note [Captures that share a pool] (aten_pool.cpp)
   StagedCall call;
   stage_inputs(e, args, call);
   const bool params_need_grad = check_params(e);

@@ -219,10 +219,15 @@ PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args, Py_ssize_t 
 int cg_engine_accepts(const cg_engine *engine, PyObject *const *args, Py_ssize_t nargs,
                       int exact_grad);
 
-/* 1 if the backward of the latest replay is still to run (its autograd node
- * is alive and has not run): a replay now would overwrite the activations it
- * needs, so the call runs eagerly instead.  0 otherwise.  Never fails. */
-int cg_engine_backward_pending(const cg_engine *engine);
+/* 1 if a forward replay now overwrites no memory that a pending backward
+ * needs: no graph of the engine's pool whose backward is still to run (its
+ * autograd node alive and not run) was captured outside the span of that
+ * graph's forward and backward captures (Note [Captures that share a pool]
+ * in aten_pool.cpp).  Its own pending backward always counts.  0: the call
+ * runs eagerly, or gets a graph elsewhere.  Never fails. */
+int cg_engine_may_replay(const cg_engine *engine);
+/* 1 if some graph of `pool` has a backward pending, else 0.  Never fails. */
+int cg_pool_busy(cg_pool pool);
 
 /* ---- random numbers (aten_rng.cpp) ------------------------------------- */
 

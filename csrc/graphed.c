@@ -13,14 +13,17 @@
  *                 e = self.entries[0]
  *                 if module.training != e.spec.training:
  *                     return e.spec.eager(module, *args, **kwargs)  # as torch does
- *                 if e.engine.backward_pending():      # eager, counted
+ *                 if not e.engine.may_replay():        # eager, counted
  *                     return e.spec.eager(...)
  *                 return replay(e, args, kwargs)       # raises on a mismatch
  *             for e in [hot entry, *the others]:       # several graphs
- *                 if e takes these arguments and no entry of its pool is pending:
+ *                 if e takes these arguments and e.engine.may_replay():
  *                     return replay(e, args, kwargs)
- *             if self.on_miss(self, args, kwargs, pending):  # captured one more
+ *             answer = self.on_miss(self, args, kwargs, pending)
+ *             if answer is True:                       # captured one more
  *                 return self(*args, **kwargs)
+ *             if type(answer) is tuple:                # on_miss ran it eagerly
+ *                 return answer[0]                     # (recorded: cgraph/_group.py)
  *             return eager(args, kwargs)               # past max_graphs, counted
  *
  *         def reset(self): ...   # free graphs, static tensors, pools and specs
@@ -36,12 +39,16 @@
  *    backward capture ran (autograd dropped them; the engine replays into
  *    them), so a later capture in that pool may reuse them.  That is what
  *    keeps the memory of several graphs near that of the largest, and it is
- *    safe while at most one entry of a pool has a backward pending.  So an
- *    entry replays only when no entry of its pool is pending; a call that
- *    matches only busy entries (a second forward before the first one's
- *    backward) gets an instance in a fresh pool (Transformer Engine keeps
- *    one graph per micro-batch the same way), and backwards then run in any
- *    order.  Past max_graphs, calls run eagerly and are counted.
+ *    safe while no pending backward needs what a replay writes (Note
+ *    [Captures that share a pool] in aten_pool.cpp): for graphs one
+ *    callable captured on their own, while no entry of the pool is pending.
+ *    A call that matches only entries that may not replay (a second forward
+ *    before the first one's backward) gets an instance in a fresh pool
+ *    (Transformer Engine keeps one graph per micro-batch the same way), and
+ *    backwards then run in any order.  Past max_graphs, calls run eagerly
+ *    and are counted.  on_miss may also run the call eagerly itself and
+ *    return its result in a 1-tuple: callables that share a pool= record
+ *    their first calls and capture them together (cgraph/_group.py).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -74,6 +81,7 @@ typedef struct {
     unsigned long long verified_epoch;  /* state->module_epoch at the last check */
     unsigned long long eager_pending;   /* calls run eagerly: a backward was pending */
     unsigned long long eager_past_limit;  /* calls run eagerly: no graph, no room */
+    unsigned long long eager_recorded;  /* calls on_miss ran eagerly, to capture later */
     char kept_reported;  /* the event hook was told a replay kept an earlier output */
     PyObject *weakreflist;
 } GraphedObject;
@@ -127,6 +135,7 @@ graphed_alloc(cg_state *state, PyObject *on_miss)
     self->verified_epoch = 0;
     self->eager_pending = 0;
     self->eager_past_limit = 0;
+    self->eager_recorded = 0;
     self->kept_reported = 0;
     self->weakreflist = NULL;
     PyObject_GC_Track(self);
@@ -407,12 +416,14 @@ replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssi
 
 /* Whether this call must run eagerly because the backward of the previous
  * replay is still to run (Note [Calls before their backwards] in
- * aten_backward.cpp): 1 (counted, and reported once to the event hook), 0,
- * or -1 with an exception set. */
+ * aten_backward.cpp), or that of another graph of its pool whose memory the
+ * replay would overwrite (Note [Captures that share a pool] in
+ * aten_pool.cpp): 1 (counted, and reported once to the event hook), 0, or
+ * -1 with an exception set. */
 static int
 backward_pending(GraphedObject *self)
 {
-    if (!cg_engine_backward_pending(self->entries[0].engine)) {
+    if (cg_engine_may_replay(self->entries[0].engine)) {
         return 0;
     }
     if (self->eager_pending++ == 0 &&
@@ -457,24 +468,10 @@ call_one(GraphedObject *self, const cg_spec *spec, PyObject *const *args, Py_ssi
 
 /* ---- replay with several graphs -------------------------------------------- */
 
-/* 1 if an entry in `pool` has a backward pending, else 0. */
-static int
-pool_busy(const GraphedObject *self, cg_pool pool)
-{
-    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
-        const graph_entry *e = &self->entries[k];
-        if (e->pool.first == pool.first && e->pool.second == pool.second &&
-            cg_engine_backward_pending(e->engine)) {
-            return 1;
-        }
-    }
-    return 0;
-}
-
 /* What find_entry found. */
 typedef struct {
     Py_ssize_t index;        /* the entry to replay, or -1 */
-    int pending;             /* some entry took the call but its pool was busy */
+    int pending;             /* some entry took the call but may not replay now */
     PyObject *const *tensors;
     Py_ssize_t nt;
     PyObject *owned;         /* keeps tensors alive; NULL if the caller's */
@@ -513,7 +510,7 @@ entry_takes(GraphedObject *self, Py_ssize_t k, int training, PyObject *const *ar
     }
     e = &self->entries[k];
     fits = cg_engine_accepts(e->engine, out->tensors, out->nt, 1);
-    if (fits == 1 && pool_busy(self, e->pool)) {
+    if (fits == 1 && !cg_engine_may_replay(e->engine)) {
         out->pending = 1;
         fits = 0;
     }
@@ -541,11 +538,12 @@ find_entry(GraphedObject *self, int training, PyObject *const *args, Py_ssize_t 
     return 0;
 }
 
-/* Asks on_miss to capture a graph for this call: 1 if it did, 0 if the
- * call should run eagerly, -1 with an exception set. */
+/* Asks on_miss about this call: 1 if it captured a graph for it, 0 if the
+ * call should run eagerly, 2 if on_miss ran it eagerly itself (*ran: a NEW
+ * reference to the result), -1 with an exception set. */
 static int
 ask_on_miss(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-            int pending)
+            int pending, PyObject **ran)
 {
     PyObject *positional = PyTuple_New(nargs), *keywords = PyDict_New(), *answer = NULL;
     int captured = -1;
@@ -563,7 +561,12 @@ ask_on_miss(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObje
         answer = PyObject_CallFunction(self->on_miss, "OOOO", (PyObject *)self, positional,
                                        keywords, pending ? Py_True : Py_False);
     }
-    captured = answer ? PyObject_IsTrue(answer) : -1;
+    if (answer != NULL && PyTuple_CheckExact(answer) && PyTuple_GET_SIZE(answer) == 1) {
+        *ran = Py_NewRef(PyTuple_GET_ITEM(answer, 0));
+        captured = 2;
+    } else {
+        captured = answer ? PyObject_IsTrue(answer) : -1;
+    }
     Py_XDECREF(answer);
     Py_XDECREF(positional);
     Py_XDECREF(keywords);
@@ -576,7 +579,9 @@ static PyObject *
 call_any(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *module = NULL, *result = NULL;
-    int training = 0, attempts = 2, captured = 1;
+    /* A group may capture the calls it recorded, then ask again about this
+     * one (cgraph/_group.py): up to two misses before the call runs. */
+    int training = 0, attempts = 3, captured = 1;
     lookup found = {.index = -1};
 
     while (captured == 1 && attempts-- > 0 && !self->is_reset) {
@@ -593,10 +598,13 @@ call_any(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
             result = replay_entry(self, found.index, found.tensors, found.nt);
             break;
         }
-        captured = attempts > 0 ? ask_on_miss(self, args, nargs, kwnames, found.pending)
-                                : 0;
+        captured = attempts > 0
+                       ? ask_on_miss(self, args, nargs, kwnames, found.pending, &result)
+                       : 0;
     }
-    if (self->is_reset && result == NULL && !PyErr_Occurred()) {
+    if (captured == 2) {
+        self->eager_recorded += 1;
+    } else if (self->is_reset && result == NULL && !PyErr_Occurred()) {
         raise_reset();
     } else if (captured == 0 && self->n_entries > 0) {
         *(found.pending ? &self->eager_pending : &self->eager_past_limit) += 1;
@@ -703,7 +711,7 @@ Graphed_idle_pool(GraphedObject *self, PyObject *skip_first)
     for (Py_ssize_t k = 0; k < self->n_entries; k++) {
         cg_pool pool = self->entries[k].pool;
         int first = pool.first == self->pool.first && pool.second == self->pool.second;
-        if (!(skip && first) && !pool_busy(self, pool)) {
+        if (!(skip && first) && !cg_pool_busy(pool)) {
             return Py_BuildValue("(KK)", pool.first, pool.second);
         }
     }
@@ -726,7 +734,7 @@ Graphed_drop_pool(GraphedObject *self, PyObject *arg)
                           &pool.second)) {
         return NULL;
     }
-    if (pool_busy(self, pool)) {
+    if (cg_pool_busy(pool)) {
         PyErr_SetString(PyExc_RuntimeError, "_drop_pool: a graph of that pool has a backward "
                                             "pending");
         return NULL;
@@ -883,7 +891,7 @@ static PyObject *
 Graphed_get_stats(GraphedObject *self, void *closure)
 {
     cg_stats sum = summed_stats(self);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
                          "backward", sum.backward, "grads_copied", sum.grads_copied,
                          "grads_added", sum.grads_added, "grads_slow", sum.grads_slow,
                          "copied_in_graph", sum.copied_in_graph,
@@ -892,6 +900,7 @@ Graphed_get_stats(GraphedObject *self, void *closure)
                          "outputs_invalidated", sum.outputs_invalidated,
                          "eager_pending", self->eager_pending,
                          "eager_past_limit", self->eager_past_limit,
+                         "eager_recorded", self->eager_recorded,
                          "graphs", self->n_entries);
 }
 
@@ -1005,7 +1014,8 @@ Graphed_repr(GraphedObject *self)
     result = joined ? PyUnicode_FromFormat(
         "<cgraph.Graphed of %U: %zd graph%s %U, %llu replays, %llu eager calls, pool (%llu, "
         "%llu)>", name, self->n_entries, self->n_entries == 1 ? "" : "s", joined,
-        stats.forward, self->eager_pending + self->eager_past_limit, self->pool.first,
+        stats.forward, self->eager_pending + self->eager_past_limit + self->eager_recorded,
+        self->pool.first,
         self->pool.second) : NULL;
     Py_XDECREF(joined);
     Py_XDECREF(sep);
@@ -1028,9 +1038,10 @@ static PyGetSetDef Graphed_getset[] = {
      "buffers by the graph itself or, for layouts a memcpy cannot copy, before it;\n"
      "outputs of earlier calls still held, moved to memory of their own before a\n"
      "replay (kept_outputs='copy') or made unreadable (kept_outputs='error'); calls\n"
-     "run eagerly because the backward of the\n"
-     "previous call had not run yet, or because no graph took them and max_graphs\n"
-     "were captured; graphs captured.  Summed over the graphs.", NULL},
+     "run eagerly because a backward the replay would overwrite had not run yet\n"
+     "(eager_pending), because no graph took them and max_graphs were captured\n"
+     "(eager_past_limit), or to be captured with the other callables of their\n"
+     "pool= (eager_recorded); graphs captured.  Summed over the graphs.", NULL},
     {"graphs", (getter)Graphed_get_graphs, NULL,
      "What the first forward and backward graphs are made of: node counts by type\n"
      "(kernels, memcpys, memsets, others), roots and edges; None for a pass\n"

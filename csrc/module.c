@@ -71,6 +71,24 @@ cgm_new_pool(PyObject *module, PyObject *unused)
     return Py_BuildValue("(KK)", pool.first, pool.second);
 }
 
+PyDoc_STRVAR(cgm_pool_busy_doc,
+"pool_busy(pool) -> bool\n\n"
+"Whether a graph of `pool` has a backward still to run, so that capturing or\n"
+"warming up there now could overwrite what it needs (Note [Captures that share a\n"
+"pool] in aten_pool.cpp).");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+cgm_pool_busy(PyObject *module, PyObject *arg)
+{
+    cg_pool pool;
+    if (!PyArg_ParseTuple(arg, "KK;pool_busy: expects a pool, a pair of ints", &pool.first,
+                          &pool.second)) {
+        return NULL;
+    }
+    return PyBool_FromLong(cg_pool_busy(pool));
+}
+
 PyDoc_STRVAR(cgm_autograd_leaves_doc,
 "autograd_leaves(tensors) -> list[Tensor]\n\n"
 "The leaves requiring grad that the autograd graph of `tensors` ends at.");
@@ -263,6 +281,7 @@ static PyMethodDef cgm_methods[] = {
     {"graph_callables", cg_graph_callables, METH_VARARGS, cgm_graph_callables_doc},
     {"device_count", cgm_device_count, METH_NOARGS, cgm_device_count_doc},
     {"new_pool", cgm_new_pool, METH_NOARGS, cgm_new_pool_doc},
+    {"pool_busy", cgm_pool_busy, METH_O, cgm_pool_busy_doc},
     {"autograd_leaves", cgm_autograd_leaves, METH_O, cgm_autograd_leaves_doc},
     {"rng_get_state", cgm_rng_get_state, METH_VARARGS, cgm_rng_get_state_doc},
     {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},

@@ -1,0 +1,161 @@
+// aten_pool.cpp -- the graphs that share one memory pool, and when each of
+// them may replay without overwriting memory another one still needs.
+#include "aten_engine.hpp"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <utility>
+
+namespace cgraph {
+
+// Note [Captures that share a pool]
+// Q: Graphs of one callable (Note [Several graphs per callable] in
+//    graphed.c), callables graphed together, and callables graphed
+//    separately with one pool= (cgraph/_group.py) capture into one pool.
+//    When may one of them replay?
+// A: A capture takes its memory from the blocks of the pool that are free
+//    at that moment, and every replay writes those blocks again.  Free at a
+//    capture are the temporaries of the captures before it, and the
+//    activations of an earlier forward capture once its backward capture
+//    ran (autograd freed them).  Two kinds of data outlive a replay:
+//    - Activations.  Engine H's are needed from its forward replay to its
+//      backward replay (H is pending), and their blocks were allocated from
+//      H's forward capture to its backward capture.  A graph G captured
+//      strictly between those two could not take them; any other could.
+//      So G may replay only while every pending H (but G's own engine, for
+//      its backward) spans G's capture.  Forwards captured in call order and
+//      backwards in reverse (capture.c), replayed in that order, always may.
+//    - Outputs handed to the caller (Note [Outputs of earlier calls] in
+//      aten_replay.cpp).  H's static outputs were allocated at H's capture
+//      and are never freed, so only graphs captured before H can write
+//      them: before G's forward replays, the outputs of every engine
+//      captured after G that are still referenced get memory of their own.
+//    A pool's ledger numbers its captures and lists its engines.  torch
+//    leaves both to the user ("replay in capture order"); cgraph runs a
+//    forward that may not replay eagerly, or captures it again elsewhere,
+//    and refuses such a backward, which has no eager fallback.
+struct PoolLedger {
+  std::mutex mutex;  // backward replays check it from autograd's threads
+  uint64_t captures = 0;
+  std::vector<std::weak_ptr<Engine>> engines;  // in the order of their forward captures
+};
+
+namespace {
+
+std::mutex ledgers_mutex;
+std::map<std::pair<uint64_t, uint64_t>, std::weak_ptr<PoolLedger>> ledgers;
+
+// The ledger of `pool`, made on its first capture.
+std::shared_ptr<PoolLedger> ledger_of(at::cuda::MempoolId_t pool, bool make) {
+  std::lock_guard<std::mutex> hold(ledgers_mutex);
+  for (auto it = ledgers.begin(); it != ledgers.end();) {
+    it = it->second.expired() ? ledgers.erase(it) : std::next(it);
+  }
+  auto& weak = ledgers[{pool.first, pool.second}];
+  std::shared_ptr<PoolLedger> ledger = weak.lock();
+  if (!ledger && make) {
+    ledger = std::make_shared<PoolLedger>();
+    weak = ledger;
+  }
+  return ledger;
+}
+
+// Whether engine `h`'s pending activations were allocated while capture
+// number `at` ran (so that capture did not take their memory).
+bool spans(const Engine& h, uint64_t at) {
+  return h.captured_at[CG_FORWARD] < at && at < h.captured_at[CG_BACKWARD];
+}
+
+// The live engines of `ledger`; under its mutex.
+template <class Visit>
+void for_each_engine(PoolLedger& ledger, Visit&& visit) {
+  std::lock_guard<std::mutex> hold(ledger.mutex);
+  for (const auto& weak : ledger.engines) {
+    if (auto engine = weak.lock()) {
+      visit(engine);
+    }
+  }
+}
+
+}  // namespace
+
+void Engine::note_capture(cg_pass pass) {
+  if (!ledger) {
+    ledger = ledger_of(pool, /*make=*/true);
+  }
+  std::lock_guard<std::mutex> hold(ledger->mutex);
+  captured_at[pass] = ++ledger->captures;
+  if (pass == CG_FORWARD) {
+    auto& engines = ledger->engines;
+    engines.erase(std::remove_if(engines.begin(), engines.end(),
+                                 [](const auto& weak) { return weak.expired(); }),
+                  engines.end());
+    engines.push_back(weak_from_this());
+  }
+}
+
+void Engine::note_latest_node(const NodePtr& node) {
+  // Only a node that replays the backward graph reads the activations.
+  WeakNodePtr latest(has_bwd ? node : NodePtr());
+  // Backward replays on autograd's threads read it (check_backward_replayable).
+  std::unique_lock<std::mutex> hold;
+  if (ledger) {
+    hold = std::unique_lock<std::mutex>(ledger->mutex);
+  }
+  latest_node = std::move(latest);
+}
+
+bool Engine::may_replay_forward() const {
+  bool may = true;
+  if (ledger) {
+    for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+      may = may && !(h->backward_pending() && !spans(*h, captured_at[CG_FORWARD]));
+    });
+  }
+  return may;
+}
+
+void Engine::check_backward_replayable() const {
+  bool may = true;
+  if (ledger) {
+    for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+      may = may && (h.get() == this || !h->backward_pending() ||
+                    spans(*h, captured_at[CG_BACKWARD]));
+    });
+  }
+  TORCH_CHECK(may, "cgraph: this backward would overwrite activations that another graph of "
+              "its memory pool still needs for its own backward, which has not run yet. "
+              "Graphs sharing a pool (graphed together, or with one pool=) must run their "
+              "backwards in the reverse order of their forwards: compute one loss from "
+              "every output and call backward once, or graph these callables with pools "
+              "of their own.");
+}
+
+void Engine::release_later_outputs() {
+  if (!ledger) {
+    return;
+  }
+  c10::SmallVector<std::shared_ptr<Engine>, 8> later;
+  for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+    if (h->captured_at[CG_FORWARD] > captured_at[CG_FORWARD] && !h->handed_out.empty()) {
+      later.push_back(h);
+    }
+  });
+  for (const auto& h : later) {  // outside the mutex: this allocates
+    h->release_earlier_outputs();
+  }
+}
+
+bool pool_busy(at::cuda::MempoolId_t pool) {
+  const std::shared_ptr<PoolLedger> ledger = ledger_of(pool, /*make=*/false);
+  bool busy = false;
+  if (ledger) {
+    for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+      busy = busy || h->backward_pending();
+    });
+  }
+  return busy;
+}
+
+}  // namespace cgraph

@@ -1,0 +1,141 @@
+"""Graphs that share one memory pool (Note [Captures that share a pool] in
+csrc/aten_pool.cpp): a graph replays only when no pending backward needs
+the memory it writes, outputs still held keep their values whichever graph
+of the pool replays, and callables graphed one by one with one pool= are
+captured together (Note [One pool for separately graphed callables] in
+cgraph/_group.py).  Comparisons are bitwise against eager PyTorch."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cgraph
+from _helpers import CUDA, assert_equal, assert_grads_equal, pool_segments, twin
+
+pytestmark = pytest.mark.gpu
+
+
+def block(width=64, hidden=256):
+    return nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width)).to(CUDA)
+
+
+def blocks(seed, depth=4):
+    torch.manual_seed(seed)
+    return [block() for _ in range(depth)]
+
+
+def run(layers, x, upstream):
+    """One pass and its backward, with residuals (the model calls layers
+    with a tensor it also keeps)."""
+    y = x
+    for layer in layers:
+        y = y + layer(y)
+    (y * upstream).sum().backward()
+    return y.detach()
+
+
+def test_a_kept_output_of_a_later_graph_survives_an_earlier_graphs_replay():
+    """Two shapes of one callable, two graphs in one pool: the second was
+    captured into memory the first one's temporaries use, so the first
+    one's replay would overwrite the second one's outputs, still held."""
+    torch.manual_seed(70)
+    model = nn.Sequential(nn.Linear(256, 4096), nn.GELU(), nn.Linear(4096, 256)).to(CUDA)
+    graphed = cgraph.make_graphed(model)
+    big, small = (torch.randn(n, 256, device=CUDA) for n in (64, 32))
+    for x in (big, small):
+        graphed(x).sum().backward()
+    kept = graphed(small)
+    kept.sum().backward()
+    with torch.no_grad():
+        expected = model(small)
+    graphed(big).sum().backward()
+    assert graphed.num_graphs == 2 and len(graphed._graphed.pools) == 1
+    assert_equal(kept, expected, "an output of the later graph, kept")
+
+
+def test_layers_graphed_with_one_pool_record_a_pass_then_capture_it_together():
+    """Each layer graphed on its own, no samples, one pool: the first pass
+    with each shape runs eagerly and is recorded, the next call captures
+    it, and every layer's graphs of every shape live in that one pool."""
+    layers, eager = blocks(71), blocks(71)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+    shapes = [8, 8, 4, 8, 4, 4]
+    for step, rows in enumerate(shapes):
+        x = torch.randn(rows, 64, device=CUDA, requires_grad=True)
+        upstream = torch.randn(rows, 64, device=CUDA)
+        out, out_e = run(graphed, x, upstream), run(eager, twin(x), upstream)
+        assert_equal(out, out_e, f"step {step}: output")
+        for i, (g, e) in enumerate(zip(layers, eager)):
+            assert_grads_equal(g, e, f"{step}, layer {i}")
+            g.zero_grad(set_to_none=True)
+            e.zero_grad(set_to_none=True)
+    for g in graphed:
+        stats = g.stats
+        assert g.num_graphs == 2, g
+        assert {tuple(p) for p in g._graphed.pools} == {tuple(pool)}, g._graphed.pools
+        # Recorded: the first pass of each shape (steps 0, 2); replayed: the rest.
+        assert stats["eager_recorded"] == 2 and stats["forward"] == 4, stats
+        assert stats["eager_pending"] == 0 and stats["eager_past_limit"] == 0, stats
+
+
+def test_one_pool_for_all_layers_holds_less_than_a_pool_each():
+    """The memory of separately graphed layers with one pool= is near that
+    of their largest graph, not the sum of a pool per layer."""
+    def pools_mib(shared):
+        layers = blocks(72, depth=6)
+        pool = cgraph.graph_pool_handle() if shared else None
+        graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+        for _ in range(3):
+            x = torch.randn(32, 64, device=CUDA, requires_grad=True)
+            run(graphed, x, torch.ones(32, 64, device=CUDA))
+        torch.cuda.synchronize()
+        pools = {tuple(p) for g in graphed for p in g._graphed.pools}
+        total = sum(s["total_size"] for p in pools for s in pool_segments(p))
+        for g in graphed:
+            g.reset()
+        return len(pools), total / 2**20
+
+    separate, shared = pools_mib(False), pools_mib(True)
+    assert separate[0] == 6 and shared[0] == 1, (separate, shared)
+    assert shared[1] < separate[1] / 3, (shared, separate)
+
+
+def test_a_layer_graphed_on_its_own_never_replays_over_a_pending_backward():
+    """Two callables graphed one by one with samples and one pool=: the
+    second was captured after the first one's backward, into the memory of
+    its activations.  Called in a chain, the second one's replay would
+    overwrite them before the first one's backward reads them (torch
+    computes wrong grads without a word); it gets a graph of its own."""
+    layers, eager = blocks(73, depth=2), blocks(73, depth=2)
+    pool = cgraph.graph_pool_handle()
+    sample = lambda: torch.randn(16, 64, device=CUDA, requires_grad=True)  # noqa: E731
+    graphed = [cgraph.make_graphed(layer, (sample(),), pool=pool) for layer in layers]
+    for step in range(3):
+        x, upstream = sample(), torch.randn(16, 64, device=CUDA)
+        assert_equal(run(graphed, x, upstream), run(eager, twin(x), upstream), f"step {step}")
+        for i, (g, e) in enumerate(zip(layers, eager)):
+            assert_grads_equal(g, e, f"{step}, layer {i}")
+            g.zero_grad(set_to_none=True)
+            e.zero_grad(set_to_none=True)
+    # Its first graph never replays (the first layer is pending at every
+    # call); an instance in a pool of its own replays every step.
+    stats = graphed[1].stats
+    assert graphed[1].num_graphs == 2 and len(graphed[1]._graphed.pools) == 2, stats
+    assert stats["forward"] == 3 and stats["eager_pending"] == 0, stats
+
+
+def test_a_backward_out_of_order_in_a_shared_pool_raises():
+    """Graphed together, the first callable's backward graph was captured
+    after the second's, into the memory of its activations: running it
+    while the second one's backward is pending raises instead."""
+    layers = blocks(74, depth=2)
+    sample = lambda: torch.randn(16, 64, device=CUDA, requires_grad=True)  # noqa: E731
+    first, second = cgraph.make_graphed_callables(tuple(layers), ((sample(),), (sample(),)))
+    y = first(sample())
+    z = second(y)
+    with pytest.raises(RuntimeError, match="reverse order of their forwards"):
+        y.sum().backward(retain_graph=True)
+    z.sum().backward()  # the order they were captured in still works
