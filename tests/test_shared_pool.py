@@ -139,3 +139,42 @@ def test_a_backward_out_of_order_in_a_shared_pool_raises():
     with pytest.raises(RuntimeError, match="reverse order of their forwards"):
         y.sum().backward(retain_graph=True)
     z.sum().backward()  # the order they were captured in still works
+
+
+def test_two_passes_before_their_backwards_get_instances_and_match_eager():
+    """Two micro-batches' forwards, then both backwards: the second pass
+    may not replay the first one's graphs (their backwards are pending),
+    so each layer gets an instance of its own for it; later steps replay
+    what they have, with no more captures."""
+    layers, eager = blocks(75), blocks(75)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+
+    def forward(model, x):
+        y = x
+        for layer in model:
+            y = y + layer(y)
+        return y
+
+    for step in range(4):
+        xs = [torch.randn(8, 64, device=CUDA, requires_grad=True) for _ in range(2)]
+        ups = [torch.randn(8, 64, device=CUDA) for _ in range(2)]
+        outs = [forward(graphed, x) for x in xs]
+        outs_e = [forward(eager, twin(x)) for x in xs]
+        for out, out_e, up in zip(outs, outs_e, ups):
+            assert_equal(out, out_e, f"step {step}: output")
+        sum((o * u).sum() for o, u in zip(outs, ups)).backward()
+        sum((o * u).sum() for o, u in zip(outs_e, ups)).backward()
+        for i, (g, e) in enumerate(zip(layers, eager)):
+            assert_grads_equal(g, e, f"{step}, layer {i}")
+            g.zero_grad(set_to_none=True)
+            e.zero_grad(set_to_none=True)
+    for g in graphed:
+        stats = g.stats
+        # Step 0's first pass is recorded; its second pass captures it and
+        # replays.  At step 1 the second pass finds the group's graphs
+        # pending: an instance each, in pools of their own.  From then on
+        # the two passes replay one of each.
+        assert g.num_graphs == 2 and len(g._graphed.pools) == 2, (g, g._graphed.pools)
+        assert stats["eager_recorded"] == 1 and stats["forward"] == 7, stats
+        assert stats["eager_past_limit"] == 0, stats
