@@ -231,3 +231,34 @@ def test_repr_of_a_callable_with_no_graph_yet():
     assert graphed.num_graphs == 0 and graphed.specs == [] and graphed.pools == []
     graphed.reset()
     assert repr(graphed) == "<cgraph.Graphed: reset>" and graphed.is_reset
+
+
+def test_callables_sharing_a_pool_need_the_same_capture_options():
+    """Callables graphed without samples and one pool= are captured
+    together (cgraph/_group.py), in one session with one set of options."""
+    from cgraph._capture import CaptureOptions
+    from cgraph._describe import Target
+    from cgraph._group import member
+
+    pool = (0, 987654)
+    first = member(Target.of(0, torch.nn.Linear(4, 4)), pool, CaptureOptions(3, False, 0, 0), 8)
+    same = member(Target.of(0, torch.nn.Linear(4, 4)), pool, CaptureOptions(3, False, 0, 0), 8)
+    assert first.group is same.group
+    with pytest.raises(ValueError, match="need the same num_warmup_iters"):
+        member(Target.of(0, torch.nn.Linear(4, 4)), pool, CaptureOptions(1, False, 0, 0), 8)
+
+
+def test_on_miss_may_run_the_call_itself():
+    """A group member's on_miss runs a recorded call eagerly and returns its
+    result in a 1-tuple (Note [Several graphs per callable] in
+    csrc/graphed.c); the graphed callable returns that result as it is."""
+    seen = []
+
+    def on_miss(graphed, args, kwargs, pending):
+        seen.append((args, kwargs, pending))
+        return (("eager", args, kwargs),)
+
+    graphed = cgraph._C.new_graphed(on_miss)
+    assert graphed(1, x=2) == ("eager", (1,), {"x": 2})
+    assert seen == [((1,), {"x": 2}, False)]
+    assert graphed.stats["eager_recorded"] == 1 and graphed.num_graphs == 0
