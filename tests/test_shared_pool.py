@@ -26,14 +26,27 @@ def blocks(seed, depth=4):
     return [block() for _ in range(depth)]
 
 
-def run(layers, x, upstream):
-    """One pass and its backward, with residuals (the model calls layers
-    with a tensor it also keeps)."""
+def forward(layers, x):
+    """One pass, with residuals (the model calls layers with a tensor it
+    also keeps)."""
     y = x
     for layer in layers:
         y = y + layer(y)
+    return y
+
+
+def run(layers, x, upstream):
+    """One pass and its backward."""
+    y = forward(layers, x)
     (y * upstream).sum().backward()
     return y.detach()
+
+
+def check_grads_and_clear(layers, eager, step):
+    for i, (g, e) in enumerate(zip(layers, eager)):
+        assert_grads_equal(g, e, f"{step}, layer {i}")
+        g.zero_grad(set_to_none=True)
+        e.zero_grad(set_to_none=True)
 
 
 def test_a_kept_output_of_a_later_graph_survives_an_earlier_graphs_replay():
@@ -68,10 +81,7 @@ def test_layers_graphed_with_one_pool_record_a_pass_then_capture_it_together():
         upstream = torch.randn(rows, 64, device=CUDA)
         out, out_e = run(graphed, x, upstream), run(eager, twin(x), upstream)
         assert_equal(out, out_e, f"step {step}: output")
-        for i, (g, e) in enumerate(zip(layers, eager)):
-            assert_grads_equal(g, e, f"{step}, layer {i}")
-            g.zero_grad(set_to_none=True)
-            e.zero_grad(set_to_none=True)
+        check_grads_and_clear(layers, eager, step)
     for g in graphed:
         stats = g.stats
         assert g.num_graphs == 2, g
@@ -116,10 +126,7 @@ def test_a_layer_graphed_on_its_own_never_replays_over_a_pending_backward():
     for step in range(3):
         x, upstream = sample(), torch.randn(16, 64, device=CUDA)
         assert_equal(run(graphed, x, upstream), run(eager, twin(x), upstream), f"step {step}")
-        for i, (g, e) in enumerate(zip(layers, eager)):
-            assert_grads_equal(g, e, f"{step}, layer {i}")
-            g.zero_grad(set_to_none=True)
-            e.zero_grad(set_to_none=True)
+        check_grads_and_clear(layers, eager, step)
     # Its first graph never replays (the first layer is pending at every
     # call); an instance in a pool of its own replays every step.
     stats = graphed[1].stats
@@ -150,12 +157,6 @@ def test_two_passes_before_their_backwards_get_instances_and_match_eager():
     pool = cgraph.graph_pool_handle()
     graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
 
-    def forward(model, x):
-        y = x
-        for layer in model:
-            y = y + layer(y)
-        return y
-
     for step in range(4):
         xs = [torch.randn(8, 64, device=CUDA, requires_grad=True) for _ in range(2)]
         ups = [torch.randn(8, 64, device=CUDA) for _ in range(2)]
@@ -165,10 +166,7 @@ def test_two_passes_before_their_backwards_get_instances_and_match_eager():
             assert_equal(out, out_e, f"step {step}: output")
         sum((o * u).sum() for o, u in zip(outs, ups)).backward()
         sum((o * u).sum() for o, u in zip(outs_e, ups)).backward()
-        for i, (g, e) in enumerate(zip(layers, eager)):
-            assert_grads_equal(g, e, f"{step}, layer {i}")
-            g.zero_grad(set_to_none=True)
-            e.zero_grad(set_to_none=True)
+        check_grads_and_clear(layers, eager, step)
     for g in graphed:
         stats = g.stats
         # Step 0's first pass is recorded; its second pass captures it and
