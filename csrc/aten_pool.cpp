@@ -3,6 +3,7 @@
 #include "aten_engine.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -39,6 +40,9 @@ struct PoolLedger {
   std::mutex mutex;  // backward replays check it from autograd's threads
   uint64_t captures = 0;
   std::vector<std::weak_ptr<Engine>> engines;  // in the order of their forward captures
+  // The number of the latest forward capture: a replay of that engine has
+  // no later engine's outputs to move, and skips the mutex.
+  std::atomic<uint64_t> latest_forward{0};
 };
 
 namespace {
@@ -92,6 +96,7 @@ void Engine::note_capture(cg_pass pass) {
                                  [](const auto& weak) { return weak.expired(); }),
                   engines.end());
     engines.push_back(weak_from_this());
+    ledger->latest_forward.store(captured_at[pass]);
   }
 }
 
@@ -133,7 +138,7 @@ void Engine::check_backward_replayable() const {
 }
 
 void Engine::release_later_outputs() {
-  if (!ledger) {
+  if (!ledger || ledger->latest_forward.load() == captured_at[CG_FORWARD]) {
     return;
   }
   c10::SmallVector<std::shared_ptr<Engine>, 8> later;

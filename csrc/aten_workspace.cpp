@@ -176,12 +176,7 @@ class BlasWorkspace {
       return;
     }
     c10::cuda::CUDAStreamGuard on_caller(caller);  // freed in the caller stream's order
-    memory_ = c10::cuda::CUDACachingAllocator::get()->allocate(bytes());
-  }
-
-  // What one workspace for both kinds of handle needs.
-  static size_t bytes() {
-    return std::max(at::cuda::getChosenWorkspaceSize(), at::cuda::getCUDABlasLtWorkspaceSize());
+    memory_ = c10::cuda::CUDACachingAllocator::get()->allocate(std::max(blas_bytes_, lt_bytes_));
   }
 
   ~BlasWorkspace() {
