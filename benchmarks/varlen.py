@@ -13,10 +13,10 @@ step of each cycle (a short last batch), AdamW (fused).  Variants:
 * ``cgraph-layer`` / ``cgraph-whole``: each block, or the whole model,
   graphed with ``cgraph.make_graphed`` and no samples: a graph per shape,
   captured on its first call;
-* ``cgraph-layer-pool``: the blocks graphed with one ``pool=``: each pass
-  with new shapes runs eagerly, recorded, and is captured on the next call,
-  every block's graphs in that pool (Note [One pool for separately graphed
-  callables] in cgraph/_group.py);
+* ``cgraph-layer-pool``: the blocks graphed with one ``pool=``: each block
+  captures on its first call with new shapes, every block's graphs in that
+  pool (Note [One pool for separately graphed callables] in
+  cgraph/_group.py);
 * ``cgraph-layer-buckets`` / ``cgraph-whole-buckets``: the same with
   ``buckets={0: [BATCH], 1: BUCKETS}``: calls padded up to the bucket
   (exact: rows are independent and attention is causal) and outputs sliced.

@@ -229,16 +229,13 @@ def make_graphed(
         model.model.layers = torch.nn.ModuleList(
             cgraph.make_graphed(l, pool=pool) for l in layers)
 
-    Callables graphed without samples but with one ``pool`` are captured
-    together: a pass through them with new shapes runs eagerly and is
-    recorded, and the next call of a recorded callable captures the whole
-    pass, forwards in call order and backwards in reverse, into that pool
-    (``stats["eager_recorded"]`` counts the recorded calls).  Graphs of
-    every shape and every layer then share one pool, as graphs captured
-    together do, instead of a pool per layer (Note [One pool for separately
-    graphed callables] in cgraph/_group.py).  They need the same
-    ``num_warmup_iters``, ``allow_unused_input``, ``capture_error_mode`` and
-    ``kept_outputs``.
+    Callables graphed without samples but with one ``pool`` each capture
+    on their first call into that pool, keeping the activations of their
+    captures allocated until their backward has run, so that the next
+    layer's capture cannot take them.  Graphs of every shape and every
+    layer then share one pool, as graphs captured together do, instead of
+    a pool per layer (Note [One pool for separately graphed callables] in
+    cgraph/_group.py).
 
     Returns a :class:`GraphedModule` for an
     ``nn.Module`` (the module stays untouched inside it) and a graphed

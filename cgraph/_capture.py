@@ -53,19 +53,22 @@ class CaptureOptions(NamedTuple):
 
 def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
           options: CaptureOptions, warm_in_pool: bool = False, *,
-          step: bool = False) -> tuple[_C.Graphed, ...]:
+          keep_activations: bool = False, step: bool = False) -> tuple[_C.Graphed, ...]:
     """Warms up and captures these callables together (csrc/capture.c), in
     one session: a Graphed per callable, with one graph each.  With
     ``warm_in_pool``, warm-up allocates from ``pool`` (Note [Warm-up in the
-    pool] in csrc/aten_setup.cpp).  With ``step``, the one callable is a
-    whole training step (cgraph/_step.py): its backward runs inside its own
-    capture, so Note [Reentrant regions] does not apply, and capture errors
-    name the training step."""
+    pool] in csrc/aten_setup.cpp); with ``keep_activations``, the captures'
+    activations stay allocated until their backward has run (Note [Layers
+    captured one by one into one pool] in csrc/aten_pool.cpp).  With
+    ``step``, the one callable is a whole training step (cgraph/_step.py):
+    its backward runs inside its own capture, so Note [Reentrant regions]
+    does not apply, and capture errors name the training step."""
     device = device_of(drafts)
     specs = tuple(_C.CallableSpec(**d.fields, device=device) for d in drafts)
     what = "the training step" if step else None
     with capture_session(specs, reentrant_checked=not step), _log.progress(len(specs)):
-        return _C.graph_callables(specs, pool, *options, warm_in_pool, what)
+        return _C.graph_callables(specs, pool, *options, warm_in_pool, keep_activations,
+                                   what)
 
 
 @contextlib.contextmanager

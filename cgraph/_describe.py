@@ -74,6 +74,20 @@ class Target(NamedTuple):
         """The callable, or None for a module that no longer exists."""
         return self.fn() if isinstance(self.fn, weakref.ref) else self.fn
 
+    def run_eagerly(self, args: tuple, kwargs: dict):
+        """What the callable returns for this call without graphs, called
+        the way the native core's eager path calls it (graphed.c's
+        call_eager, from the same fields)."""
+        fields = self.fields
+        if fields["module"] is None:
+            return fields["function"](*args, **kwargs)
+        module = fields["module"]()
+        if module is None:
+            raise RuntimeError("cgraph: the graphed module no longer exists.")
+        if fields["eager_takes_module"]:
+            return fields["eager"](module, *args, **kwargs)
+        return fields["eager"](*args, **kwargs)
+
 
 class Draft(NamedTuple):
     """A callable's description, checked, short of the device, which depends

@@ -45,10 +45,10 @@ class Regraph:
         started = time.perf_counter()
         samples = pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
         drafts = [draft(self.target, *samples, set())]
-        pool, has_graphs = self._pool(graphed)
+        pool, warm_in_pool, keep = self._pool(graphed, pending)
         try:
-            # A pool of earlier (idle) graphs: warm up in it, Note [Warm-up in the pool].
-            (captured,) = graph(drafts, pool, self.options, warm_in_pool=has_graphs)
+            (captured,) = graph(drafts, pool, self.options, warm_in_pool=warm_in_pool,
+                                keep_activations=keep)
         except _C.CaptureError as exc:
             if exc.kind != "warmup_state":
                 raise
@@ -62,12 +62,14 @@ class Regraph:
                       else "a call no graph takes", samples, time.perf_counter() - started)
         return True
 
-    def _pool(self, graphed: _C.Graphed) -> tuple[tuple[int, int], bool]:
+    def _pool(self, graphed: _C.Graphed, pending: bool) -> tuple[tuple[int, int], bool, bool]:
         """A pool of this callable's graphs where no graph has a backward
         pending (not the first graph's when that is shared), else a fresh
-        one, and whether graphs of this callable are in it."""
+        one; whether to warm up in it (a pool of earlier idle graphs: Note
+        [Warm-up in the pool]); and whether its captures keep their
+        activations (cgraph/_group.py's do)."""
         idle = graphed._idle_pool(self.shares_pool)
-        return (tuple(idle), True) if idle else (_C.new_pool(), False)
+        return (tuple(idle), True, False) if idle else (_C.new_pool(), False, False)
 
     def _tell_limit(self, graphed: _C.Graphed, pending: bool) -> None:
         if not self.told:

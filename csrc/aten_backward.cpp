@@ -344,6 +344,7 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
   }
   check_replayable();
   engine->check_backward_replayable();  // Note [Captures that share a pool] (aten_pool.cpp)
+  engine->release_later_outputs(CG_BACKWARD);
   ran = true;
   const TensorVec clones = route_incoming_grads(grads);
   // 2. Which tail delivers the parameter grads: Note [Parameter gradients].

@@ -120,7 +120,9 @@ void Engine::record_backward(const std::vector<at::Tensor>& diff) {
       grad_outs.push_back(o.grad_in->buffer);
     }
   }
-  const std::vector<at::Tensor> grads = run_backward(diff, grad_outs);
+  // Kept activations stay with the forward capture's autograd history:
+  // Note [Layers captured one by one into one pool] (aten_pool.cpp).
+  const std::vector<at::Tensor> grads = run_backward(diff, grad_outs, keep_activations);
   size_t next = 0;
   for (Input& in : inputs) {
     if (in.requires_grad) {
@@ -258,9 +260,14 @@ GradIn Engine::capture_grad_in(const at::Tensor& buffer) {
 // After the backward capture the static outputs' autograd history is dead
 // weight: it keeps the capture's nodes alive, among them the sample inputs'
 // AccumulateGrad nodes, which remember the capture stream and make autograd
-// warn (and sync) when a later call's backward reaches them.
+// warn (and sync) when a later call's backward reaches them.  With
+// keep_activations it is what holds the activations, until released (Note
+// [Layers captured one by one into one pool]); no static output has it.
 void Engine::forget_capture_autograd() {
   for (Output& o : outputs) {
+    if (keep_activations && has_bwd && o.requires_grad) {
+      kept_history.push_back(o.buffer);
+    }
     o.buffer = o.buffer.detach();
   }
 }

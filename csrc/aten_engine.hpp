@@ -222,8 +222,11 @@ struct SetupState {
 // The captures into one memory pool and their engines: Note [Captures that
 // share a pool] (aten_pool.cpp).
 struct PoolLedger;
-// Whether an engine of `pool` has a backward pending (aten_pool.cpp).
-bool pool_busy(at::cuda::MempoolId_t pool);
+// Whether an engine of `pool` has a backward pending; with unkept_only, one
+// whose activations are not kept (aten_pool.cpp).
+bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only);
+// Frees the kept activations of `pool`'s engines with no backward pending.
+void release_kept_activations(at::cuda::MempoolId_t pool);
 
 // One graphed callable.  Shared between the C half (through cg_engine) and
 // every backward node still pending, so a live autograd graph keeps the
@@ -237,6 +240,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
   at::cuda::MempoolId_t pool{0, 0};
   bool allow_unused = false;
   cg_kept_outputs kept_outputs = CG_KEEP_COPY;  // Note [Outputs of earlier calls]
+  // Note [Layers captured one by one into one pool] (aten_pool.cpp).
+  bool keep_activations = false;
   bool alive = true;          // false after reset(): replays and backwards raise
   // The stream current when the callable was graphed: param.grad lives
   // there, beside the optimizer's state, not on the capture stream.
@@ -281,11 +286,17 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // -- the pool's other graphs: Note [Captures that share a pool] (aten_pool.cpp)
   std::shared_ptr<PoolLedger> ledger;          // from the first capture on
   uint64_t captured_at[2] = {0, 0};            // the pool's number of each capture
+  // When the forward capture's activations became free for later captures:
+  // at the backward capture, or, with keep_activations, once released.
+  uint64_t released_at = 0;
+  // With keep_activations, until released: the forward capture's outputs
+  // with their autograd history, which holds the activations allocated.
+  std::vector<at::Tensor> kept_history;
   void note_capture(cg_pass pass);             // at each capture's start
   bool may_replay_forward() const;             // no pending graph needs what it writes
   void check_backward_replayable() const;      // throws if one does
   void release_earlier_outputs();              // this engine's: Note [Outputs of earlier calls]
-  void release_later_outputs();                // those of engines captured after it
+  void release_later_outputs(cg_pass pass);    // those of engines captured after `pass`
 
   Graph& graph(cg_pass pass) { return pass == CG_FORWARD ? *fwd : *bwd; }
 
@@ -299,7 +310,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
   void adopt_hidden_leaves(const std::vector<at::Tensor>& outs);
   std::vector<at::Tensor> grad_targets() const;
   std::vector<at::Tensor> run_backward(const std::vector<at::Tensor>& outs,
-                                       const std::vector<at::Tensor>& grad_outs);
+                                       const std::vector<at::Tensor>& grad_outs,
+                                       bool retain_graph = false);
 
   // -- capture (aten_capture.cpp, aten_capture_backward.cpp)
   void capture_begin(cg_pass pass, at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode);

@@ -248,8 +248,12 @@ int cg_engine_may_replay(const cg_engine* engine) {
   return engine->ptr->may_replay_forward() ? 1 : 0;
 }
 
-int cg_pool_busy(cg_pool pool) {
-  return cgraph::pool_busy(to_mempool(pool)) ? 1 : 0;
+int cg_pool_busy(cg_pool pool, int unkept_only) {
+  return cgraph::pool_busy(to_mempool(pool), unkept_only != 0) ? 1 : 0;
+}
+
+void cg_pool_release_kept(cg_pool pool) {
+  cgraph::release_kept_activations(to_mempool(pool));
 }
 
 // ---- random numbers ------------------------------------------------------------

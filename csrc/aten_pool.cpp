@@ -3,6 +3,7 @@
 #include "aten_engine.hpp"
 
 #include <algorithm>
+#include <iterator>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -22,20 +23,45 @@ namespace cgraph {
 //    ran (autograd freed them).  Two kinds of data outlive a replay:
 //    - Activations.  Engine H's are needed from its forward replay to its
 //      backward replay (H is pending), and their blocks were allocated from
-//      H's forward capture to its backward capture.  A graph G captured
+//      H's forward capture to its backward capture (or later: Note [Layers
+//      captured one by one into one pool]).  A graph G captured
 //      strictly between those two could not take them; any other could.
 //      So G may replay only while every pending H (but G's own engine, for
 //      its backward) spans G's capture.  Forwards captured in call order and
 //      backwards in reverse (capture.c), replayed in that order, always may.
 //    - Outputs handed to the caller (Note [Outputs of earlier calls] in
-//      aten_replay.cpp).  H's static outputs were allocated at H's capture
-//      and are never freed, so only graphs captured before H can write
-//      them: before G's forward replays, the outputs of every engine
-//      captured after G that are still referenced get memory of their own.
+//      aten_replay.cpp).  H's static outputs were allocated at H's forward
+//      capture and are never freed, so only graphs captured before it can
+//      write them: before G replays, forward or backward, the outputs of
+//      every engine whose forward was captured after G that are still
+//      referenced get memory of their own.  (A backward replay needs this
+//      when the engines after it replayed since its forward: Note [Layers
+//      captured one by one into one pool].)
 //    A pool's ledger numbers its captures and lists its engines.  torch
 //    leaves both to the user ("replay in capture order"); cgraph runs a
 //    forward that may not replay eagerly, or captures it again elsewhere,
 //    and refuses such a backward, which has no eager fallback.
+// Note [Layers captured one by one into one pool]
+// Q: Layers graphed separately with one pool= and no samples
+//    (cgraph/_group.py) are each captured on their first call, forward and
+//    backward together, while the layers after them are still to run.  How
+//    can the next layer's capture share the pool without taking the memory
+//    of this layer's activations, which its backward will read?
+// A: Those captures keep their activations (keep_activations): the backward
+//    capture retains the forward capture's autograd graph, and the engine
+//    holds its outputs with their history (kept_history), so the blocks of
+//    the activations stay allocated and no later capture can take them.
+//    Temporaries of that backward capture can be taken by the next layer's
+//    captures: that layer's activations and grad buffers are done with when
+//    this backward replays, after its own, and its outputs still held are
+//    moved out of the way first, as before a forward (below).  The activations are released at the start
+//    of the next capture into the pool after the engine's backward has run
+//    (or its outputs died): released_at numbers that moment, and spans()
+//    reads it as the end of the engine's activations.  So the forwards of a
+//    pass replay while the earlier layers' backwards are pending, and the
+//    backwards replay in reverse, exactly as if the pass had been captured
+//    together, with no eager pass in between and no warm-up but the
+//    layer's own.
 struct PoolLedger {
   std::mutex mutex;  // backward replays check it from autograd's threads
   uint64_t captures = 0;
@@ -68,7 +94,7 @@ std::shared_ptr<PoolLedger> ledger_of(at::cuda::MempoolId_t pool, bool make) {
 // Whether engine `h`'s pending activations were allocated while capture
 // number `at` ran (so that capture did not take their memory).
 bool spans(const Engine& h, uint64_t at) {
-  return h.captured_at[CG_FORWARD] < at && at < h.captured_at[CG_BACKWARD];
+  return h.captured_at[CG_FORWARD] < at && at < h.released_at;
 }
 
 // The live engines of `ledger`; under its mutex.
@@ -90,6 +116,9 @@ void Engine::note_capture(cg_pass pass) {
   }
   std::lock_guard<std::mutex> hold(ledger->mutex);
   captured_at[pass] = ++ledger->captures;
+  if (pass == CG_BACKWARD) {  // the capture frees the activations, unless kept
+    released_at = keep_activations ? UINT64_MAX : captured_at[pass];
+  }
   if (pass == CG_FORWARD) {
     auto& engines = ledger->engines;
     engines.erase(std::remove_if(engines.begin(), engines.end(),
@@ -137,13 +166,14 @@ void Engine::check_backward_replayable() const {
               "of their own.");
 }
 
-void Engine::release_later_outputs() {
-  if (!ledger || ledger->latest_forward.load() == captured_at[CG_FORWARD]) {
-    return;
+void Engine::release_later_outputs(cg_pass pass) {
+  const uint64_t at = captured_at[pass];
+  if (!ledger || ledger->latest_forward.load() <= at) {
+    return;  // no engine's outputs were allocated after this capture
   }
   c10::SmallVector<std::shared_ptr<Engine>, 8> later;
   for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
-    if (h->captured_at[CG_FORWARD] > captured_at[CG_FORWARD] && !h->handed_out.empty()) {
+    if (h->captured_at[CG_FORWARD] > at && !h->handed_out.empty()) {
       later.push_back(h);
     }
   });
@@ -152,15 +182,32 @@ void Engine::release_later_outputs() {
   }
 }
 
-bool pool_busy(at::cuda::MempoolId_t pool) {
+bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only) {
   const std::shared_ptr<PoolLedger> ledger = ledger_of(pool, /*make=*/false);
   bool busy = false;
   if (ledger) {
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
-      busy = busy || h->backward_pending();
+      busy = busy || (h->backward_pending() && !(unkept_only && !h->kept_history.empty()));
     });
   }
   return busy;
+}
+
+void release_kept_activations(at::cuda::MempoolId_t pool) {
+  const std::shared_ptr<PoolLedger> ledger = ledger_of(pool, /*make=*/false);
+  std::vector<at::Tensor> released;
+  if (ledger) {
+    for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+      if (!h->kept_history.empty() && !h->backward_pending()) {
+        h->released_at = ++ledger->captures;  // later captures may take them
+        std::move(h->kept_history.begin(), h->kept_history.end(),
+                  std::back_inserter(released));
+        h->kept_history.clear();
+      }
+    });
+  }
+  // Dropped here, outside the ledger's mutex: the history's nodes go with
+  // them, and a Python node's destructor takes the GIL.
 }
 
 }  // namespace cgraph

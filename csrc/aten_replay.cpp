@@ -401,7 +401,7 @@ PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, s
   // First the earlier call's outputs saved from this replay: one may be an
   // argument now, or a static input that staging refills.
   e.release_earlier_outputs();
-  e.release_later_outputs();  // Note [Captures that share a pool] (aten_pool.cpp)
+  e.release_later_outputs(CG_FORWARD);  // Note [Captures that share a pool] (aten_pool.cpp)
   StagedCall call;
   stage_inputs(e, args, call);
   const bool params_need_grad = check_params(e);

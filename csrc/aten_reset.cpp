@@ -33,6 +33,7 @@ void Engine::reset() noexcept {
     inputs.clear();
     params.clear();
     outputs.clear();
+    kept_history.clear();
     handed_out.clear();
     setup.reset();
     fwd.reset();

@@ -72,6 +72,7 @@ Engine::Engine(const cg_engine_config& config)
     : device(static_cast<c10::DeviceIndex>(config.device)),
       allow_unused(config.allow_unused_input != 0),
       kept_outputs(config.kept_outputs),
+      keep_activations(config.keep_activations != 0),
       caller_stream(c10::cuda::getCurrentCUDAStream(device)),
       inputs(read_inputs(config)) {
   for (at::Tensor& p : unpack_tensors(config.params, "parameter")) {

@@ -200,11 +200,12 @@ class GradsAside {
 
 // Returns the grads of grad_targets(), in order; undefined where none flowed.
 std::vector<at::Tensor> Engine::run_backward(const std::vector<at::Tensor>& outs,
-                                             const std::vector<at::Tensor>& grad_outs) {
+                                             const std::vector<at::Tensor>& grad_outs,
+                                             bool retain_graph) {
   GradsAside aside(grad_targets());
   {
     GilRelease nogil;
-    torch::autograd::backward(outs, grad_outs, /*retain_graph=*/false, /*create_graph=*/false);
+    torch::autograd::backward(outs, grad_outs, retain_graph, /*create_graph=*/false);
   }
   std::vector<at::Tensor> grads = aside.put_back();
   if (allow_unused) {

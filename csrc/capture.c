@@ -5,9 +5,11 @@
  * Python equivalent (the contract; the real thing is below):
  *
  *     def graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
- *                         capture_error_mode, kept_outputs, warm_in_pool):
+ *                         capture_error_mode, kept_outputs, warm_in_pool,
+ *                         keep_activations):
  *         pool = pool or new_pool()           # one pool for all callables
- *         engines = [Engine(s) for s in specs]
+ *         release_kept_activations(pool)      # of backwards that ran since
+ *         engines = [Engine(s, keep_activations) for s in specs]
  *         with capture_stream(specs[0].device):   # warm-up and capture share it
  *             if warm_in_pool: allocate_from(pool)   # Note [Warm-up in the pool]
  *             for s, e in zip(specs, engines):                    # warm-up
@@ -54,6 +56,7 @@ typedef struct {
     int allow_unused;
     int kept_outputs;       /* a cg_kept_outputs */
     int warm_in_pool;       /* warm up in `pool`: Note [Warm-up in the pool] */
+    int keep_activations;   /* Note [Layers captured one by one into one pool] */
     const char *what;       /* how failures name the callable: "the training
                                step"; NULL: "callable <i>" after the stage */
     cg_setup *setup;        /* the capture stream, while warm-up and capture run */
@@ -347,9 +350,9 @@ session_open(session *s, PyObject *module, PyObject *args)
 
     memset(s, 0, sizeof(*s));
     s->state = (cg_state *)PyModule_GetState(module);
-    if (!PyArg_ParseTuple(args, "O!Oipiip|z", &PyTuple_Type, &specs, &pool,
+    if (!PyArg_ParseTuple(args, "O!Oipiipp|z", &PyTuple_Type, &specs, &pool,
                           &s->warmup_iters, &s->allow_unused, &mode, &s->kept_outputs,
-                          &s->warm_in_pool, &s->what)) {
+                          &s->warm_in_pool, &s->keep_activations, &s->what)) {
         return -1;
     }
     s->mode = (cg_capture_mode)mode;
@@ -388,6 +391,7 @@ session_make_engines(session *s)
             .buffers = spec->buffers, .device = spec->device,
             .allow_unused_input = s->allow_unused,
             .kept_outputs = (cg_kept_outputs)s->kept_outputs,
+            .keep_activations = s->keep_activations,
         };
         s->targets[i] = cg_spec_forward(spec);
         if (s->targets[i] == NULL) {
@@ -472,6 +476,9 @@ warm_up(session *s)
 {
     int kept;
 
+    /* Activations kept for backwards that have run since are free for
+     * this warm-up and capture. */
+    cg_pool_release_kept(s->pool);
     if (s->warm_in_pool && cg_setup_warm_up_in(s->setup, s->pool) < 0) {
         return -1;
     }

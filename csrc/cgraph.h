@@ -123,6 +123,9 @@ typedef struct {
     int device;              /* the CUDA device the graphs run on */
     int allow_unused_input;  /* torch's allow_unused_input */
     cg_kept_outputs kept_outputs;
+    int keep_activations;    /* the forward capture's activations stay allocated
+                                until its backward has replayed: Note [Layers
+                                captured one by one into one pool] (aten_pool.cpp) */
 } cg_engine_config;
 
 /* Returns NULL with an exception set on failure. */
@@ -226,8 +229,15 @@ int cg_engine_accepts(const cg_engine *engine, PyObject *const *args, Py_ssize_t
  * in aten_pool.cpp).  Its own pending backward always counts.  0: the call
  * runs eagerly, or gets a graph elsewhere.  Never fails. */
 int cg_engine_may_replay(const cg_engine *engine);
-/* 1 if some graph of `pool` has a backward pending, else 0.  Never fails. */
-int cg_pool_busy(cg_pool pool);
+/* 1 if some graph of `pool` has a backward pending, else 0; with
+ * unkept_only, only a graph whose activations are not kept (they were
+ * captured without keep_activations, or released since).  Never fails. */
+int cg_pool_busy(cg_pool pool, int unkept_only);
+/* Before a capture into `pool`: frees the kept activations of its graphs
+ * whose backward is no longer pending, so the capture may reuse them (Note
+ * [Layers captured one by one into one pool] in aten_pool.cpp).  Never
+ * fails. */
+void cg_pool_release_kept(cg_pool pool);
 
 /* ---- random numbers (aten_rng.cpp) ------------------------------------- */
 

@@ -23,7 +23,7 @@
  *             if answer is True:                       # captured one more
  *                 return self(*args, **kwargs)
  *             if type(answer) is tuple:                # on_miss ran it eagerly
- *                 return answer[0]                     # (recorded: cgraph/_group.py)
+ *                 return answer[0]                     # (cgraph/_group.py), counted
  *             return eager(args, kwargs)               # past max_graphs, counted
  *
  *         def reset(self): ...   # free graphs, static tensors, pools and specs
@@ -47,8 +47,8 @@
  *    (Transformer Engine keeps one graph per micro-batch the same way), and
  *    backwards then run in any order.  Past max_graphs, calls run eagerly
  *    and are counted.  on_miss may also run the call eagerly itself and
- *    return its result in a 1-tuple: callables that share a pool= record
- *    their first calls and capture them together (cgraph/_group.py).
+ *    return its result in a 1-tuple, as cgraph/_group.py does for a call
+ *    inside a backward before the callable has a graph to run it eagerly.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -81,7 +81,7 @@ typedef struct {
     unsigned long long verified_epoch;  /* state->module_epoch at the last check */
     unsigned long long eager_pending;   /* calls run eagerly: a backward was pending */
     unsigned long long eager_past_limit;  /* calls run eagerly: no graph, no room */
-    unsigned long long eager_recorded;  /* calls on_miss ran eagerly, to capture later */
+    unsigned long long eager_on_miss;   /* calls on_miss ran eagerly itself */
     char kept_reported;  /* the event hook was told a replay kept an earlier output */
     PyObject *weakreflist;
 } GraphedObject;
@@ -135,7 +135,7 @@ graphed_alloc(cg_state *state, PyObject *on_miss)
     self->verified_epoch = 0;
     self->eager_pending = 0;
     self->eager_past_limit = 0;
-    self->eager_recorded = 0;
+    self->eager_on_miss = 0;
     self->kept_reported = 0;
     self->weakreflist = NULL;
     PyObject_GC_Track(self);
@@ -579,9 +579,9 @@ static PyObject *
 call_any(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *module = NULL, *result = NULL;
-    /* A group may capture the calls it recorded, then ask again about this
-     * one (cgraph/_group.py): up to two misses before the call runs. */
-    int training = 0, attempts = 3, captured = 1;
+    /* One miss: on_miss captures a graph for the call, and the second
+     * lookup finds it. */
+    int training = 0, attempts = 2, captured = 1;
     lookup found = {.index = -1};
 
     while (captured == 1 && attempts-- > 0 && !self->is_reset) {
@@ -603,7 +603,7 @@ call_any(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
                        : 0;
     }
     if (captured == 2) {
-        self->eager_recorded += 1;
+        self->eager_on_miss += 1;
     } else if (self->is_reset && result == NULL && !PyErr_Occurred()) {
         raise_reset();
     } else if (captured == 0 && self->n_entries > 0) {
@@ -711,7 +711,7 @@ Graphed_idle_pool(GraphedObject *self, PyObject *skip_first)
     for (Py_ssize_t k = 0; k < self->n_entries; k++) {
         cg_pool pool = self->entries[k].pool;
         int first = pool.first == self->pool.first && pool.second == self->pool.second;
-        if (!(skip && first) && !cg_pool_busy(pool)) {
+        if (!(skip && first) && !cg_pool_busy(pool, 0)) {
             return Py_BuildValue("(KK)", pool.first, pool.second);
         }
     }
@@ -734,7 +734,7 @@ Graphed_drop_pool(GraphedObject *self, PyObject *arg)
                           &pool.second)) {
         return NULL;
     }
-    if (cg_pool_busy(pool)) {
+    if (cg_pool_busy(pool, 0)) {
         PyErr_SetString(PyExc_RuntimeError, "_drop_pool: a graph of that pool has a backward "
                                             "pending");
         return NULL;
@@ -900,7 +900,7 @@ Graphed_get_stats(GraphedObject *self, void *closure)
                          "outputs_invalidated", sum.outputs_invalidated,
                          "eager_pending", self->eager_pending,
                          "eager_past_limit", self->eager_past_limit,
-                         "eager_recorded", self->eager_recorded,
+                         "eager_on_miss", self->eager_on_miss,
                          "graphs", self->n_entries);
 }
 
@@ -1014,7 +1014,7 @@ Graphed_repr(GraphedObject *self)
     result = joined ? PyUnicode_FromFormat(
         "<cgraph.Graphed of %U: %zd graph%s %U, %llu replays, %llu eager calls, pool (%llu, "
         "%llu)>", name, self->n_entries, self->n_entries == 1 ? "" : "s", joined,
-        stats.forward, self->eager_pending + self->eager_past_limit + self->eager_recorded,
+        stats.forward, self->eager_pending + self->eager_past_limit + self->eager_on_miss,
         self->pool.first,
         self->pool.second) : NULL;
     Py_XDECREF(joined);
@@ -1040,8 +1040,9 @@ static PyGetSetDef Graphed_getset[] = {
      "replay (kept_outputs='copy') or made unreadable (kept_outputs='error'); calls\n"
      "run eagerly because a backward the replay would overwrite had not run yet\n"
      "(eager_pending), because no graph took them and max_graphs were captured\n"
-     "(eager_past_limit), or to be captured with the other callables of their\n"
-     "pool= (eager_recorded); graphs captured.  Summed over the graphs.", NULL},
+     "(eager_past_limit), or by on_miss itself (eager_on_miss: a layer sharing a\n"
+     "pool= called inside a backward before its first graph); graphs captured.\n"
+     "Summed over the graphs.", NULL},
     {"graphs", (getter)Graphed_get_graphs, NULL,
      "What the first forward and backward graphs are made of: node counts by type\n"
      "(kernels, memcpys, memsets, others), roots and edges; None for a pass\n"

@@ -10,7 +10,8 @@
  *     class CallableSpec: ...                 # spec.c
  *     class Graphed: ...                      # graphed.c
  *     def graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
- *                         capture_error_mode, kept_outputs): ...  # capture.c
+ *                         capture_error_mode, kept_outputs, warm_in_pool,
+ *                         keep_activations, what=None): ...  # capture.c
  *     def device_count() -> int: ...
  *     def new_pool() -> tuple[int, int]: ...  # torch.cuda.graph_pool_handle()
  *     def autograd_leaves(tensors) -> list[Tensor]: ...      # aten_warmup.cpp
@@ -72,21 +73,24 @@ cgm_new_pool(PyObject *module, PyObject *unused)
 }
 
 PyDoc_STRVAR(cgm_pool_busy_doc,
-"pool_busy(pool) -> bool\n\n"
+"pool_busy(pool, unkept_only=False) -> bool\n\n"
 "Whether a graph of `pool` has a backward still to run, so that capturing or\n"
 "warming up there now could overwrite what it needs (Note [Captures that share a\n"
-"pool] in aten_pool.cpp).");
+"pool] in aten_pool.cpp).  With unkept_only, only such a graph whose activations\n"
+"are not kept allocated (Note [Layers captured one by one into one pool]): a\n"
+"capture beside the others cannot take their memory.");
 
 /* Returns a NEW reference, or NULL with an exception set. */
 static PyObject *
-cgm_pool_busy(PyObject *module, PyObject *arg)
+cgm_pool_busy(PyObject *module, PyObject *args)
 {
     cg_pool pool;
-    if (!PyArg_ParseTuple(arg, "KK;pool_busy: expects a pool, a pair of ints", &pool.first,
-                          &pool.second)) {
+    int unkept_only = 0;
+    if (!PyArg_ParseTuple(args, "(KK)|p;pool_busy: expects a pool, a pair of ints",
+                          &pool.first, &pool.second, &unkept_only)) {
         return NULL;
     }
-    return PyBool_FromLong(cg_pool_busy(pool));
+    return PyBool_FromLong(cg_pool_busy(pool, unkept_only));
 }
 
 PyDoc_STRVAR(cgm_autograd_leaves_doc,
@@ -215,12 +219,14 @@ cgm_set_event_hook(PyObject *module, PyObject *hook)
 
 PyDoc_STRVAR(cgm_graph_callables_doc,
 "graph_callables(specs, pool, num_warmup_iters, allow_unused_input,\n"
-"                capture_error_mode, kept_outputs, warm_in_pool, what=None)\n"
+"                capture_error_mode, kept_outputs, warm_in_pool, keep_activations,\n"
+"                what=None)\n"
 "    -> tuple[Graphed, ...]\n\n"
 "Warm up, then capture forward graphs 1..N and backward graphs N..1 into\n"
 "one memory pool.  Called by cgraph._capture.graph, which builds `specs`\n"
 "(CallableSpec); `what` names the callable in capture errors (\"the training\n"
-"step\").  Not a public API.");
+"step\").  keep_activations: Note [Layers captured one by one into one pool]\n"
+"in aten_pool.cpp.  Not a public API.");
 
 PyDoc_STRVAR(cgm_capture_error_doc,
 "capture_error(cause, what) -> CaptureError\n\n"
@@ -281,7 +287,7 @@ static PyMethodDef cgm_methods[] = {
     {"graph_callables", cg_graph_callables, METH_VARARGS, cgm_graph_callables_doc},
     {"device_count", cgm_device_count, METH_NOARGS, cgm_device_count_doc},
     {"new_pool", cgm_new_pool, METH_NOARGS, cgm_new_pool_doc},
-    {"pool_busy", cgm_pool_busy, METH_O, cgm_pool_busy_doc},
+    {"pool_busy", cgm_pool_busy, METH_VARARGS, cgm_pool_busy_doc},
     {"autograd_leaves", cgm_autograd_leaves, METH_O, cgm_autograd_leaves_doc},
     {"rng_get_state", cgm_rng_get_state, METH_VARARGS, cgm_rng_get_state_doc},
     {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},

@@ -233,24 +233,39 @@ def test_repr_of_a_callable_with_no_graph_yet():
     assert repr(graphed) == "<cgraph.Graphed: reset>" and graphed.is_reset
 
 
-def test_callables_sharing_a_pool_need_the_same_capture_options():
-    """Callables graphed without samples and one pool= are captured
-    together (cgraph/_group.py), in one session with one set of options."""
+def test_a_layer_sharing_a_pool_runs_eagerly_when_first_called_inside_a_backward():
+    """A callable graphed without samples with a pool= whose first call
+    comes inside a backward (a checkpoint's recompute) runs it eagerly: no
+    capture runs inside autograd's backward (Note [One pool for separately
+    graphed callables] in cgraph/_group.py)."""
     from cgraph._capture import CaptureOptions
     from cgraph._describe import Target
     from cgraph._group import member
 
-    pool = (0, 987654)
-    first = member(Target.of(0, torch.nn.Linear(4, 4)), pool, CaptureOptions(3, False, 0, 0), 8)
-    same = member(Target.of(0, torch.nn.Linear(4, 4)), pool, CaptureOptions(3, False, 0, 0), 8)
-    assert first.group is same.group
-    with pytest.raises(ValueError, match="need the same num_warmup_iters"):
-        member(Target.of(0, torch.nn.Linear(4, 4)), pool, CaptureOptions(1, False, 0, 0), 8)
+    layer = torch.nn.Linear(4, 4)
+    on_miss = member(Target.of(0, layer), (0, 987654), CaptureOptions(3, False, 0, 0), 8)
+    graphed = cgraph._C.new_graphed(on_miss)
+    x = torch.randn(2, 4)
+    seen = []
+
+    class CallsTheLayerInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            seen.append(graphed(x))
+            return grad
+
+    CallsTheLayerInBackward.apply(torch.randn(2, requires_grad=True)).sum().backward()
+    torch.testing.assert_close(seen[0], layer(x), rtol=0, atol=0)
+    assert graphed.stats["eager_on_miss"] == 1 and graphed.num_graphs == 0
 
 
 def test_on_miss_may_run_the_call_itself():
-    """A group member's on_miss runs a recorded call eagerly and returns its
-    result in a 1-tuple (Note [Several graphs per callable] in
+    """An on_miss may run the call eagerly itself and return its result in a
+    1-tuple (Note [Several graphs per callable] in
     csrc/graphed.c); the graphed callable returns that result as it is."""
     seen = []
 
@@ -261,4 +276,4 @@ def test_on_miss_may_run_the_call_itself():
     graphed = cgraph._C.new_graphed(on_miss)
     assert graphed(1, x=2) == ("eager", (1,), {"x": 2})
     assert seen == [((1,), {"x": 2}, False)]
-    assert graphed.stats["eager_recorded"] == 1 and graphed.num_graphs == 0
+    assert graphed.stats["eager_on_miss"] == 1 and graphed.num_graphs == 0

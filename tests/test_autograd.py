@@ -101,7 +101,7 @@ def test_training_with_adam_uses_the_copy_tail_and_matches_eager():
                              "copied_in_graph": 6, "copied_before": 0,
                              "outputs_copied": 0, "outputs_invalidated": 0,
                              "eager_pending": 0,
-                             "eager_past_limit": 0, "eager_recorded": 0, "graphs": 1}
+                             "eager_past_limit": 0, "eager_on_miss": 0, "graphs": 1}
 
 
 def test_grad_paths_switch_between_backwards_of_one_graph():

@@ -1,9 +1,9 @@
 """Graphs that share one memory pool (Note [Captures that share a pool] in
 csrc/aten_pool.cpp): a graph replays only when no pending backward needs
 the memory it writes, outputs still held keep their values whichever graph
-of the pool replays, and callables graphed one by one with one pool= are
-captured together (Note [One pool for separately graphed callables] in
-cgraph/_group.py).  Comparisons are bitwise against eager PyTorch."""
+of the pool replays, and callables graphed one by one with one pool=
+capture into it on their first calls (Note [One pool for separately
+graphed callables] in cgraph/_group.py).  Comparisons are bitwise against eager PyTorch."""
 
 import copy
 
@@ -68,10 +68,12 @@ def test_a_kept_output_of_a_later_graph_survives_an_earlier_graphs_replay():
     assert_equal(kept, expected, "an output of the later graph, kept")
 
 
-def test_layers_graphed_with_one_pool_record_a_pass_then_capture_it_together():
-    """Each layer graphed on its own, no samples, one pool: the first pass
-    with each shape runs eagerly and is recorded, the next call captures
-    it, and every layer's graphs of every shape live in that one pool."""
+def test_layers_graphed_with_one_pool_capture_on_their_first_calls_into_it():
+    """Each layer graphed on its own, no samples, one pool: each layer
+    captures on its first call with each shape, keeping its activations
+    while the layers after it capture (Note [One pool for separately
+    graphed callables]), and every layer's graphs of every shape live in
+    that one pool.  No call runs eagerly."""
     layers, eager = blocks(71), blocks(71)
     pool = cgraph.graph_pool_handle()
     graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
@@ -86,9 +88,32 @@ def test_layers_graphed_with_one_pool_record_a_pass_then_capture_it_together():
         stats = g.stats
         assert g.num_graphs == 2, g
         assert {tuple(p) for p in g._graphed.pools} == {tuple(pool)}, g._graphed.pools
-        # Recorded: the first pass of each shape (steps 0, 2); replayed: the rest.
-        assert stats["eager_recorded"] == 2 and stats["forward"] == 4, stats
+        assert stats["eager_on_miss"] == 0 and stats["forward"] == len(shapes), stats
         assert stats["eager_pending"] == 0 and stats["eager_past_limit"] == 0, stats
+
+
+def test_layer_outputs_kept_past_the_backward_keep_their_values():
+    """Layers graphed one by one with one pool= capture each backward right
+    after its forward, so a later layer's outputs may sit in memory an
+    earlier layer's backward graph writes: outputs still held when that
+    backward replays are moved out of its way first (Note [Layers captured
+    one by one into one pool] in csrc/aten_pool.cpp), as a model returning
+    every layer's hidden states needs."""
+    layers, eager = blocks(76), blocks(76)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+    for step in range(3):
+        x = torch.randn(8, 64, device=CUDA, requires_grad=True)
+        upstream = torch.randn(8, 64, device=CUDA)
+        hidden, hidden_e = [x], [twin(x)]
+        for g, e in zip(graphed, eager):
+            hidden.append(g(hidden[-1]))
+            hidden_e.append(e(hidden_e[-1]))
+        (hidden[-1] * upstream).sum().backward()
+        (hidden_e[-1] * upstream).sum().backward()
+        for k, (h, h_e) in enumerate(zip(hidden[1:], hidden_e[1:])):
+            assert_equal(h, h_e, f"step {step}: layer {k}'s output, kept past the backward")
+        check_grads_and_clear(layers, eager, step)
 
 
 def test_one_pool_for_all_layers_holds_less_than_a_pool_each():
@@ -169,10 +194,9 @@ def test_two_passes_before_their_backwards_get_instances_and_match_eager():
         check_grads_and_clear(layers, eager, step)
     for g in graphed:
         stats = g.stats
-        # Step 0's first pass is recorded; its second pass captures it and
-        # replays.  At step 1 the second pass finds the group's graphs
-        # pending: an instance each, in pools of their own.  From then on
-        # the two passes replay one of each.
+        # Step 0's first pass captures into the shared pool; its second pass
+        # finds those graphs pending: an instance each, in pools of their
+        # own.  From then on the two passes replay one of each.
         assert g.num_graphs == 2 and len(g._graphed.pools) == 2, (g, g._graphed.pools)
-        assert stats["eager_recorded"] == 1 and stats["forward"] == 7, stats
+        assert stats["eager_on_miss"] == 0 and stats["forward"] == 8, stats
         assert stats["eager_past_limit"] == 0, stats
