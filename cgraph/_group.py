@@ -52,6 +52,15 @@ class Member(Regraph):
             return (self.target.run_eagerly(args, kwargs),)  # counted: eager_on_miss
         return super().__call__(graphed, args, kwargs, pending)
 
+    def _sample(self, t: torch.Tensor, pool: tuple[int, int]) -> torch.Tensor:
+        """In the shared pool, the static output of another member that `t`
+        is, read in place (Note [A layer reading the one before it in
+        place] in csrc/aten_pool.cpp); else a copy."""
+        output = _C.static_output(t, pool) if pool == self.pool else None
+        if output is None:
+            return super()._sample(t, pool)
+        return output.requires_grad_(t.requires_grad)
+
     def _pool(self, graphed: _C.Graphed, pending: bool) -> tuple[tuple[int, int], bool, bool]:
         """The shared pool; a pool of its own, as for a callable graphed
         alone, for a second micro-batch or while a pending graph of the

@@ -43,9 +43,10 @@ class Regraph:
             return False
         _check_device(graphed, (args, kwargs))
         started = time.perf_counter()
-        samples = pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
-        drafts = [draft(self.target, *samples, set())]
         pool, warm_in_pool, keep = self._pool(graphed, pending)
+        samples = pytree.tree_map_only(torch.Tensor, lambda t: self._sample(t, pool),
+                                       (args, kwargs))
+        drafts = [draft(self.target, *samples, set())]
         try:
             (captured,) = graph(drafts, pool, self.options, warm_in_pool=warm_in_pool,
                                 keep_activations=keep)
@@ -56,7 +57,9 @@ class Regraph:
             # would overwrite it: they go (captured again when needed), and
             # this one is warmed up outside any pool.
             _log.pool_dropped(graphed, graphed._drop_pool(pool))
-            (captured,) = graph(drafts, _C.new_pool(), self.options)
+            samples = pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
+            (captured,) = graph([draft(self.target, *samples, set())], _C.new_pool(),
+                                self.options)
         graphed._adopt(captured)
         _log.captured(graphed, "a second call before the first one's backward" if pending
                       else "a call no graph takes", samples, time.perf_counter() - started)
@@ -70,6 +73,10 @@ class Regraph:
         activations (cgraph/_group.py's do)."""
         idle = graphed._idle_pool(self.shares_pool)
         return (tuple(idle), True, False) if idle else (_C.new_pool(), False, False)
+
+    def _sample(self, t: torch.Tensor, pool: tuple[int, int]) -> torch.Tensor:
+        """What a capture in `pool` takes for the call's tensor `t`."""
+        return _sample_of(t)
 
     def _tell_limit(self, graphed: _C.Graphed, pending: bool) -> None:
         if not self.told:

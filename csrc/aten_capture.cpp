@@ -32,6 +32,9 @@ void Engine::capture_begin(cg_pass pass, at::cuda::MempoolId_t pool_id,
                            cudaStreamCaptureMode mode) {
   pool = pool_id;
   note_capture(pass);  // Note [Captures that share a pool] (aten_pool.cpp)
+  if (pass == CG_FORWARD && keep_activations) {  // only cgraph/_group.py reads in place
+    note_inputs_in_place();
+  }
   blas_workspace = live_blas_workspace(caller_stream);  // Note [One cuBLAS workspace per stream]
   if (pass == CG_FORWARD) {
     autocast = Autocast::current();

@@ -86,6 +86,10 @@ struct Input {
   bool requires_grad = false;  // at capture: the backward graph computes its grad
   SlotId copy;                 // the forward graph's copy-in slot for it
   at::Tensor grad;             // the backward graph's output for it, if requires_grad
+  // The buffer is another graph's static output, read in place: a call must
+  // pass that memory itself (Note [A layer reading the one before it in
+  // place], aten_pool.cpp).
+  bool in_place = false;
 };
 
 // One parameter: a module parameter, or another leaf requiring grad that the
@@ -227,6 +231,9 @@ struct PoolLedger;
 bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only);
 // Frees the kept activations of `pool`'s engines with no backward pending.
 void release_kept_activations(at::cuda::MempoolId_t pool);
+// The static output of a live graph of `pool` that `t` shows, sharing its
+// storage, if there is one (aten_pool.cpp).
+std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at::Tensor& t);
 
 // One graphed callable.  Shared between the C half (through cg_engine) and
 // every backward node still pending, so a live autograd graph keeps the
@@ -293,6 +300,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // with their autograd history, which holds the activations allocated.
   std::vector<at::Tensor> kept_history;
   void note_capture(cg_pass pass);             // at each capture's start
+  void note_inputs_in_place();                 // at the forward capture's start
   bool may_replay_forward() const;             // no pending graph needs what it writes
   void check_backward_replayable() const;      // throws if one does
   void release_earlier_outputs();              // this engine's: Note [Outputs of earlier calls]

@@ -256,6 +256,18 @@ void cg_pool_release_kept(cg_pool pool) {
   cgraph::release_kept_activations(to_mempool(pool));
 }
 
+PyObject* cg_pool_static_output(cg_pool pool, PyObject* tensor) {
+  HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(THPVariable_Check(tensor), "static_output: expects a tensor");
+  std::optional<at::Tensor> found =
+      cgraph::static_output_in(to_mempool(pool), THPVariable_Unpack(tensor));
+  if (!found) {
+    Py_RETURN_NONE;
+  }
+  return THPVariable_Wrap(std::move(*found));
+  END_HANDLE_TH_ERRORS
+}
+
 // ---- random numbers ------------------------------------------------------------
 
 PyObject* cg_rng_get_state(int device, cg_failure* failure) {

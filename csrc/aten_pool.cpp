@@ -3,8 +3,8 @@
 #include "aten_engine.hpp"
 
 #include <algorithm>
-#include <iterator>
 #include <atomic>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -62,6 +62,23 @@ namespace cgraph {
 //    backwards replay in reverse, exactly as if the pass had been captured
 //    together, with no eager pass in between and no warm-up but the
 //    layer's own.
+// Note [A layer reading the one before it in place]
+// Q: Layer k+1 is called with layer k's output, both graphed into one pool
+//    (cgraph/_group.py).  Why copy it into a static input of its own?
+// A: It need not be: its graphs are captured reading layer k's static output
+//    in place (the sample is that output's storage, static_output_in), and
+//    Input::in_place makes them take only calls that pass that memory
+//    itself, so nothing ever copies into it.  That saves a buffer per layer
+//    and shape and a copy per call.  It is exact because that memory holds
+//    the argument's values for as long as the graph may read it:
+//    - only its own engine's forward replays write it, and a graph captured
+//      before it (whose temporaries may lie there); a handed-out output is
+//      moved out of their way before they replay, so a call that passes it
+//      afterwards passes other memory and is not taken (a miss captures a
+//      graph that copies, as for any other tensor);
+//    - the reader's backward reads it too, and while the reader is pending
+//      none of those may replay: both were captured before the reader, so
+//      the reader's span does not cover them (spans() below).
 struct PoolLedger {
   std::mutex mutex;  // backward replays check it from autograd's threads
   uint64_t captures = 0;
@@ -127,6 +144,45 @@ void Engine::note_capture(cg_pass pass) {
     engines.push_back(weak_from_this());
     ledger->latest_forward.store(captured_at[pass]);
   }
+}
+
+void Engine::note_inputs_in_place() {
+  for (Input& in : inputs) {
+    in.in_place = false;
+  }
+  for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+    for (Input& in : inputs) {
+      for (const Output& o : h->outputs) {
+        in.in_place = in.in_place || (h.get() != this && o.buffer.defined() &&
+                                      o.buffer.is_alias_of(in.buffer));
+      }
+    }
+  });
+}
+
+std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at::Tensor& t) {
+  const std::shared_ptr<PoolLedger> ledger = ledger_of(pool, /*make=*/false);
+  std::optional<at::Tensor> found;
+  if (!ledger || !t.is_cuda() || !t.has_storage()) {
+    return found;
+  }
+  const void* where = nullptr;
+  try {
+    where = t.const_data_ptr();
+  } catch (const c10::Error&) {
+    return found;  // an output kept_outputs='error' made unreadable
+  }
+  for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+    for (const Output& o : h->outputs) {
+      const at::Tensor& b = o.buffer;
+      if (!found && h->alive && where != nullptr && b.const_data_ptr() == where &&
+          b.sizes().equals(t.sizes()) && b.strides().equals(t.strides()) &&
+          b.scalar_type() == t.scalar_type()) {
+        found = b.detach();
+      }
+    }
+  });
+  return found;
 }
 
 void Engine::note_latest_node(const NodePtr& node) {

@@ -58,6 +58,9 @@ struct StagedCall {
 
 [[noreturn]] void raise_mismatch(const Engine& e, size_t i, const at::Tensor& got) {
   const at::Tensor& want = e.inputs[i].buffer;
+  TORCH_CHECK_VALUE(!e.inputs[i].in_place, "cgraph: argument '", e.inputs[i].name,
+                    "' is not the output of the graphed callable this graph was captured "
+                    "reading in place; call the callable, which captures a graph for it.");
   TORCH_CHECK_VALUE(false, "cgraph: argument '", e.inputs[i].name, "' has shape ",
                     got.sizes(), ", dtype ", got.scalar_type(), " on ", got.device(),
                     ", but the graph was captured with shape ", want.sizes(), ", dtype ",
@@ -106,6 +109,10 @@ void check_call(const Engine& e, size_t nargs) {
 // torch's copy_ does; autograd casts the grad back).
 bool fits(const Input& in, const at::Tensor& t) {
   const at::ScalarType have = t.scalar_type(), want = in.buffer.scalar_type();
+  if (C10_UNLIKELY(in.in_place)) {  // Note [A layer reading the one before it in place]
+    return have == want && t.const_data_ptr() == in.buffer.const_data_ptr() &&
+           t.sizes().equals(in.buffer.sizes()) && t.strides().equals(in.buffer.strides());
+  }
   return t.sizes().equals(in.buffer.sizes()) && t.device() == in.buffer.device() &&
          (have == want || (at::isFloatingType(have) && at::isFloatingType(want)));
 }

@@ -238,6 +238,12 @@ int cg_pool_busy(cg_pool pool, int unkept_only);
  * [Layers captured one by one into one pool] in aten_pool.cpp).  Never
  * fails. */
 void cg_pool_release_kept(cg_pool pool);
+/* If `tensor` shows a static output of a live graph of `pool` (the same
+ * memory, shape, strides and dtype): a NEW reference to a tensor sharing
+ * that output's storage, to capture a graph that reads it in place (Note [A
+ * layer reading the one before it in place] in aten_pool.cpp).  Else a NEW
+ * reference to None; NULL with an exception set on failure. */
+PyObject *cg_pool_static_output(cg_pool pool, PyObject *tensor);
 
 /* ---- random numbers (aten_rng.cpp) ------------------------------------- */
 

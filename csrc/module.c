@@ -93,6 +93,25 @@ cgm_pool_busy(PyObject *module, PyObject *args)
     return PyBool_FromLong(cg_pool_busy(pool, unkept_only));
 }
 
+PyDoc_STRVAR(cgm_static_output_doc,
+"static_output(tensor, pool) -> Tensor | None\n\n"
+"If `tensor` shows a static output of a live graph of `pool`: a tensor sharing\n"
+"that output's storage, to capture reading it in place (Note [A layer reading\n"
+"the one before it in place] in aten_pool.cpp).  Else None.");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+cgm_static_output(PyObject *module, PyObject *args)
+{
+    PyObject *tensor;
+    cg_pool pool;
+    if (!PyArg_ParseTuple(args, "O(KK);static_output: expects a tensor and a pool", &tensor,
+                          &pool.first, &pool.second)) {
+        return NULL;
+    }
+    return cg_pool_static_output(pool, tensor);
+}
+
 PyDoc_STRVAR(cgm_autograd_leaves_doc,
 "autograd_leaves(tensors) -> list[Tensor]\n\n"
 "The leaves requiring grad that the autograd graph of `tensors` ends at.");
@@ -288,6 +307,7 @@ static PyMethodDef cgm_methods[] = {
     {"device_count", cgm_device_count, METH_NOARGS, cgm_device_count_doc},
     {"new_pool", cgm_new_pool, METH_NOARGS, cgm_new_pool_doc},
     {"pool_busy", cgm_pool_busy, METH_VARARGS, cgm_pool_busy_doc},
+    {"static_output", cgm_static_output, METH_VARARGS, cgm_static_output_doc},
     {"autograd_leaves", cgm_autograd_leaves, METH_O, cgm_autograd_leaves_doc},
     {"rng_get_state", cgm_rng_get_state, METH_VARARGS, cgm_rng_get_state_doc},
     {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},

@@ -116,6 +116,52 @@ def test_layer_outputs_kept_past_the_backward_keep_their_values():
         check_grads_and_clear(layers, eager, step)
 
 
+def test_a_layer_reads_the_output_of_the_one_before_it_in_place():
+    """Layers chained directly (x = layer(x)) with one pool=: each layer's
+    graph reads the previous layer's static output in place, so its
+    argument is never copied (Note [A layer reading the one before it in
+    place] in csrc/aten_pool.cpp); a call with another tensor gets a graph
+    that copies it.  Bitwise as eager throughout."""
+    layers, eager = blocks(77), blocks(77)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+
+    def chain(callables, x):
+        for c in callables:
+            x = c(x)
+        return x
+
+    def step(first, second, label):
+        x = torch.randn(8, 64, device=CUDA, requires_grad=True)
+        upstream = torch.randn(8, 64, device=CUDA)
+        out, out_e = first(graphed, x), first(eager, twin(x))
+        out, out_e = second(graphed, out), second(eager, out_e)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        assert_equal(out, out_e, f"{label}: output")
+        check_grads_and_clear(layers, eager, label)
+
+    for k in range(3):
+        step(lambda ls, x: chain(ls, x), lambda ls, y: y, f"step {k}")
+    copies = [g.stats["copied_in_graph"] + g.stats["copied_before"] for g in graphed]
+    # Three steps' incoming grads each; the first layer also copies x in.
+    assert copies == [6, 3, 3, 3], copies
+    assert [g.num_graphs for g in graphed] == [1, 1, 1, 1]
+    # The second layer called with another tensor than the first's output:
+    # a graph that copies it (not into the first layer's output, which
+    # keeps its value), and the layers after it read that graph's output
+    # in place, graphs of their own.
+    kept = []
+
+    def first(ls, x):
+        kept.append(ls[0](x))
+        return kept[-1] * 2
+
+    step(first, lambda ls, y: chain(ls[1:], y), "another tensor")
+    assert_equal(kept[0], kept[1], "the first layer's output, kept")
+    assert [g.num_graphs for g in graphed] == [1, 2, 2, 2]
+
+
 def test_one_pool_for_all_layers_holds_less_than_a_pool_each():
     """The memory of separately graphed layers with one pool= is near that
     of their largest graph, not the sum of a pool per layer."""
