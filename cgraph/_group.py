@@ -21,19 +21,23 @@ A: One pool serves several graphs only while no replay overwrites memory a
    graph's backward is pending (a second micro-batch), or a graph of the
    pool whose activations are no longer kept is pending (it was replayed
    after its activations were released, and a capture could take them).
-   A call inside a backward (a checkpoint's recompute) before the layer has
-   a graph for it runs eagerly: no capture runs inside autograd's backward.
+   A call inside a backward (a checkpoint's recompute) that no graph takes
+   runs eagerly: no capture runs inside autograd's backward.
    Results are eager's throughout.
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
+from torch.utils import _pytree as pytree
 
 from . import _C
 from ._capture import CaptureOptions
 from ._describe import Target
-from ._regraph import Regraph
+from ._regraph import Regraph, _sample_of
 
 
 class Member(Regraph):
@@ -48,18 +52,39 @@ class Member(Regraph):
         self.pool = pool
 
     def __call__(self, graphed: _C.Graphed, args: tuple, kwargs: dict, pending: bool):
-        if _in_backward() and graphed.num_graphs == 0:
+        if _in_backward():
             return (self.target.run_eagerly(args, kwargs),)  # counted: eager_on_miss
         return super().__call__(graphed, args, kwargs, pending)
 
-    def _sample(self, t: torch.Tensor, pool: tuple[int, int]) -> torch.Tensor:
-        """In the shared pool, the static output of another member that `t`
-        is, read in place (Note [A layer reading the one before it in
-        place] in csrc/aten_pool.cpp); else a copy."""
-        output = _C.static_output(t, pool) if pool == self.pool else None
-        if output is None:
-            return super()._sample(t, pool)
-        return output.requires_grad_(t.requires_grad)
+    @contextlib.contextmanager
+    def _samples(self, args: tuple, kwargs: dict, pool: tuple[int, int]) -> Iterator[tuple]:
+        """In the shared pool, a tensor that is another member's static
+        output is taken as it is, read in place (Note [A layer reading the
+        one before it in place] in csrc/aten_pool.cpp); the others are
+        copied.  Warm-up calls the callable on it several times: one that
+        changes its input in place would change that output each time, so
+        its values are put back after the capture, and the replay changes
+        it once, as the eager call would."""
+        if pool != self.pool:
+            with super()._samples(args, kwargs, pool) as samples:
+                yield samples
+            return
+        read_in_place = []  # (the output, its version, its values)
+
+        def sample(t: torch.Tensor) -> torch.Tensor:
+            output = _C.static_output(t, pool)
+            if output is None:
+                return _sample_of(t)
+            read_in_place.append((output, output._version, output.detach().clone()))
+            return output.requires_grad_(t.requires_grad)
+
+        try:
+            yield pytree.tree_map_only(torch.Tensor, sample, (args, kwargs))
+        finally:
+            with torch.no_grad():
+                for output, version, values in read_in_place:
+                    if output._version != version:
+                        output.copy_(values)
 
     def _pool(self, graphed: _C.Graphed, pending: bool) -> tuple[tuple[int, int], bool, bool]:
         """The shared pool; a pool of its own, as for a callable graphed

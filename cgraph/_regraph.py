@@ -7,7 +7,9 @@ csrc/graphed.c."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from typing import Iterator
 
 import torch
 from torch.utils import _pytree as pytree
@@ -44,22 +46,20 @@ class Regraph:
         _check_device(graphed, (args, kwargs))
         started = time.perf_counter()
         pool, warm_in_pool, keep = self._pool(graphed, pending)
-        samples = pytree.tree_map_only(torch.Tensor, lambda t: self._sample(t, pool),
-                                       (args, kwargs))
-        drafts = [draft(self.target, *samples, set())]
-        try:
-            (captured,) = graph(drafts, pool, self.options, warm_in_pool=warm_in_pool,
-                                keep_activations=keep)
-        except _C.CaptureError as exc:
-            if exc.kind != "warmup_state":
-                raise
-            # Warm-up kept memory in the pool, where the earlier graphs
-            # would overwrite it: they go (captured again when needed), and
-            # this one is warmed up outside any pool.
-            _log.pool_dropped(graphed, graphed._drop_pool(pool))
-            samples = pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
-            (captured,) = graph([draft(self.target, *samples, set())], _C.new_pool(),
-                                self.options)
+        with self._samples(args, kwargs, pool) as samples:
+            try:
+                (captured,) = graph([draft(self.target, *samples, set())], pool, self.options,
+                                    warm_in_pool=warm_in_pool, keep_activations=keep)
+            except _C.CaptureError as exc:
+                if exc.kind != "warmup_state":
+                    raise
+                # Warm-up kept memory in the pool, where the earlier graphs
+                # would overwrite it: they go (captured again when needed),
+                # and this one is warmed up outside any pool.
+                _log.pool_dropped(graphed, graphed._drop_pool(pool))
+                samples = pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
+                (captured,) = graph([draft(self.target, *samples, set())], _C.new_pool(),
+                                    self.options)
         graphed._adopt(captured)
         _log.captured(graphed, "a second call before the first one's backward" if pending
                       else "a call no graph takes", samples, time.perf_counter() - started)
@@ -74,9 +74,11 @@ class Regraph:
         idle = graphed._idle_pool(self.shares_pool)
         return (tuple(idle), True, False) if idle else (_C.new_pool(), False, False)
 
-    def _sample(self, t: torch.Tensor, pool: tuple[int, int]) -> torch.Tensor:
-        """What a capture in `pool` takes for the call's tensor `t`."""
-        return _sample_of(t)
+    @contextlib.contextmanager
+    def _samples(self, args: tuple, kwargs: dict, pool: tuple[int, int]) -> Iterator[tuple]:
+        """The call's (args, kwargs) as a capture in `pool` takes them:
+        every tensor copied, so that the caller's stay the caller's."""
+        yield pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
 
     def _tell_limit(self, graphed: _C.Graphed, pending: bool) -> None:
         if not self.told:

@@ -48,7 +48,7 @@
  *    backwards then run in any order.  Past max_graphs, calls run eagerly
  *    and are counted.  on_miss may also run the call eagerly itself and
  *    return its result in a 1-tuple, as cgraph/_group.py does for a call
- *    inside a backward before the callable has a graph to run it eagerly.
+ *    inside a backward that no graph takes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -1040,8 +1040,8 @@ static PyGetSetDef Graphed_getset[] = {
      "replay (kept_outputs='copy') or made unreadable (kept_outputs='error'); calls\n"
      "run eagerly because a backward the replay would overwrite had not run yet\n"
      "(eager_pending), because no graph took them and max_graphs were captured\n"
-     "(eager_past_limit), or by on_miss itself (eager_on_miss: a layer sharing a\n"
-     "pool= called inside a backward before its first graph); graphs captured.\n"
+     "(eager_past_limit), or by on_miss itself (eager_on_miss: a call inside a\n"
+     "backward that no graph of a layer sharing a pool= takes); graphs captured.\n"
      "Summed over the graphs.", NULL},
     {"graphs", (getter)Graphed_get_graphs, NULL,
      "What the first forward and backward graphs are made of: node counts by type\n"

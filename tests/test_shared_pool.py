@@ -162,6 +162,35 @@ def test_a_layer_reads_the_output_of_the_one_before_it_in_place():
     assert [g.num_graphs for g in graphed] == [1, 2, 2, 2]
 
 
+def test_a_layer_that_adds_to_its_input_in_place_adds_once():
+    """A layer that changes its input in place, reading the layer before
+    it's output in place: its warm-up calls would change that output each
+    time, so its values are put back after the capture, and the call
+    changes it once, as eager mode does."""
+    torch.manual_seed(78)
+
+    class AddsToItsInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.linear(x.add_(1))
+
+    first, second = nn.Linear(64, 64).to(CUDA), AddsToItsInput().to(CUDA)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(m, pool=pool) for m in (first, second)]
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(8, 64, device=CUDA)
+            hidden, hidden_e = graphed[0](x), first(x)
+            out, out_e = graphed[1](hidden), second(hidden_e)
+            assert_equal(hidden, hidden_e, f"step {step}: the first layer's output, changed")
+            assert_equal(out, out_e, f"step {step}: output")
+    stats = graphed[1].stats
+    assert stats["copied_in_graph"] + stats["copied_before"] == 0, stats  # read in place
+
+
 def test_one_pool_for_all_layers_holds_less_than_a_pool_each():
     """The memory of separately graphed layers with one pool= is near that
     of their largest graph, not the sum of a pool per layer."""
