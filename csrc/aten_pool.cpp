@@ -41,6 +41,7 @@ namespace cgraph {
 //    leaves both to the user ("replay in capture order"); cgraph runs a
 //    forward that may not replay eagerly, or captures it again elsewhere,
 //    and refuses such a backward, which has no eager fallback.
+//
 // Note [Layers captured one by one into one pool]
 // Q: Layers graphed separately with one pool= and no samples
 //    (cgraph/_group.py) are each captured on their first call, forward and
@@ -51,17 +52,18 @@ namespace cgraph {
 //    capture retains the forward capture's autograd graph, and the engine
 //    holds its outputs with their history (kept_history), so the blocks of
 //    the activations stay allocated and no later capture can take them.
-//    Temporaries of that backward capture can be taken by the next layer's
-//    captures: that layer's activations and grad buffers are done with when
-//    this backward replays, after its own, and its outputs still held are
-//    moved out of the way first, as before a forward (below).  The activations are released at the start
-//    of the next capture into the pool after the engine's backward has run
-//    (or its outputs died): released_at numbers that moment, and spans()
-//    reads it as the end of the engine's activations.  So the forwards of a
-//    pass replay while the earlier layers' backwards are pending, and the
-//    backwards replay in reverse, exactly as if the pass had been captured
-//    together, with no eager pass in between and no warm-up but the
-//    layer's own.
+//    The next layer's captures may take the temporaries of this backward
+//    capture: that layer's activations and grad buffers are done with by
+//    the time this backward replays (after its own), and its outputs still
+//    held are moved out of the way first (the outputs rule above).  The
+//    activations are released at the start of the next capture into the
+//    pool after the engine's backward has run (or its outputs died):
+//    released_at numbers that moment, and spans() reads it as the end of
+//    the engine's activations.  So the forwards of a pass replay while the
+//    earlier layers' backwards are pending, and the backwards replay in
+//    reverse, as if the pass had been captured together, with no eager pass
+//    and no warm-up but each layer's own.
+//
 // Note [A layer reading the one before it in place]
 // Q: Layer k+1 is called with layer k's output, both graphed into one pool
 //    (cgraph/_group.py).  Why copy it into a static input of its own?
@@ -71,14 +73,15 @@ namespace cgraph {
 //    itself, so nothing ever copies into it.  That saves a buffer per layer
 //    and shape and a copy per call.  It is exact because that memory holds
 //    the argument's values for as long as the graph may read it:
-//    - only its own engine's forward replays write it, and a graph captured
-//      before it (whose temporaries may lie there); a handed-out output is
-//      moved out of their way before they replay, so a call that passes it
-//      afterwards passes other memory and is not taken (a miss captures a
-//      graph that copies, as for any other tensor);
-//    - the reader's backward reads it too, and while the reader is pending
-//      none of those may replay: both were captured before the reader, so
-//      the reader's span does not cover them (spans() below).
+//    - It is written only by layer k's forward replays and by graphs
+//      captured before layer k (whose temporaries may lie there), and before
+//      any of those replays, an output of layer k still held is moved to
+//      memory of its own.  A call that passes it afterwards passes other
+//      memory, which these graphs do not take: the call misses, and gets a
+//      graph that copies, as any other tensor does.
+//    - Layer k+1's backward reads it too, and while layer k+1 is pending
+//      none of those graphs may replay: all were captured before it, so its
+//      span does not cover them (spans() below).
 struct PoolLedger {
   std::mutex mutex;  // backward replays check it from autograd's threads
   uint64_t captures = 0;
