@@ -71,8 +71,13 @@ class Regraph:
         one; whether to warm up in it (a pool of earlier idle graphs: Note
         [Warm-up in the pool]); and whether its captures keep their
         activations (cgraph/_group.py's do)."""
-        idle = graphed._idle_pool(self.shares_pool)
+        idle = graphed._idle_pool(self._shared_pool(graphed))
         return (tuple(idle), True, False) if idle else (_C.new_pool(), False, False)
+
+    def _shared_pool(self, graphed: _C.Graphed) -> tuple[int, int] | None:
+        """The pool this callable shares with others, which later graphs
+        stay out of: its first graph's, if shared."""
+        return graphed.pool if self.shares_pool else None
 
     @contextlib.contextmanager
     def _samples(self, args: tuple, kwargs: dict, pool: tuple[int, int]) -> Iterator[tuple]:

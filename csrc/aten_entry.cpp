@@ -248,6 +248,10 @@ int cg_engine_may_replay(const cg_engine* engine) {
   return engine->ptr->may_replay_forward() ? 1 : 0;
 }
 
+int cg_engine_backward_pending(const cg_engine* engine) {
+  return engine->ptr->backward_pending() ? 1 : 0;
+}
+
 int cg_pool_busy(cg_pool pool, int unkept_only) {
   return cgraph::pool_busy(to_mempool(pool), unkept_only != 0) ? 1 : 0;
 }

@@ -229,6 +229,9 @@ int cg_engine_accepts(const cg_engine *engine, PyObject *const *args, Py_ssize_t
  * in aten_pool.cpp).  Its own pending backward always counts.  0: the call
  * runs eagerly, or gets a graph elsewhere.  Never fails. */
 int cg_engine_may_replay(const cg_engine *engine);
+/* 1 if the backward of the engine's latest replay is still to run, else 0
+ * (Note [Calls before their backwards] in aten_backward.cpp).  Never fails. */
+int cg_engine_backward_pending(const cg_engine *engine);
 /* 1 if some graph of `pool` has a backward pending, else 0; with
  * unkept_only, only a graph whose activations are not kept (they were
  * captured without keep_activations, or released since).  Never fails. */

@@ -694,28 +694,45 @@ Graphed_adopt(GraphedObject *self, PyObject *arg)
 }
 
 PyDoc_STRVAR(Graphed_idle_pool_doc,
-"_idle_pool(skip_first) -> tuple[int, int] | None\n\n"
+"_idle_pool(skip) -> tuple[int, int] | None\n\n"
 "A pool of this callable's graphs where none has a backward pending, so a\n"
-"new graph may share it (Note [Several graphs per callable]); skip_first\n"
-"leaves out the first graph's pool (shared with other callables).");
+"new graph may share it (Note [Several graphs per callable]); never `skip`\n"
+"(a pool shared with other callables, or None).");
 
 /* Returns a NEW reference, or NULL with an exception set. */
 static PyObject *
-Graphed_idle_pool(GraphedObject *self, PyObject *skip_first)
+Graphed_idle_pool(GraphedObject *self, PyObject *arg)
 {
-    int skip = PyObject_IsTrue(skip_first);
+    cg_pool skip = {0, 0};
 
-    if (skip < 0) {
+    if (arg != Py_None && !PyArg_ParseTuple(arg, "KK;_idle_pool: expects a pool, a pair of "
+                                            "ints, or None", &skip.first, &skip.second)) {
         return NULL;
     }
     for (Py_ssize_t k = 0; k < self->n_entries; k++) {
         cg_pool pool = self->entries[k].pool;
-        int first = pool.first == self->pool.first && pool.second == self->pool.second;
-        if (!(skip && first) && !cg_pool_busy(pool, 0)) {
+        int skipped = arg != Py_None && pool.first == skip.first && pool.second == skip.second;
+        if (!skipped && !cg_pool_busy(pool, 0)) {
             return Py_BuildValue("(KK)", pool.first, pool.second);
         }
     }
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Graphed_backward_pending_doc,
+"_backward_pending() -> bool\n\n"
+"Whether the backward of some graph's latest replay is still to run.");
+
+/* Returns a NEW reference. */
+static PyObject *
+Graphed_backward_pending(GraphedObject *self, PyObject *Py_UNUSED(ignored))
+{
+    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
+        if (cg_engine_backward_pending(self->entries[k].engine)) {
+            Py_RETURN_TRUE;
+        }
+    }
+    Py_RETURN_FALSE;
 }
 
 PyDoc_STRVAR(Graphed_drop_pool_doc,
@@ -778,6 +795,8 @@ static PyMethodDef Graphed_methods[] = {
     {"reset", (PyCFunction)Graphed_reset, METH_NOARGS, Graphed_reset_doc},
     {"_adopt", (PyCFunction)Graphed_adopt, METH_O, Graphed_adopt_doc},
     {"_idle_pool", (PyCFunction)Graphed_idle_pool, METH_O, Graphed_idle_pool_doc},
+    {"_backward_pending", (PyCFunction)Graphed_backward_pending, METH_NOARGS,
+     Graphed_backward_pending_doc},
     {"_drop_pool", (PyCFunction)Graphed_drop_pool, METH_O, Graphed_drop_pool_doc},
     {NULL, NULL, 0, NULL}
 };

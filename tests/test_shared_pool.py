@@ -275,3 +275,32 @@ def test_two_passes_before_their_backwards_get_instances_and_match_eager():
         assert g.num_graphs == 2 and len(g._graphed.pools) == 2, (g, g._graphed.pools)
         assert stats["eager_on_miss"] == 0 and stats["forward"] == 8, stats
         assert stats["eager_past_limit"] == 0, stats
+
+
+def test_two_passes_of_new_shapes_before_their_backwards_match_eager():
+    """The second micro-batch's shapes are new, and the first one's
+    backwards run first: the shared pool's free blocks are those backwards'
+    temporaries, so the second pass captures into pools of its own, as for
+    a second pass of the first pass's shapes."""
+    layers, eager = blocks(77), blocks(77)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+
+    for step in range(3):
+        xs = [torch.randn(n, 64, device=CUDA, requires_grad=True) for n in (8, 6)]
+        xs_e = [twin(x) for x in xs]
+        ups = [torch.randn(n, 64, device=CUDA) for n in (8, 6)]
+        outs = [forward(graphed, x) for x in xs]
+        outs_e = [forward(eager, x) for x in xs_e]
+        for out, out_e, up in zip(outs, outs_e, ups):  # the first micro-batch's first
+            assert_equal(out, out_e, f"step {step}: output")
+            (out * up).sum().backward()
+            (out_e * up).sum().backward()
+        for x, x_e in zip(xs, xs_e):
+            assert_equal(x.grad, x_e.grad, f"step {step}: input grad")
+        check_grads_and_clear(layers, eager, step)
+    for g in graphed:
+        stats = g.stats
+        assert g.num_graphs == 2 and len(g._graphed.pools) == 2, (g, g._graphed.pools)
+        assert stats["eager_on_miss"] == 0 and stats["forward"] == 6, stats
+
