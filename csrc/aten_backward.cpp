@@ -56,28 +56,31 @@ bool delivered_by_autograd(const at::Tensor& p) {
   return acc && (!acc->pre_hooks().empty() || !acc->post_hooks().empty());
 }
 
-namespace {
-
-// Whether nobody but cgraph can reach `t` (or its memory).  A Python
-// wrapper that only the tensor itself keeps alive does not count: torch
-// preserves wrappers this way once Python has seen a tensor (as it has every
-// .grad an optimizer read), and torch releases that carry
+// A Python wrapper that only the tensor itself keeps alive does not count:
+// torch preserves wrappers this way once Python has seen a tensor (as it has
+// every .grad an optimizer read), and torch releases that carry
 // impl::is_tensor_stealable, the test AccumulateGrad uses, know about it.
 namespace ownership {
 using namespace torch::autograd::impl;
 template <class T>
-auto only_python_wrapper_besides(const T& t, int) -> decltype(is_tensor_stealable(t, 1)) {
-  return is_tensor_stealable(t, 1);
+auto held_at_most(const T& t, size_t refs, int) -> decltype(is_tensor_stealable(t, refs)) {
+  return is_tensor_stealable(t, refs);
 }
 template <class T>
-bool only_python_wrapper_besides(const T& t, long) {
-  return t.use_count() == 1;
+bool held_at_most(const T& t, size_t refs, long) {
+  return t.use_count() <= refs;
 }
 }  // namespace ownership
 
+bool held_at_most(const at::Tensor& t, size_t refs) {
+  return ownership::held_at_most(t, refs, 0);
+}
+
+namespace {
+
+// Whether nobody but cgraph can reach `t` (or its memory).
 bool sole_owner(const at::Tensor& t) {
-  return t.unsafeGetTensorImpl()->storage().use_count() == 1 &&
-         ownership::only_python_wrapper_besides(t, 0);
+  return t.unsafeGetTensorImpl()->storage().use_count() == 1 && held_at_most(t, 1);
 }
 
 // The partial backward running now (torch.autograd.grad, .backward(inputs=)),
@@ -251,7 +254,7 @@ struct GraphedBackward final : autograd::Node {
   void check_replayable() const;
   TensorVec route_incoming_grads(const autograd::variable_list& grads);
   void launch(GradPath path);
-  autograd::variable_list edge_grads() const;
+  autograd::variable_list edge_grads();
 };
 
 // An argument that required grad unlike its sample has no grad in the
@@ -320,16 +323,16 @@ void GraphedBackward::launch(GradPath path) {
   ++e.stats.backward;
 }
 
-// 4. Grads for the autograd edges.  Inputs: the static buffers themselves,
-//    still referenced here, so AccumulateGrad copies rather than steals.
-//    Hooked parameters: a copy, since their grads are graph temporaries.
-autograd::variable_list GraphedBackward::edge_grads() const {
-  const Engine& e = *engine;
+// 4. Grads for the autograd edges.  Inputs: the static buffers, handed out
+//    as Note [Grads handed to autograd] (aten_replay.cpp) says.  Hooked
+//    parameters: a copy, since their grads are graph temporaries.
+autograd::variable_list GraphedBackward::edge_grads() {
+  Engine& e = *engine;
   autograd::variable_list out(sources.size());
   for (size_t m = 0; m < sources.size(); ++m) {
     const EdgeSource& s = sources[m];
     if (s.kind == EdgeSource::Kind::Input) {
-      out[m] = e.inputs[s.index].grad;
+      out[m] = e.hand_out_grad(e.inputs[s.index].grad);
     } else if (s.kind == EdgeSource::Kind::Param) {
       out[m] = e.params[s.index].grad.clone();
     }
@@ -344,7 +347,7 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
   }
   check_replayable();
   engine->check_backward_replayable();  // Note [Captures that share a pool] (aten_pool.cpp)
-  engine->release_later_outputs(CG_BACKWARD);
+  engine->release_later_outputs(CG_BACKWARD, grads);
   ran = true;
   const TensorVec clones = route_incoming_grads(grads);
   // 2. Which tail delivers the parameter grads: Note [Parameter gradients].
@@ -375,8 +378,9 @@ bool attaches(const Output& o, bool ungraded) {
 //    it is pending, a call replays another instance of the graph, with
 //    activations of its own, or runs the callable eagerly (graphed.c: Note
 //    [Several graphs per callable]; counted in stats as eager_pending), so
-//    every backward, in any order, sees its own activations.  A node that was dropped without running (its outputs
-//    freed, or no backward needed it) is no longer pending.
+//    every backward, in any order, sees its own activations.  A node that
+//    was dropped without running (its outputs freed, or no backward needed
+//    it) is no longer pending.
 bool Engine::backward_pending() const {
   const NodePtr node = latest_node.lock();
   return node && !static_cast<const GraphedBackward*>(node.get())->ran.load();

@@ -235,6 +235,10 @@ void release_kept_activations(at::cuda::MempoolId_t pool);
 // storage, if there is one (aten_pool.cpp).
 std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at::Tensor& t);
 
+// Whether at most `refs` references hold tensor `t`, not counting a Python
+// wrapper only `t` keeps alive (aten_backward.cpp).
+bool held_at_most(const at::Tensor& t, size_t refs);
+
 // One graphed callable.  Shared between the C half (through cg_engine) and
 // every backward node still pending, so a live autograd graph keeps the
 // buffers its backward replay needs.
@@ -280,6 +284,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // -- replay bookkeeping
   // The latest call's outputs: Note [Outputs of earlier calls].
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
+  // The latest backward's grads for the inputs: Note [Grads handed to
+  // autograd] (aten_replay.cpp).
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> handed_grads;
   // The latest replay's backward node: Note [Calls before their backwards]
   // (aten_backward.cpp).
   WeakNodePtr latest_node = WeakNodePtr(NodePtr());
@@ -304,7 +311,14 @@ struct Engine : std::enable_shared_from_this<Engine> {
   bool may_replay_forward() const;             // no pending graph needs what it writes
   void check_backward_replayable() const;      // throws if one does
   void release_earlier_outputs();              // this engine's: Note [Outputs of earlier calls]
-  void release_later_outputs(cg_pass pass);    // those of engines captured after `pass`
+  at::Tensor hand_out_grad(const at::Tensor& buffer);  // Note [Grads handed to autograd]
+  // This engine's grads still held but by `consumed` (the incoming grads of
+  // the backward replay about to run, which its graph reads first).
+  void release_handed_grads(at::ArrayRef<at::Tensor> consumed);
+  // Before a replay of `pass`: what it may overwrite of this engine's grads,
+  // and of the outputs and grads of engines captured after it.
+  void release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed = {});
+  bool later_backward_of_another(uint64_t at) const;
 
   Graph& graph(cg_pass pass) { return pass == CG_FORWARD ? *fwd : *bwd; }
 

@@ -36,7 +36,9 @@ namespace cgraph {
 //      every engine whose forward was captured after G that are still
 //      referenced get memory of their own.  (A backward replay needs this
 //      when the engines after it replayed since its forward: Note [Layers
-//      captured one by one into one pool].)
+//      captured one by one into one pool].)  Likewise the grads H's
+//      backward handed to autograd, allocated at H's backward capture: Note
+//      [Grads handed to autograd] in aten_replay.cpp.
 //    A pool's ledger numbers its captures and lists its engines.  torch
 //    leaves both to the user ("replay in capture order"); cgraph runs a
 //    forward that may not replay eagerly, or captures it again elsewhere,
@@ -54,8 +56,12 @@ namespace cgraph {
 //    the activations stay allocated and no later capture can take them.
 //    The next layer's captures may take the temporaries of this backward
 //    capture: that layer's activations and grad buffers are done with by
-//    the time this backward replays (after its own), and its outputs still
-//    held are moved out of the way first (the outputs rule above).  The
+//    the time this backward replays (after its own), and its outputs and
+//    grads still held are moved out of the way first (the outputs rule
+//    above).  That holds within one pass: a layer with a backward pending
+//    captures its next call (a second micro-batch, of any shape) elsewhere
+//    (cgraph/_group.py), since the first pass's backwards run before the
+//    second's and would overwrite its activations.  The
 //    activations are released at the start of the next capture into the
 //    pool after the engine's backward has run (or its outputs died):
 //    released_at numbers that moment, and spans() reads it as the end of
@@ -86,9 +92,11 @@ struct PoolLedger {
   std::mutex mutex;  // backward replays check it from autograd's threads
   uint64_t captures = 0;
   std::vector<std::weak_ptr<Engine>> engines;  // in the order of their forward captures
-  // The number of the latest forward capture: a replay of that engine has
-  // no later engine's outputs to move, and skips the mutex.
+  // The numbers of the latest forward and backward captures: a replay of
+  // the engine captured last has no later engine's outputs or grads to
+  // move, and skips the mutex.
   std::atomic<uint64_t> latest_forward{0};
+  std::atomic<uint64_t> latest_backward{0};
 };
 
 namespace {
@@ -117,13 +125,17 @@ bool spans(const Engine& h, uint64_t at) {
   return h.captured_at[CG_FORWARD] < at && at < h.released_at;
 }
 
-// The live engines of `ledger`; under its mutex.
+// The live engines of `ledger`; under its mutex.  An engine whose last
+// other reference goes meanwhile is destroyed after the mutex is released:
+// its destructor frees autograd nodes, which may take the GIL.
 template <class Visit>
 void for_each_engine(PoolLedger& ledger, Visit&& visit) {
+  c10::SmallVector<std::shared_ptr<Engine>, 32> live;  // outlives `hold`
   std::lock_guard<std::mutex> hold(ledger.mutex);
   for (const auto& weak : ledger.engines) {
     if (auto engine = weak.lock()) {
       visit(engine);
+      live.push_back(std::move(engine));
     }
   }
 }
@@ -138,6 +150,7 @@ void Engine::note_capture(cg_pass pass) {
   captured_at[pass] = ++ledger->captures;
   if (pass == CG_BACKWARD) {  // the capture frees the activations, unless kept
     released_at = keep_activations ? UINT64_MAX : captured_at[pass];
+    ledger->latest_backward.store(captured_at[pass]);
   }
   if (pass == CG_FORWARD) {
     auto& engines = ledger->engines;
@@ -225,19 +238,34 @@ void Engine::check_backward_replayable() const {
               "of their own.");
 }
 
-void Engine::release_later_outputs(cg_pass pass) {
+// Whether another engine's backward was captured after capture number `at`
+// of this one; false only where none was.
+bool Engine::later_backward_of_another(uint64_t at) const {
+  const uint64_t latest = ledger->latest_backward.load();
+  const uint64_t own = captured_at[CG_BACKWARD];
+  return latest > at && !(latest == own && own - at <= 1);  // none between `at` and own
+}
+
+void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed) {
+  release_handed_grads(consumed);  // both of its graphs may write them
   const uint64_t at = captured_at[pass];
-  if (!ledger || ledger->latest_forward.load() <= at) {
-    return;  // no engine's outputs were allocated after this capture
+  if (!ledger || (ledger->latest_forward.load() <= at && !later_backward_of_another(at))) {
+    return;
   }
-  c10::SmallVector<std::shared_ptr<Engine>, 8> later;
+  c10::SmallVector<std::shared_ptr<Engine>, 8> outputs_of, grads_of;
   for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
     if (h->captured_at[CG_FORWARD] > at && !h->handed_out.empty()) {
-      later.push_back(h);
+      outputs_of.push_back(h);
+    }
+    if (h.get() != this && h->captured_at[CG_BACKWARD] > at && !h->handed_grads.empty()) {
+      grads_of.push_back(h);
     }
   });
-  for (const auto& h : later) {  // outside the mutex: this allocates
+  for (const auto& h : outputs_of) {  // outside the mutex: this allocates
     h->release_earlier_outputs();
+  }
+  for (const auto& h : grads_of) {
+    h->release_handed_grads(consumed);
   }
 }
 

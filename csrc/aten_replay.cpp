@@ -209,8 +209,9 @@ bool check_params(const Engine& e) {
 //    raises (as cudagraph trees did before); "alias" hands out the static
 //    outputs themselves, as torch does.
 constexpr const char* kOverwrittenOutput =
-    "cgraph: this tensor is an output of a graphed callable that has replayed since, "
-    "which overwrote its memory (kept_outputs='error'). Clone outputs you keep across calls "
+    "cgraph: this tensor is an output of a graphed callable whose memory a later replay, of "
+    "that callable or of a graph sharing its memory pool, overwrote (kept_outputs='error'). "
+    "Clone outputs you keep across calls "
     "(out.clone()), or graph with kept_outputs='copy' (the default) to keep their values.";
 
 at::Tensor guarded_alias(const at::Tensor& static_output) {
@@ -235,7 +236,32 @@ void move_to_own_memory(Engine& e, c10::StorageImpl& storage) {
                                    c10::cuda::getCurrentCUDAStream(e.device).stream()));
   }
   storage.set_data_ptr_noswap(std::move(own));  // drops its hold on the static memory
-  ++e.stats.outputs_copied;
+}
+
+// Whether the tensors of `consumed` are all that holds `storage` (besides
+// the caller's reference).
+bool held_only_by(const c10::intrusive_ptr<c10::StorageImpl>& storage,
+                  at::ArrayRef<at::Tensor> consumed) {
+  size_t tensors = 0;  // distinct ones over `storage`
+  for (size_t k = 0; k < consumed.size(); ++k) {
+    const at::TensorImpl* impl = consumed[k].unsafeGetTensorImpl();
+    if (!consumed[k].defined() || !impl->has_storage() ||
+        impl->storage().unsafeGetStorageImpl() != storage.get()) {
+      continue;
+    }
+    size_t refs = 0;
+    bool seen = false;
+    for (size_t j = 0; j < consumed.size(); ++j) {
+      const bool same = consumed[j].unsafeGetTensorImpl() == impl;
+      seen = seen || (same && j < k);
+      refs += same ? 1 : 0;
+    }
+    if (!seen && !held_at_most(consumed[k], refs)) {
+      return false;
+    }
+    tensors += seen ? 0 : 1;
+  }
+  return storage.use_count() == tensors + 1;
 }
 
 
@@ -349,6 +375,7 @@ void Engine::release_earlier_outputs() {
     if (auto storage = weak.lock()) {
       if (e.kept_outputs == CG_KEEP_COPY) {
         move_to_own_memory(e, *storage);
+        ++e.stats.outputs_copied;
       } else {
         storage->release_data_and_set_meta_custom_data_ptr_error_msg_(kOverwrittenOutput);
         ++e.stats.outputs_invalidated;
@@ -356,6 +383,59 @@ void Engine::release_earlier_outputs() {
     }
   }
   e.handed_out.clear();
+}
+
+// Note [Grads handed to autograd]
+// Q: A backward replay gives autograd the grads for the graph's inputs,
+//    which live in static buffers.  Which replays overwrite them, and who
+//    may still hold one then?
+// A: A grad buffer is allocated at its engine's backward capture, from the
+//    pool's blocks free at that moment: temporaries of its own forward
+//    capture and of any capture before it.  So the engine's own replays may
+//    overwrite it, forward and backward, and so may the replay of any graph
+//    of the pool captured before that backward capture, which happens
+//    within one backward when layers are captured one by one (Note [Layers
+//    captured one by one into one pool] in aten_pool.cpp).  Mostly nobody
+//    holds the grad by then: the node it flows to reads it as it starts.
+//    But a hook may keep it, torch.autograd.grad may return it, a leaf
+//    input's AccumulateGrad may take it as .grad, and autograd itself holds
+//    it in a node's input buffer until that node's other grads arrive: with
+//    h2 = B(h1) and C(h2 + h1), the grad C hands back waits for h1's node
+//    while B's backward replays.  torch returns the buffers themselves, so
+//    such a grad silently changes value.  cgraph hands grads out as it hands
+//    out outputs (Note [Outputs of earlier calls]): a tensor with its own
+//    storage over the buffer, remembered weakly, and before a replay that
+//    may overwrite it, one still held is moved to memory of its own (always
+//    copied, never made unreadable: the holder may be autograd).  A grad
+//    held only as an incoming grad of the backward about to replay is left
+//    where it is: that graph reads it before it writes anything.
+//    kept_outputs="alias" hands out the buffers themselves, as torch does.
+//
+// Graphs of one pool are replayed by one thread at a time: the caller's, and
+// autograd's while the caller waits in backward().  These lists are not
+// locked.
+at::Tensor Engine::hand_out_grad(const at::Tensor& buffer) {
+  if (kept_outputs == CG_KEEP_ALIAS || !buffer.defined()) {
+    return buffer;  // still referenced here: AccumulateGrad copies it, not steals
+  }
+  at::Tensor grad = guarded_alias(buffer);
+  handed_grads.push_back(grad.storage().getWeakStorageImpl());
+  return grad;
+}
+
+void Engine::release_handed_grads(at::ArrayRef<at::Tensor> consumed) {
+  size_t kept = 0;
+  for (size_t k = 0; k < handed_grads.size(); ++k) {
+    const auto storage = handed_grads[k].lock();
+    if (storage && held_only_by(storage, consumed)) {
+      std::swap(handed_grads[kept++], handed_grads[k]);  // looked at again next replay
+    } else if (storage) {
+      move_to_own_memory(*this, *storage);
+      ++stats.input_grads_copied;
+    }
+  }
+  handed_grads.erase(handed_grads.begin() + static_cast<std::ptrdiff_t>(kept),
+                     handed_grads.end());
 }
 
 // Note [Replays on another stream]

@@ -294,6 +294,10 @@ typedef struct {
     /* Outputs of earlier calls made unreadable before a replay
      * (CG_KEEP_ERROR): one per output still referenced. */
     unsigned long long outputs_invalidated;
+    /* Grads for the inputs that a backward handed to autograd, moved to
+     * memory of their own before a replay overwrote them (Note [Grads
+     * handed to autograd] in aten_replay.cpp): one per grad still held. */
+    unsigned long long input_grads_copied;
 } cg_stats;
 
 cg_stats cg_engine_stats(const cg_engine *engine);

@@ -901,6 +901,7 @@ summed_stats(const GraphedObject *self)
         sum.copied_before += one.copied_before;
         sum.outputs_copied += one.outputs_copied;
         sum.outputs_invalidated += one.outputs_invalidated;
+        sum.input_grads_copied += one.input_grads_copied;
     }
     return sum;
 }
@@ -910,13 +911,14 @@ static PyObject *
 Graphed_get_stats(GraphedObject *self, void *closure)
 {
     cg_stats sum = summed_stats(self);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
                          "backward", sum.backward, "grads_copied", sum.grads_copied,
                          "grads_added", sum.grads_added, "grads_slow", sum.grads_slow,
                          "copied_in_graph", sum.copied_in_graph,
                          "copied_before", sum.copied_before,
                          "outputs_copied", sum.outputs_copied,
                          "outputs_invalidated", sum.outputs_invalidated,
+                         "input_grads_copied", sum.input_grads_copied,
                          "eager_pending", self->eager_pending,
                          "eager_past_limit", self->eager_past_limit,
                          "eager_on_miss", self->eager_on_miss,

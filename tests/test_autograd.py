@@ -100,7 +100,7 @@ def test_training_with_adam_uses_the_copy_tail_and_matches_eager():
                              "grads_added": 0, "grads_slow": 0,
                              "copied_in_graph": 6, "copied_before": 0,
                              "outputs_copied": 0, "outputs_invalidated": 0,
-                             "eager_pending": 0,
+                             "input_grads_copied": 0, "eager_pending": 0,
                              "eager_past_limit": 0, "eager_on_miss": 0, "graphs": 1}
 
 
