@@ -344,6 +344,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
 
   // -- reset (aten_reset.cpp)
   void reset() noexcept;
+  void tear_down() noexcept;
 
   // -- random numbers (aten_rng.cpp)
   RngSnapshot host_rng_snapshot() const;

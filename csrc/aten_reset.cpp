@@ -22,6 +22,26 @@ void empty_pool_cache(const Pool&, long) {
 }  // namespace
 
 void Engine::reset() noexcept {
+  if (alive) {
+    // Outputs and grads the caller still holds (an x.grad AccumulateGrad
+    // took) get memory of their own, as before a replay (Notes [Outputs of
+    // earlier calls] and [Grads handed to autograd], aten_replay.cpp), so
+    // the pool's memory goes back to the device now, not when they die.
+    try {
+      if (kept_outputs == CG_KEEP_COPY) {
+        release_earlier_outputs();
+      }
+      release_handed_grads({});
+    } catch (const std::exception& e) {
+      TORCH_WARN("cgraph: reset could not copy out a held output: ", e.what());
+    }
+  }
+  tear_down();
+}
+
+// What reset() and the destructor share; the destructor leaves held outputs
+// where they are (they keep their memory alive), since it may run at exit.
+void Engine::tear_down() noexcept {
   if (!alive) {
     return;
   }
@@ -48,7 +68,7 @@ void Engine::reset() noexcept {
 }
 
 Engine::~Engine() {
-  reset();
+  tear_down();
 }
 
 }  // namespace cgraph

@@ -383,7 +383,7 @@ def test_graphed_together_callables_capture_new_shapes_in_their_own_pools():
     for g in graphed:
         specs = g.forward.specs
         assert len(specs) == 2
-    assert graphed[0].forward._idle_pool(True) != first_pool
+    assert graphed[0].forward._idle_pool(first_pool) != first_pool
 
 
 class FakeCache:
