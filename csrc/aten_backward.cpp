@@ -332,7 +332,7 @@ autograd::variable_list GraphedBackward::edge_grads() {
   for (size_t m = 0; m < sources.size(); ++m) {
     const EdgeSource& s = sources[m];
     if (s.kind == EdgeSource::Kind::Input) {
-      out[m] = e.hand_out_grad(e.inputs[s.index].grad);
+      out[m] = e.hand_out_grad(e.inputs[s.index]);
     } else if (s.kind == EdgeSource::Kind::Param) {
       out[m] = e.params[s.index].grad.clone();
     }

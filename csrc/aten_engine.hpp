@@ -86,6 +86,10 @@ struct Input {
   bool requires_grad = false;  // at capture: the backward graph computes its grad
   SlotId copy;                 // the forward graph's copy-in slot for it
   at::Tensor grad;             // the backward graph's output for it, if requires_grad
+  // What autograd gets for it: a tensor over `grad` with a storage of its
+  // own, handed out again while nobody else holds it (Note [Grads handed to
+  // autograd], aten_replay.cpp).
+  at::Tensor handed;
   // The buffer is another graph's static output, read in place: a call must
   // pass that memory itself (Note [A layer reading the one before it in
   // place], aten_pool.cpp).
@@ -284,8 +288,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // -- replay bookkeeping
   // The latest call's outputs: Note [Outputs of earlier calls].
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
-  // The latest backward's grads for the inputs: Note [Grads handed to
-  // autograd] (aten_replay.cpp).
+  // Grads for the inputs handed out earlier and still held when their
+  // Input::handed was replaced: Note [Grads handed to autograd].
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> handed_grads;
   // The latest replay's backward node: Note [Calls before their backwards]
   // (aten_backward.cpp).
@@ -311,7 +315,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   bool may_replay_forward() const;             // no pending graph needs what it writes
   void check_backward_replayable() const;      // throws if one does
   void release_earlier_outputs();              // this engine's: Note [Outputs of earlier calls]
-  at::Tensor hand_out_grad(const at::Tensor& buffer);  // Note [Grads handed to autograd]
+  at::Tensor hand_out_grad(Input& in);        // Note [Grads handed to autograd]
   // This engine's grads still held but by `consumed` (the incoming grads of
   // the backward replay about to run, which its graph reads first).
   void release_handed_grads(at::ArrayRef<at::Tensor> consumed);

@@ -257,7 +257,7 @@ void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consum
     if (h->captured_at[CG_FORWARD] > at && !h->handed_out.empty()) {
       outputs_of.push_back(h);
     }
-    if (h.get() != this && h->captured_at[CG_BACKWARD] > at && !h->handed_grads.empty()) {
+    if (h.get() != this && h->captured_at[CG_BACKWARD] > at && h->has_bwd) {
       grads_of.push_back(h);
     }
   });

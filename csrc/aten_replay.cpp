@@ -238,30 +238,41 @@ void move_to_own_memory(Engine& e, c10::StorageImpl& storage) {
   storage.set_data_ptr_noswap(std::move(own));  // drops its hold on the static memory
 }
 
-// Whether the tensors of `consumed` are all that holds `storage` (besides
-// the caller's reference).
-bool held_only_by(const c10::intrusive_ptr<c10::StorageImpl>& storage,
+// Whether nobody holds the tensors over `storage` (`uses` of them) but the
+// tensors of `consumed` and, once, `ours` (the engine's own reference).
+bool held_only_by(const c10::StorageImpl* storage, size_t uses, const at::Tensor* ours,
                   at::ArrayRef<at::Tensor> consumed) {
-  size_t tensors = 0;  // distinct ones over `storage`
-  for (size_t k = 0; k < consumed.size(); ++k) {
-    const at::TensorImpl* impl = consumed[k].unsafeGetTensorImpl();
-    if (!consumed[k].defined() || !impl->has_storage() ||
-        impl->storage().unsafeGetStorageImpl() != storage.get()) {
-      continue;
+  struct Holder {
+    const at::Tensor* tensor;
+    size_t refs;
+  };
+  c10::SmallVector<Holder, 4> holders;  // the distinct tensors over `storage`
+  const auto note = [&](const at::Tensor& t) {
+    const at::TensorImpl* impl = t.unsafeGetTensorImpl();
+    if (!t.defined() || !impl->has_storage() ||
+        impl->storage().unsafeGetStorageImpl() != storage) {
+      return;
     }
-    size_t refs = 0;
-    bool seen = false;
-    for (size_t j = 0; j < consumed.size(); ++j) {
-      const bool same = consumed[j].unsafeGetTensorImpl() == impl;
-      seen = seen || (same && j < k);
-      refs += same ? 1 : 0;
+    for (Holder& h : holders) {
+      if (h.tensor->unsafeGetTensorImpl() == impl) {
+        ++h.refs;
+        return;
+      }
     }
-    if (!seen && !held_at_most(consumed[k], refs)) {
+    holders.push_back({&t, 1});
+  };
+  if (ours != nullptr) {
+    note(*ours);
+  }
+  for (const at::Tensor& t : consumed) {
+    note(t);
+  }
+  for (const Holder& h : holders) {
+    if (!held_at_most(*h.tensor, h.refs)) {
       return false;
     }
-    tensors += seen ? 0 : 1;
   }
-  return storage.use_count() == tensors + 1;
+  return uses == holders.size();
 }
 
 
@@ -397,37 +408,58 @@ void Engine::release_earlier_outputs() {
 //    within one backward when layers are captured one by one (Note [Layers
 //    captured one by one into one pool] in aten_pool.cpp).  Mostly nobody
 //    holds the grad by then: the node it flows to reads it as it starts.
-//    But a hook may keep it, torch.autograd.grad may return it, a leaf
-//    input's AccumulateGrad may take it as .grad, and autograd itself holds
-//    it in a node's input buffer until that node's other grads arrive: with
-//    h2 = B(h1) and C(h2 + h1), the grad C hands back waits for h1's node
-//    while B's backward replays.  torch returns the buffers themselves, so
-//    such a grad silently changes value.  cgraph hands grads out as it hands
-//    out outputs (Note [Outputs of earlier calls]): a tensor with its own
-//    storage over the buffer, remembered weakly, and before a replay that
-//    may overwrite it, one still held is moved to memory of its own (always
-//    copied, never made unreadable: the holder may be autograd).  A grad
-//    held only as an incoming grad of the backward about to replay is left
-//    where it is: that graph reads it before it writes anything.
-//    kept_outputs="alias" hands out the buffers themselves, as torch does.
+//    But a hook may keep it, torch.autograd.grad may return it, and
+//    autograd itself holds it in a node's input buffer until that node's
+//    other grads arrive: with h2 = B(h1) and C(h2 + h1), the grad C hands
+//    back waits for h1's node while B's backward replays.  torch returns the
+//    buffers themselves, so such a grad silently changes value.  cgraph
+//    hands out a tensor with its own storage over the buffer (Input::handed,
+//    as outputs are: Note [Outputs of earlier calls]), and before a replay
+//    that may overwrite it, one held by anybody but cgraph is moved to
+//    memory of its own (always copied, never made unreadable: the holder may
+//    be autograd).  A grad held only as an incoming grad of the backward
+//    about to replay is left where it is: that graph reads it before it
+//    writes anything.  The engine keeps that tensor and hands it out again
+//    while nobody else holds it, so a backward allocates nothing for it; its
+//    reference also keeps AccumulateGrad from taking it as a leaf's .grad
+//    (it copies, as from torch's buffers) and autograd from adding into it
+//    in place.  kept_outputs="alias" hands out the buffers themselves, as
+//    torch does.
 //
 // Graphs of one pool are replayed by one thread at a time: the caller's, and
 // autograd's while the caller waits in backward().  These lists are not
 // locked.
-at::Tensor Engine::hand_out_grad(const at::Tensor& buffer) {
-  if (kept_outputs == CG_KEEP_ALIAS || !buffer.defined()) {
-    return buffer;  // still referenced here: AccumulateGrad copies it, not steals
+at::Tensor Engine::hand_out_grad(Input& in) {
+  if (kept_outputs == CG_KEEP_ALIAS || !in.grad.defined()) {  // undefined: allow_unused_input
+    return in.grad;  // still referenced here: AccumulateGrad copies it, not steals
   }
-  at::Tensor grad = guarded_alias(buffer);
-  handed_grads.push_back(grad.storage().getWeakStorageImpl());
-  return grad;
+  if (in.handed.defined() &&
+      !held_only_by(in.handed.storage().unsafeGetStorageImpl(), in.handed.storage().use_count(),
+                    &in.handed, {})) {
+    handed_grads.push_back(in.handed.storage().getWeakStorageImpl());  // watched until it dies
+    in.handed = at::Tensor();
+  }
+  if (!in.handed.defined()) {
+    in.handed = guarded_alias(in.grad);
+  }
+  return in.handed;  // held here too: AccumulateGrad copies it, not steals
 }
 
 void Engine::release_handed_grads(at::ArrayRef<at::Tensor> consumed) {
+  for (Input& in : inputs) {
+    const c10::StorageImpl* storage =
+        in.handed.defined() ? in.handed.storage().unsafeGetStorageImpl() : nullptr;
+    if (storage && !held_only_by(storage, in.handed.storage().use_count(), &in.handed,
+                                 consumed)) {
+      move_to_own_memory(*this, *in.handed.storage().unsafeGetStorageImpl());
+      ++stats.input_grads_copied;
+      in.handed = at::Tensor();  // its holders keep it, in memory of its own now
+    }
+  }
   size_t kept = 0;
   for (size_t k = 0; k < handed_grads.size(); ++k) {
     const auto storage = handed_grads[k].lock();
-    if (storage && held_only_by(storage, consumed)) {
+    if (storage && held_only_by(storage.get(), storage.use_count() - 1, nullptr, consumed)) {
       std::swap(handed_grads[kept++], handed_grads[k]);  // looked at again next replay
     } else if (storage) {
       move_to_own_memory(*this, *storage);

@@ -23,8 +23,8 @@ void empty_pool_cache(const Pool&, long) {
 
 void Engine::reset() noexcept {
   if (alive) {
-    // Outputs and grads the caller still holds (an x.grad AccumulateGrad
-    // took) get memory of their own, as before a replay (Notes [Outputs of
+    // Outputs and grads the caller still holds (a grad a hook kept) get
+    // memory of their own, as before a replay (Notes [Outputs of
     // earlier calls] and [Grads handed to autograd], aten_replay.cpp), so
     // the pool's memory goes back to the device now, not when they die.
     try {
