@@ -17,13 +17,13 @@ A: One pool serves several graphs only while no replay overwrites memory a
    been captured together.  Graphs of every shape and every layer then share
    one pool, instead of a pool per layer each holding its own temporaries
    and cached segments.  A call that cannot capture there now gets an
-   instance in a pool of its own, as a callable graphed alone does: one of
-   its own graphs has its backward pending (a second micro-batch, with the
-   first one's shapes or others: its captures in the shared pool could take
-   the temporaries of the first micro-batch's backwards, which run before
-   its own), or a graph of the pool whose activations are no longer kept is
-   pending (it was replayed after its activations were released, and a
-   capture could take them).
+   instance in a pool of its own, as a callable graphed alone does: in a
+   second pass, once a member was called again before its backward (a
+   second micro-batch, with the first one's shapes or others: its captures
+   in the shared pool could take the temporaries of the first micro-batch's
+   backwards, which run before its own), or while a graph of the pool whose
+   activations are no longer kept is pending (it was replayed after its
+   activations were released, and a capture could take them).
    A call inside a backward (a checkpoint's recompute) that no graph takes
    runs eagerly: no capture runs inside autograd's backward.
    Results are eager's throughout.
@@ -91,19 +91,32 @@ class Member(Regraph):
 
     def _pool(self, graphed: _C.Graphed, pending: bool) -> tuple[tuple[int, int], bool, bool]:
         """The shared pool; a pool of its own, as for a callable graphed
-        alone, when a graph of this callable has its backward pending (a
-        second micro-batch, whatever its shapes: its captures could take the
-        temporaries of backwards that run before its own) or a pending graph
-        of the shared pool no longer keeps its activations.  Warm-up runs
+        alone, during a second pass (a graph of this callable, or of another
+        member since the pool last had no backward pending, was called again
+        before its backward: a second micro-batch, whatever its shapes, whose
+        captures could take the temporaries of backwards that run before its
+        own) or while a pending graph of the shared pool no longer keeps its
+        activations.  Warm-up runs
         outside the shared pool: a tensor a warm-up left there (state made on
         a first call) would sit in memory every other member's graphs
         overwrite, beyond what Note [Warm-up in the pool] can undo."""
-        if pending or graphed._backward_pending() or _C.pool_busy(self.pool, True):
+        if not _C.pool_busy(self.pool):
+            _later_pass.discard(self.pool)  # every backward has run
+        if pending or graphed._backward_pending():
+            _later_pass.add(self.pool)
+        if self.pool in _later_pass or _C.pool_busy(self.pool, True):
             return super()._pool(graphed, pending)
         return self.pool, False, True
 
     def _shared_pool(self, graphed: _C.Graphed) -> tuple[int, int]:
         return self.pool
+
+
+# Pools in a second pass: a member was called again before its backward ran.
+# A member first called in that pass captures outside the pool too; one
+# first called as the pass's very first call cannot be told from a layer of
+# the first pass, and its capture makes the first pass's backward raise.
+_later_pass: set[tuple[int, int]] = set()
 
 
 def member(target: Target, pool: tuple[int, int], options: CaptureOptions,

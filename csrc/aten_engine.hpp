@@ -319,6 +319,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // This engine's grads still held but by `consumed` (the incoming grads of
   // the backward replay about to run, which its graph reads first).
   void release_handed_grads(at::ArrayRef<at::Tensor> consumed);
+  bool may_hold_grads() const;  // a cheap test before release_handed_grads
   // Before a replay of `pass`: what it may overwrite of this engine's grads,
   // and of the outputs and grads of engines captured after it.
   void release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed = {});
@@ -348,7 +349,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
 
   // -- reset (aten_reset.cpp)
   void reset() noexcept;
+  void hand_back_held() noexcept;
   void tear_down() noexcept;
+  bool shares_pool_with_others() const;  // aten_pool.cpp
 
   // -- random numbers (aten_rng.cpp)
   RngSnapshot host_rng_snapshot() const;

@@ -130,12 +130,14 @@ bool spans(const Engine& h, uint64_t at) {
 // its destructor frees autograd nodes, which may take the GIL.
 template <class Visit>
 void for_each_engine(PoolLedger& ledger, Visit&& visit) {
-  c10::SmallVector<std::shared_ptr<Engine>, 32> live;  // outlives `hold`
+  c10::SmallVector<std::shared_ptr<Engine>, 4> last;  // outlives `hold`
   std::lock_guard<std::mutex> hold(ledger.mutex);
   for (const auto& weak : ledger.engines) {
     if (auto engine = weak.lock()) {
       visit(engine);
-      live.push_back(std::move(engine));
+      if (engine.use_count() == 1) {
+        last.push_back(std::move(engine));
+      }
     }
   }
 }
@@ -257,7 +259,7 @@ void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consum
     if (h->captured_at[CG_FORWARD] > at && !h->handed_out.empty()) {
       outputs_of.push_back(h);
     }
-    if (h.get() != this && h->captured_at[CG_BACKWARD] > at && h->has_bwd) {
+    if (h.get() != this && h->captured_at[CG_BACKWARD] > at && h->may_hold_grads()) {
       grads_of.push_back(h);
     }
   });
@@ -267,6 +269,16 @@ void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consum
   for (const auto& h : grads_of) {
     h->release_handed_grads(consumed);
   }
+}
+
+bool Engine::shares_pool_with_others() const {
+  bool others = false;
+  if (ledger) {
+    for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+      others = others || h.get() != this;
+    });
+  }
+  return others;
 }
 
 bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only) {

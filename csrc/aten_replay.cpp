@@ -275,6 +275,15 @@ bool held_only_by(const c10::StorageImpl* storage, size_t uses, const at::Tensor
   return uses == holders.size();
 }
 
+// Whether Input::handed may be handed out again: nobody but the engine holds
+// it, and nobody changed what it is (resize_, set_, requires_grad_).
+bool reusable(const Input& in) {
+  const at::Tensor& t = in.handed;
+  return held_only_by(t.storage().unsafeGetStorageImpl(), t.storage().use_count(), &t, {}) &&
+         !t.requires_grad() && t.const_data_ptr() == in.grad.const_data_ptr() &&
+         t.sizes().equals(in.grad.sizes()) && t.strides().equals(in.grad.strides());
+}
+
 
 // 3. One copy launch for the arguments the graph does not copy itself, then
 //    the forward graph.
@@ -433,9 +442,7 @@ at::Tensor Engine::hand_out_grad(Input& in) {
   if (kept_outputs == CG_KEEP_ALIAS || !in.grad.defined()) {  // undefined: allow_unused_input
     return in.grad;  // still referenced here: AccumulateGrad copies it, not steals
   }
-  if (in.handed.defined() &&
-      !held_only_by(in.handed.storage().unsafeGetStorageImpl(), in.handed.storage().use_count(),
-                    &in.handed, {})) {
+  if (in.handed.defined() && !reusable(in)) {
     handed_grads.push_back(in.handed.storage().getWeakStorageImpl());  // watched until it dies
     in.handed = at::Tensor();
   }
@@ -443,6 +450,15 @@ at::Tensor Engine::hand_out_grad(Input& in) {
     in.handed = guarded_alias(in.grad);
   }
   return in.handed;  // held here too: AccumulateGrad copies it, not steals
+}
+
+bool Engine::may_hold_grads() const {
+  bool may = !handed_grads.empty();
+  for (const Input& in : inputs) {
+    may = may || (in.handed.defined() &&
+                  (in.handed.use_count() > 1 || in.handed.storage().use_count() > 1));
+  }
+  return may;
 }
 
 void Engine::release_handed_grads(at::ArrayRef<at::Tensor> consumed) {

@@ -19,28 +19,39 @@ void empty_pool_cache(const Pool&, long) {
   c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
+// Whether the interpreter is shutting down (public API from Python 3.13).
+bool finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
 }  // namespace
 
+// Outputs and grads the caller still holds get memory of their own (or,
+// kept_outputs='error', are made unreadable), as before a replay: Notes
+// [Outputs of earlier calls] and [Grads handed to autograd] (aten_replay.cpp).
+void Engine::hand_back_held() noexcept {
+  try {
+    release_earlier_outputs();
+    release_handed_grads({});
+  } catch (const std::exception& e) {
+    TORCH_WARN("cgraph: could not copy out a held output: ", e.what());
+  }
+}
+
+// An explicit reset: the pool's memory goes back to the device now, not when
+// the tensors the caller holds die.
 void Engine::reset() noexcept {
   if (alive) {
-    // Outputs and grads the caller still holds (a grad a hook kept) get
-    // memory of their own, as before a replay (Notes [Outputs of
-    // earlier calls] and [Grads handed to autograd], aten_replay.cpp), so
-    // the pool's memory goes back to the device now, not when they die.
-    try {
-      if (kept_outputs == CG_KEEP_COPY) {
-        release_earlier_outputs();
-      }
-      release_handed_grads({});
-    } catch (const std::exception& e) {
-      TORCH_WARN("cgraph: reset could not copy out a held output: ", e.what());
-    }
+    hand_back_held();
   }
   tear_down();
 }
 
-// What reset() and the destructor share; the destructor leaves held outputs
-// where they are (they keep their memory alive), since it may run at exit.
+// What reset() and the destructor share.
 void Engine::tear_down() noexcept {
   if (!alive) {
     return;
@@ -55,6 +66,7 @@ void Engine::tear_down() noexcept {
     outputs.clear();
     kept_history.clear();
     handed_out.clear();
+    handed_grads.clear();
     setup.reset();
     fwd.reset();
     bwd.reset();
@@ -67,7 +79,13 @@ void Engine::tear_down() noexcept {
   }
 }
 
+// Held outputs keep their memory alive, but in a pool that other graphs
+// still replay into, the ledger would no longer move them out of the way:
+// they get memory of their own first.  Not at exit, where nothing replays.
 Engine::~Engine() {
+  if (alive && !finalizing() && shares_pool_with_others()) {
+    hand_back_held();
+  }
   tear_down();
 }
 

@@ -303,6 +303,31 @@ def test_two_passes_of_new_shapes_before_their_backwards_match_eager():
         stats = g.stats
         assert g.num_graphs == 2 and len(g._graphed.pools) == 2, (g, g._graphed.pools)
         assert stats["eager_on_miss"] == 0 and stats["forward"] == 6, stats
+        # Each grad a layer hands back is added to the residual's at once.
+        assert stats["input_grads_copied"] == 0, stats
+
+
+def test_a_layer_first_called_in_a_second_pass_captures_outside_the_pool():
+    """The first micro-batch leaves the last layer out, the second calls it:
+    a member first called in a second pass captures outside the shared pool
+    too, since the first pass's backwards run before its own."""
+    layers, eager = blocks(79, depth=3), blocks(79, depth=3)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+
+    def passes(ls, xs):
+        return forward(ls[:2], xs[0]), forward(ls, xs[1])
+
+    for step in range(2):
+        xs = [torch.randn(8, 64, device=CUDA, requires_grad=True) for _ in range(2)]
+        ups = [torch.randn(8, 64, device=CUDA) for _ in range(2)]
+        outs, outs_e = passes(graphed, xs), passes(eager, [twin(x) for x in xs])
+        for out, out_e, up in zip(outs, outs_e, ups):  # the first micro-batch's first
+            assert_equal(out, out_e, f"step {step}: output")
+            (out * up).sum().backward()
+            (out_e * up).sum().backward()
+        check_grads_and_clear(layers, eager, step)
+    assert graphed[2].num_graphs == 1 and tuple(pool) not in graphed[2]._graphed.pools
 
 
 @pytest.mark.parametrize("hook", [False, True], ids=["skip", "skip-and-hook"])
@@ -311,9 +336,9 @@ def test_grads_a_layer_hands_back_keep_their_values_through_earlier_backwards(ho
     a later one's, so the grad a later layer hands back for its input may
     lie in memory the earlier layers' backwards write (Note [Grads handed to
     autograd] in csrc/aten_replay.cpp).  A skip connection has autograd hold
-    that grad while they replay, and a hook may keep it.  The input is the
-    same leaf every step, its .grad accumulating: a grad AccumulateGrad
-    took as .grad is not overwritten by the next step's replays either."""
+    that grad while they replay, and a hook may keep it: either way it is
+    moved out first, once a step.  The input is the same leaf every step,
+    its .grad accumulating over the steps."""
     layers, eager = blocks(78, depth=3), blocks(78, depth=3)
     pool = cgraph.graph_pool_handle()
     graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
@@ -339,3 +364,5 @@ def test_grads_a_layer_hands_back_keep_their_values_through_earlier_backwards(ho
         assert_equal(x.grad, x_e.grad, f"step {step}: the input's accumulated grad")
         check_grads_and_clear(layers, eager, step)
     assert all(g.num_graphs == 1 for g in graphed), [g.num_graphs for g in graphed]
+    copied = [g.stats["input_grads_copied"] for g in graphed]
+    assert copied == [0, 0, 3], copied  # the last layer's, held across the others'
