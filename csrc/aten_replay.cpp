@@ -463,11 +463,11 @@ bool Engine::may_hold_grads() const {
 
 void Engine::release_handed_grads(at::ArrayRef<at::Tensor> consumed) {
   for (Input& in : inputs) {
-    const c10::StorageImpl* storage =
+    c10::StorageImpl* storage =
         in.handed.defined() ? in.handed.storage().unsafeGetStorageImpl() : nullptr;
     if (storage && !held_only_by(storage, in.handed.storage().use_count(), &in.handed,
                                  consumed)) {
-      move_to_own_memory(*this, *in.handed.storage().unsafeGetStorageImpl());
+      move_to_own_memory(*this, *storage);
       ++stats.input_grads_copied;
       in.handed = at::Tensor();  // its holders keep it, in memory of its own now
     }
