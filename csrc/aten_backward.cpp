@@ -26,25 +26,42 @@ using ExecInfo = std::unordered_map<autograd::Node*, autograd::GraphTask::ExecIn
 //    replay overwrites a .grad the user holds (pytorch issue 181723; micro-
 //    batch accumulation goes wrong).  And an AccumulateGrad node per
 //    parameter costs host time and a kernel launch each.
-//    cgraph keeps one tensor per parameter, its store, and hands it out as
-//    param.grad.  The backward graph ends with two optional segments
-//    ("tails"), each one launch of tensor_lists.cu for all parameters of a
-//    dtype (ATen's foreach ops for what it cannot take), and every replay
-//    switches on at most one of them before it launches:
+//    cgraph keeps one store per parameter (GradStore) and hands it out as
+//    param.grad.  The first backward graph of a parameter computes its grad
+//    in place: the store is that grad's memory, kept allocated in the pool
+//    (a pool store), as eager's .grad is the tensor its backward computed,
+//    so the grads are not held twice.  Its param.grad is a tensor with a
+//    storage of its own over that memory, as outputs are (Note [Outputs of
+//    earlier calls] in aten_replay.cpp): before any replay that writes the
+//    memory (that backward graph; the graphs of the pool captured before
+//    it, its own forward among them) a param.grad still held is moved to
+//    memory of its own, counted in stats["param_grads_copied"].  A training
+//    step that sets .grad to None before its next forward (zero_grad's
+//    default) never moves one; accumulating micro-batches moves each once
+//    per step, at the second forward, where eager too holds the grads and
+//    the next ones side by side.
+//    Later graphs of the parameter (other shapes, other callables reading
+//    it) share the store and end with two optional segments ("tails"),
+//    each one launch of tensor_lists.cu for all their parameters of a
+//    dtype, of which every replay switches on at most one before it
+//    launches (and neither while a graph that may keep activations in the
+//    store's memory is pending: MayWriteStores below):
 //      - every .grad is None and nobody else holds its store: the copy
-//        tail (store = grad), then .grad = store;
-//      - every .grad is its store (accumulation over micro-batches, or
-//        zero_grad(set_to_none=False)): the add tail (store += grad).
-//    So parameter grads cost no launch of their own, and no graph beyond the
-//    backward one is captured for them.
-//    Anything else (a .grad the user assigned, a store the user still
-//    holds after zero_grad, some parameters frozen since capture, a partial
-//    backward) takes the slow path: fused copies and adds from views of the
-//    backward graph's grads, into fresh tensors where the store is held
-//    elsewhere.  No path overwrites a tensor the user holds, and every path
-//    computes what AccumulateGrad would, bit for bit.
-//    The grads themselves are temporaries of the backward graph, so they
-//    cost no memory between backwards.
+//        tail (store = grad), then .grad = the store's;
+//      - every .grad is its store's, still in its memory (accumulation over
+//        micro-batches, or zero_grad(set_to_none=False)): the add tail
+//        (store += grad).
+//    Anything else (a .grad the user assigned or that was moved, a store
+//    the user still holds after zero_grad, some parameters frozen since
+//    capture, a partial backward) takes the general path: copies and adds
+//    from views of the backward graph's grads, one launch per dtype after
+//    the replay, into fresh tensors where the store is held elsewhere.  No
+//    path overwrites a tensor the user holds, and every path computes what
+//    AccumulateGrad would, bit for bit.
+//    kept_outputs="alias", and layers captured one by one into a shared
+//    pool (whose stores the backwards of the layers before them would
+//    overwrite every step), make regular stores instead: allocated before
+//    the capture, written by the tails only, never moved.
 //    A parameter with hooks (tensor hooks, post-accumulate-grad hooks, hooks
 //    on its grad accumulator, which DDP registers) stays an ordinary autograd
 //    edge: it gets a copy of its grad and AccumulateGrad runs the hooks.
@@ -83,6 +100,63 @@ bool sole_owner(const at::Tensor& t) {
   return t.unsafeGetTensorImpl()->storage().use_count() == 1 && held_at_most(t, 1);
 }
 
+}  // namespace
+
+GradStore::GradStore(at::Tensor memory, uint64_t allocated_at)
+    : memory(std::move(memory)), allocated_at(allocated_at) {}
+
+GradStore::~GradStore() {
+  if (in_pool() && !interpreter_finalizing()) {
+    try {
+      release();
+    } catch (const std::exception& e) {
+      TORCH_WARN("cgraph: could not copy out a held parameter grad: ", e.what());
+    }
+  }
+}
+
+const at::Tensor& GradStore::hand_out() {
+  if (!in_pool()) {
+    return memory;
+  }
+  if (!handed.defined() || handed.requires_grad() ||
+      handed.const_data_ptr() != memory.const_data_ptr() ||
+      !handed.sizes().equals(memory.sizes()) || !handed.strides().equals(memory.strides())) {
+    handed = guarded_alias(memory);  // a changed one is nobody's but ours: release() ran
+  }
+  return handed;
+}
+
+bool GradStore::handed_as(const at::Tensor& grad) const {
+  const at::Tensor& mine = in_pool() ? handed : memory;
+  return mine.defined() && grad.unsafeGetTensorImpl() == mine.unsafeGetTensorImpl() &&
+         grad.const_data_ptr() == memory.const_data_ptr();
+}
+
+bool GradStore::unheld() const {
+  if (!in_pool()) {
+    return sole_owner(memory);
+  }
+  const size_t aliases = handed.defined() ? 1 : 0;  // guarded_alias's hold on the memory
+  return held_at_most(memory, 1) && memory.storage().use_count() == 1 + aliases &&
+         (!handed.defined() || sole_owner(handed));
+}
+
+bool GradStore::may_be_held() const {
+  return handed.defined() && (handed.use_count() > 1 || handed.storage().use_count() > 1);
+}
+
+bool GradStore::release() {
+  if (!may_be_held() || sole_owner(handed)) {
+    return false;
+  }
+  move_to_own_memory(memory.device().index(), *handed.storage().unsafeGetStorageImpl());
+  handed = at::Tensor();  // its holders keep it, in memory of its own now
+  return true;
+}
+
+namespace {
+
 // The partial backward running now (torch.autograd.grad, .backward(inputs=)),
 // or nullptr for a full one.
 const ExecInfo* partial_backward() {
@@ -106,12 +180,38 @@ bool named_by_partial_backward(const ExecInfo& exec_info, const at::Tensor& p) {
   return it->second.should_execute();
 }
 
-// The slow path of Note [Parameter gradients].
-void accumulate_param_grads_slowly(Engine& e, const std::vector<uint32_t>& fused,
+// Whether this backward may write param p's store: always where its graph
+// computes it in place; for a pool store another graph computed, only while
+// no graph of that pool captured before the store is between its forward
+// and backward replays, whose activations may lie in the store's memory
+// (it was free at the store's capture).  The pool is asked once per
+// backward: its stores are all in one pool but in rare cases.
+class MayWriteStores {
+ public:
+  bool operator()(const Param& p) {
+    const GradStore& s = *p.store;
+    if (p.owns_store || !s.in_pool()) {
+      return true;
+    }
+    if (s.ledger.get() != asked_) {
+      asked_ = s.ledger.get();
+      earliest_ = asked_ ? earliest_pending_forward(*s.ledger) : UINT64_MAX;
+    }
+    return s.writable_by_others(earliest_);
+  }
+
+ private:
+  const PoolLedger* asked_ = nullptr;
+  uint64_t earliest_ = UINT64_MAX;
+};
+
+// The general path of Note [Parameter gradients], after the replay.
+void deliver_param_grads_generally(Engine& e, const std::vector<uint32_t>& fused,
                                    const ExecInfo* partial) {
-  TensorVec add_dst, add_src, copy_dst, copy_src;
+  std::vector<at::Tensor> add_dst, add_src, copy_dst, copy_src;
+  MayWriteStores may_write;
   for (const uint32_t j : fused) {
-    const Param& p = e.params[j];
+    Param& p = e.params[j];
     if (partial && !named_by_partial_backward(*partial, p.tensor)) {
       continue;
     }
@@ -121,38 +221,45 @@ void accumulate_param_grads_slowly(Engine& e, const std::vector<uint32_t>& fused
       add_src.push_back(p.grad);
       continue;
     }
-    grad = sole_owner(p.store()) ? p.store()
-                                 : at::empty_like(p.tensor, at::MemoryFormat::Preserve);
+    if (p.store->unheld() && may_write(p)) {
+      grad = p.store->hand_out();
+      if (p.owns_store) {
+        continue;  // the graph computed it there
+      }
+    } else {
+      grad = at::empty_like(p.tensor, at::MemoryFormat::Preserve);
+    }
     copy_dst.push_back(grad);
     copy_src.push_back(p.grad);
   }
-  if (!copy_dst.empty()) {
-    at::_foreach_copy_(copy_dst, copy_src);
-  }
-  if (!add_dst.empty()) {
-    at::_foreach_add_(add_dst, add_src);
-  }
+  launch_list(false, copy_dst, copy_src);
+  launch_list(true, add_dst, add_src);
 }
 
 // How a backward delivers the grads of the parameters cgraph accumulates.
-enum class GradPath { None, CopyTail, AddTail, Slow };
+enum class GradPath { None, CopyTail, AddTail, General };
 
-// Before the backward replay, since the tails are part of it: the path for
-// the parameters in `fused` (those requiring grad, without hooks, with a
-// grad at capture).
+// Before the backward replay, since the tails are part of it, and after the
+// stores it writes were released: the path for the parameters in `fused`
+// (those requiring grad, without hooks, with a grad at capture).  An owned
+// store is never handed_as its .grad here: that .grad was moved.
 GradPath choose_grad_path(const Engine& e, const std::vector<uint32_t>& fused) {
   if (fused.empty()) {
     return GradPath::None;
   }
-  bool all_fresh = !partial_backward() && fused.size() == e.num_tail_params;
+  bool all_fresh = !partial_backward() && fused.size() == e.num_grad_params;
   bool all_ours = all_fresh;
+  MayWriteStores may_write;
   for (size_t k = 0; k < fused.size() && (all_fresh || all_ours); ++k) {
     const Param& p = e.params[fused[k]];
     const at::Tensor& grad = p.tensor.mutable_grad();
-    all_ours = all_ours && grad.unsafeGetTensorImpl() == p.store().unsafeGetTensorImpl();
-    all_fresh = all_fresh && !grad.defined() && sole_owner(p.store());
+    all_ours = all_ours && p.store->handed_as(grad);
+    all_fresh = all_fresh && !grad.defined() && p.store->unheld();
+    if ((all_ours || all_fresh) && !may_write(p)) {
+      all_ours = all_fresh = false;
+    }
   }
-  return all_ours ? GradPath::AddTail : all_fresh ? GradPath::CopyTail : GradPath::Slow;
+  return all_ours ? GradPath::AddTail : all_fresh ? GradPath::CopyTail : GradPath::General;
 }
 
 // After the backward replay: param.grad for the parameters in `fused`.
@@ -165,12 +272,12 @@ void deliver_param_grads(Engine& e, const std::vector<uint32_t>& fused, GradPath
       return;
     case GradPath::CopyTail:
       for (const uint32_t j : fused) {
-        e.params[j].tensor.mutable_grad() = e.params[j].store();
+        e.params[j].tensor.mutable_grad() = e.params[j].store->hand_out();
       }
       ++e.stats.grads_copied;
       return;
-    case GradPath::Slow:
-      accumulate_param_grads_slowly(e, fused, partial_backward());
+    case GradPath::General:
+      deliver_param_grads_generally(e, fused, partial_backward());
       ++e.stats.grads_slow;
       return;
   }

@@ -41,11 +41,9 @@ std::optional<cg_list_op> list_op(bool add, const at::Tensor& dst, const at::Ten
   }
 }
 
-// One tail of Note [Parameter gradients], recorded into the capture:
-// stores[j] = sources[j], or += with `add`.  tensor_lists.cu takes the copy,
-// or the adds of each dtype, in one launch; what it cannot take, ATen's
-// foreach ops.
-void record_tail(bool add, const std::vector<at::Tensor>& stores,
+}  // namespace
+
+void launch_list(bool add, const std::vector<at::Tensor>& stores,
                  const std::vector<at::Tensor>& sources) {
   std::map<cg_list_op, std::vector<cg_list_item>> lists;
   std::vector<at::Tensor> aten_stores, aten_sources;
@@ -66,6 +64,26 @@ void record_tail(bool add, const std::vector<at::Tensor>& stores,
     add ? at::_foreach_add_(aten_stores, aten_sources)
         : at::_foreach_copy_(aten_stores, aten_sources);
   }
+}
+
+namespace {
+
+// The memory of a store this backward capture computes in place: the grad
+// itself where it is a tensor of its own laid out like the parameter (as
+// eager's .grad would be: nothing else, not an incoming grad, another grad
+// or a view's base, refers to it), else a copy recorded into the capture.
+at::Tensor grad_memory(const at::Tensor& g, const at::Tensor& param) {
+  const c10::Storage& storage = g.storage();
+  if (g.use_count() == 1 && storage.use_count() == 1 && g.storage_offset() == 0 &&
+      storage.nbytes() == g.nbytes() && !g.requires_grad() &&
+      g.scalar_type() == param.scalar_type() && g.device() == param.device() &&
+      g.sizes().equals(param.sizes()) && g.strides().equals(param.strides())) {
+    return g;
+  }
+  at::NoGradGuard no_grad;
+  at::Tensor own = at::empty_like(param, at::MemoryFormat::Preserve);
+  own.copy_(g);
+  return own;
 }
 
 // A view of `t`'s memory that does not keep it alive.
@@ -101,8 +119,12 @@ void Engine::capture_backward(at::cuda::MempoolId_t pool_id, cudaStreamCaptureMo
     }
     capture_end(CG_BACKWARD);
     for (Param& p : params) {
-      if (!p.grad.defined()) {
-        p.store_ref.reset();  // no grad flows to it
+      if (!p.grad.defined()) {  // no grad flows to it
+        p.store.reset();
+        p.owns_store = false;
+      } else if (p.owns_store) {
+        share_grad_store(p.tensor, caller_stream, p.store);
+        note_pool_store(ledger, p.store);
       }
     }
   }
@@ -130,26 +152,50 @@ void Engine::record_backward(const std::vector<at::Tensor>& diff) {
     }
   }
   for (Param& p : params) {
-    if (p.requires_grad) {
-      const at::Tensor& g = grads[next++];
-      p.grad = g.defined() ? non_owning_view(g) : at::Tensor();
+    if (!p.requires_grad) {
+      continue;
     }
+    const at::Tensor& g = grads[next++];
+    if (g.defined() && p.owns_store) {
+      p.store = std::make_shared<GradStore>(grad_memory(g, p.tensor), captured_at[CG_BACKWARD]);
+    }
+    p.grad = !g.defined() ? at::Tensor() : non_owning_view(p.owns_store ? p.store->memory : g);
   }
   capture_param_grad_tails();
 }
 
-// Before the backward capture, outside it: a store per parameter that
-// requires grad, one regular allocation laid out like the parameter
-// (AccumulateGrad's layout contract) on the stream that will read it as
-// param.grad.  Those the backward leaves without a grad are released after
-// the capture.  Left unfilled (a fill launch per parameter is set-up time):
-// every path of Note [Parameter gradients] writes a store before it hands it
-// out, and adds into it only once handed out.
+// Whether this backward capture computes the grads of the parameters no
+// other graph has a store for in place (Note [Parameter gradients]).  Not
+// with kept_outputs='alias', which moves nothing, nor for a layer captured
+// one by one into a shared pool (keep_activations): the backwards of the
+// layers before it, captured before it, replay after it in every pass and
+// would move its grads every step.
+bool Engine::computes_grads_in_place() const {
+  return kept_outputs != CG_KEEP_ALIAS && !keep_activations;
+}
+
+// Before the backward capture, outside it: for each parameter that requires
+// grad, the store another graph made for it; else this capture will compute
+// it in place (owns_store), or a regular store,
+// laid out like the parameter (AccumulateGrad's layout contract) on the
+// stream that will read it as param.grad.  Those the backward leaves without
+// a grad are released after the capture.  A regular store is left unfilled
+// (a fill launch per parameter is set-up time): every path of Note
+// [Parameter gradients] writes a store before it hands it out, and adds into
+// it only once handed out.
 void Engine::allocate_grad_stores() {
   prune_grad_stores();  // once per capture: the stores of graphs freed since
   for (Param& p : params) {
-    if (p.requires_grad) {
-      p.store_ref = grad_store_for(p.tensor, caller_stream);
+    if (!p.requires_grad) {
+      continue;
+    }
+    p.store = grad_store_for(p.tensor, caller_stream);
+    p.owns_store = !p.store && computes_grads_in_place();
+    if (!p.store && !p.owns_store) {
+      c10::cuda::CUDAStreamGuard on_caller(caller_stream);
+      p.store = std::make_shared<GradStore>(
+          at::empty_like(p.tensor, at::MemoryFormat::Preserve), /*allocated_at=*/0);
+      share_grad_store(p.tensor, caller_stream, p.store);
     }
   }
 }
@@ -164,10 +210,14 @@ void Engine::allocate_grad_stores() {
 //    on gpt-6).  Sharing one is exact because every path of Note [Parameter
 //    gradients] decides at each replay, from .grad and from who holds the
 //    store, whether to copy into it, add into it or leave it alone: the
-//    copy tail runs only while nobody holds the store (sole_owner counts
-//    the shared reference as one), the add tail only into a .grad that is
-//    the store, so a second graph's backward in the same step accumulates
-//    into what the first handed out, as AccumulateGrad would.  The registry
+//    copy tail runs only while nobody holds the store (GradStore::unheld),
+//    the add tail only into a .grad that is the store's, so a second
+//    graph's backward in the same step accumulates into what the first
+//    handed out, as AccumulateGrad would.  The first graph's store is the
+//    grad it computes, in its pool; the graphs sharing it were captured
+//    after it, so they write it only through their tails, and the ledger of
+//    its pool (aten_pool.cpp) moves what it handed out away from the graphs
+//    captured before it, even once that first graph is gone.  The registry
 //    holds stores weakly: they go with the last graph that writes them.
 namespace {
 
@@ -185,7 +235,7 @@ struct GradStores {
     }
   };
   std::mutex mutex;
-  std::unordered_map<Key, std::weak_ptr<const at::Tensor>, Hash> stores;
+  std::unordered_map<Key, std::weak_ptr<GradStore>, Hash> stores;
 };
 
 GradStores& grad_stores() {
@@ -203,23 +253,25 @@ void prune_grad_stores() {
   }
 }
 
-std::shared_ptr<const at::Tensor> grad_store_for(const at::Tensor& param,
-                                                 const c10::cuda::CUDAStream& stream) {
+std::shared_ptr<GradStore> grad_store_for(const at::Tensor& param,
+                                          const c10::cuda::CUDAStream& stream) {
   GradStores& r = grad_stores();
   std::lock_guard<std::mutex> lock(r.mutex);
-  std::weak_ptr<const at::Tensor>& slot =
-      r.stores[GradStores::Key{param.unsafeGetTensorImpl(), stream.id()}];
-  if (auto store = slot.lock()) {
-    if (store->sizes().equals(param.sizes()) && store->strides().equals(param.strides()) &&
-        store->scalar_type() == param.scalar_type()) {
-      return store;
-    }
+  const auto it = r.stores.find(GradStores::Key{param.unsafeGetTensorImpl(), stream.id()});
+  auto store = it == r.stores.end() ? nullptr : it->second.lock();
+  if (store && store->memory.sizes().equals(param.sizes()) &&
+      store->memory.strides().equals(param.strides()) &&
+      store->memory.scalar_type() == param.scalar_type()) {
+    return store;
   }
-  c10::cuda::CUDAStreamGuard on_caller(stream);
-  auto store = std::make_shared<const at::Tensor>(
-      at::empty_like(param, at::MemoryFormat::Preserve));
-  slot = store;
-  return store;
+  return nullptr;
+}
+
+void share_grad_store(const at::Tensor& param, const c10::cuda::CUDAStream& stream,
+                      const std::shared_ptr<GradStore>& store) {
+  GradStores& r = grad_stores();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.stores[GradStores::Key{param.unsafeGetTensorImpl(), stream.id()}] = store;
 }
 
 // During the backward capture, once it has the parameter grads: the two
@@ -230,16 +282,20 @@ std::shared_ptr<const at::Tensor> grad_store_for(const at::Tensor& param,
 // the slow path right after a replay.
 void Engine::capture_param_grad_tails() {
   std::vector<at::Tensor> stores, sources;
+  num_grad_params = 0;
   for (const Param& p : params) {
-    if (p.grad.defined()) {  // else frozen at capture, or unused (allow_unused_input)
-      stores.push_back(p.store());
+    if (!p.grad.defined()) {  // frozen at capture, or unused (allow_unused_input)
+      continue;
+    }
+    ++num_grad_params;
+    if (!p.owns_store) {  // the graph computed an owned store's grad in place
+      stores.push_back(p.store->memory);
       sources.push_back(p.grad);
     }
   }
-  num_tail_params = stores.size();
   at::NoGradGuard no_grad;
-  tail_copy = bwd->capture_segment([&] { record_tail(false, stores, sources); });
-  tail_add = bwd->capture_segment([&] { record_tail(true, stores, sources); });
+  tail_copy = bwd->capture_segment([&] { launch_list(false, stores, sources); });
+  tail_add = bwd->capture_segment([&] { launch_list(true, stores, sources); });
 }
 
 // During the backward capture, before the callable's backward: the ways the

@@ -96,33 +96,99 @@ struct Input {
   bool in_place = false;
 };
 
+// The captures into one memory pool and their engines: Note [Captures that
+// share a pool] (aten_pool.cpp).
+struct PoolLedger;
+
+// A parameter's grad store: what the backward graphs of that parameter write
+// its grad into and what is handed out as param.grad (Note [Parameter
+// gradients], aten_backward.cpp), shared by every graph that writes it (Note
+// [One grad store per parameter], aten_capture_backward.cpp).  Its methods
+// live in aten_backward.cpp.
+struct GradStore {
+  // The memory: a pool store is the grad its first backward graph computes,
+  // kept allocated in that graph's pool; a regular store (kept_outputs=
+  // 'alias') a regular allocation made before the capture.
+  at::Tensor memory;
+  // The backward capture (the pool's number for it) that allocated a pool
+  // store; only graphs of its pool captured before it, and that backward
+  // graph, write that memory other than through a tail.  0: a regular store.
+  uint64_t allocated_at = 0;
+  // A pool store's param.grad: a tensor with a storage of its own over the
+  // memory, handed out again while it stays there, moved to memory of its
+  // own before a replay overwrites it while held.  Undefined until then.
+  at::Tensor handed;
+  // A pool store's pool (set when listed there, after the capture).
+  std::shared_ptr<PoolLedger> ledger;
+
+  GradStore(at::Tensor memory, uint64_t allocated_at);
+  ~GradStore();  // moves a handed grad still held: nothing protects it after
+  GradStore(const GradStore&) = delete;
+  GradStore& operator=(const GradStore&) = delete;
+
+  bool in_pool() const { return allocated_at != 0; }
+  // What param.grad is set to when the memory holds the grad.
+  const at::Tensor& hand_out();
+  // Whether `grad` is what was handed out and still lies in the memory: the
+  // add tail may add into it.
+  bool handed_as(const at::Tensor& grad) const;
+  // Whether nobody but cgraph holds the memory: the copy tail may write it.
+  bool unheld() const;
+  // Whether a graph other than the one that computes it in place may write
+  // the memory now, given the pool's earliest_pending_forward().
+  bool writable_by_others(uint64_t earliest_pending) const {
+    return !in_pool() || earliest_pending > allocated_at;
+  }
+  // Whether anybody but cgraph may hold what was handed out (cheap).
+  bool may_be_held() const;
+  // Before a replay that writes the memory: a handed grad still held gets
+  // memory of its own.  Returns whether one was moved.
+  bool release();
+};
+
 // One parameter: a module parameter, or another leaf requiring grad that the
 // forward reads (a tensor in a closure; Engine::adopt_hidden_leaves).
 struct Param {
   at::Tensor tensor;
   const void* data = nullptr;  // at capture: a parameter moved since is stale
   bool requires_grad = false;  // at capture
-  // A NON-OWNING view of the backward graph's grad for it: pool memory that
-  // later graphs reuse, so it holds the grad only between the backward replay
-  // and the next graph's.  Undefined where no grad flows.
+  // A NON-OWNING view of the backward graph's grad for it: the store's
+  // memory where this engine owns the store, else pool memory that later
+  // graphs reuse, so it holds the grad only between the backward replay and
+  // the next graph's.  Undefined where no grad flows.
   at::Tensor grad;
-  // What the grad tails write and what is handed out as param.grad (Note
-  // [Parameter gradients]): a regular allocation, so it outlives reset(),
-  // shared by every graph that writes this parameter's grad (Note [One grad
-  // store per parameter]).  Null where no grad flows.
-  std::shared_ptr<const at::Tensor> store_ref;
-  const at::Tensor& store() const {
-    static const at::Tensor none;
-    return store_ref ? *store_ref : none;
-  }
+  // Null where no grad flows.
+  std::shared_ptr<GradStore> store;
+  // This engine's backward graph computes the grad in the store's memory
+  // (it allocated the store); else its tails copy or add into the store.
+  bool owns_store = false;
 };
 
-// The grad store of `param` for grads read on `stream`: the one its other
-// graphs use if any is alive, else a new one (aten_capture_backward.cpp).
-std::shared_ptr<const at::Tensor> grad_store_for(const at::Tensor& param,
-                                                 const c10::cuda::CUDAStream& stream);
+// The grad store other graphs made for `param`, read on `stream`, if one
+// is alive (aten_capture_backward.cpp).
+std::shared_ptr<GradStore> grad_store_for(const at::Tensor& param,
+                                          const c10::cuda::CUDAStream& stream);
+// Makes `store` the one later graphs of `param` on `stream` share.
+void share_grad_store(const at::Tensor& param, const c10::cuda::CUDAStream& stream,
+                      const std::shared_ptr<GradStore>& store);
 // Forgets the stores no graph holds any more (aten_capture_backward.cpp).
 void prune_grad_stores();
+
+// Gives a storage that lies in graph memory memory of its own on `device`,
+// with the value it has (aten_replay.cpp).
+void move_to_own_memory(c10::DeviceIndex device, c10::StorageImpl& storage);
+// A tensor over `t`'s memory with a StorageImpl of its own, which keeps that
+// memory alive (aten_replay.cpp).
+at::Tensor guarded_alias(const at::Tensor& t);
+// stores[j] = sources[j], or += with `add`, enqueued on the current stream:
+// recorded as a tail inside a capture, launched outside one.  tensor_lists.cu
+// takes the copy, or the adds of each dtype, in one launch; what it cannot
+// take, ATen's foreach ops (aten_capture_backward.cpp).
+void launch_list(bool add, const std::vector<at::Tensor>& stores,
+                 const std::vector<at::Tensor>& sources);
+// Whether the interpreter is shutting down, when nothing replays any more
+// and CUDA may be gone (aten_reset.cpp).
+bool interpreter_finalizing();
 
 // The ways the backward graph fills its buffer for one incoming grad itself:
 // Note [Incoming grads] (aten_backward.cpp).
@@ -227,12 +293,16 @@ struct SetupState {
 
 // ---- the engine -----------------------------------------------------------
 
-// The captures into one memory pool and their engines: Note [Captures that
-// share a pool] (aten_pool.cpp).
-struct PoolLedger;
 // Whether an engine of `pool` has a backward pending; with unkept_only, one
 // whose activations are not kept (aten_pool.cpp).
 bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only);
+// Lists a pool store in its pool's ledger, which moves its handed grad out
+// of the way of the replays that overwrite it (aten_pool.cpp).
+void note_pool_store(const std::shared_ptr<PoolLedger>& ledger,
+                     const std::shared_ptr<GradStore>& store);
+// The pool's number of the earliest forward capture of an engine with a
+// backward pending; UINT64_MAX if none (aten_pool.cpp).
+uint64_t earliest_pending_forward(PoolLedger& ledger);
 // Frees the kept activations of `pool`'s engines with no backward pending.
 void release_kept_activations(at::cuda::MempoolId_t pool);
 // The static output of a live graph of `pool` that `t` shows, sharing its
@@ -273,7 +343,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   bool has_bwd = false;  // false when no output requires grad
   SegmentId tail_copy;
   SegmentId tail_add;
-  size_t num_tail_params = 0;  // parameters the tails cover (those with a grad)
+  size_t num_grad_params = 0;  // parameters with a grad at capture
 
   std::vector<Input> inputs;
   std::vector<Param> params;  // module parameters, then hidden leaves
@@ -374,6 +444,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // aten_capture_backward.cpp
   std::vector<at::Tensor> differentiable_outputs() const;
   void record_backward(const std::vector<at::Tensor>& diff);
+  bool computes_grads_in_place() const;
   void allocate_grad_stores();
   void capture_param_grad_tails();
   GradIn capture_grad_in(const at::Tensor& buffer);

@@ -38,11 +38,15 @@ namespace cgraph {
 //      when the engines after it replayed since its forward: Note [Layers
 //      captured one by one into one pool].)  Likewise the grads H's
 //      backward handed to autograd, allocated at H's backward capture: Note
-//      [Grads handed to autograd] in aten_replay.cpp.
-//    A pool's ledger numbers its captures and lists its engines.  torch
-//    leaves both to the user ("replay in capture order"); cgraph runs a
-//    forward that may not replay eagerly, or captures it again elsewhere,
-//    and refuses such a backward, which has no eager fallback.
+//      [Grads handed to autograd] in aten_replay.cpp; and the parameter
+//      grads it handed out as param.grad, also allocated there and written
+//      by its own backward too: Note [Parameter gradients] in
+//      aten_backward.cpp.
+//    A pool's ledger numbers its captures and lists its engines and its
+//    parameter grads' stores.  torch leaves both rules to the user ("replay
+//    in capture order"); cgraph runs a forward that may not replay eagerly,
+//    or captures it again elsewhere, and refuses such a backward, which has
+//    no eager fallback.
 //
 // Note [Layers captured one by one into one pool]
 // Q: Layers graphed separately with one pool= and no samples
@@ -97,6 +101,9 @@ struct PoolLedger {
   // move, and skips the mutex.
   std::atomic<uint64_t> latest_forward{0};
   std::atomic<uint64_t> latest_backward{0};
+  // The pool stores of parameter grads, which outlive their first engine
+  // when later graphs share them: Note [Parameter gradients].
+  std::vector<std::weak_ptr<GradStore>> stores;
 };
 
 namespace {
@@ -140,6 +147,19 @@ void for_each_engine(PoolLedger& ledger, Visit&& visit) {
       }
     }
   }
+}
+
+// The pool stores allocated after capture number `at` that may be held.
+c10::SmallVector<std::shared_ptr<GradStore>, 8> stores_after(PoolLedger& ledger, uint64_t at) {
+  c10::SmallVector<std::shared_ptr<GradStore>, 8> found;
+  std::lock_guard<std::mutex> hold(ledger.mutex);
+  for (const auto& weak : ledger.stores) {
+    auto store = weak.lock();
+    if (store && store->allocated_at > at && store->may_be_held()) {
+      found.push_back(std::move(store));
+    }
+  }
+  return found;
 }
 
 }  // namespace
@@ -269,6 +289,20 @@ void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consum
   for (const auto& h : grads_of) {
     h->release_handed_grads(consumed);
   }
+  for (const auto& store : stores_after(*ledger, at)) {  // those of engines gone too
+    stats.param_grads_copied += store->release();
+  }
+}
+
+void note_pool_store(const std::shared_ptr<PoolLedger>& ledger,
+                     const std::shared_ptr<GradStore>& store) {
+  store->ledger = ledger;  // numbers later captures of the pool, even with no engine left
+  std::lock_guard<std::mutex> hold(ledger->mutex);
+  auto& stores = ledger->stores;
+  stores.erase(std::remove_if(stores.begin(), stores.end(),
+                              [](const auto& weak) { return weak.expired(); }),
+               stores.end());
+  stores.push_back(store);
 }
 
 bool Engine::shares_pool_with_others() const {
@@ -279,6 +313,16 @@ bool Engine::shares_pool_with_others() const {
     });
   }
   return others;
+}
+
+uint64_t earliest_pending_forward(PoolLedger& ledger) {
+  uint64_t earliest = UINT64_MAX;
+  for_each_engine(ledger, [&](const std::shared_ptr<Engine>& h) {
+    if (h->backward_pending()) {
+      earliest = std::min(earliest, h->captured_at[CG_FORWARD]);
+    }
+  });
+  return earliest;
 }
 
 bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only) {

@@ -214,6 +214,8 @@ constexpr const char* kOverwrittenOutput =
     "Clone outputs you keep across calls "
     "(out.clone()), or graph with kept_outputs='copy' (the default) to keep their values.";
 
+}  // namespace
+
 at::Tensor guarded_alias(const at::Tensor& static_output) {
   auto* keep = new c10::Storage(static_output.storage());
   return at::for_blob(const_cast<void*>(keep->data()), static_output.sizes())
@@ -226,17 +228,18 @@ at::Tensor guarded_alias(const at::Tensor& static_output) {
       .make_tensor();
 }
 
-// Gives a kept output's storage memory of its own, with the value it has.
-void move_to_own_memory(Engine& e, c10::StorageImpl& storage) {
+void move_to_own_memory(c10::DeviceIndex device, c10::StorageImpl& storage) {
   const size_t nbytes = storage.nbytes();
-  c10::cuda::CUDAGuard guard(e.device);
+  c10::cuda::CUDAGuard guard(device);
   at::DataPtr own = c10::cuda::CUDACachingAllocator::get()->allocate(nbytes);
   if (nbytes > 0) {
     C10_CUDA_CHECK(cudaMemcpyAsync(own.get(), storage.data(), nbytes, cudaMemcpyDeviceToDevice,
-                                   c10::cuda::getCurrentCUDAStream(e.device).stream()));
+                                   c10::cuda::getCurrentCUDAStream(device).stream()));
   }
   storage.set_data_ptr_noswap(std::move(own));  // drops its hold on the static memory
 }
+
+namespace {
 
 // Whether nobody holds the tensors over `storage` (`uses` of them) but the
 // tensors of `consumed` and, once, `ours` (the engine's own reference).
@@ -394,7 +397,7 @@ void Engine::release_earlier_outputs() {
   for (const auto& weak : e.handed_out) {
     if (auto storage = weak.lock()) {
       if (e.kept_outputs == CG_KEEP_COPY) {
-        move_to_own_memory(e, *storage);
+        move_to_own_memory(e.device, *storage);
         ++e.stats.outputs_copied;
       } else {
         storage->release_data_and_set_meta_custom_data_ptr_error_msg_(kOverwrittenOutput);
@@ -458,6 +461,9 @@ bool Engine::may_hold_grads() const {
     may = may || (in.handed.defined() &&
                   (in.handed.use_count() > 1 || in.handed.storage().use_count() > 1));
   }
+  for (const Param& p : params) {
+    may = may || (p.owns_store && p.store->may_be_held());
+  }
   return may;
 }
 
@@ -467,7 +473,7 @@ void Engine::release_handed_grads(at::ArrayRef<at::Tensor> consumed) {
         in.handed.defined() ? in.handed.storage().unsafeGetStorageImpl() : nullptr;
     if (storage && !held_only_by(storage, in.handed.storage().use_count(), &in.handed,
                                  consumed)) {
-      move_to_own_memory(*this, *storage);
+      move_to_own_memory(device, *storage);
       ++stats.input_grads_copied;
       in.handed = at::Tensor();  // its holders keep it, in memory of its own now
     }
@@ -478,12 +484,17 @@ void Engine::release_handed_grads(at::ArrayRef<at::Tensor> consumed) {
     if (storage && held_only_by(storage.get(), storage.use_count() - 1, nullptr, consumed)) {
       std::swap(handed_grads[kept++], handed_grads[k]);  // looked at again next replay
     } else if (storage) {
-      move_to_own_memory(*this, *storage);
+      move_to_own_memory(device, *storage);
       ++stats.input_grads_copied;
     }
   }
   handed_grads.erase(handed_grads.begin() + static_cast<std::ptrdiff_t>(kept),
                      handed_grads.end());
+  for (Param& p : params) {  // Note [Parameter gradients] (aten_backward.cpp)
+    if (p.owns_store && p.store->release()) {
+      ++stats.param_grads_copied;
+    }
+  }
 }
 
 // Note [Replays on another stream]

@@ -19,16 +19,16 @@ void empty_pool_cache(const Pool&, long) {
   c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
-// Whether the interpreter is shutting down (public API from Python 3.13).
-bool finalizing() {
+}  // namespace
+
+// Py_IsFinalizing is public API from Python 3.13.
+bool interpreter_finalizing() {
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsFinalizing() != 0;
 #else
   return _Py_IsFinalizing() != 0;
 #endif
 }
-
-}  // namespace
 
 // Outputs and grads the caller still holds get memory of their own (or,
 // kept_outputs='error', are made unreadable), as before a replay: Notes
@@ -83,7 +83,7 @@ void Engine::tear_down() noexcept {
 // still replay into, the ledger would no longer move them out of the way:
 // they get memory of their own first.  Not at exit, where nothing replays.
 Engine::~Engine() {
-  if (alive && !finalizing() && shares_pool_with_others()) {
+  if (alive && !interpreter_finalizing() && shares_pool_with_others()) {
     hand_back_held();
   }
   tear_down();

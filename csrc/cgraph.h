@@ -280,9 +280,9 @@ Py_ssize_t cg_engine_num_params(const cg_engine *engine);
 typedef struct {
     unsigned long long forward;        /* forward replays */
     unsigned long long backward;       /* backward replays */
-    unsigned long long grads_copied;   /* backwards whose .grad were None: copy tail */
-    unsigned long long grads_added;    /* backwards accumulating into .grad: add tail */
-    unsigned long long grads_slow;     /* backwards that took the slow path */
+    unsigned long long grads_copied;   /* backwards whose .grad were None: in place, copy tail */
+    unsigned long long grads_added;    /* backwards adding into their stores: add tail */
+    unsigned long long grads_slow;     /* backwards that took the general path */
     /* Arguments and incoming grads copied into static buffers: by the graph
      * itself, or by ATen before the replay (Note [Argument copies inside
      * the graph]). */
@@ -298,6 +298,10 @@ typedef struct {
      * memory of their own before a replay overwrote them (Note [Grads
      * handed to autograd] in aten_replay.cpp): one per grad still held. */
     unsigned long long input_grads_copied;
+    /* Parameter grads handed out as param.grad in pool memory, moved to
+     * memory of their own before a replay overwrote them (Note [Parameter
+     * gradients] in aten_backward.cpp): one per grad still held. */
+    unsigned long long param_grads_copied;
 } cg_stats;
 
 cg_stats cg_engine_stats(const cg_engine *engine);

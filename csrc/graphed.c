@@ -902,6 +902,7 @@ summed_stats(const GraphedObject *self)
         sum.outputs_copied += one.outputs_copied;
         sum.outputs_invalidated += one.outputs_invalidated;
         sum.input_grads_copied += one.input_grads_copied;
+        sum.param_grads_copied += one.param_grads_copied;
     }
     return sum;
 }
@@ -911,7 +912,7 @@ static PyObject *
 Graphed_get_stats(GraphedObject *self, void *closure)
 {
     cg_stats sum = summed_stats(self);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
+    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
                          "backward", sum.backward, "grads_copied", sum.grads_copied,
                          "grads_added", sum.grads_added, "grads_slow", sum.grads_slow,
                          "copied_in_graph", sum.copied_in_graph,
@@ -919,6 +920,7 @@ Graphed_get_stats(GraphedObject *self, void *closure)
                          "outputs_copied", sum.outputs_copied,
                          "outputs_invalidated", sum.outputs_invalidated,
                          "input_grads_copied", sum.input_grads_copied,
+                         "param_grads_copied", sum.param_grads_copied,
                          "eager_pending", self->eager_pending,
                          "eager_past_limit", self->eager_past_limit,
                          "eager_on_miss", self->eager_on_miss,
@@ -1054,11 +1056,13 @@ static PyGetSetDef Graphed_getset[] = {
      "How many forward/backward graph pairs this callable has captured.", NULL},
     {"stats", (getter)Graphed_get_stats, NULL,
      "How often each replay path ran: forward and backward replays; backwards whose\n"
-     "parameter grads were copied (.grad was None), added (.grad accumulating) or\n"
-     "took the slow path; arguments and incoming grads copied into the static\n"
-     "buffers by the graph itself or, for layouts a memcpy cannot copy, before it;\n"
-     "outputs of earlier calls still held, moved to memory of their own before a\n"
-     "replay (kept_outputs='copy') or made unreadable (kept_outputs='error'); calls\n"
+     "parameter grads were handed out as computed or copied (.grad was None), added\n"
+     "by the add tail or took the general path; arguments and incoming grads copied\n"
+     "into the static buffers by the graph itself or, for layouts a memcpy cannot\n"
+     "copy, before it; outputs of earlier calls still held, moved to memory of their\n"
+     "own before a replay (kept_outputs='copy') or made unreadable\n"
+     "(kept_outputs='error'); grads handed to autograd for inputs, and parameter\n"
+     "grads, still held and moved to memory of their own before a replay; calls\n"
      "run eagerly because a backward the replay would overwrite had not run yet\n"
      "(eager_pending), because no graph took them and max_graphs were captured\n"
      "(eager_past_limit), or by on_miss itself (eager_on_miss: a call inside a\n"

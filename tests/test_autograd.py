@@ -1,6 +1,7 @@
 """Autograd through graphed callables: the parameter-grad paths of Note
-[Parameter gradients] (the copy tail, the add tail and the slow path,
-switched per backward, with an optimizer, in every float dtype), grads that
+[Parameter gradients] (grads computed in place and handed out, the copy
+tail, the add tail and the general path, switched per backward, with an
+optimizer, in every float dtype), grads that
 accumulate or are held by the caller, tensor and post-accumulate hooks,
 grads reaching closure leaves and the caller's autograd history, unused
 parameters, backward-order and requires-grad errors, and autocast with its
@@ -39,12 +40,55 @@ def test_grad_accumulation_without_zero_grad():
         assert_grads_equal(model, eager, step)
 
 
-def test_accumulation_uses_the_add_tail():
+def test_accumulation_moves_the_handed_grads_once_then_adds():
+    """The backward graph computes the grads in place and hands them out as
+    .grad (Note [Parameter gradients]).  The second micro-batch's forward
+    would overwrite them while .grad holds them, so it moves each to memory
+    of its own first, once; the backwards add into those."""
     model, make_input = mlp()
     graphed = cgraph.make_graphed(model, (make_input(),))
     for _ in range(3):
         graphed(make_input()).sum().backward()
-    assert graphed.stats["grads_copied"] == 1 and graphed.stats["grads_added"] == 2
+    stats = graphed.stats
+    assert (stats["grads_copied"], stats["grads_slow"], stats["grads_added"]) == (1, 2, 0), stats
+    assert stats["param_grads_copied"] == len(list(model.parameters())), stats
+
+
+def test_grads_are_the_pool_memory_the_backward_computed_them_in():
+    """Eager's .grad is the tensor its backward computed.  A graphed one is
+    the memory the backward graph computed it in: in the callable's pool, not
+    a second copy outside it."""
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    graphed(make_input()).sum().backward()
+    in_pool = [(s["address"], s["address"] + s["total_size"])
+               for s in torch.cuda.memory_snapshot()
+               if tuple(s["segment_pool_id"]) == tuple(graphed.pool)]
+    for name, p in model.named_parameters():
+        address = p.grad.data_ptr()
+        assert any(lo <= address < hi for lo, hi in in_pool), f"{name}.grad is outside the pool"
+
+
+def test_second_graph_of_a_parameter_adds_into_the_grads_the_first_handed_out():
+    """Two shapes, two graphs, one step: the second graph's add tail
+    accumulates into the grads the first computed in place, bitwise as
+    eager accumulates."""
+    torch.manual_seed(4)
+    model, _ = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, max_graphs=4)
+    for step in range(3):
+        for net in (model, eager):
+            net.zero_grad(set_to_none=True)
+        for rows in (8, 4):
+            x = torch.randn(rows, 32, device=CUDA)
+            upstream = torch.randn(rows, 16, device=CUDA)
+            (graphed(x) * upstream).sum().backward()
+            (eager(twin(x)) * upstream).sum().backward()
+        assert_grads_equal(model, eager, step)
+    assert graphed.num_graphs == 2
+    assert graphed.stats["grads_added"] >= 2, graphed.stats
+    assert graphed.stats["param_grads_copied"] == 0, graphed.stats
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
@@ -58,13 +102,23 @@ def test_grad_tails_match_eager_in_every_float_dtype(dtype):
     eager = copy.deepcopy(model)
     make_input = lambda: torch.randn(8, 600, device=CUDA, dtype=dtype)  # noqa: E731
     graphed = cgraph.make_graphed(model, (make_input(),))
+    # A second graph of the model shares its grad stores, and has the tails.
+    sharer = cgraph.make_graphed(model, (make_input(),))
     for step in range(3):  # .grad starts as None (copy tail), then accumulates (add tail)
+        x = make_input()
+        upstream = torch.randn(8, 7, device=CUDA, dtype=dtype)
+        (sharer(x) * upstream).sum().backward()
+        (eager(x) * upstream).sum().backward()
+        assert_grads_equal(model, eager, step)
+    assert sharer.stats["grads_copied"] == 1 and sharer.stats["grads_added"] == 2
+    for net in (model, eager):  # the first graph: in place, then the general path
+        net.zero_grad(set_to_none=True)
+    for step in range(3):
         x = make_input()
         upstream = torch.randn(8, 7, device=CUDA, dtype=dtype)
         (graphed(x) * upstream).sum().backward()
         (eager(x) * upstream).sum().backward()
         assert_grads_equal(model, eager, step)
-    assert graphed.stats["grads_copied"] == 1 and graphed.stats["grads_added"] == 2
 
 
 def test_held_grad_is_never_overwritten():
@@ -100,24 +154,32 @@ def test_training_with_adam_uses_the_copy_tail_and_matches_eager():
                              "grads_added": 0, "grads_slow": 0,
                              "copied_in_graph": 6, "copied_before": 0,
                              "outputs_copied": 0, "outputs_invalidated": 0,
-                             "input_grads_copied": 0, "eager_pending": 0,
+                             "input_grads_copied": 0, "param_grads_copied": 0,
+                             "eager_pending": 0,
                              "eager_past_limit": 0, "eager_on_miss": 0, "graphs": 1}
 
 
-def test_grad_paths_switch_between_backwards_of_one_graph():
+@pytest.mark.parametrize("graph", ["first", "second"])
+def test_grad_paths_switch_between_backwards_of_one_graph(graph):
     """The tails are optional parts of the backward graph, switched before
-    each replay: copy, add, the slow path (neither tail) and back, in every
-    order, each matching eager accumulation bitwise.  A tail left on would
-    add twice or overwrite; one left off would leave a stale grad."""
+    each replay: copy, add, the general path (neither tail) and back, in
+    every order, each matching eager accumulation bitwise.  A tail left on
+    would add twice or overwrite; one left off would leave a stale grad.
+    The first graph of a model computes its grads in place and has no
+    tails: accumulating takes the general path after moving the grads."""
     torch.manual_seed(12)
     model, make_input = mlp()
     eager = copy.deepcopy(model)
     graphed = cgraph.make_graphed(model, (make_input(),))
+    if graph == "second":  # shares the first one's stores, through its tails
+        graphed = cgraph.make_graphed(model, (make_input(),))
     # Every switch: copy->add, add->add, add->copy, copy->slow, slow->copy,
-    # add->slow, copy->copy.  (The slow path leaves a .grad that is not
+    # add->slow, copy->copy.  (The general path leaves a .grad that is not
     # cgraph's, so only zero_grad leads back to the tails.)
     plan = ["copy", "add", "add", "copy", "slow", "copy", "add", "slow", "copy", "copy", "add"]
     expected = {"copy": "grads_copied", "add": "grads_added", "slow": "grads_slow"}
+    if graph == "first":
+        expected["add"] = "grads_slow"
     for step, path in enumerate(plan):
         for net in (model, eager):
             if path == "copy":
@@ -135,7 +197,7 @@ def test_grad_paths_switch_between_backwards_of_one_graph():
 
 
 @pytest.mark.parametrize("twist", ["assigned_grad", "frozen_after_capture", "held_grad"])
-def test_unusual_grad_states_take_the_slow_path_and_match_eager(twist):
+def test_unusual_grad_states_match_eager(twist):
     torch.manual_seed(11)
     model, make_input = mlp()
     eager = copy.deepcopy(model)
@@ -158,7 +220,13 @@ def test_unusual_grad_states_take_the_slow_path_and_match_eager(twist):
             net.zero_grad(set_to_none=True)
     for grad, value in held:
         assert_equal(grad, value, "a .grad kept across zero_grad")
-    assert graphed.stats["grads_slow"] >= 1
+    # A kept .grad is the memory the backward graph computes in: the next
+    # forward moves it out of the way, and that backward computes in place.
+    stats = graphed.stats
+    if twist == "held_grad":
+        assert stats["param_grads_copied"] == 2 and stats["grads_slow"] == 0, stats
+    else:
+        assert stats["grads_slow"] >= 1, stats
 
 
 # ---- hooks ------------------------------------------------------------------

@@ -366,3 +366,33 @@ def test_grads_a_layer_hands_back_keep_their_values_through_earlier_backwards(ho
     assert all(g.num_graphs == 1 for g in graphed), [g.num_graphs for g in graphed]
     copied = [g.stats["input_grads_copied"] for g in graphed]
     assert copied == [0, 0, 3], copied  # the last layer's, held across the others'
+
+
+def test_parameter_grads_keep_their_values_when_their_first_graph_is_gone():
+    """A parameter's grad store is the grad its first backward graph computed,
+    in that graph's pool (Note [Parameter gradients]).  A later graph of the
+    parameter shares it.  With the first graph deleted, a graph of the pool
+    captured before the store still replays over its memory: the ledger
+    moves the .grad the later graph handed out first."""
+    torch.manual_seed(21)
+    pool = cgraph.graph_pool_handle()
+    earlier, shared = block(), block()
+    eager_earlier, eager_shared = copy.deepcopy(earlier), copy.deepcopy(shared)
+    x = torch.randn(16, 64, device=CUDA)
+    g0 = cgraph.make_graphed(earlier, (x,), pool=pool)
+    first = cgraph.make_graphed(shared, (x,), pool=pool)  # allocates the stores
+    later = cgraph.make_graphed(shared, (torch.randn(8, 64, device=CUDA),), pool=pool)
+    del first  # `later` shares the stores it allocated
+    xs = torch.randn(8, 64, device=CUDA)
+    later(xs).square().sum().backward()
+    eager_shared(xs).square().sum().backward()
+    assert_grads_equal(shared, eager_shared, "after the later graph")
+    for step in range(2):  # replays of the graph captured before the stores
+        upstream = torch.randn(16, 64, device=CUDA)  # dense: eager's GEMMs then match
+        (g0(x) * upstream).sum().backward()
+        (eager_earlier(x) * upstream).sum().backward()
+        assert_grads_equal(earlier, eager_earlier, f"{step}: the earlier graph's own")
+    assert_grads_equal(shared, eager_shared, "after the earlier graph replayed")
+    # g0 moved the 4 grads `later` handed out (the ledger's, with `first`
+    # gone) and, at its second forward, its own 4 it had handed out.
+    assert g0.stats["param_grads_copied"] == 4 + 4, g0.stats
