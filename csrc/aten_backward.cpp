@@ -119,9 +119,7 @@ const at::Tensor& GradStore::hand_out() {
   if (!in_pool()) {
     return memory;
   }
-  if (!handed.defined() || handed.requires_grad() ||
-      handed.const_data_ptr() != memory.const_data_ptr() ||
-      !handed.sizes().equals(memory.sizes()) || !handed.strides().equals(memory.strides())) {
+  if (!handed.defined() || !still_alias_of(handed, memory)) {
     handed = guarded_alias(memory);  // a changed one is nobody's but ours: release() ran
   }
   return handed;

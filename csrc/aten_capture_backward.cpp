@@ -124,7 +124,7 @@ void Engine::capture_backward(at::cuda::MempoolId_t pool_id, cudaStreamCaptureMo
         p.owns_store = false;
       } else if (p.owns_store) {
         share_grad_store(p.tensor, caller_stream, p.store);
-        note_pool_store(ledger, p.store);
+        p.store->ledger = ledger;
       }
     }
   }

@@ -118,7 +118,8 @@ struct GradStore {
   // memory, handed out again while it stays there, moved to memory of its
   // own before a replay overwrites it while held.  Undefined until then.
   at::Tensor handed;
-  // A pool store's pool (set when listed there, after the capture).
+  // A pool store's pool, set after its capture: it numbers the pool's later
+  // captures even once no engine is left.
   std::shared_ptr<PoolLedger> ledger;
 
   GradStore(at::Tensor memory, uint64_t allocated_at);
@@ -180,6 +181,9 @@ void move_to_own_memory(c10::DeviceIndex device, c10::StorageImpl& storage);
 // A tensor over `t`'s memory with a StorageImpl of its own, which keeps that
 // memory alive (aten_replay.cpp).
 at::Tensor guarded_alias(const at::Tensor& t);
+// Whether nobody changed what such an alias of `t` is since it was made
+// (resize_, set_, requires_grad_), so it may be handed out again.
+bool still_alias_of(const at::Tensor& alias, const at::Tensor& t);
 // stores[j] = sources[j], or += with `add`, enqueued on the current stream:
 // recorded as a tail inside a capture, launched outside one.  tensor_lists.cu
 // takes the copy, or the adds of each dtype, in one launch; what it cannot
@@ -296,10 +300,10 @@ struct SetupState {
 // Whether an engine of `pool` has a backward pending; with unkept_only, one
 // whose activations are not kept (aten_pool.cpp).
 bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only);
-// Lists a pool store in its pool's ledger, which moves its handed grad out
-// of the way of the replays that overwrite it (aten_pool.cpp).
-void note_pool_store(const std::shared_ptr<PoolLedger>& ledger,
-                     const std::shared_ptr<GradStore>& store);
+// Lists a pool store whose first engine is going while later graphs still
+// share it in its pool's ledger, which then moves its handed grad out of
+// the way of the replays that overwrite it (aten_pool.cpp).
+void note_orphan_store(const std::shared_ptr<GradStore>& store);
 // The pool's number of the earliest forward capture of an engine with a
 // backward pending; UINT64_MAX if none (aten_pool.cpp).
 uint64_t earliest_pending_forward(PoolLedger& ledger);

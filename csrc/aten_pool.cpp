@@ -42,8 +42,9 @@ namespace cgraph {
 //      grads it handed out as param.grad, also allocated there and written
 //      by its own backward too: Note [Parameter gradients] in
 //      aten_backward.cpp.
-//    A pool's ledger numbers its captures and lists its engines and its
-//    parameter grads' stores.  torch leaves both rules to the user ("replay
+//    A pool's ledger numbers its captures and lists its engines, and the
+//    parameter grads' stores gone engines left to others.  torch leaves both
+//    rules to the user ("replay
 //    in capture order"); cgraph runs a forward that may not replay eagerly,
 //    or captures it again elsewhere, and refuses such a backward, which has
 //    no eager fallback.
@@ -101,9 +102,10 @@ struct PoolLedger {
   // move, and skips the mutex.
   std::atomic<uint64_t> latest_forward{0};
   std::atomic<uint64_t> latest_backward{0};
-  // The pool stores of parameter grads, which outlive their first engine
-  // when later graphs share them: Note [Parameter gradients].
-  std::vector<std::weak_ptr<GradStore>> stores;
+  // The pool stores of parameter grads whose first engine is gone while
+  // later graphs share them (while it lives, it releases them itself):
+  // Note [Parameter gradients].
+  std::vector<std::weak_ptr<GradStore>> orphans;
 };
 
 namespace {
@@ -149,11 +151,12 @@ void for_each_engine(PoolLedger& ledger, Visit&& visit) {
   }
 }
 
-// The pool stores allocated after capture number `at` that may be held.
-c10::SmallVector<std::shared_ptr<GradStore>, 8> stores_after(PoolLedger& ledger, uint64_t at) {
-  c10::SmallVector<std::shared_ptr<GradStore>, 8> found;
+// The orphaned pool stores allocated after capture number `at` that may be
+// held.
+c10::SmallVector<std::shared_ptr<GradStore>, 4> orphans_after(PoolLedger& ledger, uint64_t at) {
+  c10::SmallVector<std::shared_ptr<GradStore>, 4> found;
   std::lock_guard<std::mutex> hold(ledger.mutex);
-  for (const auto& weak : ledger.stores) {
+  for (const auto& weak : ledger.orphans) {
     auto store = weak.lock();
     if (store && store->allocated_at > at && store->may_be_held()) {
       found.push_back(std::move(store));
@@ -289,16 +292,15 @@ void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consum
   for (const auto& h : grads_of) {
     h->release_handed_grads(consumed);
   }
-  for (const auto& store : stores_after(*ledger, at)) {  // those of engines gone too
+  for (const auto& store : orphans_after(*ledger, at)) {
     stats.param_grads_copied += store->release();
   }
 }
 
-void note_pool_store(const std::shared_ptr<PoolLedger>& ledger,
-                     const std::shared_ptr<GradStore>& store) {
-  store->ledger = ledger;  // numbers later captures of the pool, even with no engine left
-  std::lock_guard<std::mutex> hold(ledger->mutex);
-  auto& stores = ledger->stores;
+void note_orphan_store(const std::shared_ptr<GradStore>& store) {
+  PoolLedger& ledger = *store->ledger;
+  std::lock_guard<std::mutex> hold(ledger.mutex);
+  auto& stores = ledger.orphans;
   stores.erase(std::remove_if(stores.begin(), stores.end(),
                               [](const auto& weak) { return weak.expired(); }),
                stores.end());

@@ -228,6 +228,11 @@ at::Tensor guarded_alias(const at::Tensor& static_output) {
       .make_tensor();
 }
 
+bool still_alias_of(const at::Tensor& alias, const at::Tensor& t) {
+  return !alias.requires_grad() && alias.const_data_ptr() == t.const_data_ptr() &&
+         alias.sizes().equals(t.sizes()) && alias.strides().equals(t.strides());
+}
+
 void move_to_own_memory(c10::DeviceIndex device, c10::StorageImpl& storage) {
   const size_t nbytes = storage.nbytes();
   c10::cuda::CUDAGuard guard(device);
@@ -279,12 +284,11 @@ bool held_only_by(const c10::StorageImpl* storage, size_t uses, const at::Tensor
 }
 
 // Whether Input::handed may be handed out again: nobody but the engine holds
-// it, and nobody changed what it is (resize_, set_, requires_grad_).
+// it, and nobody changed what it is.
 bool reusable(const Input& in) {
   const at::Tensor& t = in.handed;
   return held_only_by(t.storage().unsafeGetStorageImpl(), t.storage().use_count(), &t, {}) &&
-         !t.requires_grad() && t.const_data_ptr() == in.grad.const_data_ptr() &&
-         t.sizes().equals(in.grad.sizes()) && t.strides().equals(in.grad.strides());
+         still_alias_of(t, in.grad);
 }
 
 

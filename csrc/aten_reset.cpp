@@ -62,6 +62,11 @@ void Engine::tear_down() noexcept {
     // Tensors first, so the pool's blocks are free when the graphs let go
     // of the pool; then the pool's cached memory goes back to the device.
     inputs.clear();
+    for (const Param& p : params) {  // the ledger protects the ones others still share
+      if (p.owns_store && p.store->ledger && p.store.use_count() > 1) {
+        note_orphan_store(p.store);
+      }
+    }
     params.clear();
     outputs.clear();
     kept_history.clear();
