@@ -49,6 +49,17 @@ def check_grads_and_clear(layers, eager, step):
         e.zero_grad(set_to_none=True)
 
 
+def stats_of_two_graphs_each(graphed, forwards):
+    """Each layer's stats, once checked that it has two graphs in two pools
+    (the shared one's and an instance's) and replayed `forwards` times, none
+    run eagerly by its on_miss."""
+    for g in graphed:
+        stats = g.stats
+        assert g.num_graphs == 2 and len(g._graphed.pools) == 2, (g, g._graphed.pools)
+        assert stats["eager_on_miss"] == 0 and stats["forward"] == forwards, stats
+    return [g.stats for g in graphed]
+
+
 def test_a_kept_output_of_a_later_graph_survives_an_earlier_graphs_replay():
     """Two shapes of one callable, two graphs in one pool: the second was
     captured into memory the first one's temporaries use, so the first
@@ -267,13 +278,10 @@ def test_two_passes_before_their_backwards_get_instances_and_match_eager():
         sum((o * u).sum() for o, u in zip(outs, ups)).backward()
         sum((o * u).sum() for o, u in zip(outs_e, ups)).backward()
         check_grads_and_clear(layers, eager, step)
-    for g in graphed:
-        stats = g.stats
-        # Step 0's first pass captures into the shared pool; its second pass
-        # finds those graphs pending: an instance each, in pools of their
-        # own.  From then on the two passes replay one of each.
-        assert g.num_graphs == 2 and len(g._graphed.pools) == 2, (g, g._graphed.pools)
-        assert stats["eager_on_miss"] == 0 and stats["forward"] == 8, stats
+    # Step 0's first pass captures into the shared pool; its second pass
+    # finds those graphs pending: an instance each, in pools of their own.
+    # From then on the two passes replay one of each.
+    for stats in stats_of_two_graphs_each(graphed, forwards=8):
         assert stats["eager_past_limit"] == 0, stats
 
 
@@ -299,10 +307,7 @@ def test_two_passes_of_new_shapes_before_their_backwards_match_eager():
         for x, x_e in zip(xs, xs_e):
             assert_equal(x.grad, x_e.grad, f"step {step}: input grad")
         check_grads_and_clear(layers, eager, step)
-    for g in graphed:
-        stats = g.stats
-        assert g.num_graphs == 2 and len(g._graphed.pools) == 2, (g, g._graphed.pools)
-        assert stats["eager_on_miss"] == 0 and stats["forward"] == 6, stats
+    for stats in stats_of_two_graphs_each(graphed, forwards=6):
         # Each grad a layer hands back is added to the residual's at once.
         assert stats["input_grads_copied"] == 0, stats
 
