@@ -507,6 +507,11 @@ bool delivered_by_autograd(const at::Tensor& p);
 // once (aten_warmup.cpp).
 std::vector<at::Tensor> autograd_leaves(const std::vector<at::Tensor>& roots);
 
+// The cuBLAS handle of autograd's thread for `caller`'s device, named once
+// per device: Note [Naming a thread's cuBLAS handle] (aten_workspace.cpp;
+// this in aten_warmup.cpp).  Runs a backward: call it with the GIL held.
+void* autograd_thread_blas_handle(const c10::cuda::CUDAStream& caller);
+
 // Moves the live grad accumulators of `params` onto the current stream;
 // restore_accumulators gives them their streams back and frees the record
 // (aten_accumulators.cpp, Note [DDP inside a graphed step] in cgraph/_ddp.py).

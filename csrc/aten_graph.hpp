@@ -149,16 +149,20 @@ c10::cuda::CUDAStream capture_stream(c10::DeviceIndex device);
 class BlasWorkspace;
 // The caller stream's workspace, or nullptr if none is alive.
 std::shared_ptr<BlasWorkspace> live_blas_workspace(const c10::cuda::CUDAStream& caller);
-// The caller stream's workspace, with torch's entries on the caller and
-// capture streams pointed at it for `handles` (those a warm-up used), the
-// handles of eager GEMMs on the caller stream and those an earlier session
-// pointed; made if none is alive and there are such handles, else nullptr,
-// with the capture stream's aliases erased.  Eager mode's own workspaces
-// move to `replaced`: free them once other threads' GEMMs are done.
+// The caller stream's workspace, made if none is alive, with torch's entries
+// on the caller and capture streams pointed at it for `handles` (the
+// threads a warm-up runs on, or those it used), the handles of eager GEMMs
+// on the caller stream and those an earlier session pointed.  Eager mode's
+// own workspaces move to `replaced`: free them once other threads' GEMMs
+// are done.
 std::shared_ptr<BlasWorkspace> share_blas_workspace(const c10::cuda::CUDAStream& caller,
                                                     cudaStream_t capture,
                                                     std::set<void*> handles,
                                                     std::vector<at::DataPtr>& replaced);
+// The calling thread's cuBLAS handle on the current device, named without
+// leaving it a workspace on the current stream: Note [Naming a thread's
+// cuBLAS handle] (aten_workspace.cpp).
+void* blas_handle_of_this_thread();
 // Drops torch's workspace entries for `stream` that are not cgraph's (a
 // warm-up's, or those a capture allocated from its pool, freed with its
 // other temporaries) and returns their handles.

@@ -162,9 +162,12 @@ cg_setup* open_setup(c10::DeviceIndex device) {
   std::unique_ptr<cg_setup> setup(new cg_setup{device, c10::cuda::getCurrentCUDAStream(device),
                                                capture_stream(device)});
   // Warm-up GEMMs, on the capture stream, use the workspace earlier graphs
-  // from this stream share: Note [One cuBLAS workspace per stream].
-  setup->blas_workspace =
-      share_blas_workspace(setup->caller, setup->side.stream(), {}, setup->replaced_workspaces);
+  // from this stream share (Note [One cuBLAS workspace per stream]), on
+  // both threads they run on: Note [Naming a thread's cuBLAS handle].
+  std::set<void*> threads{blas_handle_of_this_thread(),
+                          autograd_thread_blas_handle(setup->caller)};
+  setup->blas_workspace = share_blas_workspace(setup->caller, setup->side.stream(),
+                                               std::move(threads), setup->replaced_workspaces);
   c10::cuda::setCurrentCUDAStream(setup->side);
   return setup.release();
 }

@@ -4,10 +4,13 @@
 
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <mutex>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -98,6 +101,23 @@ struct CurrentContextHook : torch::autograd::FunctionPreHook {
   c10::DeviceIndex device;
 };
 
+// Names the handle of the thread that runs the node, for the stream
+// `caller`: Note [Naming a thread's cuBLAS handle] (aten_workspace.cpp).
+struct NameBlasHandleHook : torch::autograd::FunctionPreHook {
+  NameBlasHandleHook(c10::DeviceIndex device, c10::cuda::CUDAStream caller, void** handle)
+      : device(device), caller(caller), handle(handle) {}
+  torch::autograd::variable_list operator()(
+      const torch::autograd::variable_list& grads) override {
+    C10_CUDA_CHECK(c10::cuda::SetDevice(device, /*force=*/true));  // as CurrentContextHook
+    c10::cuda::CUDAStreamGuard on_caller(caller);
+    *handle = blas_handle_of_this_thread();
+    return grads;
+  }
+  c10::DeviceIndex device;
+  c10::cuda::CUDAStream caller;
+  void** handle;
+};
+
 }  // namespace
 
 void Engine::warmup_backward(const std::vector<at::Tensor>& outs) {
@@ -120,6 +140,25 @@ void Engine::warmup_backward(const std::vector<at::Tensor>& outs) {
   if (!grad_targets().empty()) {
     run_backward(diff, grads);
   }
+}
+
+void* autograd_thread_blas_handle(const c10::cuda::CUDAStream& caller) {
+  static std::mutex mutex;
+  static std::unordered_map<c10::DeviceIndex, void*> named;  // the threads live on
+  const c10::DeviceIndex device = caller.device_index();
+  GilRelease nogil;  // first: a thread waiting for the lock must not hold the GIL
+  std::lock_guard<std::mutex> lock(mutex);
+  void*& handle = named[device];
+  if (handle == nullptr) {
+    c10::InferenceMode not_inference(false);
+    at::AutoGradMode grad(true);
+    c10::cuda::CUDAStreamGuard on_caller(caller);
+    const at::Tensor leaf = at::zeros({1}, at::device({at::kCUDA, device})).requires_grad_();
+    const at::Tensor out = leaf * 2;
+    out.grad_fn()->add_pre_hook(std::make_unique<NameBlasHandleHook>(device, caller, &handle));
+    torch::autograd::backward({out}, {at::ones_like(out)});
+  }
+  return handle;
 }
 
 // What the backward graph differentiates with respect to, in order: inputs

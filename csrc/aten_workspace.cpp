@@ -45,11 +45,12 @@ namespace cgraph {
 //    torch allocates afresh, as after any clear.
 //    Limits: a replay on another stream would race the caller stream's
 //    GEMMs, so it is ordered after and before that stream (Note [Replays on
-//    another stream], aten_replay.cpp); the first GEMM of a thread that
-//    neither eager mode nor an earlier set-up used gets a workspace of
-//    torch's: in a warm-up, on the capture stream, until the warm-up ends;
-//    in a capture without warm-up, from the pool, until the capture ends
-//    (drop_foreign_blas_workspaces).
+//    another stream], aten_replay.cpp); every set-up names the caller's
+//    thread and autograd's (Note [Naming a thread's cuBLAS handle]), but
+//    the first GEMM of another thread (one the user's callable starts)
+//    gets a workspace of torch's: in a warm-up, on the capture stream,
+//    until the warm-up ends; in a capture without warm-up, from the pool,
+//    until the capture ends (drop_foreign_blas_workspaces).
 namespace {
 
 // An alias's deleter: torch's entry owns nothing; the BlasWorkspace does.
@@ -143,11 +144,32 @@ std::set<void*> erase_entries(WorkspaceMap& workspaces, std::optional<cudaStream
   return erased;
 }
 
-// Erases cgraph's aliases on `stream`, whichever workspace they point at.
-void erase_aliases_on(cudaStream_t stream) {
-  const auto torch_owned = [](const at::DataPtr& data) { return !is_alias(data, nullptr); };
-  erase_entries(at::cuda::cublas_handle_stream_to_workspace(), stream, torch_owned);
-  erase_entries(at::cuda::cublaslt_handle_stream_to_workspace(), stream, torch_owned);
+// The calling thread's handle: Note [Naming a thread's cuBLAS handle].
+template <class GetHandle>
+void* handle_of_this_thread(GetHandle get) {
+  if constexpr (std::is_invocable_v<GetHandle, bool>) {
+    return static_cast<void*>(get(false));
+  } else {
+    using Key = std::tuple<void*, void*>;
+    auto& workspaces = at::cuda::cublas_handle_stream_to_workspace();
+    std::set<Key> named_before;
+    {
+      std::shared_lock<std::shared_mutex> lock(workspaces.mutex);
+      for (const auto& entry : workspaces.map) {
+        named_before.insert(entry.first);
+      }
+    }
+    void* handle = static_cast<void*>(get());
+    const Key key(handle, static_cast<void*>(c10::cuda::getCurrentCUDAStream().stream()));
+    if (named_before.count(key) == 0) {
+      // Made just now, used by no GEMM: freed here.  The handle keeps its
+      // address until its next use, which, through torch, sets the
+      // workspace the entry then names.
+      std::unique_lock<std::shared_mutex> lock(workspaces.mutex);
+      workspaces.map.erase(key);
+    }
+    return handle;
+  }
 }
 
 using Registry = std::map<std::pair<c10::DeviceIndex, cudaStream_t>, std::weak_ptr<BlasWorkspace>>;
@@ -245,12 +267,6 @@ std::shared_ptr<BlasWorkspace> share_blas_workspace(const c10::cuda::CUDAStream&
     std::move(taken->begin(), taken->end(), std::back_inserter(replaced));
   }
   if (!workspace) {
-    if (handles.empty()) {
-      // No GEMM has run here yet: nothing to share, and the capture
-      // stream's GEMMs must not use another caller stream's workspace.
-      erase_aliases_on(capture);
-      return nullptr;
-    }
     // Allocates unless it adopts: not under the lock.
     auto made = std::make_shared<BlasWorkspace>(caller, std::move(adopted));
     std::unique_lock<std::mutex> lock;
@@ -271,6 +287,27 @@ std::set<void*> drop_foreign_blas_workspaces(cudaStream_t stream) {
       erase_entries(at::cuda::cublas_handle_stream_to_workspace(), stream, cgraphs);
   handles.merge(erase_entries(at::cuda::cublaslt_handle_stream_to_workspace(), stream, cgraphs));
   return handles;
+}
+
+// Note [Naming a thread's cuBLAS handle]
+// Q: Why does open_setup name the handles of the caller's thread and of
+//    autograd's device thread before warm-up, and how?
+// A: Only a handle that torch's workspace entries name can be pointed at
+//    the shared workspace.  A thread that ran no GEMM since torch's entries
+//    were last cleared (a script that graphs its model before training;
+//    torch.compile's clears) is named nowhere, and its first GEMM in the
+//    warm-up gets a workspace of torch's on the capture stream: with both
+//    threads, 64 MiB on Hopper on top of the warm-up's peak, then the
+//    shared one.  So the set-up names both threads' handles first
+//    (autograd's through a one-element backward, once per device: its
+//    thread lives as long as the process).  torch releases with
+//    getCurrentCUDABlasHandle(setup=false) name a handle without touching
+//    its workspace.  Older ones (torch 2.11) give the handle a workspace on
+//    the current stream, the caller's, if it has none there; no GEMM has
+//    used it yet, so it is freed at once, and the next naming, then the
+//    shared workspace, reuse its block: one 32 MiB segment in all.
+void* blas_handle_of_this_thread() {
+  return handle_of_this_thread(&at::cuda::getCurrentCUDABlasHandle);
 }
 
 }  // namespace cgraph

@@ -186,6 +186,33 @@ def test_set_up_after_eager_steps_allocates_no_workspace_of_its_own():
     train_step(graphed, head, x)
 
 
+def test_set_up_before_any_gemm_holds_one_workspace():
+    """Graphs set up before any GEMM has run, as a script that graphs its
+    model before training does (or after torch.compile cleared torch's
+    entries): the warm-up's GEMMs on the caller's thread and on autograd's
+    use the shared workspace from their first GEMM (Note [Naming a
+    thread's cuBLAS handle], csrc/aten_workspace.cpp), so the set-up's peak
+    holds one workspace.  Before,
+    each thread got one of torch's on the capture stream, and the shared one
+    came after them.  Grads stay bitwise eager's."""
+    workspace = cublas_workspace_bytes()  # ends with torch's entries cleared
+    torch.manual_seed(55)
+    layer = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).to(CUDA)
+    eager = copy.deepcopy(layer)
+    x = torch.randn(64, 256, device=CUDA, requires_grad=True)
+    before = settled_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    graphed = cgraph.make_graphed(layer, (torch.randn_like(x),))
+    torch.cuda.synchronize()
+    growth = torch.cuda.max_memory_reserved() - before
+    assert growth < 1.5 * workspace, (growth, workspace)
+    graphed(x).square().sum().backward()
+    expected_x_grad, x.grad = x.grad, None
+    eager(x).square().sum().backward()
+    assert_equal(expected_x_grad, x.grad, "the input's grad")
+    assert_grads_equal(layer, eager, "after a set-up before any GEMM")
+
+
 def test_a_graphed_steps_pool_holds_no_workspace():
     """make_graphed_step captures with no warm-up of its own: its eager
     calls' threads are the ones the shared workspace is made for, so its
