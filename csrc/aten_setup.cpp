@@ -159,6 +159,11 @@ cg_setup* open_setup(c10::DeviceIndex device) {
     GilRelease nogil;
     c10::cuda::device_synchronize();
   }
+  // And with the cache's free segments given back, as torch.cuda.graph
+  // does: the warm-up's segments on the capture stream cannot reuse the
+  // caller stream's, so the set-up's peak would hold both (varlen's first
+  // pass: the last step's loss segment beside each layer's warm-up).
+  c10::cuda::CUDACachingAllocator::emptyCache();
   std::unique_ptr<cg_setup> setup(new cg_setup{device, c10::cuda::getCurrentCUDAStream(device),
                                                capture_stream(device)});
   // Warm-up GEMMs, on the capture stream, use the workspace earlier graphs
