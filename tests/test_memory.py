@@ -207,10 +207,45 @@ def test_set_up_before_any_gemm_holds_one_workspace():
     growth = torch.cuda.max_memory_reserved() - before
     assert growth < 1.5 * workspace, (growth, workspace)
     graphed(x).square().sum().backward()
-    expected_x_grad, x.grad = x.grad, None
+    graphed_x_grad, x.grad = x.grad, None
     eager(x).square().sum().backward()
-    assert_equal(expected_x_grad, x.grad, "the input's grad")
+    assert_equal(graphed_x_grad, x.grad, "the input's grad")
     assert_grads_equal(layer, eager, "after a set-up before any GEMM")
+
+
+def test_a_set_up_gives_the_caches_free_segments_back_first():
+    """A set-up empties the cache before its warm-up, as torch.cuda.graph
+    does: a free segment that eager work left on the caller stream (64 MiB
+    here; in varlen's first pass, the last step's loss segment) cannot serve
+    the warm-up on the capture stream, and holding both would raise the
+    set-up's peak.  Here the set-up needs less than that segment, so the
+    peak stays at what was reserved before it.  Results stay eager's."""
+    torch.manual_seed(56)
+    layer = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256)).to(CUDA)
+    eager = copy.deepcopy(layer)
+    x = torch.randn(64, 256, device=CUDA, requires_grad=True)
+    sample = torch.randn_like(x)
+    layer(x).sum().backward()  # eager: both threads' workspaces exist
+    layer.zero_grad(set_to_none=True)
+    x.grad = None
+    settled_reserved()
+    del_me = torch.empty(64 << 20, dtype=torch.uint8, device=CUDA)
+    del del_me  # a free 64 MiB segment, cached on the caller stream
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_reserved()
+    torch.cuda.reset_peak_memory_stats()
+    graphed = cgraph.make_graphed(layer, (sample,))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_reserved()
+    assert peak <= before, (peak - before) / 2**20
+    out = graphed(x)
+    out.sum().backward()
+    graphed_x_grad, x.grad = x.grad, None
+    expected = eager(x)
+    expected.sum().backward()
+    assert_equal(out, expected, "the output")
+    assert_equal(graphed_x_grad, x.grad, "the input's grad")
+    assert_grads_equal(layer, eager, "after a set-up that emptied the cache")
 
 
 def test_a_graphed_steps_pool_holds_no_workspace():
