@@ -306,6 +306,10 @@ std::set<void*> drop_foreign_blas_workspaces(cudaStream_t stream) {
 //    the current stream, the caller's, if it has none there; no GEMM has
 //    used it yet, so it is freed at once, and the next naming, then the
 //    shared workspace, reuse its block: one 32 MiB segment in all.
+//    The cost: a callable that runs no GEMM gets the shared workspace too,
+//    held while its graphs live, where eager mode would make one at the
+//    first GEMM on that stream (a training script's loss head, at the
+//    latest), which then shares it.
 void* blas_handle_of_this_thread() {
   return handle_of_this_thread(&at::cuda::getCurrentCUDABlasHandle);
 }
