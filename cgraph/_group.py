@@ -96,10 +96,10 @@ class Member(Regraph):
         before its backward: a second micro-batch, whatever its shapes, whose
         captures could take the temporaries of backwards that run before its
         own) or while a pending graph of the shared pool no longer keeps its
-        activations.  Warm-up runs
-        outside the shared pool: a tensor a warm-up left there (state made on
-        a first call) would sit in memory every other member's graphs
-        overwrite, beyond what Note [Warm-up in the pool] can undo."""
+        activations.  Warm-up runs outside the shared pool: a tensor a
+        warm-up left there (state made on a first call) would sit in memory
+        every other member's graphs overwrite, beyond what Note [Warm-up in
+        the pool] can undo."""
         if not _C.pool_busy(self.pool):
             _later_pass.discard(self.pool)  # every backward has run
         if pending or graphed._backward_pending():

@@ -93,6 +93,10 @@ bool held_at_most(const at::Tensor& t, size_t refs) {
   return ownership::held_at_most(t, refs, 0);
 }
 
+bool alias_may_be_held(const at::Tensor& handed) {
+  return handed.defined() && (handed.use_count() > 1 || handed.storage().use_count() > 1);
+}
+
 namespace {
 
 // Whether nobody but cgraph can reach `t` (or its memory).
@@ -141,7 +145,7 @@ bool GradStore::unheld() const {
 }
 
 bool GradStore::may_be_held() const {
-  return handed.defined() && (handed.use_count() > 1 || handed.storage().use_count() > 1);
+  return alias_may_be_held(handed);
 }
 
 bool GradStore::release() {

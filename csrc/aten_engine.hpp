@@ -316,6 +316,10 @@ std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at:
 // Whether at most `refs` references hold tensor `t`, not counting a Python
 // wrapper only `t` keeps alive (aten_backward.cpp).
 bool held_at_most(const at::Tensor& t, size_t refs);
+// Whether anybody but cgraph may hold `handed`, a tensor cgraph handed out
+// over its memory (guarded_alias), or its storage: a cheap test of counts
+// only, before the exact ones (aten_backward.cpp).
+bool alias_may_be_held(const at::Tensor& handed);
 
 // One graphed callable.  Shared between the C half (through cg_engine) and
 // every backward node still pending, so a live autograd graph keeps the

@@ -462,8 +462,7 @@ at::Tensor Engine::hand_out_grad(Input& in) {
 bool Engine::may_hold_grads() const {
   bool may = !handed_grads.empty();
   for (const Input& in : inputs) {
-    may = may || (in.handed.defined() &&
-                  (in.handed.use_count() > 1 || in.handed.storage().use_count() > 1));
+    may = may || alias_may_be_held(in.handed);
   }
   for (const Param& p : params) {
     may = may || (p.owns_store && p.store->may_be_held());
