@@ -300,6 +300,19 @@ void deliver_param_grads(Engine& e, const std::vector<uint32_t>& fused, GradPath
 //      - anything else (a transposed grad): ATen copies it before the replay.
 //    Every replay sets all four, so the graph's own ways cost no ATen call
 //    and no launch of their own.
+//    The buffers hold a grad only from these ways in to the graph's last
+//    read of it, so they are temporaries of the backward graph, like its
+//    other ones: the capture frees them into the pool, and later captures
+//    take their blocks (the static buffers of every layer and shape were a
+//    fifth of varlen's pool).  The rules of Note [Captures that share a
+//    pool] (aten_pool.cpp) that keep a graph's temporaries from overwriting
+//    outputs, grads and activations still held cover them as they cover the
+//    rest.  One thing is theirs alone: the graph writes them before it reads
+//    anything, and an incoming grad may lie in one (the grad a later layer
+//    captured into the freed block handed back), so a grad that overlaps a
+//    buffer of this graph, other than lying exactly in its own, is cloned
+//    first (counted in copied_before).  Lying exactly in its own, it is read
+//    there: no copy at all.
 bool aliases_one_element(const at::Tensor& t) {
   if (t.numel() <= 1) {
     return false;
@@ -310,6 +323,39 @@ bool aliases_one_element(const at::Tensor& t) {
     }
   }
   return true;
+}
+
+// The bytes `t` spans, as [begin, end): strides are never negative.
+std::pair<uintptr_t, uintptr_t> bytes_spanned(const at::Tensor& t) {
+  const auto begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    last += (t.size(d) - 1) * t.stride(d);
+  }
+  return {begin, begin + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+// Whether `grad` overlaps an incoming-grad buffer of `e` other than lying
+// exactly in `own`'s: the graph writes those before it reads `grad` (Note
+// [Incoming grads]).
+bool overlaps_grad_buffers(const Engine& e, const GradIn& own, const at::Tensor& grad) {
+  if (!grad.defined() || grad.numel() == 0 || !grad.is_cuda()) {
+    return false;
+  }
+  const auto [begin, end] = bytes_spanned(grad);
+  for (const Output& o : e.outputs) {
+    if (!o.grad_in || o.grad_in->buffer.numel() == 0) {
+      continue;
+    }
+    const at::Tensor& b = o.grad_in->buffer;
+    const auto [b_begin, b_end] = bytes_spanned(b);
+    const bool exactly_own = &*o.grad_in == &own && begin == b_begin &&
+                             grad.sizes().equals(b.sizes()) && grad.strides().equals(b.strides());
+    if (begin < b_end && b_begin < end && !exactly_own) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // Before the backward replay: sets every way into in.buffer for `grad`.
@@ -405,8 +451,13 @@ TensorVec GraphedBackward::route_incoming_grads(const autograd::variable_list& g
     if (!attaches(o, ungraded)) {
       continue;
     }
-    at::Tensor staged;
-    if (o.grad_in && route_incoming_grad(e, *o.grad_in, grads[k], &staged)) {
+    at::Tensor staged, apart;
+    if (o.grad_in && C10_UNLIKELY(overlaps_grad_buffers(e, *o.grad_in, grads[k]))) {
+      apart = grads[k].detach().clone();
+      ++e.stats.copied_before;
+    }
+    if (o.grad_in &&
+        route_incoming_grad(e, *o.grad_in, apart.defined() ? apart : grads[k], &staged)) {
       dst.push_back(o.grad_in->buffer);
       src.push_back(std::move(staged));
     } else if (staged.defined() && !staged.is_same(grads[k])) {

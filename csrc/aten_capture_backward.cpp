@@ -118,6 +118,7 @@ void Engine::capture_backward(at::cuda::MempoolId_t pool_id, cudaStreamCaptureMo
       throw;
     }
     capture_end(CG_BACKWARD);
+    release_grad_in_buffers();
     for (Param& p : params) {
       if (!p.grad.defined()) {  // no grad flows to it
         p.store.reset();
@@ -133,7 +134,8 @@ void Engine::capture_backward(at::cuda::MempoolId_t pool_id, cudaStreamCaptureMo
 
 // Inside the backward capture: the incoming grads' ways in, the callable's
 // backward, and the tails.  The grad buffers are allocated inside the
-// capture, so they live in the graph pool and reset() returns them with it.
+// capture, so they live in the graph pool, as its temporaries once the
+// capture ends (release_grad_in_buffers).
 void Engine::record_backward(const std::vector<at::Tensor>& diff) {
   std::vector<at::Tensor> grad_outs;
   for (Output& o : outputs) {
@@ -296,6 +298,19 @@ void Engine::capture_param_grad_tails() {
   at::NoGradGuard no_grad;
   tail_copy = bwd->capture_segment([&] { launch_list(false, stores, sources); });
   tail_add = bwd->capture_segment([&] { launch_list(true, stores, sources); });
+}
+
+// After the backward capture: the incoming-grad buffers become temporaries
+// of the backward graph (Note [Incoming grads] in aten_backward.cpp).  The
+// graph keeps their addresses; the pool gets their blocks back, for later
+// captures.  A grad of the backward that is one of them (an output's grad
+// passed straight through) keeps its block allocated, as any grad does.
+void Engine::release_grad_in_buffers() {
+  for (Output& o : outputs) {
+    if (o.grad_in) {
+      o.grad_in->buffer = non_owning_view(o.grad_in->buffer);
+    }
+  }
 }
 
 // During the backward capture, before the callable's backward: the ways the

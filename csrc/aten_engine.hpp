@@ -197,7 +197,8 @@ bool interpreter_finalizing();
 // The ways the backward graph fills its buffer for one incoming grad itself:
 // Note [Incoming grads] (aten_backward.cpp).
 struct GradIn {
-  at::Tensor buffer;    // the backward graph reads the grad here
+  at::Tensor buffer;    // the backward graph reads the grad here; not owned
+                        // once captured: a temporary of the graph
   SlotId copy;          // the grad, when a memcpy copies it
   SlotId element;       // `scalar` = the grad's one element ...
   SegmentId broadcast;  // ... then buffer = scalar, everywhere
@@ -456,6 +457,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   void allocate_grad_stores();
   void capture_param_grad_tails();
   GradIn capture_grad_in(const at::Tensor& buffer);
+  void release_grad_in_buffers();
   void forget_capture_autograd();
 };
 

@@ -435,11 +435,12 @@ void Engine::release_earlier_outputs() {
 //    memory of its own (always copied, never made unreadable: the holder may
 //    be autograd).  A grad held only as an incoming grad of the backward
 //    about to replay is left where it is: that graph reads it before it
-//    writes anything.  The engine keeps that tensor and hands it out again
-//    while nobody else holds it, so a backward allocates nothing for it; its
-//    reference also keeps AccumulateGrad from taking it as a leaf's .grad
-//    (it copies, as from torch's buffers) and autograd from adding into it
-//    in place.  kept_outputs="alias" hands out the buffers themselves, as
+//    writes anything but its incoming-grad buffers, and one lying in those
+//    is cloned first (Note [Incoming grads] in aten_backward.cpp).  The
+//    engine keeps that tensor and hands it out again while nobody else
+//    holds it, so a backward allocates nothing for it; its reference also
+//    keeps AccumulateGrad from taking it as a leaf's .grad (it copies, as
+//    from torch's buffers) and autograd from adding into it in place.  kept_outputs="alias" hands out the buffers themselves, as
 //    torch does.
 //
 // Graphs of one pool are replayed by one thread at a time: the caller's, and

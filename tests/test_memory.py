@@ -278,3 +278,34 @@ def test_a_graphed_steps_pool_holds_no_workspace():
         assert_equal(a, b, f"loss {k}")
     for p, q in zip(model.parameters(), eager.parameters()):
         assert_equal(p, q, "a parameter after five steps")
+
+
+def test_incoming_grad_buffers_are_temporaries_of_the_backward_graph():
+    """The buffer the backward graph reads an output's incoming grad from is
+    filled at the start of each backward replay and read within it, so the
+    capture frees it into the pool, as its other temporaries (Note
+    [Incoming grads] in csrc/aten_backward.cpp): after the set-up the pool
+    holds the static output and the input's grad, not a third buffer of
+    that size.  Grads stay bitwise eager's, with incoming grads dense, one
+    element broadcast (.sum()) and zero in part (a slice's)."""
+    n = 4 << 20  # 16 MiB of float32 per buffer
+
+    def fn(x):
+        return x * 3
+
+    sample = torch.randn(n, device=CUDA, requires_grad=True)
+    graphed = cgraph.make_graphed(fn, (sample,))
+    torch.cuda.synchronize()
+    held = sum(s["allocated_size"] for s in pool_segments(graphed.pool))
+    assert held <= 2 * sample.nbytes + (1 << 20), held / sample.nbytes
+    for k, make_loss in enumerate((lambda y: (y * w).sum(), lambda y: y.sum(),
+                                   lambda y: (y[: n // 2] * w[: n // 2]).sum())):
+        w = torch.randn(n, device=CUDA)
+        x = torch.randn(n, device=CUDA, requires_grad=True)
+        out = graphed(x)
+        make_loss(out).backward()
+        graphed_grad, x.grad = x.grad, None
+        expected = fn(x)
+        make_loss(expected).backward()
+        assert_equal(out, expected, f"output {k}")
+        assert_equal(graphed_grad, x.grad, f"the input's grad {k}")

@@ -401,3 +401,41 @@ def test_parameter_grads_keep_their_values_when_their_first_graph_is_gone():
     # g0 moved the 4 grads `later` handed out (the ledger's, with `first`
     # gone) and, at its second forward, its own 4 it had handed out.
     assert g0.stats["param_grads_copied"] == 4 + 4, g0.stats
+
+
+def test_a_grad_handed_back_into_an_earlier_layers_grad_buffers_is_read_first():
+    """A layer's incoming-grad buffers are temporaries of its backward graph
+    (Note [Incoming grads] in csrc/aten_backward.cpp), so a layer captured
+    after it into one pool may hand back grads that lie in their memory:
+    here the second callable's two input grads, 16 MiB each, are allocated
+    where the first one's two buffers were.  The first one's backward
+    writes its buffers before it reads anything: a grad lying exactly in
+    its own buffer is read there, one lying in another buffer is cloned
+    first (with torch 2.11's allocator, each lies in the other's buffer).
+    Either way, loss and grads are eager's, bitwise, every step."""
+    n = 4 << 20
+
+    def pair(x):
+        return x * 2, x * 3
+
+    def product(a, b):
+        return (a * b).sum()
+
+    pool = cgraph.graph_pool_handle()
+    first = cgraph.make_graphed(pair, pool=pool)
+    second = cgraph.make_graphed(product, pool=pool)
+    for step in range(3):
+        x = torch.randn(n, device=CUDA, requires_grad=True)
+        loss = second(*first(x))
+        loss.backward()
+        graphed_grad, x.grad = x.grad, None
+        expected = product(*pair(x))
+        expected.backward()
+        assert_equal(loss, expected, f"step {step}: the loss")
+        assert_equal(graphed_grad, x.grad, f"step {step}: the input's grad")
+    assert first.num_graphs == 1 and second.num_graphs == 1, (first, second)
+    # Where the grads lay: read in place, no copy at all (the forward's 3
+    # input copies only), or cloned first (2 a step).  Lying elsewhere,
+    # both would be copied in the graph with none cloned.
+    stats = first.stats
+    assert stats["copied_in_graph"] == 3 or stats["copied_before"] == 6, stats
