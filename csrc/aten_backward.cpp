@@ -303,8 +303,8 @@ void deliver_param_grads(Engine& e, const std::vector<uint32_t>& fused, GradPath
 //    The buffers hold a grad only from these ways in to the graph's last
 //    read of it, so they are temporaries of the backward graph, like its
 //    other ones: the capture frees them into the pool, and later captures
-//    take their blocks (the static buffers of every layer and shape were a
-//    fifth of varlen's pool).  The rules of Note [Captures that share a
+//    take their blocks (varlen's layers held 16 MiB of them, one per layer
+//    and shape).  The rules of Note [Captures that share a
 //    pool] (aten_pool.cpp) that keep a graph's temporaries from overwriting
 //    outputs, grads and activations still held cover them as they cover the
 //    rest.  One thing is theirs alone: the graph writes them before it reads
@@ -440,7 +440,7 @@ void GraphedBackward::check_replayable() const {
               "calls eagerly (Note [Calls before their backwards]).");
 }
 
-// 1. Incoming grads into the static grad buffers, by the graph where it
+// 1. Incoming grads into the graph's grad buffers, by the graph where it
 //    can: Note [Incoming grads].  grads[k] is the k-th output attached.
 // Returns the clones the graph copies from, to keep alive until the launch.
 TensorVec GraphedBackward::route_incoming_grads(const autograd::variable_list& grads) {

@@ -440,8 +440,8 @@ void Engine::release_earlier_outputs() {
 //    engine keeps that tensor and hands it out again while nobody else
 //    holds it, so a backward allocates nothing for it; its reference also
 //    keeps AccumulateGrad from taking it as a leaf's .grad (it copies, as
-//    from torch's buffers) and autograd from adding into it in place.  kept_outputs="alias" hands out the buffers themselves, as
-//    torch does.
+//    from torch's buffers) and autograd from adding into it in place.
+//    kept_outputs="alias" hands out the buffers themselves, as torch does.
 //
 // Graphs of one pool are replayed by one thread at a time: the caller's, and
 // autograd's while the caller waits in backward().  These lists are not
