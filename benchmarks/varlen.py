@@ -19,7 +19,8 @@ step of each cycle (a short last batch), AdamW (fused).  Variants:
   cgraph/_group.py);
 * ``cgraph-layer-buckets`` / ``cgraph-whole-buckets``: the same with
   ``buckets={0: [BATCH], 1: BUCKETS}``: calls padded up to the bucket
-  (exact: rows are independent and attention is causal) and outputs sliced.
+  (exact: rows are independent and attention is causal) and outputs sliced;
+  ``cgraph-layer-pool-buckets``: the blocks with one ``pool=`` and buckets.
 
 Each variant runs in a process of its own: ``WARM_CYCLES`` untimed cycles
 (compilation, captures), then ``cycles`` timed ones, synchronized per step.
@@ -44,7 +45,7 @@ BUCKETS = (64, 128)
 WARM_CYCLES = 2
 VARIANTS = ("eager", "compile-default", "compile-dynamic", "compile-reduce-overhead",
             "cgraph-layer", "cgraph-layer-pool", "cgraph-whole", "cgraph-layer-buckets",
-            "cgraph-whole-buckets")
+            "cgraph-layer-pool-buckets", "cgraph-whole-buckets")
 VOCAB = 1024
 
 
@@ -71,7 +72,7 @@ def _prepare(variant: str):
 
     kwargs = {"buckets": {0: [BATCH], 1: list(BUCKETS)}} if variant.endswith("-buckets") else {}
     if variant.startswith("cgraph-layer"):
-        if variant == "cgraph-layer-pool":  # the blocks' graphs share one pool
+        if variant.startswith("cgraph-layer-pool"):  # the blocks' graphs share one pool
             kwargs["pool"] = cgraph.graph_pool_handle()
         blocks = [cgraph.make_graphed(b, **kwargs) for b in model.blocks]
         model.blocks = torch.nn.Sequential(*blocks)
