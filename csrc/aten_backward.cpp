@@ -312,7 +312,10 @@ void deliver_param_grads(Engine& e, const std::vector<uint32_t>& fused, GradPath
 //    captured into the freed block handed back), so a grad that overlaps a
 //    buffer of this graph, other than lying exactly in its own, is cloned
 //    first (counted in copied_before).  Lying exactly in its own, it is read
-//    there: no copy at all.
+//    there: no copy at all.  (A backward that writes its grad_output in
+//    place then writes that grad, which only autograd holds: one held
+//    elsewhere was moved out first, Note [Grads handed to autograd], but
+//    for kept_outputs='alias', which moves nothing.)
 bool aliases_one_element(const at::Tensor& t) {
   if (t.numel() <= 1) {
     return false;

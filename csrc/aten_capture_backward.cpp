@@ -303,8 +303,10 @@ void Engine::capture_param_grad_tails() {
 // After the backward capture: the incoming-grad buffers become temporaries
 // of the backward graph (Note [Incoming grads] in aten_backward.cpp).  The
 // graph keeps their addresses; the pool gets their blocks back, for later
-// captures.  A grad of the backward that is one of them (an output's grad
-// passed straight through) keeps its block allocated, as any grad does.
+// captures.  An input's grad that is one of them (an output's grad passed
+// straight through) keeps its block allocated, as input grads do; a
+// parameter's grad there is a non-owning view, a temporary read only
+// within the replay and right after it, as it is elsewhere.
 void Engine::release_grad_in_buffers() {
   for (Output& o : outputs) {
     if (o.grad_in) {

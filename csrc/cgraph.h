@@ -285,7 +285,8 @@ typedef struct {
     unsigned long long grads_slow;     /* backwards that took the general path */
     /* Arguments and incoming grads copied into static buffers: by the graph
      * itself, or by ATen before the replay (Note [Argument copies inside
-     * the graph]). */
+     * the graph]); copied_before also counts incoming grads cloned out of
+     * the graph's own grad buffers first (Note [Incoming grads]). */
     unsigned long long copied_in_graph;
     unsigned long long copied_before;
     /* Outputs of earlier calls moved to memory of their own before a replay
