@@ -411,7 +411,7 @@ def test_a_grad_handed_back_into_an_earlier_layers_grad_buffers_is_read_first():
     where the first one's two buffers were.  The first one's backward
     writes its buffers before it reads anything: a grad lying exactly in
     its own buffer is read there, one lying in another buffer is cloned
-    first (with torch 2.11's allocator, each lies in the other's buffer).
+    first (with torch 2.11's allocator, both lie in a buffer not their own).
     Either way, loss and grads are eager's, bitwise, every step."""
     n = 4 << 20
 
