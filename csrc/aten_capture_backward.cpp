@@ -178,9 +178,9 @@ bool Engine::computes_grads_in_place() const {
 
 // Before the backward capture, outside it: for each parameter that requires
 // grad, the store another graph made for it; else this capture will compute
-// it in place (owns_store), or a regular store,
-// laid out like the parameter (AccumulateGrad's layout contract) on the
-// stream that will read it as param.grad.  Those the backward leaves without
+// it in place (owns_store), or a regular store, laid out like the parameter
+// (AccumulateGrad's layout contract) on the stream that will read it as
+// param.grad.  Those the backward leaves without
 // a grad are released after the capture.  A regular store is left unfilled
 // (a fill launch per parameter is set-up time): every path of Note
 // [Parameter gradients] writes a store before it hands it out, and adds into
@@ -281,7 +281,7 @@ void share_grad_store(const at::Tensor& param, const c10::cuda::CUDAStream& stre
 // end of the backward graph (tail_copy writes the stores, tail_add adds into
 // them; a replay runs at most one).  The grads are temporaries of the
 // graph, whose memory later graphs reuse: Param::grad views them, read by
-// the slow path right after a replay.
+// the general path right after a replay.
 void Engine::capture_param_grad_tails() {
   std::vector<at::Tensor> stores, sources;
   num_grad_params = 0;

@@ -108,7 +108,8 @@ struct PoolLedger;
 struct GradStore {
   // The memory: a pool store is the grad its first backward graph computes,
   // kept allocated in that graph's pool; a regular store (kept_outputs=
-  // 'alias') a regular allocation made before the capture.
+  // 'alias', or a layer captured one by one into a shared pool) a regular
+  // allocation made before the capture.
   at::Tensor memory;
   // The backward capture (the pool's number for it) that allocated a pool
   // store; only graphs of its pool captured before it, and that backward
