@@ -62,8 +62,9 @@ class Member(Regraph):
     @contextlib.contextmanager
     def _samples(self, args: tuple, kwargs: dict, pool: tuple[int, int]) -> Iterator[tuple]:
         """In the shared pool, a tensor that is another member's static
-        output is taken as it is, read in place (Note [A layer reading the
-        one before it in place] in csrc/aten_pool.cpp); the others are
+        output is read in place (Note [A layer reading the one before it in
+        place] in csrc/aten_pool.cpp): the sample is a view of that memory,
+        which the member's engine holds while it needs it; the others are
         copied.  Warm-up calls the callable on it several times: one that
         changes its input in place would change that output each time, so
         its values are put back after the capture, and the replay changes

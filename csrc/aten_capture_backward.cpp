@@ -86,13 +86,24 @@ at::Tensor grad_memory(const at::Tensor& g, const at::Tensor& param) {
   return own;
 }
 
-// A view of `t`'s memory that does not keep it alive.
-at::Tensor non_owning_view(const at::Tensor& t) {
-  return at::from_blob(const_cast<void*>(t.const_data_ptr()), t.sizes(), t.strides(),
-                       [](void*) {}, t.options());
-}
+// The deleter of non-owning views: never called (their context is null),
+// only compared.
+void owns_nothing(void*) {}
 
 }  // namespace
+
+at::Tensor non_owning_view(const at::Tensor& t) {
+  return at::for_blob(const_cast<void*>(t.const_data_ptr()), t.sizes())
+      .strides(t.strides())
+      .context(nullptr, &owns_nothing)
+      .options(t.options())
+      .target_device(t.device())  // else ATen asks the driver where the memory is
+      .make_tensor();
+}
+
+bool is_non_owning_view(const at::Tensor& t) {
+  return t.has_storage() && t.storage().data_ptr().get_deleter() == &owns_nothing;
+}
 
 std::vector<at::Tensor> Engine::differentiable_outputs() const {
   std::vector<at::Tensor> diff;

@@ -94,6 +94,12 @@ struct Input {
   // pass that memory itself (Note [A layer reading the one before it in
   // place], aten_pool.cpp).
   bool in_place = false;
+  // Where the sample is a non-owning view of another graph's static output
+  // (static_output_in: the spec keeps the sample, and must not keep the
+  // memory), what keeps that output allocated from before the capture until
+  // it is freed with the output (Note [Static memory freed once its pass is
+  // over]).
+  at::Tensor owner;
 };
 
 // The captures into one memory pool and their engines: Note [Captures that
@@ -182,6 +188,10 @@ void move_to_own_memory(c10::DeviceIndex device, c10::StorageImpl& storage);
 // A tensor over `t`'s memory with a StorageImpl of its own, which keeps that
 // memory alive (aten_replay.cpp).
 at::Tensor guarded_alias(const at::Tensor& t);
+// A view of `t`'s memory that does not keep it alive, and whether `t` is
+// one (aten_capture_backward.cpp).
+at::Tensor non_owning_view(const at::Tensor& t);
+bool is_non_owning_view(const at::Tensor& t);
 // Whether nobody changed what such an alias of `t` is since it was made
 // (resize_, set_, requires_grad_), so it may be handed out again.
 bool still_alias_of(const at::Tensor& alias, const at::Tensor& t);
@@ -299,6 +309,8 @@ struct SetupState {
 
 // ---- the engine -----------------------------------------------------------
 
+struct Engine;
+
 // Whether an engine of `pool` has a backward pending; with unkept_only, one
 // whose activations are not kept (aten_pool.cpp).
 bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only);
@@ -309,8 +321,11 @@ void note_orphan_store(const std::shared_ptr<GradStore>& store);
 // The pool's number of the earliest forward capture of an engine with a
 // backward pending; UINT64_MAX if none (aten_pool.cpp).
 uint64_t earliest_pending_forward(PoolLedger& ledger);
-// Frees the kept activations of `pool`'s engines with no backward pending.
-void release_kept_activations(at::cuda::MempoolId_t pool);
+// Before `capturing` capture into `pool`: frees the kept activations of its
+// engines with no backward pending, and what static memory of theirs only
+// they hold, but for what `capturing` read (Note [Static memory freed once
+// its pass is over]).
+void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> capturing);
 // The static output of a live graph of `pool` that `t` shows, sharing its
 // storage, if there is one (aten_pool.cpp).
 std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at::Tensor& t);
@@ -390,6 +405,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // With keep_activations, until released: the forward capture's outputs
   // with their autograd history, which holds the activations allocated.
   std::vector<at::Tensor> kept_history;
+  // When static memory of this engine (outputs, input grads) was freed for
+  // later captures once its pass was over; UINT64_MAX while none was: Note
+  // [Static memory freed once its pass is over] (aten_pool.cpp).
+  uint64_t statics_freed_at = UINT64_MAX;
   void note_capture(cg_pass pass);             // at each capture's start
   void note_inputs_in_place();                 // at the forward capture's start
   bool may_replay_forward() const;             // no pending graph needs what it writes

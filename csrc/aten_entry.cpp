@@ -256,8 +256,12 @@ int cg_pool_busy(cg_pool pool, int unkept_only) {
   return cgraph::pool_busy(to_mempool(pool), unkept_only != 0) ? 1 : 0;
 }
 
-void cg_pool_release_kept(cg_pool pool) {
-  cgraph::release_kept_activations(to_mempool(pool));
+void cg_pool_release_kept(cg_pool pool, cg_engine* const* capturing, Py_ssize_t n) {
+  std::vector<cgraph::Engine*> engines;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    engines.push_back(capturing[i]->ptr.get());
+  }
+  cgraph::release_kept_activations(to_mempool(pool), engines);
 }
 
 PyObject* cg_pool_static_output(cg_pool pool, PyObject* tensor) {

@@ -79,9 +79,9 @@ namespace cgraph {
 // Q: Layer k+1 is called with layer k's output, both graphed into one pool
 //    (cgraph/_group.py).  Why copy it into a static input of its own?
 // A: It need not be: its graphs are captured reading layer k's static output
-//    in place (the sample is that output's storage, static_output_in), and
-//    Input::in_place makes them take only calls that pass that memory
-//    itself, so nothing ever copies into it.  That saves a buffer per layer
+//    in place (the sample is a view of that output's memory,
+//    static_output_in), and Input::in_place makes them take only calls that
+//    pass that memory itself, so nothing ever copies into it.  That saves a buffer per layer
 //    and shape and a copy per call.  It is exact because that memory holds
 //    the argument's values for as long as the graph may read it:
 //    - It is written only by layer k's forward replays and by graphs
@@ -93,6 +93,41 @@ namespace cgraph {
 //    - Layer k+1's backward reads it too, and while layer k+1 is pending
 //      none of those graphs may replay: all were captured before it, so its
 //      span does not cover them (spans() below).
+//
+// Note [Static memory freed once its pass is over]
+// Q: Layers captured one by one into one pool keep each graph's static
+//    outputs and input grads allocated for as long as the graphs live.  With
+//    shapes that change, every new shape's captures put theirs beside the
+//    older shapes' (varlen's pool grew 24 MiB over three new shapes).  Must
+//    they stay allocated?
+// A: Only from a replay to the end of its pass, as the activations: after
+//    that nobody but a caller who kept one reads them, and the engine's next
+//    replay writes them afresh.  So when a capture releases the activations
+//    of engines whose pass is over (release_kept_activations), it frees
+//    their static outputs and input grads too; the graphs keep the addresses
+//    (non-owning views), and the next shape's captures take the blocks, as
+//    they take temporaries.  Exact because:
+//    - A graph captured after the free may write those blocks.  Before it
+//      replays, the engine's outputs and grads still held are moved out, as
+//      for an engine captured after it (statics_freed_at, in
+//      release_later_outputs).  Graphs captured before the free do not
+//      reach the blocks, so only replays of later captures pay for the walk.
+//    - The engine's own replays write memory the later captures may use:
+//      they were captured after it, so their held outputs and grads are
+//      moved out first already, and neither replays while the other is
+//      pending (spans(): the free comes after the engine's release).
+//    - An output the next layer reads in place (Note [A layer reading the
+//      one before it in place]) is held by that layer's engine too, from
+//      before its capture (Input::owner, claim_read_in_place; its sample is
+//      a non-owning view, as the spec keeps the sample as long as the graph
+//      lives), so it is freed only once that layer's pass is over too.  No
+//      capture reads a freed output in place (static_output_in): it could
+//      take the very block it reads.
+//    Memory that anybody else holds stays allocated: a storage is freed only
+//    when the engines' own references to it are all its references (not an
+//    output the caller kept, a module's buffer returned as an output, or an
+//    input buffer, which may lie outside the pool).  kept_outputs='alias'
+//    hands out the buffers themselves, untracked: its memory is never freed.
 struct PoolLedger {
   std::mutex mutex;  // backward replays check it from autograd's threads
   uint64_t captures = 0;
@@ -102,6 +137,9 @@ struct PoolLedger {
   // move, and skips the mutex.
   std::atomic<uint64_t> latest_forward{0};
   std::atomic<uint64_t> latest_backward{0};
+  // The earliest statics_freed_at of its engines: a replay of a graph
+  // captured before it has no freed memory to look after either.
+  std::atomic<uint64_t> earliest_statics_freed{UINT64_MAX};
   // The pool stores of parameter grads whose first engine is gone while
   // later graphs share them (while it lives, it releases them itself):
   // Note [Parameter gradients].
@@ -187,13 +225,25 @@ void Engine::note_capture(cg_pass pass) {
   }
 }
 
+namespace {
+
+// Whether `b` is the static output `sample` shows: the same memory, laid
+// out alike.
+bool shows(const at::Tensor& b, const at::Tensor& sample) {
+  return b.defined() && b.const_data_ptr() == sample.const_data_ptr() &&
+         b.sizes().equals(sample.sizes()) && b.strides().equals(sample.strides()) &&
+         b.scalar_type() == sample.scalar_type();
+}
+
+}  // namespace
+
 void Engine::note_inputs_in_place() {
   for (Input& in : inputs) {
-    in.in_place = false;
+    in.in_place = in.owner.defined();  // a sample static_output_in made: claim_read_in_place
   }
   for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
     for (Input& in : inputs) {
-      for (const Output& o : h->outputs) {
+      for (const Output& o : h->outputs) {  // a static output itself (kept_outputs='alias')
         in.in_place = in.in_place || (h.get() != this && o.buffer.defined() &&
                                       o.buffer.is_alias_of(in.buffer));
       }
@@ -215,11 +265,11 @@ std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at:
   }
   for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
     for (const Output& o : h->outputs) {
-      const at::Tensor& b = o.buffer;
-      if (!found && h->alive && where != nullptr && b.const_data_ptr() == where &&
-          b.sizes().equals(t.sizes()) && b.strides().equals(t.strides()) &&
-          b.scalar_type() == t.scalar_type()) {
-        found = b.detach();
+      // Not freed memory: a capture reading it would take it (Note [Static
+      // memory freed once its pass is over]).
+      if (!found && h->alive && where != nullptr && !is_non_owning_view(o.buffer) &&
+          shows(o.buffer, t)) {
+        found = non_owning_view(o.buffer);  // the reader's Input::owner keeps it
       }
     }
   });
@@ -274,15 +324,19 @@ bool Engine::later_backward_of_another(uint64_t at) const {
 void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed) {
   release_handed_grads(consumed);  // both of its graphs may write them
   const uint64_t at = captured_at[pass];
-  if (!ledger || (ledger->latest_forward.load() <= at && !later_backward_of_another(at))) {
+  if (!ledger || (ledger->latest_forward.load() <= at && !later_backward_of_another(at) &&
+                  ledger->earliest_statics_freed.load() > at)) {
     return;
   }
   c10::SmallVector<std::shared_ptr<Engine>, 8> outputs_of, grads_of;
   for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
-    if (h->captured_at[CG_FORWARD] > at && !h->handed_out.empty()) {
+    // Note [Static memory freed once its pass is over]
+    const bool freed_before = h->statics_freed_at < at;
+    if ((h->captured_at[CG_FORWARD] > at || freed_before) && !h->handed_out.empty()) {
       outputs_of.push_back(h);
     }
-    if (h.get() != this && h->captured_at[CG_BACKWARD] > at && h->may_hold_grads()) {
+    if (h.get() != this && (h->captured_at[CG_BACKWARD] > at || freed_before) &&
+        h->may_hold_grads()) {
       grads_of.push_back(h);
     }
   });
@@ -338,9 +392,132 @@ bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only) {
   return busy;
 }
 
-void release_kept_activations(at::cuda::MempoolId_t pool) {
+namespace {
+
+// Whether engine `e`'s pass is over: its backward ran and its kept
+// activations were released, so it reads its static memory again only at its
+// next replay, which writes it first.  Its outputs must be tracked to be
+// moved out of the way (not kept_outputs='alias').
+bool pass_over(const Engine& e) {
+  return e.alive && e.has_bwd && e.keep_activations && e.kept_outputs != CG_KEEP_ALIAS &&
+         e.released_at != 0 && e.released_at != UINT64_MAX && !e.backward_pending();
+}
+
+// A reference an engine keeps to static memory, which freeing that memory
+// replaces with a non-owning view.
+struct StaticRef {
+  c10::StorageImpl* storage;
+  at::Tensor* tensor;
+  Engine* engine;
+  bool freeable;  // an output, input grad or in-place input of a pass that is over
+};
+
+// The references `e` keeps to memory that is still its own (not a
+// non-owning view already).
+void collect_static_refs(Engine& e, std::vector<StaticRef>& refs) {
+  const bool over = pass_over(e);
+  const auto add = [&](at::Tensor& t, bool freeable) {
+    if (t.defined() && t.has_storage() && !is_non_owning_view(t)) {
+      refs.push_back({t.storage().unsafeGetStorageImpl(), &t, &e, over && freeable});
+    }
+  };
+  for (Output& o : e.outputs) {
+    add(o.buffer, true);
+  }
+  for (Input& in : e.inputs) {
+    if (over && !alias_may_be_held(in.handed)) {
+      in.handed = at::Tensor();  // the engine's own alias keeps the grad's memory
+    }
+    add(in.buffer, in.in_place);  // a copied-in buffer may lie outside the pool
+    add(in.owner, true);
+    add(in.grad, true);
+  }
+}
+
+// Whether the references [first, last) to one storage are all it has, each
+// freeable: nobody else holds the memory.
+bool only_freeable_refs(const StaticRef* first, const StaticRef* last) {
+  c10::SmallVector<std::pair<const at::Tensor*, size_t>, 4> impls;  // distinct, with counts
+  for (const StaticRef* r = first; r != last; ++r) {
+    if (!r->freeable) {
+      return false;
+    }
+    auto same = std::find_if(impls.begin(), impls.end(), [&](const auto& seen) {
+      return seen.first->unsafeGetTensorImpl() == r->tensor->unsafeGetTensorImpl();
+    });
+    if (same == impls.end()) {
+      impls.emplace_back(r->tensor, 1);
+    } else {
+      ++same->second;
+    }
+  }
+  for (const auto& [tensor, count] : impls) {
+    if (!held_at_most(*tensor, count)) {
+      return false;
+    }
+  }
+  return first->tensor->storage().use_count() == impls.size();
+}
+
+// Note [Static memory freed once its pass is over]: the memory of `engines`
+// that only their references hold, where every engine holding it has its
+// pass over, goes back to the pool.
+void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engines) {
+  std::vector<StaticRef> refs, freed;
+  for (const auto& e : engines) {
+    collect_static_refs(*e, refs);
+  }
+  std::sort(refs.begin(), refs.end(),
+            [](const StaticRef& a, const StaticRef& b) { return a.storage < b.storage; });
+  for (size_t i = 0, j = 0; i < refs.size(); i = j) {
+    for (j = i; j < refs.size() && refs[j].storage == refs[i].storage; ++j) {
+    }
+    if (only_freeable_refs(&refs[i], &refs[j])) {
+      freed.insert(freed.end(), refs.begin() + i, refs.begin() + j);
+    }
+  }
+  if (freed.empty()) {
+    return;
+  }
+  uint64_t at = 0;
+  {
+    std::lock_guard<std::mutex> hold(ledger.mutex);
+    at = ++ledger.captures;  // later captures may take the memory
+    for (const StaticRef& r : freed) {  // before the memory is free
+      r.engine->statics_freed_at = std::min(r.engine->statics_freed_at, at);
+    }
+    ledger.earliest_statics_freed.store(std::min(ledger.earliest_statics_freed.load(), at));
+  }
+  for (const StaticRef& r : freed) {
+    *r.tensor = non_owning_view(*r.tensor);
+  }
+}
+
+// Each input of `capturing` that static_output_in made, a non-owning view of
+// a static output of the pool, gets that output's memory as its owner: the
+// memory its capture reads stays allocated, and stays so until its pass is
+// over too (Note [Static memory freed once its pass is over]).
+void claim_read_in_place(PoolLedger& ledger, at::ArrayRef<Engine*> capturing) {
+  for_each_engine(ledger, [&](const std::shared_ptr<Engine>& h) {
+    for (Engine* e : capturing) {
+      for (Input& in : e->inputs) {
+        for (const Output& o : h->outputs) {
+          if (!in.owner.defined() && is_non_owning_view(in.buffer) &&
+              !is_non_owning_view(o.buffer) && shows(o.buffer, in.buffer)) {
+            in.owner = o.buffer.detach();
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> capturing) {
   const std::shared_ptr<PoolLedger> ledger = ledger_of(pool, /*make=*/false);
   std::vector<at::Tensor> released;
+  c10::SmallVector<std::shared_ptr<Engine>, 8> engines;
   if (ledger) {
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
       if (!h->kept_history.empty() && !h->backward_pending()) {
@@ -349,10 +526,20 @@ void release_kept_activations(at::cuda::MempoolId_t pool) {
                   std::back_inserter(released));
         h->kept_history.clear();
       }
+      engines.push_back(h);
     });
   }
   // Dropped here, outside the ledger's mutex: the history's nodes go with
   // them, and a Python node's destructor takes the GIL.
+  released.clear();
+  if (ledger) {
+    try {
+      claim_read_in_place(*ledger, capturing);  // first: what they read stays
+      free_statics(*ledger, engines);
+    } catch (const std::exception& e) {  // what was not freed stays allocated: still exact
+      TORCH_WARN("cgraph: could not free graphs' static memory for later captures: ", e.what());
+    }
+  }
 }
 
 }  // namespace cgraph

@@ -8,8 +8,8 @@
  *                         capture_error_mode, kept_outputs, warm_in_pool,
  *                         keep_activations):
  *         pool = pool or new_pool()           # one pool for all callables
- *         release_kept_activations(pool)      # of backwards that ran since
  *         engines = [Engine(s, keep_activations) for s in specs]
+ *         release_kept_activations(pool, engines)  # of backwards that ran since
  *         with capture_stream(specs[0].device):   # warm-up and capture share it
  *             if warm_in_pool: allocate_from(pool)   # Note [Warm-up in the pool]
  *             for s, e in zip(specs, engines):                    # warm-up
@@ -478,7 +478,7 @@ warm_up(session *s)
 
     /* Activations kept for backwards that have run since are free for
      * this warm-up and capture. */
-    cg_pool_release_kept(s->pool);
+    cg_pool_release_kept(s->pool, s->engines, s->n);
     if (s->warm_in_pool && cg_setup_warm_up_in(s->setup, s->pool) < 0) {
         return -1;
     }

@@ -236,11 +236,13 @@ int cg_engine_backward_pending(const cg_engine *engine);
  * unkept_only, only a graph whose activations are not kept (they were
  * captured without keep_activations, or released since).  Never fails. */
 int cg_pool_busy(cg_pool pool, int unkept_only);
-/* Before a capture into `pool`: frees the kept activations of its graphs
- * whose backward is no longer pending, so the capture may reuse them (Note
- * [Layers captured one by one into one pool] in aten_pool.cpp).  Never
- * fails. */
-void cg_pool_release_kept(cg_pool pool);
+/* Before the engines `capturing[0..n)` capture into `pool`: frees the kept
+ * activations of its graphs whose backward is no longer pending, so the
+ * capture may reuse them (Note [Layers captured one by one into one pool] in
+ * aten_pool.cpp), and their static memory nobody else holds, but for what
+ * `capturing` read in place (Note [Static memory freed once its pass is
+ * over]).  Never fails. */
+void cg_pool_release_kept(cg_pool pool, cg_engine *const *capturing, Py_ssize_t n);
 /* If `tensor` shows a static output of a live graph of `pool` (the same
  * memory, shape, strides and dtype): a NEW reference to a tensor sharing
  * that output's storage, to capture a graph that reads it in place (Note [A

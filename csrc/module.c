@@ -95,9 +95,10 @@ cgm_pool_busy(PyObject *module, PyObject *args)
 
 PyDoc_STRVAR(cgm_static_output_doc,
 "static_output(tensor, pool) -> Tensor | None\n\n"
-"If `tensor` shows a static output of a live graph of `pool`: a tensor sharing\n"
-"that output's storage, to capture reading it in place (Note [A layer reading\n"
-"the one before it in place] in aten_pool.cpp).  Else None.");
+"If `tensor` shows a static output of a live graph of `pool`: a view of that\n"
+"output's memory, to capture reading it in place (Note [A layer reading the\n"
+"one before it in place] in aten_pool.cpp).  The view does not keep the memory\n"
+"allocated; the engine captured with it does (Input::owner).  Else None.");
 
 /* Returns a NEW reference, or NULL with an exception set. */
 static PyObject *

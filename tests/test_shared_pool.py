@@ -439,3 +439,71 @@ def test_a_grad_handed_back_into_an_earlier_layers_grad_buffers_is_read_first():
     # both would be copied in the graph with none cloned.
     stats = first.stats
     assert stats["copied_in_graph"] == 3 or stats["copied_before"] == 6, stats
+
+
+
+def chain_and_backward(layers, x, upstream, hook):
+    """x = layer(x) through every layer (each reads the one before it in
+    place), a hook on x, and the backward; every layer's output."""
+    x.register_hook(hook)
+    outs = []
+    for layer in layers:
+        outs.append(layer(outs[-1] if outs else x))
+    (outs[-1] * upstream).sum().backward()
+    return outs
+
+
+def two_shapes_in_turn(seed, steps, keep):
+    """Chained layers graphed one by one with one pool=, against eager, called
+    with two shapes in turn.  keep(step): keep that step's first output and
+    the input's grad a hook got past the next step, and compare them then.
+    Returns the graphed layers and the pool's allocated bytes after each
+    step."""
+    layers, eager = blocks(seed), blocks(seed)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+    allocated, kept = [], None
+    for step, n in enumerate((8192, 8184) * (steps // 2)):
+        x = torch.randn(n, 64, device=CUDA, requires_grad=True)
+        x_e, up = twin(x), torch.randn(n, 64, device=CUDA)
+        grads, grads_e = [], []
+        outs = chain_and_backward(graphed, x, up, grads.append)
+        outs_e = chain_and_backward(eager, x_e, up, grads_e.append)
+        assert_equal(outs[-1], outs_e[-1], f"step {step}: output")
+        assert_equal(x.grad, x_e.grad, f"step {step}: the input's grad")
+        check_grads_and_clear(layers, eager, step)
+        if kept is not None:
+            assert_equal(kept[0], kept[1], f"step {step}: the first layer's output, kept")
+            assert_equal(kept[2], kept[3], f"step {step}: the input's grad a hook kept")
+        kept = (outs[0], outs_e[0], grads[0], grads_e[0]) if keep(step) else None
+        del outs, grads
+        allocated.append(sum(s["allocated_size"] for s in pool_segments(pool)))
+    for g in graphed:
+        stats = g.stats
+        assert g.num_graphs == 2 and {tuple(p) for p in g._graphed.pools} == {tuple(pool)}, g
+        assert stats["eager_on_miss"] == 0 and stats["eager_pending"] == 0, stats
+    return graphed, allocated
+
+
+def test_a_shapes_static_memory_goes_to_the_next_shape_once_its_pass_is_over():
+    """Once the first shape's pass is over, the second shape's captures take
+    the blocks of its layers' static outputs and input grads (Note [Static
+    memory freed once its pass is over] in csrc/aten_pool.cpp): the pool
+    holds one shape's, not both.  Outputs and grads are eager's, bitwise,
+    through both captures and the replays after them."""
+    graphed, allocated = two_shapes_in_turn(79, steps=4, keep=lambda step: False)
+    statics = len(graphed) * 2 * 8192 * 64 * 4  # an output and an input grad per layer
+    grown = allocated[1] - allocated[0]
+    assert grown < statics / 4, (allocated, statics)  # kept, they would add `statics`
+    assert allocated[3] == allocated[1], allocated  # replays allocate nothing there
+
+
+def test_outputs_and_grads_kept_from_a_shape_whose_memory_was_freed_keep_their_values():
+    """The first layer's output for the first shape and the input's grad a
+    hook got, kept while the second shape replays into the memory freed
+    for it, are moved out of its way first, and keep their values.  Nothing
+    else moves them: no graph of their shape captured before the first
+    layer's replays after it."""
+    graphed, _ = two_shapes_in_turn(80, steps=4, keep=lambda step: step == 2)
+    stats = graphed[0].stats
+    assert stats["outputs_copied"] == 1 and stats["input_grads_copied"] == 1, stats
