@@ -326,8 +326,8 @@ uint64_t earliest_pending_forward(PoolLedger& ledger);
 // they hold, but for what `capturing` read (Note [Static memory freed once
 // its pass is over]).
 void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> capturing);
-// The static output of a live graph of `pool` that `t` shows, sharing its
-// storage, if there is one (aten_pool.cpp).
+// A non-owning view of the static output of a live graph of `pool` that `t`
+// shows, if there is one (aten_pool.cpp).
 std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at::Tensor& t);
 
 // Whether at most `refs` references hold tensor `t`, not counting a Python
@@ -451,6 +451,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
   void hand_back_held() noexcept;
   void tear_down() noexcept;
   bool shares_pool_with_others() const;  // aten_pool.cpp
+  // Whether what it hands out may lie in memory it does not keep allocated.
+  bool borrows_memory() const;
 
   // -- random numbers (aten_rng.cpp)
   RngSnapshot host_rng_snapshot() const;

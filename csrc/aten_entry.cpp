@@ -257,11 +257,15 @@ int cg_pool_busy(cg_pool pool, int unkept_only) {
 }
 
 void cg_pool_release_kept(cg_pool pool, cg_engine* const* capturing, Py_ssize_t n) {
-  std::vector<cgraph::Engine*> engines;
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    engines.push_back(capturing[i]->ptr.get());
+  try {
+    std::vector<cgraph::Engine*> engines;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      engines.push_back(capturing[i]->ptr.get());
+    }
+    cgraph::release_kept_activations(to_mempool(pool), engines);
+  } catch (const std::exception& e) {  // nothing released: still exact
+    TORCH_WARN("cgraph: could not release a pool's memory for a capture: ", e.what());
   }
-  cgraph::release_kept_activations(to_mempool(pool), engines);
 }
 
 PyObject* cg_pool_static_output(cg_pool pool, PyObject* tensor) {

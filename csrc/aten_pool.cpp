@@ -31,9 +31,10 @@ namespace cgraph {
 //      backwards in reverse (capture.c), replayed in that order, always may.
 //    - Outputs handed to the caller (Note [Outputs of earlier calls] in
 //      aten_replay.cpp).  H's static outputs were allocated at H's forward
-//      capture and are never freed, so only graphs captured before it can
-//      write them: before G replays, forward or backward, the outputs of
-//      every engine whose forward was captured after G that are still
+//      capture and stay allocated (until H's pass is over: Note [Static
+//      memory freed once its pass is over]), so only graphs captured before
+//      it can write them: before G replays, forward or backward, the outputs
+//      of every engine whose forward was captured after G that are still
 //      referenced get memory of their own.  (A backward replay needs this
 //      when the engines after it replayed since its forward: Note [Layers
 //      captured one by one into one pool].)  Likewise the grads H's
@@ -121,8 +122,15 @@ namespace cgraph {
 //      before its capture (Input::owner, claim_read_in_place; its sample is
 //      a non-owning view, as the spec keeps the sample as long as the graph
 //      lives), so it is freed only once that layer's pass is over too.  No
-//      capture reads a freed output in place (static_output_in): it could
-//      take the very block it reads.
+//      capture reads in place an output of an engine that freed memory
+//      (static_output_in): it could take the very block it reads, or, if
+//      later, move its own argument out of the way as a freed engine's.  And
+//      an engine whose output a capture is about to read keeps all of its
+//      memory at that capture's release, for the same reason.
+//    - When an engine whose memory was freed goes while the caller still
+//      holds an output or grad of it, that is moved out first (~Engine): it
+//      no longer keeps its memory allocated, and the pool may go with the
+//      engine.
 //    Memory that anybody else holds stays allocated: a storage is freed only
 //    when the engines' own references to it are all its references (not an
 //    output the caller kept, a module's buffer returned as an output, or an
@@ -239,11 +247,16 @@ bool shows(const at::Tensor& b, const at::Tensor& sample) {
 
 void Engine::note_inputs_in_place() {
   for (Input& in : inputs) {
-    in.in_place = in.owner.defined();  // a sample static_output_in made: claim_read_in_place
+    // A sample static_output_in made, whose output claim_read_in_place found.
+    TORCH_CHECK(in.owner.defined() || !is_non_owning_view(in.buffer), "cgraph: argument '",
+                in.name, "' is the output of a graph that was reset, or whose memory was "
+                "freed, before this capture, which would read it in place. Call the "
+                "callable again.");
+    in.in_place = in.owner.defined();
   }
   for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
     for (Input& in : inputs) {
-      for (const Output& o : h->outputs) {  // a static output itself (kept_outputs='alias')
+      for (const Output& o : h->outputs) {  // a static output passed as a sample itself
         in.in_place = in.in_place || (h.get() != this && o.buffer.defined() &&
                                       o.buffer.is_alias_of(in.buffer));
       }
@@ -265,9 +278,9 @@ std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at:
   }
   for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
     for (const Output& o : h->outputs) {
-      // Not freed memory: a capture reading it would take it (Note [Static
-      // memory freed once its pass is over]).
-      if (!found && h->alive && where != nullptr && !is_non_owning_view(o.buffer) &&
+      // Not an engine that freed memory (Note [Static memory freed once its
+      // pass is over]).
+      if (!found && h->alive && h->statics_freed_at == UINT64_MAX && where != nullptr &&
           shows(o.buffer, t)) {
         found = non_owning_view(o.buffer);  // the reader's Input::owner keeps it
       }
@@ -414,8 +427,8 @@ struct StaticRef {
 
 // The references `e` keeps to memory that is still its own (not a
 // non-owning view already).
-void collect_static_refs(Engine& e, std::vector<StaticRef>& refs) {
-  const bool over = pass_over(e);
+void collect_static_refs(Engine& e, bool read_now, std::vector<StaticRef>& refs) {
+  const bool over = pass_over(e) && !read_now;
   const auto add = [&](at::Tensor& t, bool freeable) {
     if (t.defined() && t.has_storage() && !is_non_owning_view(t)) {
       refs.push_back({t.storage().unsafeGetStorageImpl(), &t, &e, over && freeable});
@@ -461,11 +474,14 @@ bool only_freeable_refs(const StaticRef* first, const StaticRef* last) {
 
 // Note [Static memory freed once its pass is over]: the memory of `engines`
 // that only their references hold, where every engine holding it has its
-// pass over, goes back to the pool.
-void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engines) {
+// pass over, goes back to the pool; none of the engines in `read_now`, whose
+// outputs a capture is about to read in place.
+void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engines,
+                  const std::vector<const Engine*>& read_now) {
   std::vector<StaticRef> refs, freed;
   for (const auto& e : engines) {
-    collect_static_refs(*e, refs);
+    const bool read = std::find(read_now.begin(), read_now.end(), e.get()) != read_now.end();
+    collect_static_refs(*e, read, refs);
   }
   std::sort(refs.begin(), refs.end(),
             [](const StaticRef& a, const StaticRef& b) { return a.storage < b.storage; });
@@ -488,16 +504,21 @@ void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engi
     }
     ledger.earliest_statics_freed.store(std::min(ledger.earliest_statics_freed.load(), at));
   }
+  std::vector<at::Tensor> dropped;  // after every replacement: a destructor may run Python
+  dropped.reserve(freed.size());
   for (const StaticRef& r : freed) {
-    *r.tensor = non_owning_view(*r.tensor);
+    dropped.push_back(std::exchange(*r.tensor, non_owning_view(*r.tensor)));
   }
 }
 
 // Each input of `capturing` that static_output_in made, a non-owning view of
 // a static output of the pool, gets that output's memory as its owner: the
 // memory its capture reads stays allocated, and stays so until its pass is
-// over too (Note [Static memory freed once its pass is over]).
-void claim_read_in_place(PoolLedger& ledger, at::ArrayRef<Engine*> capturing) {
+// over too (Note [Static memory freed once its pass is over]).  Returns the
+// engines whose outputs they read.
+std::vector<const Engine*> claim_read_in_place(PoolLedger& ledger,
+                                               at::ArrayRef<Engine*> capturing) {
+  std::vector<const Engine*> read;
   for_each_engine(ledger, [&](const std::shared_ptr<Engine>& h) {
     for (Engine* e : capturing) {
       for (Input& in : e->inputs) {
@@ -505,11 +526,13 @@ void claim_read_in_place(PoolLedger& ledger, at::ArrayRef<Engine*> capturing) {
           if (!in.owner.defined() && is_non_owning_view(in.buffer) &&
               !is_non_owning_view(o.buffer) && shows(o.buffer, in.buffer)) {
             in.owner = o.buffer.detach();
+            read.push_back(h.get());
           }
         }
       }
     }
   });
+  return read;
 }
 
 }  // namespace
@@ -533,10 +556,11 @@ void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> 
   // them, and a Python node's destructor takes the GIL.
   released.clear();
   if (ledger) {
+    // What was not freed stays allocated: still exact.  An input left
+    // without its owner is refused at its capture (note_inputs_in_place).
     try {
-      claim_read_in_place(*ledger, capturing);  // first: what they read stays
-      free_statics(*ledger, engines);
-    } catch (const std::exception& e) {  // what was not freed stays allocated: still exact
+      free_statics(*ledger, engines, claim_read_in_place(*ledger, capturing));
+    } catch (const std::exception& e) {
       TORCH_WARN("cgraph: could not free graphs' static memory for later captures: ", e.what());
     }
   }

@@ -422,7 +422,9 @@ void Engine::release_earlier_outputs() {
 //    overwrite it, forward and backward, and so may the replay of any graph
 //    of the pool captured before that backward capture, which happens
 //    within one backward when layers are captured one by one (Note [Layers
-//    captured one by one into one pool] in aten_pool.cpp).  Mostly nobody
+//    captured one by one into one pool] in aten_pool.cpp), or after the
+//    buffer was freed once the pass was over (Note [Static memory freed once
+//    its pass is over]).  Mostly nobody
 //    holds the grad by then: the node it flows to reads it as it starts.
 //    But a hook may keep it, torch.autograd.grad may return it, and
 //    autograd itself holds it in a node's input buffer until that node's

@@ -84,14 +84,25 @@ void Engine::tear_down() noexcept {
   }
 }
 
-// Held outputs keep their memory alive, but in a pool that other graphs
-// still replay into, the ledger would no longer move them out of the way:
-// they get memory of their own first.  Not at exit, where nothing replays.
+// Held outputs and grads get memory of their own first where the ledger
+// would no longer move them out of the way of a pool that other graphs still
+// replay into, or where they do not keep their memory allocated: memory
+// freed once the pass was over, or read in place and kept by Input::owner
+// (Note [Static memory freed once its pass is over], aten_pool.cpp).  Not at
+// exit, where nothing replays.
 Engine::~Engine() {
-  if (alive && !interpreter_finalizing() && shares_pool_with_others()) {
+  if (alive && !interpreter_finalizing() && (shares_pool_with_others() || borrows_memory())) {
     hand_back_held();
   }
   tear_down();
+}
+
+bool Engine::borrows_memory() const {
+  bool borrows = statics_freed_at != UINT64_MAX;
+  for (const Input& in : inputs) {
+    borrows = borrows || in.owner.defined();
+  }
+  return borrows;
 }
 
 }  // namespace cgraph

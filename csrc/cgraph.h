@@ -244,8 +244,9 @@ int cg_pool_busy(cg_pool pool, int unkept_only);
  * over]).  Never fails. */
 void cg_pool_release_kept(cg_pool pool, cg_engine *const *capturing, Py_ssize_t n);
 /* If `tensor` shows a static output of a live graph of `pool` (the same
- * memory, shape, strides and dtype): a NEW reference to a tensor sharing
- * that output's storage, to capture a graph that reads it in place (Note [A
+ * memory, shape, strides and dtype): a NEW reference to a view of that
+ * output's memory that does not keep it allocated (the engine captured with
+ * it does: Input::owner), to capture a graph that reads it in place (Note [A
  * layer reading the one before it in place] in aten_pool.cpp).  Else a NEW
  * reference to None; NULL with an exception set on failure. */
 PyObject *cg_pool_static_output(cg_pool pool, PyObject *tensor);

@@ -441,7 +441,6 @@ def test_a_grad_handed_back_into_an_earlier_layers_grad_buffers_is_read_first():
     assert stats["copied_in_graph"] == 3 or stats["copied_before"] == 6, stats
 
 
-
 def chain_and_backward(layers, x, upstream, hook):
     """x = layer(x) through every layer (each reads the one before it in
     place), a hook on x, and the backward; every layer's output."""
@@ -507,3 +506,4 @@ def test_outputs_and_grads_kept_from_a_shape_whose_memory_was_freed_keep_their_v
     graphed, _ = two_shapes_in_turn(80, steps=4, keep=lambda step: step == 2)
     stats = graphed[0].stats
     assert stats["outputs_copied"] == 1 and stats["input_grads_copied"] == 1, stats
+
