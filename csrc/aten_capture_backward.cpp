@@ -87,22 +87,22 @@ at::Tensor grad_memory(const at::Tensor& g, const at::Tensor& param) {
 }
 
 // The deleter of non-owning views: never called (their context is null),
-// only compared.
-void owns_nothing(void*) {}
+// only compared.  (aten_workspace.cpp's owns_nothing marks its aliases.)
+void views_only(void*) {}
 
 }  // namespace
 
 at::Tensor non_owning_view(const at::Tensor& t) {
   return at::for_blob(const_cast<void*>(t.const_data_ptr()), t.sizes())
       .strides(t.strides())
-      .context(nullptr, &owns_nothing)
+      .context(nullptr, &views_only)
       .options(t.options())
       .target_device(t.device())  // else ATen asks the driver where the memory is
       .make_tensor();
 }
 
 bool is_non_owning_view(const at::Tensor& t) {
-  return t.has_storage() && t.storage().data_ptr().get_deleter() == &owns_nothing;
+  return t.has_storage() && t.storage().data_ptr().get_deleter() == &views_only;
 }
 
 std::vector<at::Tensor> Engine::differentiable_outputs() const {

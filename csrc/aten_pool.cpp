@@ -245,23 +245,18 @@ bool shows(const at::Tensor& b, const at::Tensor& sample) {
 
 }  // namespace
 
+// The samples of cgraph/_group.py's captures, the only ones that keep their
+// activations, are copies or the non-owning views static_output_in made:
+// an input is read in place exactly when claim_read_in_place found the
+// output its view shows.
 void Engine::note_inputs_in_place() {
   for (Input& in : inputs) {
-    // A sample static_output_in made, whose output claim_read_in_place found.
     TORCH_CHECK(in.owner.defined() || !is_non_owning_view(in.buffer), "cgraph: argument '",
                 in.name, "' is the output of a graph that was reset, or whose memory was "
                 "freed, before this capture, which would read it in place. Call the "
                 "callable again.");
     in.in_place = in.owner.defined();
   }
-  for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
-    for (Input& in : inputs) {
-      for (const Output& o : h->outputs) {  // a static output passed as a sample itself
-        in.in_place = in.in_place || (h.get() != this && o.buffer.defined() &&
-                                      o.buffer.is_alias_of(in.buffer));
-      }
-    }
-  });
 }
 
 std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at::Tensor& t) {

@@ -9,8 +9,8 @@
  *                         keep_activations):
  *         pool = pool or new_pool()           # one pool for all callables
  *         engines = [Engine(s, keep_activations) for s in specs]
- *         release_kept_activations(pool, engines)  # of backwards that ran since
  *         with capture_stream(specs[0].device):   # warm-up and capture share it
+ *             release_kept_activations(pool, engines)  # of backwards that ran since
  *             if warm_in_pool: allocate_from(pool)   # Note [Warm-up in the pool]
  *             for s, e in zip(specs, engines):                    # warm-up
  *                 for _ in range(num_warmup_iters):
