@@ -97,17 +97,20 @@ class Member(Regraph):
         before its backward: a second micro-batch, whatever its shapes, whose
         captures could take the temporaries of backwards that run before its
         own) or while a pending graph of the shared pool no longer keeps its
-        activations.  Warm-up runs outside the shared pool: a tensor a
-        warm-up left there (state made on a first call) would sit in memory
-        every other member's graphs overwrite, beyond what Note [Warm-up in
-        the pool] can undo."""
+        activations.  Warm-up runs in the shared pool, in blocks no pending
+        backward needs (Note [Warm-up in the pool] in csrc/aten_setup.cpp):
+        beside it, it would take segments of its own on the capture stream.
+        A tensor the warm-up leaves there (state made on a first call with
+        new shapes) is moved out; memory that cannot be moved makes the call
+        raise, and every later capture of this member, since the graphs
+        captured before it would overwrite it."""
         if not _C.pool_busy(self.pool):
             _later_pass.discard(self.pool)  # every backward has run
         if pending or graphed._backward_pending():
             _later_pass.add(self.pool)
         if self.pool in _later_pass or _C.pool_busy(self.pool, True):
             return super()._pool(graphed, pending)
-        return self.pool, False, True
+        return self.pool, True, True
 
     def _shared_pool(self, graphed: _C.Graphed) -> tuple[int, int]:
         return self.pool

@@ -115,11 +115,12 @@ def pool_mib(pools) -> float:
 
 
 def pool_dropped(graphed, dropped: int) -> None:
-    """Note [Warm-up in the pool]: a warm-up kept memory in a pool, so the
-    earlier graphs there were dropped."""
-    log.info("%s: a warm-up kept memory allocated in the pool of %d earlier graph(s) "
-             "(state the callable made for these arguments), which their replays would "
-             "overwrite: those graphs are dropped and captured again when needed.",
+    """Note [Warm-up in the pool]: a warm-up kept memory in a pool that no
+    move could free, so the earlier graphs there were dropped."""
+    log.info("%s: a warm-up left memory allocated in the pool of %d earlier graph(s) that "
+             "no Python tensor holds (state the callable made for these arguments, such as "
+             "the autograd history of a kept tensor), which their replays would overwrite: "
+             "those graphs are dropped and captured again when needed.",
              describe(graphed), dropped)
 
 

@@ -24,7 +24,7 @@ class Regraph:
     pair for the call at hand, with the callable's options, up to
     ``max_graphs``; past that the call runs eagerly (graphed.c counts it)."""
 
-    __slots__ = ("target", "options", "max_graphs", "shares_pool", "told")
+    __slots__ = ("target", "options", "max_graphs", "shares_pool", "told", "refusal")
 
     def __init__(self, target: Target, options: CaptureOptions, max_graphs: int,
                  shares_pool: bool):
@@ -36,10 +36,16 @@ class Regraph:
         # reuse memory another callable's pending backward still needs.
         self.shares_pool = shares_pool
         self.told = False  # the limit is logged once
+        # A warm-up left memory only C++ holds in a pool shared with other
+        # callables (Note [Warm-up in the pool]): every later capture raises
+        # it too, as the state it made is where that pool's graphs write.
+        self.refusal: _C.CaptureError | None = None
 
     def __call__(self, graphed: _C.Graphed, args: tuple, kwargs: dict, pending: bool) -> bool:
         """True once a graph for this call is adopted by `graphed`; False:
         run the call eagerly."""
+        if self.refusal is not None:
+            raise self.refusal.with_traceback(None)
         if graphed.num_graphs >= self.max_graphs:
             self._tell_limit(graphed, pending)
             return False
@@ -53,9 +59,13 @@ class Regraph:
             except _C.CaptureError as exc:
                 if exc.kind != "warmup_state":
                     raise
-                # Warm-up kept memory in the pool, where the earlier graphs
-                # would overwrite it: they go (captured again when needed),
-                # and this one is warmed up outside any pool.
+                if pool == self._shared_pool(graphed):  # other callables' graphs use it
+                    self.refusal = exc
+                    raise
+                # Warm-up kept memory in the pool that no move could free,
+                # where the earlier graphs would overwrite it: they go
+                # (captured again when needed), and this one is warmed up
+                # outside any pool.
                 _log.pool_dropped(graphed, graphed._drop_pool(pool))
                 samples = pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
                 (captured,) = graph([draft(self.target, *samples, set())], _C.new_pool(),

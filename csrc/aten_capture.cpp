@@ -39,6 +39,11 @@ void Engine::capture_begin(cg_pass pass, at::cuda::MempoolId_t pool_id,
   if (pass == CG_FORWARD) {
     autocast = Autocast::current();
     grad_mode = at::GradMode::is_enabled();
+    // Where the graph reads them: a warm-up's move may have given one new
+    // memory (Note [Warm-up in the pool], aten_setup.cpp).
+    for (Param& p : params) {
+      p.data = p.tensor.const_data_ptr();
+    }
   }
   Graph& g = graph(pass);
   rng_capture_begin(pass);

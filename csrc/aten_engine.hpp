@@ -326,6 +326,10 @@ uint64_t earliest_pending_forward(PoolLedger& ledger);
 // they hold, but for what `capturing` read (Note [Static memory freed once
 // its pass is over]).
 void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> capturing);
+// Before a warm-up in `pool`, which writes its free blocks: the outputs and
+// grads still held in memory freed once its pass was over move out (Note
+// [Warm-up in the pool], aten_setup.cpp).
+void move_held_out_of_freed(at::cuda::MempoolId_t pool);
 // A non-owning view of the static output of a live graph of `pool` that `t`
 // shows, if there is one (aten_pool.cpp).
 std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at::Tensor& t);
@@ -418,6 +422,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // This engine's grads still held but by `consumed` (the incoming grads of
   // the backward replay about to run, which its graph reads first).
   void release_handed_grads(at::ArrayRef<at::Tensor> consumed);
+  void release_handed_input_grads(at::ArrayRef<at::Tensor> consumed);  // not parameters
   bool may_hold_grads() const;  // a cheap test before release_handed_grads
   // Before a replay of `pass`: what it may overwrite of this engine's grads,
   // and of the outputs and grads of engines captured after it.
@@ -491,6 +496,20 @@ cg_setup* open_setup(c10::DeviceIndex device);
 void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool);
 bool release_warmup_memory(cg_setup& setup);
 void close_setup(cg_setup* setup) noexcept;
+
+// A block of the caching allocator: its address and size, ordered by both.
+struct Block {
+  size_t address;
+  size_t size;
+  bool operator<(const Block& other) const {
+    return address != other.address ? address < other.address : size < other.size;
+  }
+};
+// What a graph pool holds: its segments and its allocated blocks, sorted.
+struct PoolBlocks {
+  std::vector<Block> segments;
+  std::vector<Block> allocated;
+};
 
 // The forward replay of one call (aten_replay.cpp): a NEW reference to the
 // tuple of outputs.  Throws on failure.
@@ -571,9 +590,11 @@ struct cg_setup {
   c10::DeviceIndex device;
   c10::cuda::CUDAStream caller;
   c10::cuda::CUDAStream side;
-  // While warm-up allocates from a graph pool: Note [Warm-up in the pool].
+  // The pool warm-up allocates from (Note [Warm-up in the pool]), held to
+  // the session's end; `routing` while warm-up allocates there.
   std::optional<at::cuda::MempoolId_t> warm_pool = std::nullopt;
-  int64_t allocated_before = 0;  // the device's allocated bytes when it began
+  bool routing = false;
+  cgraph::PoolBlocks pool_before;  // what the warm pool held when warm-up began
   // Note [One cuBLAS workspace per stream] (aten_workspace.cpp), and eager
   // mode's own workspaces it replaced, freed when the session ends.
   std::shared_ptr<cgraph::BlasWorkspace> blas_workspace;

@@ -268,6 +268,13 @@ void cg_pool_release_kept(cg_pool pool, cg_engine* const* capturing, Py_ssize_t 
   }
 }
 
+int cg_pool_move_held(cg_pool pool) {
+  HANDLE_TH_ERRORS
+  cgraph::move_held_out_of_freed(to_mempool(pool));
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
 PyObject* cg_pool_static_output(cg_pool pool, PyObject* tensor) {
   HANDLE_TH_ERRORS
   TORCH_CHECK_TYPE(THPVariable_Check(tensor), "static_output: expects a tensor");

@@ -561,4 +561,20 @@ void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> 
   }
 }
 
+void move_held_out_of_freed(at::cuda::MempoolId_t pool) {
+  const std::shared_ptr<PoolLedger> ledger = ledger_of(pool, /*make=*/false);
+  c10::SmallVector<std::shared_ptr<Engine>, 8> freed;
+  if (ledger) {
+    for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+      if (h->statics_freed_at != UINT64_MAX) {
+        freed.push_back(h);
+      }
+    });
+  }
+  for (const auto& h : freed) {  // outside the mutex: this allocates
+    h->release_earlier_outputs();
+    h->release_handed_input_grads({});
+  }
+}
+
 }  // namespace cgraph

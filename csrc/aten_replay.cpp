@@ -474,6 +474,15 @@ bool Engine::may_hold_grads() const {
 }
 
 void Engine::release_handed_grads(at::ArrayRef<at::Tensor> consumed) {
+  release_handed_input_grads(consumed);
+  for (Param& p : params) {  // Note [Parameter gradients] (aten_backward.cpp)
+    if (p.owns_store && p.store->release()) {
+      ++stats.param_grads_copied;
+    }
+  }
+}
+
+void Engine::release_handed_input_grads(at::ArrayRef<at::Tensor> consumed) {
   for (Input& in : inputs) {
     c10::StorageImpl* storage =
         in.handed.defined() ? in.handed.storage().unsafeGetStorageImpl() : nullptr;
@@ -496,11 +505,6 @@ void Engine::release_handed_grads(at::ArrayRef<at::Tensor> consumed) {
   }
   handed_grads.erase(handed_grads.begin() + static_cast<std::ptrdiff_t>(kept),
                      handed_grads.end());
-  for (Param& p : params) {  // Note [Parameter gradients] (aten_backward.cpp)
-    if (p.owns_store && p.store->release()) {
-      ++stats.param_grads_copied;
-    }
-  }
 }
 
 // Note [Replays on another stream]

@@ -8,6 +8,10 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
+
+#include <algorithm>
+#include <iterator>
 
 #include <memory>
 #include <mutex>
@@ -144,9 +148,81 @@ void Engine::finish_setup() {
 
 namespace {
 
-int64_t allocated_bytes(c10::DeviceIndex device) {
-  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device);
-  return stats.allocated_bytes[0].current;  // [0]: StatType::AGGREGATE, every pool
+// What `pool` on `device` holds: its segments and its allocated blocks,
+// each sorted by address (the allocator's snapshot lists a segment's blocks
+// in address order).
+PoolBlocks pool_blocks(c10::DeviceIndex device, at::cuda::MempoolId_t pool) {
+  PoolBlocks held;
+  for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot().segments) {
+    if (segment.device != device || segment.owner_private_pool_id != pool) {
+      continue;
+    }
+    held.segments.push_back(Block{segment.address, segment.total_size});
+    size_t address = segment.address;
+    for (const auto& block : segment.blocks) {
+      if (block.allocated) {
+        held.allocated.push_back(Block{address, block.size});
+      }
+      address += block.size;
+    }
+  }
+  std::sort(held.segments.begin(), held.segments.end());
+  std::sort(held.allocated.begin(), held.allocated.end());
+  return held;
+}
+
+// Whether `address` lies in one of `blocks` (sorted).
+bool in_blocks(const std::vector<Block>& blocks, size_t address) {
+  auto after = std::upper_bound(blocks.begin(), blocks.end(), Block{address, SIZE_MAX});
+  return after != blocks.begin() && address < std::prev(after)->address + std::prev(after)->size;
+}
+
+// Whether `storage` is the caching allocator's allocation of one of
+// `blocks` (sorted), not a view over one that owns nothing there (an
+// in-place sample, a freed static output: non_owning_view).
+bool owns_one_of(const c10::StorageImpl& storage, const std::vector<Block>& blocks) {
+  const at::DataPtr& data = storage.data_ptr();
+  const auto address = reinterpret_cast<size_t>(data.get());
+  return data.get_deleter() == c10::cuda::CUDACachingAllocator::get()->raw_deleter() &&
+         std::binary_search(blocks.begin(), blocks.end(), Block{address, 0},
+                            [](const Block& a, const Block& b) { return a.address < b.address; });
+}
+
+// Note [Warm-up in the pool]: every tensor Python holds whose storage owns
+// one of `blocks` moves to memory of its own, allocated on the current
+// stream; its storage's memory is replaced, so its views follow (a raw
+// pointer kept elsewhere does not).  Under the GIL.
+void move_kept_tensors(const std::vector<Block>& blocks) {
+  THPObjectPtr gc(PyImport_ImportModule("gc"));
+  THPObjectPtr objects(gc ? PyObject_CallMethod(gc.get(), "get_objects", nullptr) : nullptr);
+  if (!objects) {
+    throw python_error();
+  }
+  std::set<c10::StorageImpl*> moved;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objects.get()); ++i) {
+    PyObject* item = PyList_GET_ITEM(objects.get(), i);
+    // By type, not isinstance(): that reads __class__, and a deprecated
+    // object's attribute access warns (torch.distributed.reduce_op).
+    if (!PyObject_TypeCheck(item, reinterpret_cast<PyTypeObject*>(THPVariableClass))) {
+      continue;
+    }
+    const at::Tensor& t = THPVariable_Unpack(item);
+    if (!t.is_cuda() || !t.has_storage()) {
+      continue;
+    }
+    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    bool owns = false;
+    try {
+      owns = owns_one_of(*storage, blocks);
+    } catch (const c10::Error&) {
+      continue;  // an output kept_outputs='error' made unreadable
+    }
+    if (owns && moved.insert(storage).second) {
+      move_to_own_memory(t.device().index(), *storage);
+    }
+  }
+  GilRelease nogil;
+  c10::cuda::getCurrentCUDAStream().synchronize();  // the old blocks go back to the pool now
 }
 
 }  // namespace
@@ -178,56 +254,107 @@ cg_setup* open_setup(c10::DeviceIndex device) {
 }
 
 // Note [Warm-up in the pool]
-// Q: Why does the warm-up of a callable's later graph (another shape)
-//    allocate from the pool of its earlier graphs?
+// Q: Why does the warm-up of a later capture (another shape, another layer
+//    of one pool=) allocate from the graph pool it captures into?
 // A: Warm-up runs the callable eagerly, so its activations need memory; in
 //    the device's ordinary cache that is a second copy of what the graph
 //    pool already holds free between replays: the varlen benchmark's peak
-//    was the pool plus a whole eager step.  In the pool, warm-up reuses the
-//    blocks the earlier graphs use as temporaries, and the capture then
-//    reuses the warm-up's.  That is safe only because (1) no graph of the
-//    pool is between its forward and its backward (cgraph/_regraph.py picks
-//    an idle pool), so nothing in those blocks is needed, and (2) nothing
-//    warm-up allocates outlives it: a tensor the callable keeps (a cache
-//    made on the first call with a new shape) would sit in blocks the
-//    earlier graphs overwrite at their next replay.  (2) is checked: if the
-//    device holds more allocated memory after warm-up than before, the
-//    session fails with kind "warmup_state", and cgraph/_regraph.py drops
-//    the earlier graphs of that pool and captures again in a fresh pool,
-//    warmed up outside it.  The check counts the whole device, so a kept
-//    tensor anywhere makes that (slower, always safe) choice.
+//    was the pool plus a whole eager step, and with one pool= for every
+//    layer, the peak was each layer's warm-up beside the pool (the capture
+//    stream's cache cannot take blocks the caller stream's holds free).  In
+//    the pool, warm-up reuses the blocks the earlier graphs use as
+//    temporaries, and the capture then reuses the warm-up's.  That is safe
+//    only because nothing in those blocks is needed during warm-up and
+//    nothing warm-up allocates there outlives it:
+//    - No graph of the pool is between its forward and its backward
+//      (cgraph/_regraph.py picks an idle pool), or every one that is keeps
+//      its activations allocated (cgraph/_group.py, Note [Layers captured
+//      one by one into one pool] in aten_pool.cpp).
+//    - Outputs and grads still held in memory freed once its pass was over
+//      are moved out first (move_held_out_of_freed, in aten_pool.cpp).
+//    - A tensor the callable keeps from warm-up (a cache made for a new
+//      shape) would sit in blocks the earlier graphs overwrite at their next
+//      replay.  So the pool's allocated blocks are compared before and after
+//      warm-up; not the device's allocated bytes, where a cache replaced by
+//      one in the pool would even out.  Every Python tensor that owns a
+//      block left behind moves to memory of its own outside the pool, its
+//      views with it (its storage's memory is replaced: move_kept_tensors;
+//      a capture then reads it there, Engine::capture_begin).  Only if a
+//      block is still held then, in a segment the pool had before (a
+//      segment warm-up added is memory no graph has used), by something
+//      Python cannot reach (memory made and held in C++, as the saved
+//      statistics in the autograd history of a kept tensor that requires
+//      grad), does the session fail with kind "warmup_state": a callable's own pool is dropped with its earlier
+//      graphs (cgraph/_regraph.py); a pool shared with other callables
+//      cannot be, and that call, and every later capture of that callable,
+//      raises (cgraph/_regraph.py, cgraph/_group.py).
 void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
-  setup.allocated_before = allocated_bytes(setup.device);
+  setup.pool_before = pool_blocks(setup.device, pool);
   const cudaStream_t side = setup.side.stream();
+  // Takes a reference to the pool, held to the session's end: a pool no
+  // graph holds yet must live on into the capture (close_setup).
   c10::cuda::CUDACachingAllocator::beginAllocateToPool(
       setup.device, pool, [side](cudaStream_t stream) { return stream == side; });
   setup.warm_pool = pool;
+  setup.routing = true;
 }
 
 namespace {
 
 void end_warm_up_in_pool(cg_setup& setup) {
-  if (setup.warm_pool) {
+  if (setup.routing) {
     c10::cuda::CUDACachingAllocator::endAllocateToPool(setup.device, *setup.warm_pool);
-    c10::cuda::CUDACachingAllocator::releasePool(setup.device, *setup.warm_pool);
-    setup.warm_pool.reset();
+    setup.routing = false;
   }
+}
+
+// The blocks of `pool` allocated now that were not when warm-up began.
+std::vector<Block> left_by_warm_up(const cg_setup& setup, at::cuda::MempoolId_t pool) {
+  const std::vector<Block>& before = setup.pool_before.allocated;
+  std::vector<Block> left, now = pool_blocks(setup.device, pool).allocated;
+  std::set_difference(now.begin(), now.end(), before.begin(), before.end(),
+                      std::back_inserter(left));
+  return left;
+}
+
+// Moves out of `pool` every Python tensor that owns a block warm-up left
+// there; returns whether none is left in a segment the pool had before
+// (earlier graphs may write those; a segment warm-up added is memory no
+// graph has used, and what only C++ holds there may stay).  Under the GIL.
+bool moved_what_warm_up_left(const cg_setup& setup, at::cuda::MempoolId_t pool) {
+  const std::vector<Block> left = left_by_warm_up(setup, pool);
+  if (left.empty()) {
+    return true;
+  }
+  {
+    c10::cuda::CUDAStreamGuard on_caller(setup.caller);  // their memory is the caller's now
+    move_kept_tensors(left);
+  }
+  for (const Block& b : left_by_warm_up(setup, pool)) {
+    if (in_blocks(setup.pool_before.segments, b.address)) {
+      return false;
+    }
+  }
+  return true;
 }
 
 }  // namespace
 
-// Returns whether a warm-up in a pool left memory allocated (Note [Warm-up
-// in the pool]).
+// Returns whether a warm-up in a pool left memory allocated there that no
+// move could free (Note [Warm-up in the pool]).
 bool release_warmup_memory(cg_setup& setup) {
+  std::set<void*> warmed;
+  {
+    GilRelease nogil;
+    setup.side.synchronize();
+    // Note [One cuBLAS workspace per stream]: the workspaces torch made for
+    // the warm-up go (in the pool, they would count as left below); the
+    // threads they name share the caller stream's from here on.
+    warmed = drop_foreign_blas_workspaces(setup.side.stream());
+    end_warm_up_in_pool(setup);
+  }
+  const bool kept = setup.warm_pool && !moved_what_warm_up_left(setup, *setup.warm_pool);
   GilRelease nogil;
-  setup.side.synchronize();
-  // Note [One cuBLAS workspace per stream]: the workspaces torch made for
-  // the warm-up go (in the pool, they would count as kept below); the
-  // threads they name share the caller stream's from here on.
-  const std::set<void*> warmed = drop_foreign_blas_workspaces(setup.side.stream());
-  const bool in_pool = setup.warm_pool.has_value();
-  end_warm_up_in_pool(setup);
-  const bool kept = in_pool && allocated_bytes(setup.device) > setup.allocated_before;
   // The warm-up's memory goes back before the shared workspace is made (the
   // freed workspaces are the capture stream's, which the caller's cannot
   // reuse), then the workspaces of torch's it replaced on the caller stream.
@@ -243,6 +370,16 @@ void close_setup(cg_setup* setup) noexcept {
     return;
   }
   try {
+    // Whatever failed before: allocations stop going to the warm pool, and
+    // its reference goes.
+    end_warm_up_in_pool(*setup);
+    if (setup->warm_pool) {
+      c10::cuda::CUDACachingAllocator::releasePool(setup->device, *setup->warm_pool);
+    }
+  } catch (const std::exception& e) {
+    TORCH_WARN("cgraph: could not release the warm-up's pool: ", e.what());
+  }
+  try {
     c10::cuda::setCurrentCUDAStream(setup->caller);
     GilRelease nogil;
     setup->side.synchronize();
@@ -250,7 +387,6 @@ void close_setup(cg_setup* setup) noexcept {
     // capture stream outlives the session: Note [One cuBLAS workspace per
     // stream].
     drop_foreign_blas_workspaces(setup->side.stream());
-    end_warm_up_in_pool(*setup);
     if (!setup->replaced_workspaces.empty()) {
       setup->replaced_workspaces.clear();  // freed in the caller stream's order
       c10::cuda::CUDACachingAllocator::emptyCache();

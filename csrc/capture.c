@@ -9,8 +9,9 @@
  *                         keep_activations):
  *         pool = pool or new_pool()           # one pool for all callables
  *         engines = [Engine(s, keep_activations) for s in specs]
+ *         release_kept_activations(pool, engines)  # of backwards that ran since
+ *         if warm_in_pool: move_held_out_of_freed(pool)  # Note [Warm-up in the pool]
  *         with capture_stream(specs[0].device):   # warm-up and capture share it
- *             release_kept_activations(pool, engines)  # of backwards that ran since
  *             if warm_in_pool: allocate_from(pool)   # Note [Warm-up in the pool]
  *             for s, e in zip(specs, engines):                    # warm-up
  *                 for _ in range(num_warmup_iters):
@@ -18,7 +19,9 @@
  *                         out = s.target()(*s.args, **s.kwargs)
  *                     e.warmup_backward(tree_leaves(out))
  *             torch.cuda.empty_cache()   # warm-up's cache, not beside the pool
- *             if warm_in_pool and memory_allocated() grew: raise CaptureError("warmup_state")
+ *             if warm_in_pool and pool has blocks warm-up left:
+ *                 move_kept_tensors(them)    # Python's tensors over them
+ *                 if it still has: raise CaptureError("warmup_state")
  *             for s, e in zip(specs, engines):            # forwards 1..N
  *                 with e.capture(FORWARD, pool):
  *                     out = s.target()(*s.args, **s.kwargs)
@@ -135,10 +138,13 @@ static const struct {
      "grad but is neither an argument nor a parameter (see __cause__). Make it an "
      "nn.Parameter of the module, pass it as an argument, or use use_reentrant=False."},
     [CG_FAILURE_WARMUP_STATE] = {"warmup_state",
-     "a warm-up call for a later graph left memory allocated that outlives it (state "
-     "the callable keeps, made on its first call with these arguments). cgraph handles "
-     "this itself (Note [Warm-up in the pool]): it drops the earlier graphs of that "
-     "pool and captures again; seeing this error is a cgraph bug, please report it."},
+     "a warm-up call left memory allocated in the graph pool that outlives it and that "
+     "no Python tensor holds, so cgraph could not move it out of the way of the pool's "
+     "earlier graphs (Note [Warm-up in the pool]): state the callable keeps that only C++ "
+     "reaches, such as the autograd history of a tensor it keeps that requires grad. "
+     "That state now lies where those graphs write: discard it, and keep such state "
+     "detached (.detach()), or graph this callable with a pool of its own (no pool=). "
+     "Later captures of this callable raise this too."},
 };
 
 /* torch's capture errors that carry no code: Note [Capture failures]. */
@@ -468,6 +474,17 @@ warm_up_once(session *s, Py_ssize_t i)
     return status;
 }
 
+/* Before the session, on the caller's stream: activations kept for
+ * backwards that have run since, and static memory whose pass is over, are
+ * free for this warm-up and capture; a warm-up in the pool, which writes
+ * that memory, first moves out what is still held there.  0 or -1. */
+static int
+release_pool(session *s)
+{
+    cg_pool_release_kept(s->pool, s->engines, s->n);
+    return s->warm_in_pool ? cg_pool_move_held(s->pool) : 0;
+}
+
 /* Every callable's warm-up calls.  A refusal of cgraph's (Note [Capture
  * failures]) becomes a CaptureError; the callable's own errors go on as
  * they are.  0 or -1. */
@@ -476,9 +493,6 @@ warm_up(session *s)
 {
     int kept;
 
-    /* Activations kept for backwards that have run since are free for
-     * this warm-up and capture. */
-    cg_pool_release_kept(s->pool, s->engines, s->n);
     if (s->warm_in_pool && cg_setup_warm_up_in(s->setup, s->pool) < 0) {
         return -1;
     }
@@ -500,7 +514,8 @@ warm_up(session *s)
     if (kept <= 0) {
         return kept;
     }
-    PyErr_SetString(PyExc_RuntimeError, "warm-up in the graph pool left memory allocated");
+    PyErr_SetString(PyExc_RuntimeError,
+                    "warm-up in the graph pool left memory allocated that no Python tensor holds");
     return raise_capture_error(s, 0, warming_up, CG_FAILURE_WARMUP_STATE);
 }
 
@@ -587,7 +602,8 @@ cg_graph_callables(PyObject *module, PyObject *args)
     session s;
     PyObject *result = NULL;
 
-    if (session_open(&s, module, args) == 0 && session_make_engines(&s) == 0 && s.n > 0) {
+    if (session_open(&s, module, args) == 0 && session_make_engines(&s) == 0 && s.n > 0 &&
+        release_pool(&s) == 0) {
         s.setup = cg_setup_begin(s.specs[0]->device);
         if (s.setup != NULL && warm_up(&s) == 0 && capture(&s) == 0) {
             cg_setup_end(s.setup);

@@ -84,18 +84,20 @@ int cg_new_pool(cg_pool *out);
  * Returns NULL with an exception set on failure. */
 cg_setup *cg_setup_begin(int device_index);
 
-/* Before warm-up, for a later graph of a callable: the side stream
- * allocates from `pool`, where the callable's idle graphs keep their
- * temporaries, until cg_setup_release_warmup_memory (Note [Warm-up in the
- * pool] in aten_setup.cpp).  0, or -1 with an exception set. */
+/* Before warm-up, for a later graph of a callable (or of a layer sharing
+ * one pool=): the side stream allocates from `pool`, where earlier graphs
+ * keep their temporaries, until cg_setup_release_warmup_memory; the
+ * session holds a reference to the pool until cg_setup_end (Note [Warm-up
+ * in the pool] in aten_setup.cpp).  0, or -1 with an exception set. */
 int cg_setup_warm_up_in(cg_setup *setup, cg_pool pool);
 
 /* Between warm-up and capture: waits for the warm-up and returns the
  * memory it left cached to the device, so the graph pool does not sit on
  * top of a second copy of the activations.  torch.cuda.graph empties the
- * cache before every capture; this does it once.  Returns 1 if a warm-up
- * in a pool left memory allocated that outlives it, 0 if not, -1 with an
- * exception set. */
+ * cache before every capture; this does it once.  A warm-up in a pool that
+ * left memory allocated there has every Python tensor owning it moved out
+ * of the pool.  Returns 1 if memory is still left where earlier graphs may
+ * write it, 0 if not, -1 with an exception set. */
 int cg_setup_release_warmup_memory(cg_setup *setup);
 
 /* Restores the caller's stream and waits for the side stream.  Never raises
@@ -243,6 +245,11 @@ int cg_pool_busy(cg_pool pool, int unkept_only);
  * `capturing` read in place (Note [Static memory freed once its pass is
  * over]).  Never fails. */
 void cg_pool_release_kept(cg_pool pool, cg_engine *const *capturing, Py_ssize_t n);
+/* Before a warm-up in `pool`, which writes its free blocks: the outputs and
+ * grads of its graphs still held in memory freed once their pass was over
+ * get memory of their own, on the current stream (Note [Warm-up in the
+ * pool] in aten_setup.cpp).  0, or -1 with an exception set. */
+int cg_pool_move_held(cg_pool pool);
 /* If `tensor` shows a static output of a live graph of `pool` (the same
  * memory, shape, strides and dtype): a NEW reference to a view of that
  * output's memory that does not keep it allocated (the engine captured with

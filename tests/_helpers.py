@@ -36,6 +36,13 @@ def pool_segments(pool):
             if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool)]
 
 
+def in_pool(t, pool):
+    """Whether tensor `t`'s memory lies in a segment of graph pool `pool`."""
+    address = t.untyped_storage().data_ptr()
+    return any(s["address"] <= address < s["address"] + s["total_size"]
+               for s in pool_segments(pool))
+
+
 # ---- models -----------------------------------------------------------------
 
 

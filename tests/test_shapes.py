@@ -10,10 +10,11 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, assert_equal, assert_grads_equal, twin
+from _helpers import CUDA, assert_equal, assert_grads_equal, in_pool, twin
 
 pytestmark = pytest.mark.gpu
 
@@ -155,24 +156,58 @@ class CachePerShape(nn.Module):
         return self.lin(x) * self.cache[rows]
 
 
-def test_state_made_by_a_later_warm_up_is_kept_safe_and_logged(caplog):
+def alternate_shapes_against_eager(model, eager, graphed, rows_seq):
+    """Calls the graphed model and its eager twin with each row count in
+    turn, outputs and grads compared bitwise."""
+    for step, rows in enumerate(rows_seq):
+        x = torch.randn(rows, 64, device=CUDA)
+        out, want = graphed(x), eager(x)
+        assert_equal(out, want, f"step {step}: {rows} rows")
+        out.sum().backward()
+        want.sum().backward()
+        assert_grads_equal(model, eager, f"step {step}: {rows} rows")
+
+
+def test_state_made_by_a_later_warm_up_is_moved_out_of_the_pool(caplog):
     """Note [Warm-up in the pool]: the cache made while warming up the
-    second shape would sit in blocks the first graph overwrites; cgraph
-    drops the first graph (captured again when its shape returns), logs it,
-    and every result equals eager's."""
+    second shape, in the first graph's pool, would sit in blocks the first
+    graph overwrites; cgraph moves it to memory of its own, so no graph is
+    dropped, and every result equals eager's."""
     torch.manual_seed(46)
     model = CachePerShape().to(CUDA)
     eager = copy.deepcopy(model)
-    graphed = cgraph.make_graphed(model, (torch.randn(32, 64, device=CUDA),))
+    graphed = cgraph.make_graphed(model, (torch.randn(64, 64, device=CUDA),))
     with caplog.at_level(logging.INFO, logger="cgraph"):
-        for step in range(3):
-            for rows in (32, 48):
-                x = torch.randn(rows, 64, device=CUDA)
-                out, want = graphed(x), eager(x)
-                assert_equal(out, want, f"step {step}: {rows} rows")
-                out.sum().backward()
-                want.sum().backward()
-                assert_grads_equal(model, eager, f"step {step}: {rows} rows")
+        alternate_shapes_against_eager(model, eager, graphed, (64, 48) * 3)
+    assert not any("those graphs are dropped" in r.getMessage() for r in caplog.records)
+    assert graphed.num_graphs == 2
+    assert not in_pool(model.cache[48], graphed.pool)
+
+
+class HistoryPerShape(CachePerShape):
+    """Keeps, per batch size, a tensor that requires grad: its autograd
+    history holds memory only C++ reaches (layer_norm's saved mean and rstd,
+    never Python tensors)."""
+
+    def forward(self, x):
+        rows = x.shape[0]
+        if rows not in self.cache:
+            base = torch.arange(rows * 64, device=x.device).view(rows, 64) / 7.0
+            self.cache[rows] = F.layer_norm(base * self.lin.bias[:1], (64,))
+        return self.lin(x) * self.cache[rows].detach()
+
+
+def test_state_only_cpp_holds_after_a_later_warm_up_drops_the_earlier_graphs(caplog):
+    """Note [Warm-up in the pool]: memory a warm-up left in the pool that no
+    Python tensor holds cannot be moved; the callable's earlier graphs there
+    are dropped (captured again when their shape returns), logged, and every
+    result equals eager's."""
+    torch.manual_seed(47)
+    model = HistoryPerShape().to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (torch.randn(64, 64, device=CUDA),))
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        alternate_shapes_against_eager(model, eager, graphed, (64, 48) * 3)
     assert any("those graphs are dropped" in r.getMessage() for r in caplog.records)
     assert graphed.num_graphs == 2
 

@@ -9,10 +9,12 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, assert_equal, assert_grads_equal, pool_segments, twin
+from cgraph import _regraph
+from _helpers import CUDA, assert_equal, assert_grads_equal, in_pool, pool_segments, twin
 
 pytestmark = pytest.mark.gpu
 
@@ -452,17 +454,17 @@ def chain_and_backward(layers, x, upstream, hook):
     return outs
 
 
-def two_shapes_in_turn(seed, steps, keep):
+def two_shapes_in_turn(seed, steps, keep, rows=(8192, 8184)):
     """Chained layers graphed one by one with one pool=, against eager, called
-    with two shapes in turn.  keep(step): keep that step's first output and
-    the input's grad a hook got past the next step, and compare them then.
-    Returns the graphed layers and the pool's allocated bytes after each
-    step."""
+    with two shapes in turn (or the `rows` given, in turn).  keep(step): keep
+    that step's first output and the input's grad a hook got past the next
+    step, and compare them then.  Returns the graphed layers and the pool's
+    allocated bytes after each step."""
     layers, eager = blocks(seed), blocks(seed)
     pool = cgraph.graph_pool_handle()
     graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
     allocated, kept = [], None
-    for step, n in enumerate((8192, 8184) * (steps // 2)):
+    for step, n in enumerate(rows * (steps // len(rows))):
         x = torch.randn(n, 64, device=CUDA, requires_grad=True)
         x_e, up = twin(x), torch.randn(n, 64, device=CUDA)
         grads, grads_e = [], []
@@ -479,7 +481,8 @@ def two_shapes_in_turn(seed, steps, keep):
         allocated.append(sum(s["allocated_size"] for s in pool_segments(pool)))
     for g in graphed:
         stats = g.stats
-        assert g.num_graphs == 2 and {tuple(p) for p in g._graphed.pools} == {tuple(pool)}, g
+        assert g.num_graphs == len(set(rows)), g
+        assert {tuple(p) for p in g._graphed.pools} == {tuple(pool)}, g
         assert stats["eager_on_miss"] == 0 and stats["eager_pending"] == 0, stats
     return graphed, allocated
 
@@ -507,3 +510,141 @@ def test_outputs_and_grads_kept_from_a_shape_whose_memory_was_freed_keep_their_v
     stats = graphed[0].stats
     assert stats["outputs_copied"] == 1 and stats["input_grads_copied"] == 1, stats
 
+
+
+def test_held_outputs_and_grads_in_freed_memory_move_out_before_a_warm_up_there():
+    """The first shape's output and input grad from its second pass, which
+    replayed into memory freed once the first pass was over, kept across a
+    third shape's first pass: its captures warm up in the pool, over that
+    memory (Note [Warm-up in the pool] in csrc/aten_setup.cpp), so both are
+    moved out first and keep their values.  (The counts show one move each;
+    without the move before warm-up they would still be moved once, by the
+    first replay captured after the free, but with what the warm-up wrote
+    there if it took those blocks.)"""
+    graphed, _ = two_shapes_in_turn(82, steps=4, keep=lambda step: step == 2,
+                                    rows=(8192, 8184, 8192, 8176))
+    stats = graphed[0].stats
+    assert stats["outputs_copied"] == 1 and stats["input_grads_copied"] == 1, stats
+
+
+def test_layers_sharing_a_pool_warm_up_in_it(monkeypatch):
+    """Note [Warm-up in the pool]: a layer's warm-up for a new shape runs in
+    the shared pool, in blocks no pending backward needs.  Beside it, on the
+    capture stream, it would take segments of its own next to the pool (the
+    caching allocator does not hand one stream's free blocks to another):
+    the warm-up's activations, 8 MiB each here.  Results stay eager's,
+    bitwise."""
+    beside, grown = [], []  # per capture: peak reserved beyond the start and the pool's
+    capture = _regraph.graph  # growth; the pool's growth
+
+    def measured(drafts, pool, *args, **kwargs):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the capture empties it too: a peak from the same start
+        torch.cuda.reset_peak_memory_stats()
+        before, pool_before = torch.cuda.memory_reserved(), reserved_in(pool)
+        try:
+            return capture(drafts, pool, *args, **kwargs)
+        finally:
+            torch.cuda.synchronize()
+            grown.append(reserved_in(pool) - pool_before)
+            beside.append(torch.cuda.max_memory_reserved() - before - grown[-1])
+
+    # Eager GEMMs first, forward and backward: the first capture then finds
+    # the caller stream's cuBLAS workspace made (Note [One cuBLAS workspace
+    # per stream] in csrc/aten_workspace.cpp), not 32 MiB of its own to make.
+    block()(torch.randn(8, 64, device=CUDA, requires_grad=True)).sum().backward()
+    monkeypatch.setattr(_regraph, "graph", measured)
+    two_shapes_in_turn(83, steps=2, keep=lambda step: False)
+    assert len(beside) == 8 and max(beside) <= 2 * 2**20, beside  # a small segment at most
+    # Nor does the pool grow by a warm-up's activations for the second,
+    # smaller shape: the first shape's memory, released, holds them.
+    assert sum(grown[4:]) < 8 * 2**20, grown
+
+
+def reserved_in(pool):
+    return sum(s["total_size"] for s in pool_segments(pool))
+
+
+class ScalePerShape(nn.Module):
+    """A block whose output is scaled by a table made on its first call with
+    each batch size and kept: state a warm-up for a new shape makes."""
+
+    def __init__(self, width=256):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.tables = {}
+
+    def forward(self, x):
+        rows, width = x.shape
+        if rows not in self.tables:
+            self.tables[rows] = self.table(rows, width, x.device)
+        return self.lin(x) * self.tables[rows].detach()
+
+    def table(self, rows, width, device):
+        return torch.arange(rows * width, device=device).view(rows, width).div(rows * width).cos()
+
+
+@pytest.mark.filterwarnings("error")  # the scan for such tensors reads no object's attributes
+@pytest.mark.parametrize("chained", [False, True], ids=["residual", "chained"])
+def test_state_a_layer_makes_for_a_new_shape_moves_out_of_the_shared_pool(chained):
+    """A table made while warming up a shape lies in the pool, for the
+    second, smaller shape in blocks that the first shape's graphs overwrite;
+    it is moved to memory of its own, and every result equals eager's as the
+    shapes alternate.  Chained (each layer reads the one before it's output
+    in place), the samples the first shape's graphs read in place only view
+    memory that was freed once their pass was over, where a table may now
+    lie: they are not moved, so those graphs still take their shape."""
+    torch.manual_seed(84)
+    layers = [ScalePerShape().to(CUDA) for _ in range(3)]
+    eager = copy.deepcopy(layers)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+    for step, rows in enumerate((4096, 2048) * 3):
+        x = torch.randn(rows, 256, device=CUDA, requires_grad=True)
+        x_e, up = twin(x), torch.randn(rows, 256, device=CUDA)
+        if chained:
+            y = chain_and_backward(graphed, x, up, lambda grad: None)[-1]
+            y_e = chain_and_backward(eager, x_e, up, lambda grad: None)[-1]
+        else:
+            y, y_e = run(graphed, x, up), run(eager, x_e, up)
+        assert_equal(y, y_e, f"step {step}: output")
+        assert_equal(x.grad, x_e.grad, f"step {step}: the input's grad")
+        check_grads_and_clear(layers, eager, step)
+    for i, (layer, twin_layer) in enumerate(zip(layers, eager)):
+        for rows in (4096, 2048):
+            assert not in_pool(layer.tables[rows], pool), f"layer {i}, {rows} rows"
+            assert_equal(layer.tables[rows], twin_layer.tables[rows], f"layer {i}: its table")
+    for g in graphed:
+        stats = g.stats
+        assert g.num_graphs == 2 and {tuple(p) for p in g._graphed.pools} == {tuple(pool)}, g
+        assert stats["eager_on_miss"] == 0 and stats["forward"] == 6, stats
+
+
+class HistoryPerShape(ScalePerShape):
+    """Keeps, per batch size, a table that requires grad: its autograd
+    history holds memory only C++ reaches (layer_norm's saved mean and
+    rstd, never Python tensors)."""
+
+    def table(self, rows, width, device):
+        base = torch.arange(rows * width, device=device).view(rows, width).div(rows * width)
+        return F.layer_norm(base * self.lin.bias[:1], (width,))
+
+
+def test_state_only_cpp_holds_left_in_a_shared_pool_raises():
+    """Memory a warm-up left in the shared pool that no Python tensor holds
+    cannot be moved, and the pool cannot be dropped: the other layers'
+    graphs use it.  The call raises, saying what to do, and so does every
+    later capture of that layer (the state it made lies where the earlier
+    graphs write)."""
+    torch.manual_seed(85)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(HistoryPerShape().to(CUDA), pool=pool) for _ in range(2)]
+    with pytest.raises(cgraph.CaptureError) as raised:  # the second layer's first call, or later
+        for rows in (4096, 2048):
+            run(graphed, torch.randn(rows, 256, device=CUDA), torch.randn(rows, 256, device=CUDA))
+    assert raised.value.kind == "warmup_state", raised.value
+    assert ".detach()" in str(raised.value) and "pool of its own" in str(raised.value)
+    with pytest.raises(cgraph.CaptureError) as again:  # that layer's later captures too
+        for rows in (4096, 2048):
+            forward(graphed, torch.randn(rows, 256, device=CUDA))
+    assert again.value.kind == "warmup_state", again.value
