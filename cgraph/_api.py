@@ -18,7 +18,7 @@ from ._buckets import Bucketed
 from ._buckets import normalize as normalize_buckets
 from ._capture import CaptureOptions, graph
 from ._describe import Target, draft
-from ._regraph import Regraph
+from ._regraph import regraphing
 
 __all__ = ["make_graphed_callables", "make_graphed", "GraphedModule", "graph_pool_handle",
            "reset_all"]
@@ -162,8 +162,10 @@ def make_graphed_callables(
     graphed = _graph(described, sample_args, sample_kwargs, pool_id, options)
     if max_graphs is not None:
         shares_pool = len(described) > 1 or pool_id is not None
-        for target, g in zip(described, graphed):
-            g._set_on_miss(Regraph(target, options, _max_graphs(max_graphs), shares_pool))
+        graphed = [regraphing(target, options, _max_graphs(max_graphs), first=g,
+                              shared_pool=g.pool if shares_pool else None)
+                   for target, g in zip(described, graphed)]
+        _live.update(graphed)
     out = []
     for fn, target, g in zip(callables, targets, graphed):
         if isinstance(target, nn.Module):
@@ -264,14 +266,15 @@ def make_graphed(
             raise ValueError("cgraph: sample_kwargs without sample_args; pass both, or "
                              "neither to capture on the first call.")
         _require_cuda()
-        on_miss = (Regraph(target, options, limit or 1, False) if pool_id is None
-                   else _group.member(target, pool_id, options, limit or 1))
-        g = _C.new_graphed(on_miss)
+        g = (regraphing(target, options, limit or 1) if pool_id is None
+             else _group.graphed_layer(target, pool_id, options, limit or 1))
         _live.add(g)
     else:
         (g,) = _graph([target], (sample_args,), (sample_kwargs,), pool_id, options)
         if limit is not None:
-            g._set_on_miss(Regraph(target, options, limit, pool_id is not None))
+            g = regraphing(target, options, limit, first=g,
+                           shared_pool=g.pool if pool_id is not None else None)
+            _live.add(g)
     call = g
     if buckets is not None:
         call = Bucketed(g, normalize_buckets(buckets),

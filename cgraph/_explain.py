@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import _C
 from ._capture import patched
 from ._describe import _CONTAINERS, CONSTANT_TYPES, leaf_names
 
@@ -51,6 +52,11 @@ _SKIP_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__
 _WARMUP_CALLS, _CHECKED_CALLS = 1, 2
 # The device type a graph runs on; every other device's tensors are host memory.
 _GPU = "cuda"
+# The kinds explain shares with CaptureError.kind, named by the native core's
+# one list of them (CG_FAILURE_KINDS in csrc/cgraph.h), so the two agree.
+_SYNC, _HOST_COPY, _RNG_CHANGED, _SEED_READ = (
+    _C.FAILURE_KINDS[kind] for kind in (_C.FAILURE_SYNC, _C.FAILURE_HOST_COPY,
+                                        _C.FAILURE_RNG_CHANGED, _C.FAILURE_SEED_READ))
 
 
 class Problem(NamedTuple):
@@ -520,17 +526,17 @@ class _FunctionChecks(TorchFunctionMode):
         on_device = isinstance(this, torch.Tensor) and rec.is_device(this)
         op = f"Tensor.{getattr(func, '__name__', func)}"
         if func in _READS and on_device:
-            return ("sync", op, f"{op} hands a tensor's value to Python: the host waits for "
+            return (_SYNC, op, f"{op} hands a tensor's value to Python: the host waits for "
                     "the GPU, and a graph would replay with the value read at capture.",
                     _FIX_VALUE)
         if (func in _TO_HOST or func is _T.to and self._to_host(args, kwargs)) and on_device:
-            return ("host_copy", op, f"{op} copies a tensor to host memory: the host waits "
+            return (_HOST_COPY, op, f"{op} copies a tensor to host memory: the host waits "
                     "for the GPU, and a graph cannot return host memory.", _FIX_TO_HOST)
         if func in _FROM_DATA and args and not isinstance(args[0], torch.Tensor) \
                 and kwargs.get("device") is not None \
                 and torch.device(kwargs["device"]).type == (rec.device or _GPU):
             name = f"torch.{func.__name__}"
-            return ("host_copy", name, f"{name}(data, device=...) copies host data to the "
+            return (_HOST_COPY, name, f"{name}(data, device=...) copies host data to the "
                     "GPU on every call: a graph cannot record a copy from pageable host "
                     "memory.", _FIX_FROM_HOST)
         return None
@@ -561,7 +567,7 @@ class _FunctionChecks(TorchFunctionMode):
         site = _user_site(caller)
         name = f"torch.{func.__name__}"
         if func in _RANDOM_FACTORIES:
-            self.rec.add("rng_changed", name, f"{name} without device= draws from the CPU "
+            self.rec.add(_RNG_CHANGED, name, f"{name} without device= draws from the CPU "
                          "generator, and stays on the CPU after the model moves to the GPU: a "
                          "graph would replay the numbers drawn at capture.", _FIX_CPU_RNG, site)
         elif isinstance(out, torch.Tensor) and out.dim() > 0:
@@ -618,7 +624,7 @@ class _DispatchChecks(TorchDispatchMode):
     def _before(self, func, name, args, kwargs, site) -> None:
         rec = self.rec
         if name in _PIN_OPS or kwargs.get("pin_memory"):
-            rec.add("sync", name, f"{name} allocates pinned host memory, which synchronizes "
+            rec.add(_SYNC, name, f"{name} allocates pinned host memory, which synchronizes "
                     "the device.", "allocate pinned buffers once, outside the graphed "
                     "callable.", site)
         elif name in _COPY_OPS:
@@ -627,13 +633,13 @@ class _DispatchChecks(TorchDispatchMode):
         elif any(rec.is_device(t) for t in _tensors((args, kwargs))):
             self._check_argument_written(func, name, args, kwargs, site)
             if name in _VALUE_OPS or torch.Tag.data_dependent_output in func.tags:
-                rec.add("sync", name, f"{name} reads a tensor's value on the host: the host "
+                rec.add(_SYNC, name, f"{name} reads a tensor's value on the host: the host "
                         "waits for the GPU, and a graph would replay with the value read at "
                         "capture.", _FIX_VALUE, site)
             elif _data_dependent_shape(func, name, args, kwargs):
                 what = ("indexes with a boolean mask" if name in _MASK_INDEX_OPS else
                         "makes a tensor whose shape depends on the data")
-                rec.add("sync", name, f"{name} {what}: the host waits for the GPU to learn "
+                rec.add(_SYNC, name, f"{name} {what}: the host waits for the GPU to learn "
                         "how many elements there are, and a graph has fixed shapes.",
                         _FIX_SHAPE, site)
 
@@ -659,11 +665,11 @@ class _DispatchChecks(TorchDispatchMode):
     def _check_copy(self, name, args, kwargs, site) -> None:
         source, target = _copy_devices(name, args, kwargs)
         if source == _GPU and target == "cpu":
-            self.rec.add("host_copy", name, f"{name} copies a GPU tensor to host memory: the "
+            self.rec.add(_HOST_COPY, name, f"{name} copies a GPU tensor to host memory: the "
                          "host waits for the GPU, and a graph cannot return host memory.",
                          _FIX_TO_HOST, site)
         elif source == "cpu" and target == _GPU:
-            self.rec.add("host_copy", name, f"{name} copies a CPU tensor to the GPU: a graph "
+            self.rec.add(_HOST_COPY, name, f"{name} copies a CPU tensor to the GPU: a graph "
                          "cannot record a copy from pageable host memory, and would not see "
                          "later values of the CPU tensor.", _FIX_FROM_HOST, site)
 
@@ -679,7 +685,7 @@ class _DispatchChecks(TorchDispatchMode):
         # returns CPU tensors (flash attention's philox seed and offset).
         if torch.Tag.nondeterministic_seeded in func.tags and \
                 not any(t.device.type == _GPU for t in tensors):
-            rec.add("rng_changed", name, f"{name} draws random numbers from the CPU "
+            rec.add(_RNG_CHANGED, name, f"{name} draws random numbers from the CPU "
                     "generator: a graph records GPU work only, and would replay the numbers "
                     "drawn at capture.", _FIX_CPU_RNG, site)
         elif any(t.dim() > 0 for t in host):
@@ -748,7 +754,7 @@ def _patches(rec: _Recorder) -> dict:
              (torch.cuda.Event, "synchronize", "torch.cuda.Event.synchronize", None)]
     for owner, name, op, gate in syncs:
         patches[owner, name] = _reporting(
-            rec, "sync", op, f"{op}() makes the host wait for the GPU; a graph cannot record "
+            rec, _SYNC, op, f"{op}() makes the host wait for the GPU; a graph cannot record "
             "it (capture fails).", sync_fix, getattr(owner, name), from_torch_too=True,
             call_original=gate or (lambda: True))
     seed_fix = ("seed outside the graphed callable; a graph would not reseed on replay. "
@@ -761,11 +767,11 @@ def _patches(rec: _Recorder) -> dict:
                         (torch.cuda, "set_rng_state"), (torch.cuda, "set_rng_state_all")]:
         op = f"{owner.__name__}.{name}"
         patches[owner, name] = _reporting(
-            rec, "rng_changed", op, f"{op}() sets a random generator's state during the "
+            rec, _RNG_CHANGED, op, f"{op}() sets a random generator's state during the "
             "call: that happens once, at capture, and never on replay.", seed_fix,
             getattr(owner, name))
     patches[torch.cuda, "initial_seed"] = _reporting(
-        rec, "seed_read", "torch.cuda.initial_seed", "torch.cuda.initial_seed() reads the "
+        rec, _SEED_READ, "torch.cuda.initial_seed", "torch.cuda.initial_seed() reads the "
         "CUDA generator's seed during the call, which a capture refuses.",
         "read the seed outside the graphed callable.", torch.cuda.initial_seed)
     patches[nn.Module, "__setattr__"] = _setattr_reporting(rec, nn.Module.__setattr__)

@@ -25,8 +25,11 @@ A: One pool serves several graphs only while no replay overwrites memory a
    activations are no longer kept is pending (it was replayed after its
    activations were released, and a capture could take them).
    A call inside a backward (a checkpoint's recompute) that no graph takes
-   runs eagerly: no capture runs inside autograd's backward.
-   Results are eager's throughout.
+   runs eagerly: no capture runs inside autograd's backward.  The native
+   core decides each such call (Note [Several graphs per callable] in
+   csrc/graphed.c), and the pool's ledger keeps whether it is in a second
+   pass (cg_pool_open_to_layers in csrc/aten_pool.cpp); a Member only
+   captures where it is told.  Results are eager's throughout.
 """
 
 from __future__ import annotations
@@ -45,19 +48,14 @@ from ._regraph import Regraph, _sample_of
 
 class Member(Regraph):
     """on_miss of a callable graphed without samples with a ``pool=``: its
-    graphs go into that pool, keeping their activations, when they can."""
+    graphs go into that pool, keeping their activations, when the native
+    core's CaptureSite says so."""
 
     __slots__ = ("pool",)
 
-    def __init__(self, target: Target, pool: tuple[int, int], options: CaptureOptions,
-                 max_graphs: int):
-        super().__init__(target, options, max_graphs, shares_pool=True)
+    def __init__(self, target: Target, pool: tuple[int, int], options: CaptureOptions):
+        super().__init__(target, options)
         self.pool = pool
-
-    def __call__(self, graphed: _C.Graphed, args: tuple, kwargs: dict, pending: bool):
-        if _in_backward():
-            return (self.target.run_eagerly(args, kwargs),)  # counted: eager_on_miss
-        return super().__call__(graphed, args, kwargs, pending)
 
     @contextlib.contextmanager
     def _samples(self, args: tuple, kwargs: dict, pool: tuple[int, int]) -> Iterator[tuple]:
@@ -90,46 +88,18 @@ class Member(Regraph):
                     if output._version != version:
                         output.copy_(values)
 
-    def _pool(self, graphed: _C.Graphed, pending: bool) -> tuple[tuple[int, int], bool, bool]:
-        """The shared pool; a pool of its own, as for a callable graphed
-        alone, during a second pass (a graph of this callable, or of another
-        member since the pool last had no backward pending, was called again
-        before its backward: a second micro-batch, whatever its shapes, whose
-        captures could take the temporaries of backwards that run before its
-        own) or while a pending graph of the shared pool no longer keeps its
-        activations.  Warm-up runs in the shared pool, in blocks no pending
-        backward needs (Note [Warm-up in the pool] in csrc/aten_setup.cpp):
-        beside it, it would take segments of its own on the capture stream.
-        A tensor the warm-up leaves there (state made on a first call with
-        new shapes) is moved out; memory that cannot be moved makes the call
-        raise, and every later capture of this member, since the graphs
-        captured before it would overwrite it."""
-        if not _C.pool_busy(self.pool):
-            _later_pass.discard(self.pool)  # every backward has run
-        if pending or graphed._backward_pending():
-            _later_pass.add(self.pool)
-        if self.pool in _later_pass or _C.pool_busy(self.pool, True):
-            return super()._pool(graphed, pending)
-        return self.pool, True, True
 
-    def _shared_pool(self, graphed: _C.Graphed) -> tuple[int, int]:
-        return self.pool
-
-
-# Pools in a second pass: a member was called again before its backward ran.
-# A member first called in that pass captures outside the pool too; one
-# first called as the pass's very first call cannot be told from a layer of
-# the first pass, and its capture makes the first pass's backward raise.
-_later_pass: set[tuple[int, int]] = set()
-
-
-def member(target: Target, pool: tuple[int, int], options: CaptureOptions,
-           max_graphs: int) -> Member:
-    """on_miss of a callable graphed without samples with this pool=."""
-    return Member(target, pool, options, max_graphs)
-
-
-def _in_backward() -> bool:
-    """Whether autograd is running a backward on this thread (a checkpoint's
-    recompute calls the layer again there)."""
-    return torch._C._current_graph_task_id() != -1
+def graphed_layer(target: Target, pool: tuple[int, int], options: CaptureOptions,
+                  max_graphs: int) -> _C.Graphed:
+    """A callable graphed without samples with this pool=: it captures on
+    its first call, and on each call its graphs do not take, up to
+    ``max_graphs``, into the pool while it may (else into a pool of its own,
+    as a callable graphed alone does).  Warm-up runs in the shared pool, in
+    blocks no pending backward needs (Note [Warm-up in the pool] in
+    csrc/aten_setup.cpp): beside it, it would take segments of its own on
+    the capture stream.  A tensor the warm-up leaves there (state made on a
+    first call with new shapes) is moved out; memory that cannot be moved
+    makes the call raise, and every later capture of this layer, since the
+    graphs captured before it would overwrite it."""
+    return _C.new_graphed(Member(target, pool, options), max_graphs, shared_pool=pool,
+                          layer=True, eager=target.run_eagerly)

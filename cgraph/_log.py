@@ -63,6 +63,10 @@ def on_event(event: str, graphed) -> None:
             "previous call, or of another graph of its pool) needs memory a replay would "
             "overwrite; counted in stats['eager_pending']. Logged once per callable.",
             describe(graphed))
+    elif event in ("past_max_graphs", "past_max_graphs_pending"):
+        _past_limit(graphed, pending=event == "past_max_graphs_pending")
+    elif event == "pool_dropped":
+        _pool_dropped(graphed)
     elif event == "outputs_copied":
         log.info(
             "%s: an output of an earlier call was still held when the graph replayed over "
@@ -81,8 +85,9 @@ def on_event(event: str, graphed) -> None:
         log.debug("%s: %s", describe(graphed), event)
 
 
-def captured(graphed, why: str, samples, seconds: float) -> None:
-    """A graph captured after the first (cgraph/_regraph.py)."""
+def captured(graphed, captured, why: str, samples, seconds: float) -> None:
+    """A graph captured after the first (cgraph/_regraph.py): `captured`,
+    which `graphed` adopts as its latest graph once this returns."""
     if not log.isEnabledFor(logging.INFO):
         return
     from torch.utils import _pytree as pytree  # only when logging
@@ -91,8 +96,8 @@ def captured(graphed, why: str, samples, seconds: float) -> None:
     shapes = ", ".join(str(tuple(t.shape)) for t in pytree.tree_leaves(samples)
                        if isinstance(t, torch.Tensor))
     log.info("%s: captured graph %d for %s (tensors %s) in %.3f s; its pools hold %.1f MiB.",
-             describe(graphed), graphed.num_graphs, why, shapes or "none", seconds,
-             pool_mib(graphed.pools))
+             describe(captured if graphed.spec is None else graphed), graphed.num_graphs + 1,
+             why, shapes or "none", seconds, pool_mib([*graphed.pools, *captured.pools]))
 
 
 def set_up(graphed: tuple, seconds: float) -> None:
@@ -114,25 +119,26 @@ def pool_mib(pools) -> float:
                if tuple(s.get("segment_pool_id", (0, 0))) in wanted) / 2**20
 
 
-def pool_dropped(graphed, dropped: int) -> None:
+def _pool_dropped(graphed) -> None:
     """Note [Warm-up in the pool]: a warm-up kept memory in a pool that no
     move could free, so the earlier graphs there were dropped."""
-    log.info("%s: a warm-up left memory allocated in the pool of %d earlier graph(s) that "
-             "no Python tensor holds (state the callable made for these arguments, such as "
-             "the autograd history of a kept tensor), which their replays would overwrite: "
-             "those graphs are dropped and captured again when needed.",
-             describe(graphed), dropped)
+    log.info("%s: a warm-up left memory allocated in the pool of earlier graphs that no "
+             "Python tensor holds (state the callable made for these arguments, such as the "
+             "autograd history of a kept tensor), which their replays would overwrite: "
+             "those graphs are dropped and captured again when needed; %d graph(s) remain.",
+             describe(graphed), graphed.num_graphs)
 
 
-def past_limit(graphed, max_graphs: int, pending: bool) -> None:
-    """A call runs eagerly: no graph takes it and max_graphs are captured."""
+def _past_limit(graphed, pending: bool) -> None:
+    """A call runs eagerly: no graph takes it and max_graphs are captured
+    (so num_graphs is max_graphs)."""
     why, counter = (("the backwards of its graphs for these arguments are pending",
                      "eager_pending") if pending
                     else ("none of its graphs takes these arguments", "eager_past_limit"))
     log.warning(
         "%s: a call ran eagerly because %s and max_graphs=%d graphs are captured; "
         "counted in stats[%r]. Raise max_graphs, or pad inputs to fewer shapes. Logged "
-        "once per callable.", describe(graphed), why, max_graphs, counter)
+        "once per callable.", describe(graphed), why, graphed.num_graphs, counter)
 
 
 def step_captured(step, recapture: bool, seconds: float) -> None:

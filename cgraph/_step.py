@@ -59,6 +59,11 @@ from ._describe import CONSTANT_TYPES, Target, draft
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
+# CaptureError.kind of an RNG state asked for unlike in warm-up, as the native
+# core names it (CG_FAILURE_KINDS in csrc/cgraph.h, the one list of kinds).
+_RNG_REGIONS = _C.FAILURE_KINDS[_C.FAILURE_RNG_REGIONS]
+
+
 def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
                       sample_kwargs: dict | None = None, num_warmup_iters: int = 3,
                       pool=None) -> "GraphedStep":
@@ -287,7 +292,7 @@ class GraphedStep:
             with self._device_lrs():
                 (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
         except _C.CaptureError as exc:
-            if exc.kind != "rng_regions":
+            if exc.kind != _RNG_REGIONS:
                 raise
             raise _rng_state_refused(exc) from exc.__cause__
         self.outputs = returned[0]
@@ -461,7 +466,7 @@ def _rng_state_refused(exc: BaseException) -> BaseException:
         "inside the step with cgraph.make_graphed instead (it handles checkpointing, "
         "dropout included), or checkpoint with preserve_rng_state=False where the region "
         f"draws no random numbers. Torch said: {exc.__cause__}")
-    error.kind = "rng_regions"
+    error.kind = _RNG_REGIONS
     return error
 
 

@@ -148,8 +148,12 @@ bool GradStore::may_be_held() const {
   return alias_may_be_held(handed);
 }
 
+bool GradStore::held_by_others() const {
+  return may_be_held() && !sole_owner(handed);
+}
+
 bool GradStore::release() {
-  if (!may_be_held() || sole_owner(handed)) {
+  if (!held_by_others()) {
     return false;
   }
   move_to_own_memory(memory.device().index(), *handed.storage().unsafeGetStorageImpl());
@@ -431,7 +435,7 @@ void GraphedBackward::refuse_ungraded_inputs() {
 
 void GraphedBackward::check_replayable() const {
   const Engine& e = *engine;
-  TORCH_CHECK(e.alive, "cgraph: backward through a graphed callable that was reset() "
+  TORCH_CHECK(e.alive(), "cgraph: backward through a graphed callable that was reset() "
               "after this forward ran.");
   TORCH_CHECK(!ran.load(), "cgraph: a second backward through the same graphed call "
               "(retain_graph=True). The backward graph reuses the memory of the forward's "
@@ -478,8 +482,8 @@ void GraphedBackward::launch(GradPath path) {
   Engine& e = *engine;
   e.bwd->set_segment(e.tail_copy, path == GradPath::CopyTail);
   e.bwd->set_segment(e.tail_add, path == GradPath::AddTail);
-  if (!e.rng.regions.empty()) {
-    e.rng_before_backward_replay();
+  if (e.rng.has_regions()) {
+    e.rng.before_backward_replay();
   }
   RECORD_FUNCTION("cgraph::replay_backward_graph", std::vector<c10::IValue>());
   e.launch(*e.bwd);

@@ -32,7 +32,7 @@ void Engine::capture_begin(cg_pass pass, at::cuda::MempoolId_t pool_id,
                            cudaStreamCaptureMode mode) {
   pool = pool_id;
   note_capture(pass);  // Note [Captures that share a pool] (aten_pool.cpp)
-  if (pass == CG_FORWARD && keep_activations) {  // only cgraph/_group.py reads in place
+  if (pass == CG_FORWARD && member.keeps_activations()) {  // only cgraph/_group.py reads in place
     note_inputs_in_place();
   }
   blas_workspace = live_blas_workspace(caller_stream);  // Note [One cuBLAS workspace per stream]
@@ -46,11 +46,11 @@ void Engine::capture_begin(cg_pass pass, at::cuda::MempoolId_t pool_id,
     }
   }
   Graph& g = graph(pass);
-  rng_capture_begin(pass);
+  rng.capture_begin(graph(pass), pass);
   try {
     g.capture_begin(pool, mode);
   } catch (...) {
-    rng_capture_end();
+    rng.capture_end();
     throw;
   }
   try {
@@ -75,15 +75,15 @@ void Engine::capture_end(cg_pass pass) {
     abandon_capture(pass);
     throw;
   }
-  rng_capture_end();
-  check_host_rng_untouched();
+  rng.capture_end();
+  rng.check_host_untouched();
   if (pass == CG_FORWARD) {
-    check_rng_regions_entered();
+    rng.check_regions_entered();
   }
 }
 
 void Engine::abandon_capture(cg_pass pass) noexcept {
-  rng_capture_end();  // first: abandon() may repair the default generator
+  rng.capture_end();  // first: abandon() may repair the default generator
   graph(pass).abandon();
 }
 

@@ -136,7 +136,7 @@ void Engine::capture_backward(at::cuda::MempoolId_t pool_id, cudaStreamCaptureMo
         p.owns_store = false;
       } else if (p.owns_store) {
         share_grad_store(p.tensor, caller_stream, p.store);
-        p.store->ledger = ledger;
+        p.store->ledger = member.ledger();
       }
     }
   }
@@ -157,7 +157,7 @@ void Engine::record_backward(const std::vector<at::Tensor>& diff) {
   }
   // Kept activations stay with the forward capture's autograd history:
   // Note [Layers captured one by one into one pool] (aten_pool.cpp).
-  const std::vector<at::Tensor> grads = run_backward(diff, grad_outs, keep_activations);
+  const std::vector<at::Tensor> grads = run_backward(diff, grad_outs, member.keeps_activations());
   size_t next = 0;
   for (Input& in : inputs) {
     if (in.requires_grad) {
@@ -170,7 +170,8 @@ void Engine::record_backward(const std::vector<at::Tensor>& diff) {
     }
     const at::Tensor& g = grads[next++];
     if (g.defined() && p.owns_store) {
-      p.store = std::make_shared<GradStore>(grad_memory(g, p.tensor), captured_at[CG_BACKWARD]);
+      p.store = std::make_shared<GradStore>(grad_memory(g, p.tensor),
+                                            member.captured_at(CG_BACKWARD));
     }
     p.grad = !g.defined() ? at::Tensor() : non_owning_view(p.owns_store ? p.store->memory : g);
   }
@@ -184,7 +185,7 @@ void Engine::record_backward(const std::vector<at::Tensor>& diff) {
 // layers before it, captured before it, replay after it in every pass and
 // would move its grads every step.
 bool Engine::computes_grads_in_place() const {
-  return kept_outputs != CG_KEEP_ALIAS && !keep_activations;
+  return kept_outputs != CG_KEEP_ALIAS && !member.keeps_activations();
 }
 
 // Before the backward capture, outside it: for each parameter that requires
@@ -349,8 +350,8 @@ GradIn Engine::capture_grad_in(const at::Tensor& buffer) {
 // [Layers captured one by one into one pool]); no static output has it.
 void Engine::forget_capture_autograd() {
   for (Output& o : outputs) {
-    if (keep_activations && has_bwd && o.requires_grad) {
-      kept_history.push_back(o.buffer);
+    if (member.keeps_activations() && has_bwd && o.requires_grad) {
+      member.keep_history(o.buffer);
     }
     o.buffer = o.buffer.detach();
   }

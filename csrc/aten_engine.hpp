@@ -2,15 +2,41 @@
 // the records of what they read and write.  Internal: only csrc/aten_*.cpp
 // include it; the C half sees cgraph.h alone.
 //
-// Engine's methods live in the file of their place in the lifecycle:
-//   aten_setup.cpp             construction, grad accumulators set aside, finish_setup
+// The files of the C++ half, in the order of the lifecycle:
+//   aten_entry.cpp             every extern "C" function of cgraph.h, thin wrappers
+//   aten_setup.cpp             construction, grad accumulators set aside, the
+//                              set-up session, warm-up in a pool, finish_setup
+//   aten_workspace.cpp         the cuBLAS workspace graphs share with eager mode
 //   aten_warmup.cpp            warm-up backward, hidden leaves, run_backward
 //   aten_capture.cpp           forward capture: begin, end, abandon, outputs
-//   aten_capture_backward.cpp  backward capture: incoming grads, grad tails
-//   aten_replay.cpp            the forward replay (the hot path)
-//   aten_backward.cpp          the backward node and its replay
-//   aten_reset.cpp             reset and destruction
+//   aten_capture_backward.cpp  backward capture: incoming grads, grad stores, tails
+//   aten_graph.cpp             a Graph's capture (aten_graph.hpp)
+//   aten_graph_nodes.cpp       the nodes a replay sets in a Graph, and its launch
+//   aten_replay.cpp            the forward replay (the hot path), held outputs
+//                              and input grads
+//   aten_backward.cpp          the backward node and its replay, grad stores
+//   aten_pool.cpp              the captures that share a pool: PoolLedger,
+//                              PoolMember, and when a replay may run
 //   aten_rng.cpp               random numbers in warm-up, capture and replay
+//   aten_accumulators.cpp      grad accumulators moved for a whole-step capture
+//   aten_inspect.cpp           what a captured graph is made of
+//   aten_checks.cpp            the switch of the debug checks (Note [Checked
+//                              invariants]) and the faults tests plant
+//   aten_reset.cpp             reset and destruction
+//   tensor_lists.cu            one-launch copies and adds of tensor lists
+//
+// Who writes what.  The records with private state are written by their own
+// methods only, each in one file: PoolMember (aten_pool.cpp), HandedOut
+// (aten_replay.cpp), EngineRng (aten_rng.cpp), SetupState (aten_setup.cpp),
+// Graph (aten_graph.cpp, aten_graph_nodes.cpp).
+// The Engine's identity is const; `alive()` changes in reset() alone
+// (aten_reset.cpp).  Its other fields are written at capture (aten_capture.cpp,
+// aten_capture_backward.cpp, aten_warmup.cpp) and, after capture, only by:
+// Input::handed and `generation` in aten_replay.cpp; latest_node in
+// aten_pool.cpp (under the ledger's mutex); the static tensors, swapped for
+// non-owning views once their pass is over and Input::owner set, in
+// aten_pool.cpp; everything, at reset, in aten_reset.cpp; `stats` by the
+// path each counter counts.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -76,6 +102,39 @@ class Refusal : public c10::Error {
   Refusal(cg_failure kind, const std::string& message);
   cg_failure kind;
 };
+
+// ---- checked invariants: Note [Checked invariants] (aten_checks.cpp) ------
+
+// Whether the checks that walk a pool or every held tensor run: CGRAPH_DEBUG=1
+// in the environment at import, or cgraph._C._debug(True).  One relaxed load.
+bool debug_checks();
+
+// Faults a test plants to show that a check fires (cgraph._C._debug(True,
+// fault)); each is honoured only while debug_checks() is on.
+enum class Fault : uint8_t {
+  None,
+  // release_later_outputs moves nothing: outputs and grads of later graphs
+  // stay where the replay writes.
+  SkipLaterMoves,
+};
+bool planted(Fault fault);
+// Turns the debug checks on or off and plants the fault named `fault`
+// (nullptr or "": none).  False, changing nothing, for an unknown name.
+bool set_debug(bool on, const char* fault);
+
+// A rule of the Notes that is cheap to check: checked always.  A failure is
+// a bug in cgraph, reported as torch reports its own internal asserts.
+#define CG_INVARIANT(cond, ...) \
+  TORCH_INTERNAL_ASSERT((cond), "cgraph invariant: ", __VA_ARGS__)
+// A rule whose check walks a pool or every held tensor: only under
+// debug_checks().  `cond` is not evaluated otherwise.
+#define CG_DEBUG_INVARIANT(cond, ...)                                          \
+  do {                                                                         \
+    if (C10_UNLIKELY(::cgraph::debug_checks())) {                              \
+      TORCH_INTERNAL_ASSERT((cond), "cgraph invariant (CGRAPH_DEBUG): ",       \
+                            __VA_ARGS__);                                      \
+    }                                                                          \
+  } while (0)
 
 // ---- the records --------------------------------------------------------
 
@@ -149,6 +208,9 @@ struct GradStore {
   }
   // Whether anybody but cgraph may hold what was handed out (cheap).
   bool may_be_held() const;
+  // Whether a handed grad lies in the memory and somebody holds it: what
+  // release() moves (exact, not cheap).
+  bool held_by_others() const;
   // Before a replay that writes the memory: a handed grad still held gets
   // memory of its own.  Returns whether one was moved.
   bool release();
@@ -224,6 +286,35 @@ struct Output {
   std::optional<GradIn> grad_in;  // when requires_grad and a backward graph exists
 };
 
+// What an engine handed to its callers and still watches, weakly: the
+// latest call's outputs (Note [Outputs of earlier calls]) and the input
+// grads whose Input::handed was replaced while somebody held them (Note
+// [Grads handed to autograd]).  Private state, written only by its methods,
+// all in aten_replay.cpp.  Not locked: graphs of one pool replay on one
+// thread at a time.
+class HandedOut {
+ public:
+  void watch_output(const at::Tensor& out);
+  void watch_replaced_grad(const at::Tensor& grad);
+  bool has_outputs() const { return !outputs_.empty(); }
+  bool has_replaced_grads() const { return !grads_.empty(); }
+  // Before a replay overwrites them: the outputs still alive get memory of
+  // their own (CG_KEEP_COPY) or are made unreadable (CG_KEEP_ERROR).
+  void release_outputs(cg_kept_outputs kept, c10::DeviceIndex device, cg_stats& stats);
+  // Likewise the replaced grads held by anybody but `consumed`.
+  void release_replaced_grads(at::ArrayRef<at::Tensor> consumed, c10::DeviceIndex device,
+                              cg_stats& stats);
+  // Note [Checked invariants]: whether a watched output still lies in
+  // `statics`' memory, or a replaced grad is held by anybody but `consumed`.
+  bool outputs_lie_in(const std::vector<Output>& statics) const;
+  bool replaced_grads_held(at::ArrayRef<at::Tensor> consumed) const;
+  void forget() noexcept;  // at reset
+
+ private:
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> outputs_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> grads_;
+};
+
 // Where a backward node's next edge gets its grad from.
 struct EdgeSource {
   enum class Kind : uint8_t {
@@ -256,14 +347,6 @@ struct RngRegion {
   uint64_t entry_offset = 0;  // from the forward's start to the region's
 };
 
-// What replays need.
-struct RngReplay {
-  std::vector<RngRegion> regions;
-  uint64_t forward_increment = 0;  // how far one eager forward moves the stream
-  uint64_t seed = 0;               // the latest forward replay's seed and base
-  uint64_t base = 0;
-};
-
 enum class RngPhase { Off, Warmup, Forward, Backward };
 
 struct RngSnapshot {
@@ -284,32 +367,126 @@ struct RngSetup {
   RngSnapshot host_before;               // host generators before this capture
 };
 
+// An engine's random numbers.  Its state is private and written only by its
+// methods, all in aten_rng.cpp, and by the RNG hooks there
+// (rng_get_state, rng_set_state).
+class EngineRng {
+ public:
+  explicit EngineRng(c10::DeviceIndex device) : device_(device) {}
+
+  // -- warm-up and capture; none after finish_setup()
+  void warmup_begin();
+  void warmup_end();
+  void capture_begin(Graph& graph, cg_pass pass);
+  void capture_end() noexcept;        // also when the capture failed
+  void check_host_untouched() const;  // after each capture: throws a Refusal
+  void check_regions_entered() const;  // after the forward capture: likewise
+  void finish_setup() { setup_.reset(); }
+
+  // -- replay (the hot path: callables with no checkpointed region skip it)
+  bool has_regions() const { return !regions_.empty(); }
+  void before_forward_replay();
+  void after_forward_replay();
+  void before_backward_replay();
+
+ private:
+  friend std::optional<at::Tensor> rng_get_state(c10::DeviceIndex device);
+  friend bool rng_set_state(const at::Tensor& state, c10::DeviceIndex device);
+  RngSnapshot host_snapshot() const;
+
+  c10::DeviceIndex device_;
+  std::vector<RngRegion> regions_;
+  uint64_t forward_increment_ = 0;  // how far one eager forward moves the stream
+  uint64_t seed_ = 0;               // the latest forward replay's seed and base
+  uint64_t base_ = 0;
+  std::unique_ptr<RngSetup> setup_ = std::make_unique<RngSetup>();  // until finish_setup
+};
+
 // ---- set-up state, freed when capture completes ------------------------------
 
-struct SetupState {
-  // A parameter's own grad accumulator and post-accumulate-grad hooks, set
-  // aside: Note [Grad accumulators during capture] (aten_setup.cpp).
+// What warm-up and capture change of the caller's state and must put back.
+// Private state, written only by its methods, all in aten_setup.cpp.
+class SetupState {
+ public:
+  // Sets each parameter's own grad accumulator and post-accumulate-grad
+  // hooks aside: Note [Grad accumulators during capture] (aten_setup.cpp).
+  void set_aside_grad_accumulators(const std::vector<Param>& params);
+  void restore_grad_accumulators() noexcept;
+  // Module state that warm-up changes (BatchNorm's running stats): saved
+  // now, put back by restore_buffers().
+  void save_buffers(std::vector<at::Tensor> buffers);
+  void restore_buffers();
+
+ private:
   using PostAccHookPtr = std::unique_ptr<torch::autograd::PostAccumulateGradHook>;
   struct AsideParam {
     at::Tensor param;
     WeakNodePtr accumulator = WeakNodePtr(NodePtr());
     PostAccHookPtr post_acc_hooks;
   };
-  std::vector<AsideParam> aside;
-
-  // Module state that warm-up changes (BatchNorm's running stats).
+  std::vector<AsideParam> aside_;
   struct BufferSnapshot {
     at::Tensor buffer;
     at::Tensor saved;
   };
-  std::vector<BufferSnapshot> buffers;
-
-  RngSetup rng;
+  std::vector<BufferSnapshot> buffers_;
 };
 
 // ---- the engine -----------------------------------------------------------
 
 struct Engine;
+
+// An engine's place among the captures of its pool: Note [Captures that
+// share a pool] (aten_pool.cpp).  Its state is private and written only by
+// its own methods, all in aten_pool.cpp; the other files read it.
+class PoolMember {
+ public:
+  explicit PoolMember(bool keep_activations) : keep_activations_(keep_activations) {}
+
+  // Note [Layers captured one by one into one pool] (aten_pool.cpp).
+  bool keeps_activations() const { return keep_activations_; }
+  // The pool's number of `pass`'s capture; 0 before it.
+  uint64_t captured_at(cg_pass pass) const { return captured_at_[pass]; }
+  // The pool's ledger, from the first capture on.
+  const std::shared_ptr<PoolLedger>& ledger() const { return ledger_; }
+  // Whether capture number `at` ran while the engine's activations were
+  // allocated (so it did not take their memory).
+  bool activations_span(uint64_t at) const {
+    return captured_at_[CG_FORWARD] < at && at < released_at_;
+  }
+  // Whether the activations it kept were released (its pass is over).
+  bool released_kept() const { return released_at_ != 0 && released_at_ != UINT64_MAX; }
+  bool holds_activations() const { return !kept_history_.empty(); }
+  // Whether static memory of the engine was freed for later captures (before
+  // capture number `at`): Note [Static memory freed once its pass is over].
+  bool freed_statics() const { return statics_freed_at_ != UINT64_MAX; }
+  bool freed_statics_before(uint64_t at) const { return statics_freed_at_ < at; }
+
+  // At each capture's start: numbers it, and enters `engine` in the ledger
+  // of `pool` at its forward capture.
+  void note_capture(Engine& engine, at::cuda::MempoolId_t pool, cg_pass pass);
+  // At the backward capture, with keep_activations: an output with its
+  // autograd history, which holds the activations allocated until released.
+  void keep_history(at::Tensor output);
+  // Releases the kept activations as capture number `at` (under the
+  // ledger's mutex); the caller drops what it returns outside the mutex.
+  std::vector<at::Tensor> release_kept(uint64_t at);
+  // Static memory of the engine was freed as capture number `at` (under the
+  // ledger's mutex).
+  void note_statics_freed(uint64_t at);
+  // At reset: the kept history goes, the ledger stays (it numbers the pool).
+  void forget_history() noexcept;
+
+ private:
+  std::shared_ptr<PoolLedger> ledger_;
+  uint64_t captured_at_[2] = {0, 0};
+  // When the forward capture's activations became free for later captures:
+  // at the backward capture, or, with keep_activations, once released.
+  uint64_t released_at_ = 0;
+  std::vector<at::Tensor> kept_history_;  // with keep_activations, until released
+  uint64_t statics_freed_at_ = UINT64_MAX;
+  bool keep_activations_;
+};
 
 // Whether an engine of `pool` has a backward pending; with unkept_only, one
 // whose activations are not kept (aten_pool.cpp).
@@ -349,17 +526,16 @@ struct Engine : std::enable_shared_from_this<Engine> {
   explicit Engine(const cg_engine_config& config);
   ~Engine();
 
-  // -- identity
-  c10::DeviceIndex device;
-  at::cuda::MempoolId_t pool{0, 0};
-  bool allow_unused = false;
-  cg_kept_outputs kept_outputs = CG_KEEP_COPY;  // Note [Outputs of earlier calls]
-  // Note [Layers captured one by one into one pool] (aten_pool.cpp).
-  bool keep_activations = false;
-  bool alive = true;          // false after reset(): replays and backwards raise
+  // -- identity, fixed at construction
+  const c10::DeviceIndex device;
+  const bool allow_unused = false;
+  const cg_kept_outputs kept_outputs = CG_KEEP_COPY;  // Note [Outputs of earlier calls]
+  at::cuda::MempoolId_t pool{0, 0};  // set at the forward capture (aten_capture.cpp)
+  // False after reset(): replays and backwards raise.
+  bool alive() const { return alive_; }
   // The stream current when the callable was graphed: param.grad lives
   // there, beside the optimizer's state, not on the capture stream.
-  c10::cuda::CUDAStream caller_stream;
+  const c10::cuda::CUDAStream caller_stream;
 
   // -- graphs.  Both start with copies of their arguments (inputs; incoming
   //    grads); bwd ends with the parameter-grad tails, two optional
@@ -379,17 +555,13 @@ struct Engine : std::enable_shared_from_this<Engine> {
   std::vector<Output> outputs;
   Autocast autocast;          // at the forward's capture
   bool grad_mode = true;      // grad mode at the forward's capture
-  RngReplay rng;
+  EngineRng rng;  // Note [RNG in checkpointed regions] (aten_rng.cpp)
 
   // Present from construction to finish_setup().
   std::unique_ptr<SetupState> setup = std::make_unique<SetupState>();
 
   // -- replay bookkeeping
-  // The latest call's outputs: Note [Outputs of earlier calls].
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> handed_out;
-  // Grads for the inputs handed out earlier and still held when their
-  // Input::handed was replaced: Note [Grads handed to autograd].
-  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> handed_grads;
+  HandedOut handed;
   // The latest replay's backward node: Note [Calls before their backwards]
   // (aten_backward.cpp).
   WeakNodePtr latest_node = WeakNodePtr(NodePtr());
@@ -401,19 +573,8 @@ struct Engine : std::enable_shared_from_this<Engine> {
   cg_stats stats{};  // how often each path ran, for introspection and tests
 
   // -- the pool's other graphs: Note [Captures that share a pool] (aten_pool.cpp)
-  std::shared_ptr<PoolLedger> ledger;          // from the first capture on
-  uint64_t captured_at[2] = {0, 0};            // the pool's number of each capture
-  // When the forward capture's activations became free for later captures:
-  // at the backward capture, or, with keep_activations, once released.
-  uint64_t released_at = 0;
-  // With keep_activations, until released: the forward capture's outputs
-  // with their autograd history, which holds the activations allocated.
-  std::vector<at::Tensor> kept_history;
-  // When static memory of this engine (outputs, input grads) was freed for
-  // later captures once its pass was over; UINT64_MAX while none was: Note
-  // [Static memory freed once its pass is over] (aten_pool.cpp).
-  uint64_t statics_freed_at = UINT64_MAX;
-  void note_capture(cg_pass pass);             // at each capture's start
+  PoolMember member;
+  void note_capture(cg_pass pass) { member.note_capture(*this, pool, pass); }
   void note_inputs_in_place();                 // at the forward capture's start
   bool may_replay_forward() const;             // no pending graph needs what it writes
   void check_backward_replayable() const;      // throws if one does
@@ -428,12 +589,16 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // and of the outputs and grads of engines captured after it.
   void release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed = {});
   bool later_backward_of_another(uint64_t at) const;
+  // Note [Checked invariants]: whether a replay of `pass` would overwrite an
+  // output or grad still held by anybody but `consumed` (aten_pool.cpp), and
+  // whether this engine holds one (aten_replay.cpp).
+  bool held_where_written(cg_pass pass, at::ArrayRef<at::Tensor> consumed) const;
+  bool holds_outputs_in_place() const;
+  bool holds_grads_in_place(at::ArrayRef<at::Tensor> consumed) const;
 
   Graph& graph(cg_pass pass) { return pass == CG_FORWARD ? *fwd : *bwd; }
 
   // -- set-up (aten_setup.cpp)
-  void set_aside_grad_accumulators();
-  void restore_grad_accumulators() noexcept;
   void finish_setup();
 
   // -- warm-up (aten_warmup.cpp)
@@ -459,24 +624,15 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // Whether what it hands out may lie in memory it does not keep allocated.
   bool borrows_memory() const;
 
-  // -- random numbers (aten_rng.cpp)
-  RngSnapshot host_rng_snapshot() const;
-  void check_host_rng_untouched() const;
-  void rng_warmup_begin();
-  void rng_warmup_end();
-  void check_rng_regions_entered() const;
-  void rng_capture_begin(cg_pass pass);
-  void rng_capture_end() noexcept;
-  void rng_before_forward_replay();
-  void rng_after_forward_replay();
-  void rng_before_backward_replay();
-
   // Launches one of this engine's graphs on the current stream, ordered
   // with caller_stream if that is another: Note [Replays on another stream]
   // (aten_replay.cpp).
   void launch(Graph& graph);
 
  private:
+  bool alive_ = true;  // written by reset() alone (aten_reset.cpp)
+  // aten_pool.cpp: release_later_outputs's moves.
+  void move_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed);
   // aten_capture_backward.cpp
   std::vector<at::Tensor> differentiable_outputs() const;
   void record_backward(const std::vector<at::Tensor>& diff);
@@ -513,7 +669,10 @@ struct PoolBlocks {
 
 // The forward replay of one call (aten_replay.cpp): a NEW reference to the
 // tuple of outputs.  Throws on failure.
-PyObject* replay(const std::shared_ptr<Engine>& engine, PyObject* const* args, size_t nargs);
+// With `accepted`, accepts() just took these arguments: they are not
+// checked again.
+PyObject* replay(const std::shared_ptr<Engine>& engine, PyObject* const* args, size_t nargs,
+                 bool accepted);
 
 // Whether a call with these tensor arguments may replay this engine's graphs
 // (cg_engine_accepts in cgraph.h).  Never throws for a mismatch.

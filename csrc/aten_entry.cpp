@@ -9,6 +9,7 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
 
@@ -112,7 +113,7 @@ int cg_engine_finish_setup(cg_engine* engine) {
 
 int cg_engine_warmup_begin(cg_engine* engine) {
   HANDLE_TH_ERRORS
-  engine->ptr->rng_warmup_begin();
+  engine->ptr->rng.warmup_begin();
   return 0;
   END_HANDLE_TH_ERRORS_RET(-1)
 }
@@ -120,9 +121,9 @@ int cg_engine_warmup_begin(cg_engine* engine) {
 int cg_engine_warmup_end(cg_engine* engine, int completed) {
   HANDLE_TH_ERRORS
   if (completed) {
-    engine->ptr->rng_warmup_end();
+    engine->ptr->rng.warmup_end();
   } else {
-    engine->ptr->rng_capture_end();  // leaves the RNG hooks; keeps the caller's exception
+    engine->ptr->rng.capture_end();  // leaves the RNG hooks; keeps the caller's exception
   }
   return 0;
   END_HANDLE_TH_ERRORS_RET(-1)
@@ -230,9 +231,10 @@ void cg_accumulators_restore(cg_moved_accumulators* moved) {
 
 // ---- replay ------------------------------------------------------------------
 
-PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args, Py_ssize_t nargs,
+                           int accepted) {
   HANDLE_TH_ERRORS
-  return cgraph::replay(engine->ptr, args, static_cast<size_t>(nargs));
+  return cgraph::replay(engine->ptr, args, static_cast<size_t>(nargs), accepted != 0);
   END_HANDLE_TH_ERRORS_RET(nullptr)
 }
 
@@ -254,6 +256,12 @@ int cg_engine_backward_pending(const cg_engine* engine) {
 
 int cg_pool_busy(cg_pool pool, int unkept_only) {
   return cgraph::pool_busy(to_mempool(pool), unkept_only != 0) ? 1 : 0;
+}
+
+// cg_pool_open_to_layers is in aten_pool.cpp, beside the ledger's state it keeps.
+
+int cg_in_backward(void) {
+  return torch::autograd::get_current_graph_task_id() != -1 ? 1 : 0;
 }
 
 void cg_pool_release_kept(cg_pool pool, cg_engine* const* capturing, Py_ssize_t n) {
@@ -341,11 +349,26 @@ cg_stats cg_engine_stats(const cg_engine* engine) {
 int cg_engine_graph_shape(const cg_engine* engine, cg_pass pass, cg_graph_shape* out) {
   HANDLE_TH_ERRORS
   const Engine& e = *engine->ptr;
-  if (!e.alive || (pass == CG_BACKWARD && !e.has_bwd)) {
+  if (!e.alive() || (pass == CG_BACKWARD && !e.has_bwd)) {
     return 0;
   }
   return (pass == CG_FORWARD ? *e.fwd : *e.bwd).shape(out) ? 1 : 0;
   END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+// ---- checked invariants (aten_checks.cpp) ----------------------------------
+
+int cg_set_debug(int on, const char* fault) {
+  if (!cgraph::set_debug(on != 0, fault)) {
+    PyErr_Format(PyExc_ValueError, "cgraph: no fault named '%s'; the one a test may plant "
+                 "is 'skip_later_moves'.", fault);
+    return -1;
+  }
+  return 0;
+}
+
+int cg_debug(void) {
+  return cgraph::debug_checks() ? 1 : 0;
 }
 
 }  // extern "C"

@@ -58,7 +58,7 @@ namespace cgraph {
 //    of this layer's activations, which its backward will read?
 // A: Those captures keep their activations (keep_activations): the backward
 //    capture retains the forward capture's autograd graph, and the engine
-//    holds its outputs with their history (kept_history), so the blocks of
+//    holds its outputs with their history (PoolMember::keep_history), so the blocks of
 //    the activations stay allocated and no later capture can take them.
 //    The next layer's captures may take the temporaries of this backward
 //    capture: that layer's activations and grad buffers are done with by
@@ -66,11 +66,11 @@ namespace cgraph {
 //    grads still held are moved out of the way first (the outputs rule
 //    above).  That holds within one pass: a layer with a backward pending
 //    captures its next call (a second micro-batch, of any shape) elsewhere
-//    (cgraph/_group.py), since the first pass's backwards run before the
+//    (cg_pool_open_to_layers), since the first pass's backwards run before the
 //    second's and would overwrite its activations.  The
 //    activations are released at the start of the next capture into the
 //    pool after the engine's backward has run (or its outputs died):
-//    released_at numbers that moment, and spans() reads it as the end of
+//    PoolMember numbers that moment, and activations_span() reads it as the end of
 //    the engine's activations.  So the forwards of a pass replay while the
 //    earlier layers' backwards are pending, and the backwards replay in
 //    reverse, as if the pass had been captured together, with no eager pass
@@ -93,7 +93,7 @@ namespace cgraph {
 //      graph that copies, as any other tensor does.
 //    - Layer k+1's backward reads it too, and while layer k+1 is pending
 //      none of those graphs may replay: all were captured before it, so its
-//      span does not cover them (spans() below).
+//      span does not cover them (activations_span() below).
 //
 // Note [Static memory freed once its pass is over]
 // Q: Layers captured one by one into one pool keep each graph's static
@@ -110,13 +110,13 @@ namespace cgraph {
 //    they take temporaries.  Exact because:
 //    - A graph captured after the free may write those blocks.  Before it
 //      replays, the engine's outputs and grads still held are moved out, as
-//      for an engine captured after it (statics_freed_at, in
+//      for an engine captured after it (freed_statics_before, in
 //      release_later_outputs).  Graphs captured before the free do not
 //      reach the blocks, so only replays of later captures pay for the walk.
 //    - The engine's own replays write memory the later captures may use:
 //      they were captured after it, so their held outputs and grads are
 //      moved out first already, and neither replays while the other is
-//      pending (spans(): the free comes after the engine's release).
+//      pending (activations_span(): the free comes after the engine's release).
 //    - An output the next layer reads in place (Note [A layer reading the
 //      one before it in place]) is held by that layer's engine too, from
 //      before its capture (Input::owner, claim_read_in_place; its sample is
@@ -145,13 +145,16 @@ struct PoolLedger {
   // move, and skips the mutex.
   std::atomic<uint64_t> latest_forward{0};
   std::atomic<uint64_t> latest_backward{0};
-  // The earliest statics_freed_at of its engines: a replay of a graph
+  // The earliest capture number its engines' statics were freed at: a replay of a graph
   // captured before it has no freed memory to look after either.
   std::atomic<uint64_t> earliest_statics_freed{UINT64_MAX};
   // The pool stores of parameter grads whose first engine is gone while
   // later graphs share them (while it lives, it releases them itself):
   // Note [Parameter gradients].
   std::vector<std::weak_ptr<GradStore>> orphans;
+  // A layer was called again before its backward ran (a second pass), and a
+  // backward of the pool has been pending ever since: cg_pool_open_to_layers.
+  bool later_pass = false;
 };
 
 namespace {
@@ -172,12 +175,6 @@ std::shared_ptr<PoolLedger> ledger_of(at::cuda::MempoolId_t pool, bool make) {
     weak = ledger;
   }
   return ledger;
-}
-
-// Whether engine `h`'s pending activations were allocated while capture
-// number `at` ran (so that capture did not take their memory).
-bool spans(const Engine& h, uint64_t at) {
-  return h.captured_at[CG_FORWARD] < at && at < h.released_at;
 }
 
 // The live engines of `ledger`; under its mutex.  An engine whose last
@@ -213,31 +210,54 @@ c10::SmallVector<std::shared_ptr<GradStore>, 4> orphans_after(PoolLedger& ledger
 
 }  // namespace
 
-void Engine::note_capture(cg_pass pass) {
-  if (!ledger) {
-    ledger = ledger_of(pool, /*make=*/true);
+// ---- PoolMember: an engine's place in its pool, written only here -------
+
+void PoolMember::note_capture(Engine& engine, at::cuda::MempoolId_t pool, cg_pass pass) {
+  if (!ledger_) {
+    ledger_ = ledger_of(pool, /*make=*/true);
   }
-  std::lock_guard<std::mutex> hold(ledger->mutex);
-  captured_at[pass] = ++ledger->captures;
+  std::lock_guard<std::mutex> hold(ledger_->mutex);
+  captured_at_[pass] = ++ledger_->captures;
+  CG_INVARIANT(pass == CG_FORWARD || (captured_at_[CG_FORWARD] != 0 &&
+                                      captured_at_[CG_FORWARD] < captured_at_[CG_BACKWARD]),
+               "a backward capture numbered before its forward's.");
   if (pass == CG_BACKWARD) {  // the capture frees the activations, unless kept
-    released_at = keep_activations ? UINT64_MAX : captured_at[pass];
-    ledger->latest_backward.store(captured_at[pass]);
+    released_at_ = keep_activations_ ? UINT64_MAX : captured_at_[pass];
+    ledger_->latest_backward.store(captured_at_[pass]);
   }
   if (pass == CG_FORWARD) {
-    auto& engines = ledger->engines;
+    auto& engines = ledger_->engines;
     engines.erase(std::remove_if(engines.begin(), engines.end(),
                                  [](const auto& weak) { return weak.expired(); }),
                   engines.end());
-    engines.push_back(weak_from_this());
-    ledger->latest_forward.store(captured_at[pass]);
+    engines.push_back(engine.weak_from_this());
+    ledger_->latest_forward.store(captured_at_[pass]);
   }
+}
+
+void PoolMember::keep_history(at::Tensor output) {
+  CG_INVARIANT(keep_activations_, "activations kept by an engine not captured to keep them.");
+  kept_history_.push_back(std::move(output));
+}
+
+std::vector<at::Tensor> PoolMember::release_kept(uint64_t at) {
+  released_at_ = at;  // later captures may take them
+  return std::exchange(kept_history_, {});
+}
+
+void PoolMember::note_statics_freed(uint64_t at) {
+  statics_freed_at_ = std::min(statics_freed_at_, at);
+}
+
+void PoolMember::forget_history() noexcept {
+  kept_history_.clear();
 }
 
 namespace {
 
-// Whether `b` is the static output `sample` shows: the same memory, laid
-// out alike.
-bool shows(const at::Tensor& b, const at::Tensor& sample) {
+// Whether `b` and `sample` are the same view: the same memory, laid out
+// alike (a sample is a view of static output `b`).
+bool same_view(const at::Tensor& b, const at::Tensor& sample) {
   return b.defined() && b.const_data_ptr() == sample.const_data_ptr() &&
          b.sizes().equals(sample.sizes()) && b.strides().equals(sample.strides()) &&
          b.scalar_type() == sample.scalar_type();
@@ -275,8 +295,8 @@ std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at:
     for (const Output& o : h->outputs) {
       // Not an engine that freed memory (Note [Static memory freed once its
       // pass is over]).
-      if (!found && h->alive && h->statics_freed_at == UINT64_MAX && where != nullptr &&
-          shows(o.buffer, t)) {
+      if (!found && h->alive() && !h->member.freed_statics() && where != nullptr &&
+          same_view(o.buffer, t)) {
         found = non_owning_view(o.buffer);  // the reader's Input::owner keeps it
       }
     }
@@ -289,7 +309,7 @@ void Engine::note_latest_node(const NodePtr& node) {
   WeakNodePtr latest(has_bwd ? node : NodePtr());
   // Backward replays on autograd's threads read it (check_backward_replayable).
   std::unique_lock<std::mutex> hold;
-  if (ledger) {
+  if (const auto& ledger = member.ledger()) {
     hold = std::unique_lock<std::mutex>(ledger->mutex);
   }
   latest_node = std::move(latest);
@@ -297,9 +317,10 @@ void Engine::note_latest_node(const NodePtr& node) {
 
 bool Engine::may_replay_forward() const {
   bool may = true;
-  if (ledger) {
+  if (const auto& ledger = member.ledger()) {
+    const uint64_t at = member.captured_at(CG_FORWARD);
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
-      may = may && !(h->backward_pending() && !spans(*h, captured_at[CG_FORWARD]));
+      may = may && !(h->backward_pending() && !h->member.activations_span(at));
     });
   }
   return may;
@@ -307,10 +328,10 @@ bool Engine::may_replay_forward() const {
 
 void Engine::check_backward_replayable() const {
   bool may = true;
-  if (ledger) {
+  if (const auto& ledger = member.ledger()) {
+    const uint64_t at = member.captured_at(CG_BACKWARD);
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
-      may = may && (h.get() == this || !h->backward_pending() ||
-                    spans(*h, captured_at[CG_BACKWARD]));
+      may = may && (h.get() == this || !h->backward_pending() || h->member.activations_span(at));
     });
   }
   TORCH_CHECK(may, "cgraph: this backward would overwrite activations that another graph of "
@@ -324,14 +345,25 @@ void Engine::check_backward_replayable() const {
 // Whether another engine's backward was captured after capture number `at`
 // of this one; false only where none was.
 bool Engine::later_backward_of_another(uint64_t at) const {
-  const uint64_t latest = ledger->latest_backward.load();
-  const uint64_t own = captured_at[CG_BACKWARD];
+  const uint64_t latest = member.ledger()->latest_backward.load();
+  const uint64_t own = member.captured_at(CG_BACKWARD);
   return latest > at && !(latest == own && own - at <= 1);  // none between `at` and own
 }
 
 void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed) {
   release_handed_grads(consumed);  // both of its graphs may write them
-  const uint64_t at = captured_at[pass];
+  if (C10_LIKELY(!planted(Fault::SkipLaterMoves))) {
+    move_later_outputs(pass, consumed);
+  }
+  CG_DEBUG_INVARIANT(!held_where_written(pass, consumed), "a replay of the ",
+                     pass == CG_FORWARD ? "forward" : "backward", " graph (capture ",
+                     member.captured_at(pass), " of its pool) would overwrite an output or "
+                     "grad that somebody still holds (Note [Captures that share a pool]).");
+}
+
+void Engine::move_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed) {
+  const uint64_t at = member.captured_at(pass);
+  const auto& ledger = member.ledger();
   if (!ledger || (ledger->latest_forward.load() <= at && !later_backward_of_another(at) &&
                   ledger->earliest_statics_freed.load() > at)) {
     return;
@@ -339,11 +371,11 @@ void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consum
   c10::SmallVector<std::shared_ptr<Engine>, 8> outputs_of, grads_of;
   for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
     // Note [Static memory freed once its pass is over]
-    const bool freed_before = h->statics_freed_at < at;
-    if ((h->captured_at[CG_FORWARD] > at || freed_before) && !h->handed_out.empty()) {
+    const bool freed_before = h->member.freed_statics_before(at);
+    if ((h->member.captured_at(CG_FORWARD) > at || freed_before) && h->handed.has_outputs()) {
       outputs_of.push_back(h);
     }
-    if (h.get() != this && (h->captured_at[CG_BACKWARD] > at || freed_before) &&
+    if (h.get() != this && (h->member.captured_at(CG_BACKWARD) > at || freed_before) &&
         h->may_hold_grads()) {
       grads_of.push_back(h);
     }
@@ -359,6 +391,28 @@ void Engine::release_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consum
   }
 }
 
+// Note [Checked invariants] (aten_checks.cpp): what release_later_outputs
+// decided with its shortcuts, recomputed without them.
+bool Engine::held_where_written(cg_pass pass, at::ArrayRef<at::Tensor> consumed) const {
+  bool held = holds_grads_in_place(consumed) || (pass == CG_FORWARD && holds_outputs_in_place());
+  const auto& ledger = member.ledger();
+  if (!ledger) {
+    return held;
+  }
+  const uint64_t at = member.captured_at(pass);
+  for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
+    const bool freed_before = h->member.freed_statics_before(at);
+    held = held || ((h->member.captured_at(CG_FORWARD) > at || freed_before) &&
+                    h->holds_outputs_in_place());
+    held = held || ((h->member.captured_at(CG_BACKWARD) > at || freed_before) &&
+                    h->holds_grads_in_place(consumed));
+  });
+  for (const auto& store : orphans_after(*ledger, at)) {
+    held = held || store->held_by_others();
+  }
+  return held;
+}
+
 void note_orphan_store(const std::shared_ptr<GradStore>& store) {
   PoolLedger& ledger = *store->ledger;
   std::lock_guard<std::mutex> hold(ledger.mutex);
@@ -371,7 +425,7 @@ void note_orphan_store(const std::shared_ptr<GradStore>& store) {
 
 bool Engine::shares_pool_with_others() const {
   bool others = false;
-  if (ledger) {
+  if (const auto& ledger = member.ledger()) {
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
       others = others || h.get() != this;
     });
@@ -383,7 +437,7 @@ uint64_t earliest_pending_forward(PoolLedger& ledger) {
   uint64_t earliest = UINT64_MAX;
   for_each_engine(ledger, [&](const std::shared_ptr<Engine>& h) {
     if (h->backward_pending()) {
-      earliest = std::min(earliest, h->captured_at[CG_FORWARD]);
+      earliest = std::min(earliest, h->member.captured_at(CG_FORWARD));
     }
   });
   return earliest;
@@ -394,11 +448,39 @@ bool pool_busy(at::cuda::MempoolId_t pool, bool unkept_only) {
   bool busy = false;
   if (ledger) {
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
-      busy = busy || (h->backward_pending() && !(unkept_only && !h->kept_history.empty()));
+      busy = busy || (h->backward_pending() && !(unkept_only && h->member.holds_activations()));
     });
   }
   return busy;
 }
+
+}  // namespace cgraph
+
+// Note [Layers captured one by one into one pool]: a layer called again
+// before its backward ran (a second micro-batch, of any shape) starts a
+// second pass, whose captures go elsewhere: the first pass's backwards run
+// before the second's and would overwrite their activations.  The pass
+// lasts while a backward of the pool is pending, and a layer first called
+// in it can tell only from here.  (One first called as the pass's very first
+// call cannot be told from a layer of the first pass: its capture makes the
+// first pass's backward raise, in check_backward_replayable.)
+extern "C" int cg_pool_open_to_layers(cg_pool pool, int called_again) {
+  try {
+    const at::cuda::MempoolId_t id{pool.first, pool.second};
+    const std::shared_ptr<cgraph::PoolLedger> ledger = cgraph::ledger_of(id, /*make=*/false);
+    const bool busy = cgraph::pool_busy(id, false), unkept = cgraph::pool_busy(id, true);
+    bool later = called_again != 0;
+    if (ledger) {  // else no graph there: no pass to remember
+      std::lock_guard<std::mutex> hold(ledger->mutex);
+      ledger->later_pass = later = (ledger->later_pass && busy) || later;
+    }
+    return later || unkept ? 0 : 1;
+  } catch (const std::exception&) {
+    return 0;  // a capture elsewhere is always exact
+  }
+}
+
+namespace cgraph {
 
 namespace {
 
@@ -406,9 +488,9 @@ namespace {
 // activations were released, so it reads its static memory again only at its
 // next replay, which writes it first.  Its outputs must be tracked to be
 // moved out of the way (not kept_outputs='alias').
-bool pass_over(const Engine& e) {
-  return e.alive && e.has_bwd && e.keep_activations && e.kept_outputs != CG_KEEP_ALIAS &&
-         e.released_at != 0 && e.released_at != UINT64_MAX && !e.backward_pending();
+bool pass_finished(const Engine& e) {
+  return e.alive() && e.has_bwd && e.member.keeps_activations() &&
+         e.kept_outputs != CG_KEEP_ALIAS && e.member.released_kept() && !e.backward_pending();
 }
 
 // A reference an engine keeps to static memory, which freeing that memory
@@ -423,7 +505,7 @@ struct StaticRef {
 // The references `e` keeps to memory that is still its own (not a
 // non-owning view already).
 void collect_static_refs(Engine& e, bool read_now, std::vector<StaticRef>& refs) {
-  const bool over = pass_over(e) && !read_now;
+  const bool over = pass_finished(e) && !read_now;
   const auto add = [&](at::Tensor& t, bool freeable) {
     if (t.defined() && t.has_storage() && !is_non_owning_view(t)) {
       refs.push_back({t.storage().unsafeGetStorageImpl(), &t, &e, over && freeable});
@@ -495,13 +577,15 @@ void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engi
     std::lock_guard<std::mutex> hold(ledger.mutex);
     at = ++ledger.captures;  // later captures may take the memory
     for (const StaticRef& r : freed) {  // before the memory is free
-      r.engine->statics_freed_at = std::min(r.engine->statics_freed_at, at);
+      r.engine->member.note_statics_freed(at);
     }
     ledger.earliest_statics_freed.store(std::min(ledger.earliest_statics_freed.load(), at));
   }
   std::vector<at::Tensor> dropped;  // after every replacement: a destructor may run Python
   dropped.reserve(freed.size());
   for (const StaticRef& r : freed) {
+    CG_INVARIANT(pass_finished(*r.engine), "static memory freed of an engine whose pass is "
+                 "not over (Note [Static memory freed once its pass is over]).");
     dropped.push_back(std::exchange(*r.tensor, non_owning_view(*r.tensor)));
   }
 }
@@ -519,7 +603,7 @@ std::vector<const Engine*> claim_read_in_place(PoolLedger& ledger,
       for (Input& in : e->inputs) {
         for (const Output& o : h->outputs) {
           if (!in.owner.defined() && is_non_owning_view(in.buffer) &&
-              !is_non_owning_view(o.buffer) && shows(o.buffer, in.buffer)) {
+              !is_non_owning_view(o.buffer) && same_view(o.buffer, in.buffer)) {
             in.owner = o.buffer.detach();
             read.push_back(h.get());
           }
@@ -538,11 +622,9 @@ void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> 
   c10::SmallVector<std::shared_ptr<Engine>, 8> engines;
   if (ledger) {
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
-      if (!h->kept_history.empty() && !h->backward_pending()) {
-        h->released_at = ++ledger->captures;  // later captures may take them
-        std::move(h->kept_history.begin(), h->kept_history.end(),
-                  std::back_inserter(released));
-        h->kept_history.clear();
+      if (h->member.holds_activations() && !h->backward_pending()) {
+        std::vector<at::Tensor> kept = h->member.release_kept(++ledger->captures);
+        std::move(kept.begin(), kept.end(), std::back_inserter(released));
       }
       engines.push_back(h);
     });
@@ -566,7 +648,7 @@ void move_held_out_of_freed(at::cuda::MempoolId_t pool) {
   c10::SmallVector<std::shared_ptr<Engine>, 8> freed;
   if (ledger) {
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
-      if (h->statics_freed_at != UINT64_MAX) {
+      if (h->member.freed_statics()) {
         freed.push_back(h);
       }
     });

@@ -91,7 +91,7 @@ bool reads_another_input(const Engine& e, size_t i, const at::Tensor& src) {
 }
 
 void check_call(const Engine& e, size_t nargs) {
-  TORCH_CHECK(e.alive, "cgraph: this graphed callable was reset(); graph the callable "
+  TORCH_CHECK(e.alive(), "cgraph: this graphed callable was reset(); graph the callable "
               "again to use it.");
   if (C10_UNLIKELY(!(Autocast::current() == e.autocast))) {
     raise_autocast_mismatch(e);
@@ -157,11 +157,11 @@ void stage_input(Engine& e, size_t i, const at::Tensor& t, StagedCall& call) {
   }
 }
 
-// 1. Every argument checked and routed (after the earlier outputs are saved:
-//    Note [Outputs of earlier calls]).
-void stage_inputs(Engine& e, PyObject* const* args, StagedCall& call) {
+// 1. Every argument checked (unless accepts() just did) and routed (after
+//    the earlier outputs are saved: Note [Outputs of earlier calls]).
+void stage_inputs(Engine& e, PyObject* const* args, bool accepted, StagedCall& call) {
   for (size_t i = 0; i < e.inputs.size(); ++i) {
-    const at::Tensor& t = check_argument(e, i, args[i]);
+    const at::Tensor& t = accepted ? THPVariable_Unpack(args[i]) : check_argument(e, i, args[i]);
     call.grad_args.push_back(t.requires_grad() ? &t : nullptr);
     call.any_grad_arg |= t.requires_grad();
     call.ungraded_arg |= t.requires_grad() && !e.inputs[i].requires_grad;
@@ -299,12 +299,12 @@ void launch_forward(Engine& e, const StagedCall& call) {
   copy_all(call.dst, call.src);
   {
     RECORD_FUNCTION("cgraph::replay_forward_graph", std::vector<c10::IValue>());
-    if (e.rng.regions.empty()) {
+    if (!e.rng.has_regions()) {
       e.launch(*e.fwd);
     } else {
-      e.rng_before_forward_replay();
+      e.rng.before_forward_replay();
       e.launch(*e.fwd);
-      e.rng_after_forward_replay();
+      e.rng.after_forward_replay();
     }
   }
   ++e.generation;
@@ -363,7 +363,7 @@ PyObject* wrap_outputs(Engine& e, const NodePtr& node, bool ungraded) {
       out = o.buffer.detach();
     } else {
       out = guarded_alias(o.buffer);
-      e.handed_out.push_back(out.storage().getWeakStorageImpl());
+      e.handed.watch_output(out);
     }
     if (node && attaches(o, ungraded)) {
       autograd::set_history(out, node);
@@ -396,20 +396,77 @@ void wait_for(const c10::cuda::CUDAStream& waiter, const c10::cuda::CUDAStream& 
 
 }  // namespace
 
-void Engine::release_earlier_outputs() {
-  Engine& e = *this;
-  for (const auto& weak : e.handed_out) {
+// ---- HandedOut: what the engine handed out and watches, written only here --
+
+void HandedOut::watch_output(const at::Tensor& out) {
+  outputs_.push_back(out.storage().getWeakStorageImpl());
+}
+
+void HandedOut::watch_replaced_grad(const at::Tensor& grad) {
+  grads_.push_back(grad.storage().getWeakStorageImpl());  // watched until it dies
+}
+
+void HandedOut::release_outputs(cg_kept_outputs kept, c10::DeviceIndex device,
+                                cg_stats& stats) {
+  for (const auto& weak : outputs_) {
     if (auto storage = weak.lock()) {
-      if (e.kept_outputs == CG_KEEP_COPY) {
-        move_to_own_memory(e.device, *storage);
-        ++e.stats.outputs_copied;
+      if (kept == CG_KEEP_COPY) {
+        move_to_own_memory(device, *storage);
+        ++stats.outputs_copied;
       } else {
         storage->release_data_and_set_meta_custom_data_ptr_error_msg_(kOverwrittenOutput);
-        ++e.stats.outputs_invalidated;
+        ++stats.outputs_invalidated;
       }
     }
   }
-  e.handed_out.clear();
+  outputs_.clear();
+}
+
+void HandedOut::release_replaced_grads(at::ArrayRef<at::Tensor> consumed,
+                                       c10::DeviceIndex device, cg_stats& stats) {
+  size_t watched = 0;
+  for (size_t k = 0; k < grads_.size(); ++k) {
+    const auto storage = grads_[k].lock();
+    if (storage && held_only_by(storage.get(), storage.use_count() - 1, nullptr, consumed)) {
+      std::swap(grads_[watched++], grads_[k]);  // looked at again next replay
+    } else if (storage) {
+      move_to_own_memory(device, *storage);
+      ++stats.input_grads_copied;
+    }
+  }
+  grads_.erase(grads_.begin() + static_cast<std::ptrdiff_t>(watched), grads_.end());
+}
+
+bool HandedOut::outputs_lie_in(const std::vector<Output>& statics) const {
+  for (const auto& weak : outputs_) {
+    const auto storage = weak.lock();
+    for (const Output& o : statics) {
+      if (storage && o.buffer.defined() && o.buffer.has_storage() &&
+          storage->data_ptr().get() == o.buffer.storage().data_ptr().get()) {
+        return true;
+      }
+    }
+  }
+  return false;
+}
+
+bool HandedOut::replaced_grads_held(at::ArrayRef<at::Tensor> consumed) const {
+  for (const auto& weak : grads_) {
+    const auto storage = weak.lock();
+    if (storage && !held_only_by(storage.get(), storage.use_count() - 1, nullptr, consumed)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void HandedOut::forget() noexcept {
+  outputs_.clear();
+  grads_.clear();
+}
+
+void Engine::release_earlier_outputs() {
+  handed.release_outputs(kept_outputs, device, stats);
 }
 
 // Note [Grads handed to autograd]
@@ -453,7 +510,7 @@ at::Tensor Engine::hand_out_grad(Input& in) {
     return in.grad;  // still referenced here: AccumulateGrad copies it, not steals
   }
   if (in.handed.defined() && !reusable(in)) {
-    handed_grads.push_back(in.handed.storage().getWeakStorageImpl());  // watched until it dies
+    handed.watch_replaced_grad(in.handed);
     in.handed = at::Tensor();
   }
   if (!in.handed.defined()) {
@@ -463,7 +520,7 @@ at::Tensor Engine::hand_out_grad(Input& in) {
 }
 
 bool Engine::may_hold_grads() const {
-  bool may = !handed_grads.empty();
+  bool may = handed.has_replaced_grads();
   for (const Input& in : inputs) {
     may = may || alias_may_be_held(in.handed);
   }
@@ -493,18 +550,31 @@ void Engine::release_handed_input_grads(at::ArrayRef<at::Tensor> consumed) {
       in.handed = at::Tensor();  // its holders keep it, in memory of its own now
     }
   }
-  size_t kept = 0;
-  for (size_t k = 0; k < handed_grads.size(); ++k) {
-    const auto storage = handed_grads[k].lock();
-    if (storage && held_only_by(storage.get(), storage.use_count() - 1, nullptr, consumed)) {
-      std::swap(handed_grads[kept++], handed_grads[k]);  // looked at again next replay
-    } else if (storage) {
-      move_to_own_memory(device, *storage);
-      ++stats.input_grads_copied;
+  handed.release_replaced_grads(consumed, device, stats);
+}
+
+bool Engine::holds_outputs_in_place() const {
+  return handed.outputs_lie_in(outputs);
+}
+
+// What release_handed_grads leaves, recomputed: Note [Checked invariants].
+bool Engine::holds_grads_in_place(at::ArrayRef<at::Tensor> consumed) const {
+  for (const Input& in : inputs) {
+    if (in.handed.defined() && !held_only_by(in.handed.storage().unsafeGetStorageImpl(),
+                                             in.handed.storage().use_count(), &in.handed,
+                                             consumed)) {
+      return true;
     }
   }
-  handed_grads.erase(handed_grads.begin() + static_cast<std::ptrdiff_t>(kept),
-                     handed_grads.end());
+  if (handed.replaced_grads_held(consumed)) {
+    return true;
+  }
+  for (const Param& p : params) {
+    if (p.owns_store && p.store->held_by_others()) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // Note [Replays on another stream]
@@ -534,7 +604,7 @@ void Engine::launch(Graph& graph) {
 // raised; with exact_grad, an argument that requires grad unlike its
 // sample does not fit either (a graph with its grad can be captured).
 bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_grad) {
-  if (!e.alive || nargs != e.inputs.size() || !(Autocast::current() == e.autocast) ||
+  if (!e.alive() || nargs != e.inputs.size() || !(Autocast::current() == e.autocast) ||
       (at::GradMode::is_enabled() && !e.grad_mode)) {
     return false;
   }
@@ -550,16 +620,51 @@ bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_gr
   return true;
 }
 
-PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, size_t nargs) {
+namespace {
+
+// Note [Checked invariants]: an input read in place lies in the static
+// output whose memory its owner keeps allocated (Note [A layer reading the
+// one before it in place], aten_pool.cpp).
+bool reads_in_place_from_owner(const Engine& e) {
+  for (const Input& in : e.inputs) {
+    if (!in.in_place || in.buffer.numel() == 0) {
+      continue;
+    }
+    if (!in.owner.defined()) {
+      return false;
+    }
+    const auto* begin = static_cast<const char*>(in.owner.storage().data_ptr().get());
+    const auto* at = static_cast<const char*>(in.buffer.const_data_ptr());
+    if (at < begin || at >= begin + in.owner.storage().nbytes()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, size_t nargs,
+                 bool accepted) {
   RECORD_FUNCTION("cgraph::forward", std::vector<c10::IValue>());
   Engine& e = *shared;
-  check_call(e, nargs);
+  if (accepted) {
+    CG_DEBUG_INVARIANT(accepts(e, args, nargs, /*exact_grad=*/false),
+                       "a call replayed as accepted that accepts() refuses.");
+  } else {
+    check_call(e, nargs);
+  }
+  CG_DEBUG_INVARIANT(e.may_replay_forward(), "a forward replay was chosen while a pending "
+                     "backward of its pool needs what it writes (Note [Captures that share "
+                     "a pool]).");
+  CG_DEBUG_INVARIANT(reads_in_place_from_owner(e), "an input read in place lies outside the "
+                     "output that keeps it allocated.");
   // First the earlier call's outputs saved from this replay: one may be an
   // argument now, or a static input that staging refills.
   e.release_earlier_outputs();
   e.release_later_outputs(CG_FORWARD);  // Note [Captures that share a pool] (aten_pool.cpp)
   StagedCall call;
-  stage_inputs(e, args, call);
+  stage_inputs(e, args, accepted, call);
   const bool params_need_grad = check_params(e);
   launch_forward(e, call);
   const NodePtr node = wire_backward(shared, call, params_need_grad);

@@ -45,7 +45,7 @@ void Engine::hand_back_held() noexcept {
 // An explicit reset: the pool's memory goes back to the device now, not when
 // the tensors the caller holds die.
 void Engine::reset() noexcept {
-  if (alive) {
+  if (alive_) {
     hand_back_held();
   }
   tear_down();
@@ -53,11 +53,13 @@ void Engine::reset() noexcept {
 
 // What reset() and the destructor share.
 void Engine::tear_down() noexcept {
-  if (!alive) {
+  if (!alive_) {
     return;
   }
-  alive = false;
-  restore_grad_accumulators();  // after a failed capture
+  alive_ = false;
+  if (setup) {
+    setup->restore_grad_accumulators();  // after a failed capture
+  }
   try {
     // Tensors first, so the pool's blocks are free when the graphs let go
     // of the pool; then the pool's cached memory goes back to the device.
@@ -69,9 +71,8 @@ void Engine::tear_down() noexcept {
     }
     params.clear();
     outputs.clear();
-    kept_history.clear();
-    handed_out.clear();
-    handed_grads.clear();
+    member.forget_history();
+    handed.forget();
     setup.reset();
     fwd.reset();
     bwd.reset();
@@ -91,14 +92,14 @@ void Engine::tear_down() noexcept {
 // (Note [Static memory freed once its pass is over], aten_pool.cpp).  Not at
 // exit, where nothing replays.
 Engine::~Engine() {
-  if (alive && !interpreter_finalizing() && (shares_pool_with_others() || borrows_memory())) {
+  if (alive_ && !interpreter_finalizing() && (shares_pool_with_others() || borrows_memory())) {
     hand_back_held();
   }
   tear_down();
 }
 
 bool Engine::borrows_memory() const {
-  bool borrows = statics_freed_at != UINT64_MAX;
+  bool borrows = member.freed_statics();
   for (const Input& in : inputs) {
     borrows = borrows || in.owner.defined();
   }

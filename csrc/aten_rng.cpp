@@ -46,7 +46,7 @@ namespace {
 // backward capture runs checkpoint's recompute (and so the RNG hooks) on
 // the autograd engine's device thread.  Set only while the engine's
 // set-up state exists.
-std::atomic<Engine*> rng_owner{nullptr};
+std::atomic<EngineRng*> rng_owner{nullptr};
 
 at::Generator default_generator(c10::DeviceIndex device) {
   return at::cuda::detail::getDefaultCUDAGenerator(device);
@@ -89,14 +89,14 @@ std::vector<RngRegion> make_regions(c10::DeviceIndex device,
 
 }  // namespace
 
-RngSnapshot Engine::host_rng_snapshot() const {
+RngSnapshot EngineRng::host_snapshot() const {
   RngSnapshot s;
   {
     at::Generator cpu = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(cpu.mutex());
     s.cpu_state = cpu.get_state();
   }
-  at::Generator gen = default_generator(device);
+  at::Generator gen = default_generator(device_);
   std::lock_guard<std::mutex> lock(gen.mutex());
   s.cuda_seed = gen.current_seed();
   s.cuda_offset = gen.get_offset();
@@ -105,34 +105,34 @@ RngSnapshot Engine::host_rng_snapshot() const {
 
 // Called after each capture: a callable that seeded a generator or drew
 // host-side random numbers did so once, at capture, and replays would not.
-void Engine::check_host_rng_untouched() const {
-  const RngSnapshot& before = setup->rng.host_before;
-  const RngSnapshot after = host_rng_snapshot();
+void EngineRng::check_host_untouched() const {
+  const RngSnapshot& before = setup_->host_before;
+  const RngSnapshot after = host_snapshot();
   if (before.cuda_seed != after.cuda_seed || before.cuda_offset != after.cuda_offset ||
       !at::equal(before.cpu_state, after.cpu_state)) {
     throw Refusal(CG_FAILURE_RNG_CHANGED, "cgraph: random generator state changed during capture.");
   }
 }
 
-void Engine::rng_warmup_begin() {
+void EngineRng::warmup_begin() {
   rng_owner = this;
-  setup->rng.phase = RngPhase::Warmup;
-  setup->rng.warmup_offsets.clear();
-  setup->rng.warmup_start = default_generator(device).get_offset();
+  setup_->phase = RngPhase::Warmup;
+  setup_->warmup_offsets.clear();
+  setup_->warmup_start = default_generator(device_).get_offset();
 }
 
 // The last warm-up call counts: the first may compile (torch.compile reads
 // and restores the RNG state while it traces), later ones run as captured.
-void Engine::rng_warmup_end() {
+void EngineRng::warmup_end() {
   rng_owner = nullptr;
-  RngSetup& r = setup->rng;
+  RngSetup& r = *setup_;
   r.phase = RngPhase::Off;
   r.entry_offsets = r.warmup_offsets;
-  rng.forward_increment = default_generator(device).get_offset() - r.warmup_start;
+  forward_increment_ = default_generator(device_).get_offset() - r.warmup_start;
 }
 
-void Engine::check_rng_regions_entered() const {
-  const RngSetup& r = setup->rng;
+void EngineRng::check_regions_entered() const {
+  const RngSetup& r = *setup_;
   if (r.entered != r.entry_offsets.size()) {
     throw Refusal(CG_FAILURE_RNG_REGIONS,
                   "cgraph: the callable asked for the CUDA RNG state " +
@@ -143,35 +143,35 @@ void Engine::check_rng_regions_entered() const {
   }
 }
 
-void Engine::rng_capture_begin(cg_pass pass) {
-  RngSetup& r = setup->rng;
-  if (pass == CG_FORWARD && rng.regions.size() != r.entry_offsets.size()) {
-    rng.regions = make_regions(device, r.entry_offsets);
+void EngineRng::capture_begin(Graph& graph, cg_pass pass) {
+  RngSetup& r = *setup_;
+  if (pass == CG_FORWARD && regions_.size() != r.entry_offsets.size()) {
+    regions_ = make_regions(device_, r.entry_offsets);
   }
-  for (const RngRegion& region : rng.regions) {
-    register_region(graph(pass), region, 0);
+  for (const RngRegion& region : regions_) {
+    register_region(graph, region, 0);
   }
-  r.host_before = host_rng_snapshot();
-  r.default_state = default_generator(device).graphsafe_get_state();
+  r.host_before = host_snapshot();
+  r.default_state = default_generator(device_).graphsafe_get_state();
   r.entered = 0;
   r.phase = pass == CG_FORWARD ? RngPhase::Forward : RngPhase::Backward;
   rng_owner = this;
 }
 
-void Engine::rng_capture_end() noexcept {
-  Engine* self = this;
+void EngineRng::capture_end() noexcept {
+  EngineRng* self = this;
   rng_owner.compare_exchange_strong(self, nullptr);
-  if (!setup) {
+  if (!setup_) {
     return;
   }
-  RngSetup& r = setup->rng;
+  RngSetup& r = *setup_;
   if (r.phase == RngPhase::Backward) {
     r.tokens.clear();  // forward tokens live until their recomputes are captured
   }
   r.phase = RngPhase::Off;
   if (r.default_state.defined()) {
     try {
-      default_generator(device).graphsafe_set_state(r.default_state);
+      default_generator(device_).graphsafe_set_state(r.default_state);
     } catch (const std::exception& err) {
       TORCH_WARN("cgraph: could not restore the CUDA generator after capture: ", err.what());
     }
@@ -179,48 +179,48 @@ void Engine::rng_capture_end() noexcept {
   }
 }
 
-void Engine::rng_before_forward_replay() {
-  at::Generator gen = default_generator(device);
+void EngineRng::before_forward_replay() {
+  at::Generator gen = default_generator(device_);
   std::lock_guard<std::mutex> lock(gen.mutex());
-  rng.seed = gen.current_seed();
-  rng.base = gen.get_offset();
-  for (RngRegion& region : rng.regions) {
-    region.generator.set_current_seed(rng.seed);
-    region.generator.set_offset(rng.base + region.entry_offset);
+  seed_ = gen.current_seed();
+  base_ = gen.get_offset();
+  for (RngRegion& region : regions_) {
+    region.generator.set_current_seed(seed_);
+    region.generator.set_offset(base_ + region.entry_offset);
   }
 }
 
-void Engine::rng_after_forward_replay() {
-  at::Generator gen = default_generator(device);
+void EngineRng::after_forward_replay() {
+  at::Generator gen = default_generator(device_);
   std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_offset(rng.base + rng.forward_increment);
+  gen.set_offset(base_ + forward_increment_);
 }
 
-void Engine::rng_before_backward_replay() {
-  for (RngRegion& region : rng.regions) {
-    region.generator.set_current_seed(rng.seed);
-    region.generator.set_offset(rng.base + region.entry_offset);
+void EngineRng::before_backward_replay() {
+  for (RngRegion& region : regions_) {
+    region.generator.set_current_seed(seed_);
+    region.generator.set_offset(base_ + region.entry_offset);
   }
 }
 
 std::optional<at::Tensor> rng_get_state(c10::DeviceIndex device) {
-  Engine* e = rng_owner;
-  if (!e || e->device != device) {
+  EngineRng* e = rng_owner;
+  if (!e || e->device_ != device) {
     return std::nullopt;
   }
-  RngSetup& r = e->setup->rng;
+  RngSetup& r = *e->setup_;
   switch (r.phase) {
     case RngPhase::Warmup:
       r.warmup_offsets.push_back(default_generator(device).get_offset() - r.warmup_start);
       return std::nullopt;  // torch answers
     case RngPhase::Forward: {
       const size_t k = r.entered++;
-      if (k >= e->rng.regions.size()) {
+      if (k >= e->regions_.size()) {
         throw Refusal(CG_FAILURE_RNG_REGIONS, "cgraph: the callable asked for the CUDA RNG "
                       "state more often during capture than during warm-up.");
       }
-      default_generator(device).graphsafe_set_state(e->rng.regions[k].generator);
-      return issue_token(r, e->rng.regions[k].generator);
+      default_generator(device).graphsafe_set_state(e->regions_[k].generator);
+      return issue_token(r, e->regions_[k].generator);
     }
     case RngPhase::Backward:
       return issue_token(r, default_generator(device).graphsafe_get_state());
@@ -230,11 +230,11 @@ std::optional<at::Tensor> rng_get_state(c10::DeviceIndex device) {
 }
 
 bool rng_set_state(const at::Tensor& state, c10::DeviceIndex device) {
-  Engine* e = rng_owner;
-  if (!e || e->device != device) {
+  EngineRng* e = rng_owner;
+  if (!e || e->device_ != device) {
     return false;
   }
-  RngSetup& r = e->setup->rng;
+  RngSetup& r = *e->setup_;
   if (r.phase != RngPhase::Forward && r.phase != RngPhase::Backward) {
     return false;
   }

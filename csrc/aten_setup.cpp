@@ -76,9 +76,10 @@ Engine::Engine(const cg_engine_config& config)
     : device(static_cast<c10::DeviceIndex>(config.device)),
       allow_unused(config.allow_unused_input != 0),
       kept_outputs(config.kept_outputs),
-      keep_activations(config.keep_activations != 0),
       caller_stream(c10::cuda::getCurrentCUDAStream(device)),
-      inputs(read_inputs(config)) {
+      inputs(read_inputs(config)),
+      rng(device),
+      member(config.keep_activations != 0) {
   for (at::Tensor& p : unpack_tensors(config.params, "parameter")) {
     Param param;
     param.data = p.const_data_ptr();
@@ -86,11 +87,8 @@ Engine::Engine(const cg_engine_config& config)
     param.tensor = std::move(p);
     params.push_back(std::move(param));
   }
-  set_aside_grad_accumulators();
-  for (at::Tensor& b : unpack_tensors(config.buffers, "buffer")) {
-    at::Tensor saved = b.clone();
-    setup->buffers.push_back({std::move(b), std::move(saved)});
-  }
+  setup->set_aside_grad_accumulators(params);
+  setup->save_buffers(unpack_tensors(config.buffers, "buffer"));
 }
 
 // Note [Grad accumulators during capture]
@@ -107,24 +105,21 @@ Engine::Engine(const cg_engine_config& config)
 // hooks (register_post_accumulate_grad_hook) go aside with them: warm-up and
 // capture run AccumulateGrad (Note [Backward capture runs .backward()]),
 // and the hooks must run at each replay, not once at capture.
-void Engine::set_aside_grad_accumulators() {
+void SetupState::set_aside_grad_accumulators(const std::vector<Param>& params) {
   for (const Param& p : params) {
-    SetupState::AsideParam aside{p.tensor, WeakNodePtr(NodePtr()),
-                                 std::move(torch::autograd::impl::post_acc_grad_hooks(p.tensor))};
+    AsideParam aside{p.tensor, WeakNodePtr(NodePtr()),
+                     std::move(torch::autograd::impl::post_acc_grad_hooks(p.tensor))};
     if (auto* meta = torch::autograd::impl::get_autograd_meta(p.tensor)) {
       std::lock_guard<std::mutex> lock(meta->mutex_);
       aside.accumulator = std::move(meta->grad_accumulator_);
       meta->grad_accumulator_ = WeakNodePtr(NodePtr());
     }
-    setup->aside.push_back(std::move(aside));
+    aside_.push_back(std::move(aside));
   }
 }
 
-void Engine::restore_grad_accumulators() noexcept {
-  if (!setup) {
-    return;
-  }
-  for (SetupState::AsideParam& aside : setup->aside) {
+void SetupState::restore_grad_accumulators() noexcept {
+  for (AsideParam& aside : aside_) {
     if (auto* meta = torch::autograd::impl::get_autograd_meta(aside.param)) {
       std::lock_guard<std::mutex> lock(meta->mutex_);
       meta->grad_accumulator_ = std::move(aside.accumulator);
@@ -133,15 +128,27 @@ void Engine::restore_grad_accumulators() noexcept {
       torch::autograd::impl::post_acc_grad_hooks(aside.param) = std::move(aside.post_acc_hooks);
     }
   }
-  setup->aside.clear();
+  aside_.clear();
+}
+
+void SetupState::save_buffers(std::vector<at::Tensor> buffers) {
+  for (at::Tensor& b : buffers) {
+    at::Tensor saved = b.clone();
+    buffers_.push_back({std::move(b), std::move(saved)});
+  }
+}
+
+void SetupState::restore_buffers() {
+  for (const BufferSnapshot& b : buffers_) {
+    b.buffer.copy_(b.saved);
+  }
 }
 
 void Engine::finish_setup() {
-  restore_grad_accumulators();
-  for (const SetupState::BufferSnapshot& b : setup->buffers) {
-    b.buffer.copy_(b.saved);
-  }
+  setup->restore_grad_accumulators();
+  setup->restore_buffers();
   setup.reset();
+  rng.finish_setup();
 }
 
 // ---- the set-up session: the capture stream, current while it lasts --------
@@ -260,34 +267,48 @@ cg_setup* open_setup(c10::DeviceIndex device) {
 //    the device's ordinary cache that is a second copy of what the graph
 //    pool already holds free between replays: the varlen benchmark's peak
 //    was the pool plus a whole eager step, and with one pool= for every
-//    layer, the peak was each layer's warm-up beside the pool (the capture
-//    stream's cache cannot take blocks the caller stream's holds free).  In
-//    the pool, warm-up reuses the blocks the earlier graphs use as
-//    temporaries, and the capture then reuses the warm-up's.  That is safe
-//    only because nothing in those blocks is needed during warm-up and
-//    nothing warm-up allocates there outlives it:
+//    layer, each layer's warm-up beside the pool (the capture stream's cache
+//    cannot take blocks the caller stream's holds free).  In the pool,
+//    warm-up reuses the earlier graphs' temporaries, and the capture then
+//    reuses the warm-up's.  That is safe only because nothing in those
+//    blocks is needed during warm-up and nothing warm-up allocates there
+//    outlives it:
 //    - No graph of the pool is between its forward and its backward
-//      (cgraph/_regraph.py picks an idle pool), or every one that is keeps
-//      its activations allocated (cgraph/_group.py, Note [Layers captured
-//      one by one into one pool] in aten_pool.cpp).
+//      (graphed.c's choose_site picks an idle pool), or every one that is
+//      keeps its activations allocated (Note [Layers captured one by one
+//      into one pool] in aten_pool.cpp).
 //    - Outputs and grads still held in memory freed once its pass was over
 //      are moved out first (move_held_out_of_freed, in aten_pool.cpp).
 //    - A tensor the callable keeps from warm-up (a cache made for a new
 //      shape) would sit in blocks the earlier graphs overwrite at their next
 //      replay.  So the pool's allocated blocks are compared before and after
-//      warm-up; not the device's allocated bytes, where a cache replaced by
-//      one in the pool would even out.  Every Python tensor that owns a
+//      warm-up (not the device's allocated bytes, where a cache replaced by
+//      one in the pool would even out), and every Python tensor that owns a
 //      block left behind moves to memory of its own outside the pool, its
-//      views with it (its storage's memory is replaced: move_kept_tensors;
-//      a capture then reads it there, Engine::capture_begin).  Only if a
-//      block is still held then, in a segment the pool had before (a
-//      segment warm-up added is memory no graph has used), by something
-//      Python cannot reach (memory made and held in C++, as the saved
-//      statistics in the autograd history of a kept tensor that requires
-//      grad), does the session fail with kind "warmup_state": a callable's own pool is dropped with its earlier
-//      graphs (cgraph/_regraph.py); a pool shared with other callables
-//      cannot be, and that call, and every later capture of that callable,
-//      raises (cgraph/_regraph.py, cgraph/_group.py).
+//      views with it (move_kept_tensors replaces its storage's memory; the
+//      capture then reads it there, Engine::capture_begin).  If a block is
+//      still held then, in a segment the pool had before (a segment warm-up
+//      added is memory no graph has used), by something Python cannot reach
+//      (memory made and held in C++, as the saved statistics in the autograd
+//      history of a kept tensor that requires grad), the session fails with
+//      kind "warmup_state": graphed.c drops the callable's earlier graphs in
+//      a pool of its own; in a pool shared with other callables, that call
+//      and every later capture of the callable raise (recover_from_warm_up).
+// Q: Why does move_kept_tensors walk every object the garbage collector
+//    tracks (gc.get_objects()) to find those tensors?
+// A: Nothing maps memory back to tensors: a StorageImpl counts its
+//    references but does not list them, a TensorImpl knows its own Python
+//    object but nothing lists the TensorImpls over a storage, and the
+//    allocator knows blocks, not who holds them.  Walking only what the
+//    callable reaches (its module, its closure) would miss a tensor kept in
+//    a global or another object's cache, which the earlier graphs would then
+//    overwrite silently; every Python tensor is tracked by the collector, so
+//    the walk misses none.  It costs a list of every tracked object and a
+//    type check each: about 25 ms for 180,000 objects (torch imported) on a
+//    2-core host, paid only by a capture whose warm-up in a pool left a block
+//    behind (a first call with new shapes that made state), never by a
+//    replay.  What it cannot reach is still caught: the blocks are compared
+//    again after it.
 void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
   setup.pool_before = pool_blocks(setup.device, pool);
   const cudaStream_t side = setup.side.stream();

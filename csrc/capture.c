@@ -6,7 +6,7 @@
  *
  *     def graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
  *                         capture_error_mode, kept_outputs, warm_in_pool,
- *                         keep_activations):
+ *                         keep_activations, what=None):
  *         pool = pool or new_pool()           # one pool for all callables
  *         engines = [Engine(s, keep_activations) for s in specs]
  *         release_kept_activations(pool, engines)  # of backwards that ran since
@@ -75,76 +75,87 @@ typedef struct {
  *    Refusal: raised by the C++ half as cgraph::Refusal, by the Python hooks
  *    of cgraph/_capture.py as _C.Refusal).  Three errors torch raises
  *    during capture carry neither, so torch_texts matches their text, the
- *    only place that does.  Each kind has one entry below: its name
- *    (CaptureError.kind) and what to do. */
+ *    only place that does.  The kinds and their names (CaptureError.kind)
+ *    are CG_FAILURE_KINDS in cgraph.h, the one list Python reads too
+ *    (_C.FAILURE_KINDS); each kind has one entry in `advice` below: what to
+ *    do.  cg_add_failure_kinds checks at import that none lacks one. */
+
+/* Each kind's name (CaptureError.kind) and the name of its int in _C. */
 static const struct {
     const char *name;
-    const char *advice;
-} failures[CG_FAILURE_COUNT] = {
-    [CG_FAILURE_OTHER] = {"other",
+    const char *constant;
+} failure_names[CG_FAILURE_COUNT] = {
+#define FAILURE_NAMES(id, name) [CG_FAILURE_##id] = {name, "FAILURE_" #id},
+    CG_FAILURE_KINDS(FAILURE_NAMES)
+#undef FAILURE_NAMES
+};
+
+/* Each kind's advice: what to do. */
+static const char *const advice[CG_FAILURE_COUNT] = {
+    [CG_FAILURE_OTHER] =
      "the callable did something a CUDA graph cannot record (see __cause__). "
-     "Graphed callables must run GPU work only, with fixed shapes and no syncs."},
-    [CG_FAILURE_SYNC] = {"sync",
+     "Graphed callables must run GPU work only, with fixed shapes and no syncs.",
+    [CG_FAILURE_SYNC] =
      "an operation that waits for the GPU ran inside the callable (cudaError 900): "
      ".item(), .cpu(), .numpy(), .tolist(), print(tensor), torch.cuda.synchronize(), "
      "a data-dependent shape (nonzero, boolean masking) or a pinned-memory allocation. "
      "Move it out of the graphed callable, or keep it on the GPU (torch.where instead "
-     "of `if tensor:`)."},
-    [CG_FAILURE_INVALIDATED] = {"invalidated",
+     "of `if tensor:`).",
+    [CG_FAILURE_INVALIDATED] =
      "an earlier operation in the callable broke the capture (cudaError 901), "
      "typically a GPU sync (.item(), .cpu(), print(tensor)) or work on another "
      "thread. Move syncs out of the graphed callable; use capture_error_mode="
-     "'thread_local' if another thread (a DataLoader's pin_memory) uses CUDA."},
-    [CG_FAILURE_UNJOINED] = {"unjoined",
+     "'thread_local' if another thread (a DataLoader's pin_memory) uses CUDA.",
+    [CG_FAILURE_UNJOINED] =
      "work forked onto another stream was not joined back before the capture ended "
      "(cudaError 904): make the capture stream wait for it "
-     "(torch.cuda.current_stream().wait_stream(side_stream))."},
-    [CG_FAILURE_WRONG_THREAD] = {"wrong_thread",
+     "(torch.cuda.current_stream().wait_stream(side_stream)).",
+    [CG_FAILURE_WRONG_THREAD] =
      "another thread used CUDA during the capture (cudaError 905): a DataLoader "
-     "pin_memory thread or a second stream. Pass capture_error_mode='thread_local'."},
-    [CG_FAILURE_LEGACY_STREAM] = {"legacy_stream",
+     "pin_memory thread or a second stream. Pass capture_error_mode='thread_local'.",
+    [CG_FAILURE_LEGACY_STREAM] =
      "the callable put work on the default (legacy) stream during capture (cudaError "
      "906), where it would run once instead of in the graph: use "
      "torch.cuda.current_stream(), not torch.cuda.default_stream() or stream 0 "
-     "(a library or extension may launch there: pass it the current stream)."},
-    [CG_FAILURE_HOST_COPY] = {"host_copy",
+     "(a library or extension may launch there: pass it the current stream).",
+    [CG_FAILURE_HOST_COPY] =
      "the callable copies between the host and the GPU during capture: .cpu(), "
      ".item(), .tolist(), print(tensor), or a CPU tensor used on the GPU. A graph "
      "replays GPU work only: move the copy out of the graphed callable, or pass the "
-     "data in as a CUDA tensor argument."},
-    [CG_FAILURE_NESTED_GRAPHS] = {"nested_graphs",
+     "data in as a CUDA tensor argument.",
+    [CG_FAILURE_NESTED_GRAPHS] =
      "the callable contains torch.compile(mode='reduce-overhead') (or another "
      "cudagraph-trees user), which records and replays CUDA graphs of its own; those "
      "cannot run inside cgraph's capture. Compile with mode='default' or "
      "'max-autotune-no-cudagraphs' inside cgraph: cgraph's graph already removes the "
-     "launch overhead reduce-overhead would."},
-    [CG_FAILURE_SEED_READ] = {"seed_read",
+     "launch overhead reduce-overhead would.",
+    [CG_FAILURE_SEED_READ] =
      "the callable seeded a random generator or read its seed during capture "
      "(torch.cuda.manual_seed, torch.cuda.initial_seed(), a custom RNG tracker). Do it "
-     "outside the graphed callable; torch.utils.checkpoint is handled by cgraph."},
-    [CG_FAILURE_RNG_CHANGED] = {"rng_changed",
+     "outside the graphed callable; torch.utils.checkpoint is handled by cgraph.",
+    [CG_FAILURE_RNG_CHANGED] =
      "the callable seeded a random generator (torch.manual_seed, torch.cuda.manual_seed, "
      "set_rng_state) or drew host-side random numbers (torch.rand on the CPU, Python's "
      "random) during capture. That ran once, at capture; replays would not repeat it. "
      "Seed outside the graphed callable and draw random numbers on the GPU "
-     "(device='cuda'). torch.utils.checkpoint is handled by cgraph."},
-    [CG_FAILURE_RNG_REGIONS] = {"rng_regions",
+     "(device='cuda'). torch.utils.checkpoint is handled by cgraph.",
+    [CG_FAILURE_RNG_REGIONS] =
      "the callable asked for the CUDA RNG state (torch.utils.checkpoint does) a "
      "different number of times during capture than in its last warm-up call. Make "
      "RNG use the same on every call; if the first call compiles (torch.compile), use "
-     "num_warmup_iters >= 2."},
-    [CG_FAILURE_REENTRANT_LEAF] = {"reentrant_leaf",
+     "num_warmup_iters >= 2.",
+    [CG_FAILURE_REENTRANT_LEAF] =
      "a torch.utils.checkpoint(use_reentrant=True) region reads a tensor that requires "
      "grad but is neither an argument nor a parameter (see __cause__). Make it an "
-     "nn.Parameter of the module, pass it as an argument, or use use_reentrant=False."},
-    [CG_FAILURE_WARMUP_STATE] = {"warmup_state",
+     "nn.Parameter of the module, pass it as an argument, or use use_reentrant=False.",
+    [CG_FAILURE_WARMUP_STATE] =
      "a warm-up call left memory allocated in the graph pool that outlives it and that "
      "no Python tensor holds, so cgraph could not move it out of the way of the pool's "
      "earlier graphs (Note [Warm-up in the pool]): state the callable keeps that only C++ "
      "reaches, such as the autograd history of a tensor it keeps that requires grad. "
      "That state now lies where those graphs write: discard it, and keep such state "
      "detached (.detach()), or graph this callable with a pool of its own (no pool=). "
-     "Later captures of this callable raise this too."},
+     "Later captures of this callable raise this too.",
 };
 
 /* torch's capture errors that carry no code: Note [Capture failures]. */
@@ -188,7 +199,10 @@ kind_of_exception(cg_state *state, PyObject *exc)
         PyObject *args = PyObject_GetAttrString(exc, "args");
         if (args && PyTuple_Check(args) && PyTuple_GET_SIZE(args) == 2 &&
             PyLong_Check(PyTuple_GET_ITEM(args, 1))) {
-            kind = (cg_failure)PyLong_AsLong(PyTuple_GET_ITEM(args, 1));
+            long value = PyLong_AsLong(PyTuple_GET_ITEM(args, 1));
+            /* Python passes any int: one that is no kind (-1) is OTHER. */
+            kind = value > 0 && value < CG_FAILURE_COUNT ? (cg_failure)value
+                                                          : CG_FAILURE_OTHER;
         }
         Py_XDECREF(args);
     } else if ((code = error_code(state, exc)) != NULL) {
@@ -251,9 +265,9 @@ capture_error_for(cg_state *state, PyObject *cause, const char *what, cg_failure
         PyErr_WriteUnraisable(cause);  /* the message is lost, not the error */
     }
     message = PyUnicode_FromFormat("cgraph: %s failed: %s Torch said: %s", what,
-                                   failures[kind].advice, utf8 ? utf8 : "(no message)");
+                                   advice[kind], utf8 ? utf8 : "(no message)");
     error = message ? PyObject_CallOneArg(state->CaptureError, message) : NULL;
-    name = error ? PyUnicode_FromString(failures[kind].name) : NULL;
+    name = error ? PyUnicode_FromString(failure_names[kind].name) : NULL;
     if (name == NULL || PyObject_SetAttrString(error, "kind", name) < 0) {
         Py_CLEAR(error);
     } else {
@@ -286,21 +300,35 @@ raise_capture_error(session *s, Py_ssize_t index, const char *stage, cg_failure 
     return -1;
 }
 
-PyObject *
-cg_capture_error(PyObject *module, PyObject *args)
+int
+cg_add_failure_kinds(PyObject *module)
 {
-    PyObject *cause;
-    const char *what;
+    PyObject *names = PyTuple_New(CG_FAILURE_COUNT);
+    int status = names ? 0 : -1;
 
-    if (!PyArg_ParseTuple(args, "Os", &cause, &what)) {
-        return NULL;
+    for (int kind = 0; status == 0 && kind < CG_FAILURE_COUNT; kind++) {
+        PyObject *name;
+        if (advice[kind] == NULL) {
+            PyErr_Format(PyExc_SystemError,
+                         "cgraph: failure kind '%s' has no advice: give it an entry in "
+                         "csrc/capture.c's advice table (Note [Capture failures])",
+                         failure_names[kind].name);
+            status = -1;
+            break;
+        }
+        name = PyUnicode_InternFromString(failure_names[kind].name);
+        if (name == NULL) {
+            status = -1;
+            break;
+        }
+        PyTuple_SET_ITEM(names, kind, name);
+        status = PyModule_AddIntConstant(module, failure_names[kind].constant, kind);
     }
-    if (!PyExceptionInstance_Check(cause)) {
-        PyErr_SetString(PyExc_TypeError, "capture_error: expects an exception");
-        return NULL;
+    if (status == 0) {
+        status = PyModule_AddObjectRef(module, "FAILURE_KINDS", names);
     }
-    return capture_error_for((cg_state *)PyModule_GetState(module), cause, what,
-                             CG_FAILURE_OTHER);
+    Py_XDECREF(names);
+    return status;
 }
 
 /* ---- the session's set-up and teardown ---------------------------------- */

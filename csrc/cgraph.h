@@ -52,22 +52,34 @@ typedef enum { CG_FORWARD = 0, CG_BACKWARD = 1 } cg_pass;
 
 /* Why a capture failed, as far as cgraph can tell without reading message
  * text: CUDA's error code, or which of cgraph's own checks refused.
- * capture.c turns a kind into CaptureError's advice (Note [Capture failures]
- * there). */
+ *
+ * The one list of the kinds, X(ID, name) each: it makes the enum's
+ * CG_FAILURE_<ID>, and capture.c makes from it CaptureError.kind (`name`),
+ * _C.FAILURE_KINDS (the names, indexed by kind) and _C.FAILURE_<ID> (the
+ * kinds as ints, which Python passes to _C.Refusal), so that C, explain()
+ * and the training step name a kind alike.  `name` is public: users test
+ * CaptureError.kind against it.  capture.c gives every kind its advice
+ * (Note [Capture failures] there) and refuses to import without one. */
+#define CG_FAILURE_KINDS(X)                                                        \
+    X(OTHER, "other")                   /* the callable raised something else */   \
+    X(SYNC, "sync")                     /* cudaErrorStreamCaptureUnsupported */    \
+    X(INVALIDATED, "invalidated")       /* cudaErrorStreamCaptureInvalidated */    \
+    X(UNJOINED, "unjoined")             /* cudaErrorStreamCaptureUnjoined */       \
+    X(WRONG_THREAD, "wrong_thread")     /* cudaErrorStreamCaptureWrongThread */    \
+    X(LEGACY_STREAM, "legacy_stream")   /* cudaErrorStreamCaptureImplicit */       \
+    X(HOST_COPY, "host_copy")           /* torch refused a CPU<->CUDA copy */      \
+    X(NESTED_GRAPHS, "nested_graphs")   /* torch.compile's cudagraph trees */      \
+    X(SEED_READ, "seed_read")           /* a CUDA generator's seed read */         \
+    X(RNG_CHANGED, "rng_changed")       /* a generator seeded, host RNG drawn */   \
+    X(RNG_REGIONS, "rng_regions")       /* RNG state asked for unlike warm-up */   \
+    X(REENTRANT_LEAF, "reentrant_leaf") /* a closure leaf, reentrant checkpoint */ \
+    X(WARMUP_STATE, "warmup_state")     /* warm-up in a pool left memory there */
+
+/* CG_FAILURE_OTHER is 0: a zeroed cg_failure means "no kind known". */
 typedef enum {
-    CG_FAILURE_OTHER = 0,       /* the callable raised something else */
-    CG_FAILURE_SYNC,            /* cudaErrorStreamCaptureUnsupported: a sync */
-    CG_FAILURE_INVALIDATED,     /* cudaErrorStreamCaptureInvalidated */
-    CG_FAILURE_UNJOINED,        /* cudaErrorStreamCaptureUnjoined */
-    CG_FAILURE_WRONG_THREAD,    /* cudaErrorStreamCaptureWrongThread */
-    CG_FAILURE_LEGACY_STREAM,   /* cudaErrorStreamCaptureImplicit */
-    CG_FAILURE_HOST_COPY,       /* torch refused a CPU<->CUDA copy */
-    CG_FAILURE_NESTED_GRAPHS,   /* torch.compile's cudagraph trees inside */
-    CG_FAILURE_SEED_READ,       /* a CUDA generator's seed read during capture */
-    CG_FAILURE_RNG_CHANGED,     /* a generator seeded or host RNG drawn */
-    CG_FAILURE_RNG_REGIONS,     /* RNG state asked for unlike in warm-up */
-    CG_FAILURE_REENTRANT_LEAF,  /* a closure leaf in a reentrant checkpoint */
-    CG_FAILURE_WARMUP_STATE,    /* a warm-up in a pool left memory allocated */
+#define CG_FAILURE_ENUM(id, name) CG_FAILURE_##id,
+    CG_FAILURE_KINDS(CG_FAILURE_ENUM)
+#undef CG_FAILURE_ENUM
     CG_FAILURE_COUNT
 } cg_failure;
 
@@ -208,11 +220,13 @@ void cg_accumulators_restore(cg_moved_accumulators *moved);
 
 /* ---- replay (aten_replay.cpp, aten_backward.cpp) ------------------------ */
 
-/* The hot path.  Checks `args[0..nargs)` against the captured inputs, copies
+/* The hot path.  Checks `args[0..nargs)` against the captured inputs (not
+ * again when `accepted`: cg_engine_accepts just said 1 for them), copies
  * those whose memory differs into the static inputs, replays the forward
  * graph and returns a NEW tuple of the outputs, wired to a backward node
  * when autograd needs one. */
-PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args, Py_ssize_t nargs);
+PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args, Py_ssize_t nargs,
+                           int accepted);
 
 /* 1 if cg_engine_replay would take these tensor arguments as they are: the
  * count, each one's shape, device and (floating) dtype, the autocast state,
@@ -238,6 +252,19 @@ int cg_engine_backward_pending(const cg_engine *engine);
  * unkept_only, only a graph whose activations are not kept (they were
  * captured without keep_activations, or released since).  Never fails. */
 int cg_pool_busy(cg_pool pool, int unkept_only);
+/* For a layer graphed one by one into `pool` (cgraph/_group.py), at a call
+ * none of its graphs takes: 1 if it may capture there now, keeping its
+ * activations (Note [Layers captured one by one into one pool] in
+ * aten_pool.cpp), else 0 (it captures elsewhere).  Not in a second pass:
+ * from a call of a layer called again before its backward ran
+ * (called_again), for as long as a graph of the pool has a backward pending;
+ * the pool's ledger keeps the pass, here (aten_pool.cpp).  Nor while a
+ * pending graph of the pool no longer keeps its activations.  Never fails. */
+int cg_pool_open_to_layers(cg_pool pool, int called_again);
+/* 1 while autograd runs a backward on this thread (a checkpoint's
+ * recompute), else 0: torch._C._current_graph_task_id() != -1.  Never
+ * fails. */
+int cg_in_backward(void);
 /* Before the engines `capturing[0..n)` capture into `pool`: frees the kept
  * activations of its graphs whose backward is no longer pending, so the
  * capture may reuse them (Note [Layers captured one by one into one pool] in
@@ -286,33 +313,43 @@ cg_pool cg_engine_pool(const cg_engine *engine);
 Py_ssize_t cg_engine_num_inputs(const cg_engine *engine);
 Py_ssize_t cg_engine_num_params(const cg_engine *engine);
 
-/* How often each replay path ran (see Note [Parameter gradients]). */
+/* How often each replay path ran, per engine: the one list of the counters,
+ * X(field, doc) each.  It makes cg_stats below; graphed.c makes from it the
+ * sum over a callable's graphs, the dict Graphed.stats returns (keyed by
+ * field: the names users read) and that property's docstring (`doc`, one
+ * line per counter).  A new counter is a line here and the C++ code that
+ * counts it.  What each counts, at length: grads_* and param_grads_copied
+ * (one per grad still held), Note [Parameter gradients] (aten_backward.cpp);
+ * copied_*, Note [Argument copies inside the graph] (aten_graph_nodes.cpp)
+ * and Note [Incoming grads] (aten_backward.cpp); outputs_* (one per output
+ * still referenced), Note [Outputs of earlier calls] (aten_replay.cpp);
+ * input_grads_copied, Note [Grads handed to autograd] (aten_replay.cpp). */
+#define CG_STATS_COUNTERS(X)                                                           \
+    X(forward, "forward replays")                                                      \
+    X(backward, "backward replays")                                                    \
+    X(grads_copied, "backwards that handed parameter grads out as computed or "        \
+                    "copied them in (.grad was None): the copy tail")                  \
+    X(grads_added, "backwards that added into the parameters' .grad: the add tail")    \
+    X(grads_slow, "backwards that took the general path (neither tail)")               \
+    X(copied_in_graph, "arguments and incoming grads copied into the static "          \
+                       "buffers by the graph itself")                                  \
+    X(copied_before, "arguments and incoming grads copied in before the replay: "      \
+                     "layouts a memcpy cannot copy, and incoming grads lying in the "  \
+                     "graph's own grad buffers")                                       \
+    X(outputs_copied, "outputs of earlier calls still held, moved to memory of their " \
+                      "own before a replay (kept_outputs='copy')")                     \
+    X(outputs_invalidated, "outputs of earlier calls still held, made unreadable "     \
+                           "before a replay (kept_outputs='error')")                   \
+    X(input_grads_copied, "grads handed to autograd for inputs, still held, moved to " \
+                          "memory of their own before a replay")                       \
+    X(param_grads_copied, "parameter grads (.grad in pool memory), still held, moved " \
+                          "to memory of their own before a replay")
+
+/* One counter's field; graphed.c declares its own counters with it too. */
+#define CG_COUNTER_FIELD(field, doc) unsigned long long field;
+
 typedef struct {
-    unsigned long long forward;        /* forward replays */
-    unsigned long long backward;       /* backward replays */
-    unsigned long long grads_copied;   /* backwards whose .grad were None: in place, copy tail */
-    unsigned long long grads_added;    /* backwards adding into their stores: add tail */
-    unsigned long long grads_slow;     /* backwards that took the general path */
-    /* Arguments and incoming grads copied into static buffers: by the graph
-     * itself, or by ATen before the replay (Note [Argument copies inside
-     * the graph]); copied_before also counts incoming grads cloned out of
-     * the graph's own grad buffers first (Note [Incoming grads]). */
-    unsigned long long copied_in_graph;
-    unsigned long long copied_before;
-    /* Outputs of earlier calls moved to memory of their own before a replay
-     * (CG_KEEP_COPY): one per output still referenced. */
-    unsigned long long outputs_copied;
-    /* Outputs of earlier calls made unreadable before a replay
-     * (CG_KEEP_ERROR): one per output still referenced. */
-    unsigned long long outputs_invalidated;
-    /* Grads for the inputs that a backward handed to autograd, moved to
-     * memory of their own before a replay overwrote them (Note [Grads
-     * handed to autograd] in aten_replay.cpp): one per grad still held. */
-    unsigned long long input_grads_copied;
-    /* Parameter grads handed out as param.grad in pool memory, moved to
-     * memory of their own before a replay overwrote them (Note [Parameter
-     * gradients] in aten_backward.cpp): one per grad still held. */
-    unsigned long long param_grads_copied;
+    CG_STATS_COUNTERS(CG_COUNTER_FIELD)
 } cg_stats;
 
 cg_stats cg_engine_stats(const cg_engine *engine);
@@ -333,6 +370,15 @@ typedef struct {
 /* 1 and *out filled if `pass` has a graph, 0 if it has none (a backward
  * with nothing to differentiate, or after reset()), -1 with an exception. */
 int cg_engine_graph_shape(const cg_engine *engine, cg_pass pass, cg_graph_shape *out);
+
+/* ---- checked invariants (aten_checks.cpp) ------------------------------- */
+
+/* Turns the debug checks on or off (Note [Checked invariants]) and plants
+ * `fault` (NULL or "" for none; a test's only).  -1 with a ValueError set for
+ * a fault it does not know. */
+int cg_set_debug(int on, const char *fault);
+/* 1 while the debug checks are on, else 0.  Never raises. */
+int cg_debug(void);
 
 #ifdef __cplusplus
 }

@@ -8,6 +8,9 @@
  *     class Graphed:
  *         entries: list[Entry]        # one per captured graph pair: spec, engine
  *         on_miss: Callable | None    # None: one graph, torch's rules
+ *         max_graphs: int             # on_miss captures up to this many graphs
+ *         shared: Pool | None         # the pool other callables' graphs use too
+ *         layer: bool                 # graphed one by one into `shared`
  *         def __call__(self, *args, **kwargs):
  *             if self.on_miss is None:                 # one graph
  *                 e = self.entries[0]
@@ -19,12 +22,35 @@
  *             for e in [hot entry, *the others]:       # several graphs
  *                 if e takes these arguments and e.engine.may_replay():
  *                     return replay(e, args, kwargs)
- *             answer = self.on_miss(self, args, kwargs, pending)
- *             if answer is True:                       # captured one more
- *                 return self(*args, **kwargs)
- *             if type(answer) is tuple:                # on_miss ran it eagerly
- *                 return answer[0]                     # (cgraph/_group.py), counted
- *             return eager(args, kwargs)               # past max_graphs, counted
+ *             pending = some e takes them, but may not replay now
+ *             if self.layer and autograd_runs_a_backward():
+ *                 return eager(args, kwargs)           # counted: eager_on_miss
+ *             if self.refusal:                         # warm-up state in `shared`
+ *                 raise self.refusal
+ *             if len(self.entries) >= self.max_graphs: # counted: eager_pending
+ *                 event("past_max_graphs"), once       # or eager_past_limit
+ *                 return eager(args, kwargs)
+ *             site = self.site(pending)
+ *             try:
+ *                 g = self.on_miss(self, args, kwargs, site)  # a Graphed, one graph
+ *             except CaptureError as e if e.kind == "warmup_state":
+ *                 if site.pool == self.shared:
+ *                     self.refusal = e; raise
+ *                 drop the entries in site.pool; event("pool_dropped")
+ *                 g = self.on_miss(self, args, kwargs,
+ *                                  CaptureSite(new_pool(), False, False, pending))
+ *             self.entries.append(g.entries.pop())
+ *             return self(*args, **kwargs)             # once; then eager, counted
+ *
+ *         def site(self, pending) -> CaptureSite:      # where on_miss captures
+ *             if self.layer and open_to_layers(self.shared, pending or
+ *                                              any entry's backward pending):
+ *                 return CaptureSite(self.shared, warm_in_pool=True,
+ *                                    keep_activations=True, pending=pending)
+ *             for e in self.entries:
+ *                 if e.pool != self.shared and no graph of e.pool is pending:
+ *                     return CaptureSite(e.pool, True, False, pending)
+ *             return CaptureSite(new_pool(), False, False, pending)
  *
  *         def reset(self): ...   # free graphs, static tensors, pools and specs
  *         pool: tuple[int, int]  # the first graph's, usable as pool= elsewhere
@@ -32,23 +58,31 @@
  * Note [Several graphs per callable]
  * Q: How does one callable get several graphs, and when may each replay?
  * A: A call that no entry takes (another shape, constant, autocast, grad
- *    mode or train/eval; an input that requires grad unlike the sample) goes
- *    to on_miss (cgraph/_regraph.py), which captures one more pair for it
- *    and adopts it here (_adopt).  New entries share a pool when they can:
- *    a captured forward's activations are free blocks of its pool once the
- *    backward capture ran (autograd dropped them; the engine replays into
- *    them), so a later capture in that pool may reuse them.  That is what
- *    keeps the memory of several graphs near that of the largest, and it is
- *    safe while no pending backward needs what a replay writes (Note
- *    [Captures that share a pool] in aten_pool.cpp): for graphs one
- *    callable captured on their own, while no entry of the pool is pending.
- *    A call that matches only entries that may not replay (a second forward
- *    before the first one's backward) gets an instance in a fresh pool
- *    (Transformer Engine keeps one graph per micro-batch the same way), and
- *    backwards then run in any order.  Past max_graphs, calls run eagerly
- *    and are counted.  on_miss may also run the call eagerly itself and
- *    return its result in a 1-tuple, as cgraph/_group.py does for a call
- *    inside a backward that no graph takes.
+ *    mode or train/eval; an input that requires grad unlike the sample) is
+ *    decided here, from native state only.  What needs Python, capturing, is
+ *    on_miss's (cgraph/_regraph.py): it captures one more pair for the call
+ *    where a CaptureSite says and returns it, and this file takes it as a
+ *    new entry; nothing comes back into C meanwhile.  New entries share a
+ *    pool when they can: a captured forward's activations are free blocks of
+ *    its pool once the backward capture ran (autograd dropped them; the
+ *    engine replays into them), so a later capture in that pool may reuse
+ *    them.  That is what keeps the memory of several graphs near that of the
+ *    largest, and it is safe while no pending backward needs what a replay
+ *    writes (Note [Captures that share a pool] in aten_pool.cpp): for graphs
+ *    one callable captured on their own, while no entry of the pool is
+ *    pending; a pool shared with other callables gets no later graph but a
+ *    layer's (below).  A call that matches only entries that may not replay
+ *    (a second forward before the first one's backward) gets an instance in
+ *    a fresh pool (Transformer Engine keeps one graph per micro-batch the
+ *    same way), and backwards then run in any order.  Layers graphed one by
+ *    one with one pool= capture in it while cg_pool_open_to_layers lets them
+ *    (Note [One pool for separately graphed callables] in cgraph/_group.py),
+ *    and their calls inside autograd's backward (a checkpoint's recompute)
+ *    run eagerly: no capture runs there.  Past max_graphs, calls run eagerly
+ *    and are counted.  A warm-up that left state in a pool (Note [Warm-up in
+ *    the pool] in aten_setup.cpp) drops this callable's graphs there
+ *    (captured again when needed) and the call is captured without warm-up
+ *    in a pool; in the shared pool, it refuses this and every later capture.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,6 +101,17 @@ typedef struct {
     cg_pool pool;        /* the engine's pool */
 } graph_entry;
 
+/* The counters a Graphed keeps itself, beside its engines' (CG_STATS_COUNTERS
+ * in cgraph.h): calls that ran eagerly.  X(field, doc), as there: the
+ * fields below, their zeroing, Graphed.stats and its docstring come from it. */
+#define GRAPHED_COUNTERS(X)                                                            \
+    X(eager_pending, "calls run eagerly because a backward that the replay would "     \
+                     "overwrite had not run yet")                                      \
+    X(eager_past_limit, "calls run eagerly because no graph took them and max_graphs " \
+                        "were captured")                                               \
+    X(eager_on_miss, "calls on_miss ran eagerly itself: a call inside a backward "     \
+                     "that no graph of a layer sharing a pool= takes")
+
 typedef struct {
     PyObject_HEAD
     vectorcallfunc vectorcall;
@@ -74,14 +119,24 @@ typedef struct {
     graph_entry *entries;  /* owned; entries[0] is the first capture */
     Py_ssize_t n_entries;
     Py_ssize_t hot;      /* the entry the latest replay used: tried first */
-    PyObject *on_miss;   /* NULL: one graph, torch's rules (Note [Several
-                            graphs per callable]); else the handler */
+    /* Several graphs: Note [Several graphs per callable].  on_miss NULL: one
+     * graph, torch's rules, and the fields up to is_reset are unused. */
+    PyObject *on_miss;   /* on_miss(self, args, kwargs, site) -> Graphed */
+    PyObject *eager;     /* NULL, or eager(args, kwargs): a call run eagerly
+                            before the first graph */
+    PyObject *refusal;   /* NULL, or the CaptureError every later capture
+                            raises again: a warm-up left state in `shared` */
+    Py_ssize_t max_graphs;  /* on_miss captures up to this many graphs */
+    cg_pool shared;      /* with has_shared: the pool other callables' graphs
+                            use too; later graphs stay out of it, but a
+                            layer's (cgraph/_group.py) */
+    char has_shared;
+    char layer;          /* graphed one by one into `shared` (cgraph/_group.py) */
+    char limit_reported; /* the event hook heard of calls past max_graphs */
     char is_reset;
     cg_pool pool;        /* the first entry's pool, kept after reset() */
     unsigned long long verified_epoch;  /* state->module_epoch at the last check */
-    unsigned long long eager_pending;   /* calls run eagerly: a backward was pending */
-    unsigned long long eager_past_limit;  /* calls run eagerly: no graph, no room */
-    unsigned long long eager_on_miss;   /* calls on_miss ran eagerly itself */
+    GRAPHED_COUNTERS(CG_COUNTER_FIELD)  /* eager_pending, eager_past_limit, ... */
     char kept_reported;  /* the event hook was told a replay kept an earlier output */
     PyObject *weakreflist;
 } GraphedObject;
@@ -130,12 +185,19 @@ graphed_alloc(cg_state *state, PyObject *on_miss)
     self->n_entries = 0;
     self->hot = 0;
     self->on_miss = Py_XNewRef(on_miss);
+    self->eager = NULL;
+    self->refusal = NULL;
+    self->max_graphs = 1;
+    self->shared = (cg_pool){0, 0};
+    self->has_shared = 0;
+    self->layer = 0;
+    self->limit_reported = 0;
     self->is_reset = 0;
     self->pool = (cg_pool){0, 0};
     self->verified_epoch = 0;
-    self->eager_pending = 0;
-    self->eager_past_limit = 0;
-    self->eager_on_miss = 0;
+#define ZERO_COUNTER(field, doc) self->field = 0;
+    GRAPHED_COUNTERS(ZERO_COUNTER)
+#undef ZERO_COUNTER
     self->kept_reported = 0;
     self->weakreflist = NULL;
     PyObject_GC_Track(self);
@@ -159,10 +221,71 @@ cg_graphed_new(cg_state *state, cg_spec *spec, cg_engine *engine, cg_out_layout 
     return (PyObject *)self;
 }
 
-PyObject *
-cg_graphed_empty(cg_state *state, PyObject *on_miss)
+/* Moves the one graph of `arg`, a Graphed graph_callables just captured for
+ * this callable, into `self` as its latest entry; `arg` is left empty and
+ * reset.  `what` names `arg` in the error.  0, or -1 with an exception set. */
+static int
+take_graph(GraphedObject *self, PyObject *arg, const char *what)
 {
-    return (PyObject *)graphed_alloc(state, on_miss);
+    GraphedObject *other = (GraphedObject *)arg;
+    graph_entry taken;
+    int status;
+
+    if (!PyObject_TypeCheck(arg, self->state->Graphed_Type) || other == self ||
+        other->n_entries != 1) {
+        PyErr_Format(PyExc_TypeError,
+                     "cgraph: %s is %R, not a Graphed with the one graph just captured "
+                     "(cgraph/_capture.py graph()); this is a bug in cgraph, please report "
+                     "it.", what, arg);
+        return -1;
+    }
+    taken = other->entries[0];
+    other->n_entries = 0;
+    other->is_reset = 1;
+    status = add_entry(self, taken.spec, taken.engine, &taken.out);
+    Py_DECREF(taken.spec);  /* add_entry took its own reference */
+    return status;
+}
+
+/* _C.new_graphed (module.h).  Returns a NEW reference, or NULL with an
+ * exception set. */
+PyObject *
+cg_new_graphed(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"on_miss", "max_graphs", "first", "shared_pool", "layer",
+                               "eager", NULL};
+    PyObject *on_miss, *first = Py_None, *shared = Py_None, *eager = Py_None;
+    Py_ssize_t max_graphs = 1;
+    int layer = 0;
+    GraphedObject *self;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n$OOpO:new_graphed", keywords, &on_miss,
+                                     &max_graphs, &first, &shared, &layer, &eager)) {
+        return NULL;
+    }
+    if (!PyCallable_Check(on_miss) || max_graphs < 1 ||
+        (eager != Py_None && !PyCallable_Check(eager)) || (layer && shared == Py_None)) {
+        PyErr_SetString(PyExc_TypeError, "new_graphed: expects a callable on_miss, "
+                                         "max_graphs >= 1, eager callable or None, and a "
+                                         "layer's shared_pool");
+        return NULL;
+    }
+    self = graphed_alloc((cg_state *)PyModule_GetState(module), on_miss);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->max_graphs = max_graphs;
+    self->layer = (char)layer;
+    self->eager = eager == Py_None ? NULL : Py_NewRef(eager);
+    self->has_shared = shared != Py_None;
+    if ((self->has_shared &&
+         !PyArg_ParseTuple(shared, "KK;new_graphed: shared_pool must be a pair of ints",
+                           &self->shared.first, &self->shared.second)) ||
+        (first != Py_None && take_graph(self, first, "first") < 0)) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
 }
 
 static int
@@ -170,6 +293,8 @@ Graphed_traverse(GraphedObject *self, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(self->on_miss);
+    Py_VISIT(self->eager);
+    Py_VISIT(self->refusal);
     for (Py_ssize_t k = 0; k < self->n_entries; k++) {
         Py_VISIT(self->entries[k].spec);
         Py_VISIT(self->entries[k].out.spec);
@@ -203,6 +328,8 @@ static int
 Graphed_clear(GraphedObject *self)
 {
     Py_CLEAR(self->on_miss);
+    Py_CLEAR(self->eager);
+    Py_CLEAR(self->refusal);
     free_entries(self, 0);
     return 0;
 }
@@ -385,14 +512,17 @@ kept_outputs_event(GraphedObject *self, const cg_engine *engine)
     return stats.outputs_copied ? "outputs_copied" : "outputs_invalidated";
 }
 
-/* Replays entry k with these tensors.  Returns a NEW reference to the
- * outputs as the callable returned them, or NULL with an exception set. */
+/* Replays entry k with these tensors (`accepted`: cg_engine_accepts just
+ * took them, so the replay does not check them again).  Returns a NEW
+ * reference to the outputs as the callable returned them, or NULL with an
+ * exception set. */
 static PyObject *
-replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssize_t nt)
+replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssize_t nt,
+             int accepted)
 {
     /* Flattening ran Python (pytree, __eq__ of constants): reset since? */
     PyObject *outs = k < self->n_entries
-                         ? cg_engine_replay(self->entries[k].engine, tensors, nt)
+                         ? cg_engine_replay(self->entries[k].engine, tensors, nt, accepted)
                          : raise_reset();
     const char *event;
     PyObject *result;
@@ -421,7 +551,7 @@ replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssi
  * aten_pool.cpp): 1 (counted, and reported once to the event hook), 0, or
  * -1 with an exception set. */
 static int
-backward_pending(GraphedObject *self)
+eager_for_pending_backward(GraphedObject *self)
 {
     if (cg_engine_may_replay(self->entries[0].engine)) {
         return 0;
@@ -453,13 +583,13 @@ call_one(GraphedObject *self, const cg_spec *spec, PyObject *const *args, Py_ssi
         eager = -1;
         raise_reset();
     } else if (eager == 0) {
-        eager = backward_pending(self);
+        eager = eager_for_pending_backward(self);
     }
     if (eager > 0) {
         result = call_eager(spec, module, args, nargs, kwnames);
     } else if (eager == 0 &&
                call_tensors(self, spec, args, nargs, kwnames, &tensors, &nt, &owned) == 0) {
-        result = replay_entry(self, 0, tensors, nt);
+        result = replay_entry(self, 0, tensors, nt, 0);
     }
     Py_XDECREF(owned);
     Py_XDECREF(module);
@@ -538,39 +668,335 @@ find_entry(GraphedObject *self, int training, PyObject *const *args, Py_ssize_t 
     return 0;
 }
 
-/* Asks on_miss about this call: 1 if it captured a graph for it, 0 if the
- * call should run eagerly, 2 if on_miss ran it eagerly itself (*ran: a NEW
- * reference to the result), -1 with an exception set. */
-static int
-ask_on_miss(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
-            int pending, PyObject **ran)
-{
-    PyObject *positional = PyTuple_New(nargs), *keywords = PyDict_New(), *answer = NULL;
-    int captured = -1;
+/* ---- a call no graph takes ----------------------------------------------- */
 
-    for (Py_ssize_t i = 0; positional != NULL && i < nargs; i++) {
-        PyTuple_SET_ITEM(positional, i, Py_NewRef(args[i]));
+/* Where and how on_miss captures a call no graph takes: chosen here, handed
+ * to it as a _C.CaptureSite (Note [Several graphs per callable]). */
+typedef struct {
+    cg_pool pool;          /* where the graph goes */
+    int warm_in_pool;      /* warm up in `pool`: Note [Warm-up in the pool] */
+    int keep_activations;  /* Note [Layers captured one by one into one pool] */
+    int pending;           /* a graph takes the call but its backward is pending */
+} capture_site;
+
+static PyStructSequence_Field capture_site_fields[] = {
+    {"pool", "Where the graph goes: the pool= of a layer graphed one by one, a pool "
+             "of this callable's graphs where none has a backward pending, or a fresh "
+             "one."},
+    {"warm_in_pool", "Whether warm-up runs in `pool` (Note [Warm-up in the pool] in "
+                     "csrc/aten_setup.cpp)."},
+    {"keep_activations", "Whether the captures keep their activations allocated until "
+                         "their backward has run (Note [Layers captured one by one into "
+                         "one pool] in csrc/aten_pool.cpp)."},
+    {"pending", "Whether a graph takes the call but its backward is still to run (a "
+                "second micro-batch): why the call misses."},
+    {NULL, NULL},
+};
+
+static PyStructSequence_Desc capture_site_desc = {
+    "cgraph._C.CaptureSite",
+    "Where on_miss captures a call no graph of its callable takes, chosen by the\n"
+    "native core (Note [Several graphs per callable] in csrc/graphed.c).",
+    capture_site_fields,
+    4,
+};
+
+/* Returns a NEW reference to the type, or NULL with an exception set. */
+PyTypeObject *
+cg_capture_site_type(void)
+{
+    return PyStructSequence_NewType(&capture_site_desc);
+}
+
+/* A NEW reference to `site` as on_miss takes it, or NULL with an exception
+ * set. */
+static PyObject *
+site_record(const GraphedObject *self, const capture_site *site)
+{
+    PyObject *record = PyStructSequence_New(self->state->CaptureSite_Type);
+    PyObject *pool = record ? Py_BuildValue("(KK)", site->pool.first, site->pool.second)
+                            : NULL;
+
+    if (pool == NULL) {
+        Py_XDECREF(record);
+        return NULL;
     }
-    for (Py_ssize_t i = 0; keywords != NULL && kwnames != NULL &&
-                           i < PyTuple_GET_SIZE(kwnames); i++) {
-        if (PyDict_SetItem(keywords, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) {
-            Py_CLEAR(keywords);
+    PyStructSequence_SetItem(record, 0, pool);
+    PyStructSequence_SetItem(record, 1, PyBool_FromLong(site->warm_in_pool));
+    PyStructSequence_SetItem(record, 2, PyBool_FromLong(site->keep_activations));
+    PyStructSequence_SetItem(record, 3, PyBool_FromLong(site->pending));
+    return record;
+}
+
+static int
+same_pool(cg_pool a, cg_pool b)
+{
+    return a.first == b.first && a.second == b.second;
+}
+
+/* Whether the backward of some graph's latest replay is still to run. */
+static int
+any_backward_pending(const GraphedObject *self)
+{
+    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
+        if (cg_engine_backward_pending(self->entries[k].engine)) {
+            return 1;
         }
     }
-    if (positional != NULL && keywords != NULL) {
-        answer = PyObject_CallFunction(self->on_miss, "OOOO", (PyObject *)self, positional,
-                                       keywords, pending ? Py_True : Py_False);
+    return 0;
+}
+
+/* A pool of this callable's graphs that a new graph may share: none of its
+ * graphs has a backward pending, and other callables' graphs do not use it.
+ * 1 and *out set, or 0. */
+static int
+idle_pool(const GraphedObject *self, cg_pool *out)
+{
+    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
+        cg_pool pool = self->entries[k].pool;
+        if (!(self->has_shared && same_pool(pool, self->shared)) && !cg_pool_busy(pool, 0)) {
+            *out = pool;
+            return 1;
+        }
     }
-    if (answer != NULL && PyTuple_CheckExact(answer) && PyTuple_GET_SIZE(answer) == 1) {
-        *ran = Py_NewRef(PyTuple_GET_ITEM(answer, 0));
-        captured = 2;
-    } else {
-        captured = answer ? PyObject_IsTrue(answer) : -1;
+    return 0;
+}
+
+/* Where on_miss captures this call: a layer's pool=, keeping the
+ * activations, while the pool lets it (cg_pool_open_to_layers: not in a
+ * second pass, which this call starts if a graph of the layer is pending);
+ * else a pool of its own idle graphs, warming up there; else a fresh pool.
+ * 0, or -1 with an exception set. */
+static int
+choose_site(GraphedObject *self, int pending, capture_site *site)
+{
+    *site = (capture_site){.pending = pending};
+    if (self->layer &&
+        cg_pool_open_to_layers(self->shared, pending || any_backward_pending(self))) {
+        site->pool = self->shared;
+        site->warm_in_pool = site->keep_activations = 1;
+        return 0;
     }
-    Py_XDECREF(answer);
+    if (idle_pool(self, &site->pool)) {
+        site->warm_in_pool = 1;
+        return 0;
+    }
+    return cg_new_pool(&site->pool);
+}
+
+/* Frees this callable's graphs in `pool`, where none has a backward pending:
+ * Note [Warm-up in the pool] in aten_setup.cpp.  0, or -1 with an exception
+ * set (nothing freed). */
+static int
+drop_pool(GraphedObject *self, cg_pool pool)
+{
+    /* Taken out before any is freed: freeing a spec may run Python. */
+    graph_entry *dropped = PyMem_Malloc((size_t)self->n_entries * sizeof(graph_entry));
+    Py_ssize_t kept = 0, n_dropped = 0;
+
+    if (dropped == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
+        graph_entry e = self->entries[k];
+        if (same_pool(e.pool, pool)) {
+            dropped[n_dropped++] = e;
+        } else {
+            self->entries[kept++] = e;
+        }
+    }
+    self->n_entries = kept;
+    self->hot = 0;
+    for (Py_ssize_t k = 0; k < n_dropped; k++) {
+        cg_engine_free(dropped[k].engine);
+        Py_XDECREF(dropped[k].spec);
+        Py_XDECREF(dropped[k].out.spec);
+    }
+    PyMem_Free(dropped);
+    return 0;
+}
+
+/* After on_miss raised for `site`.  If a warm-up left state in the site's
+ * pool where earlier graphs write (CaptureError kind "warmup_state", a name
+ * CG_FAILURE_KINDS in cgraph.h makes public; Note [Warm-up in the pool] in
+ * aten_setup.cpp): in the pool shared with other callables the state stays,
+ * and the error comes back at every later capture (self->refusal); in a pool
+ * of this callable's own, its graphs there go (captured again when needed)
+ * and *site becomes a fresh pool without warm-up.  1 if on_miss may be
+ * asked again, else 0 with an exception set. */
+static int
+recover_from_warm_up(GraphedObject *self, capture_site *site)
+{
+    PyObject *exc, *kind;
+    int state_left;
+
+    if (!site->warm_in_pool || !PyErr_ExceptionMatches(self->state->CaptureError)) {
+        return 0;
+    }
+    exc = cg_err_take();
+    kind = PyObject_GetAttrString(exc, "kind");
+    state_left = kind != NULL && PyUnicode_Check(kind) &&
+                 PyUnicode_CompareWithASCIIString(kind, "warmup_state") == 0;
+    Py_XDECREF(kind);
+    PyErr_Clear();
+    if (state_left && self->has_shared && same_pool(site->pool, self->shared)) {
+        Py_XSETREF(self->refusal, Py_NewRef(exc));
+    } else if (state_left && !cg_pool_busy(site->pool, 0) && drop_pool(self, site->pool) == 0) {
+        Py_DECREF(exc);
+        *site = (capture_site){.pending = site->pending};
+        return cg_report_event(self->state, "pool_dropped", (PyObject *)self) == 0 &&
+               cg_new_pool(&site->pool) == 0;
+    }
+    cg_err_restore(exc);
+    return 0;
+}
+
+/* The call's arguments as a Python call passes them: NEW references to a
+ * tuple in *positional and a dict in *keywords.  0, or -1 with an exception
+ * set (both NULL). */
+static int
+python_call(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames, PyObject **positional,
+            PyObject **keywords)
+{
+    *positional = PyTuple_New(nargs);
+    *keywords = PyDict_New();
+    for (Py_ssize_t i = 0; *positional != NULL && i < nargs; i++) {
+        PyTuple_SET_ITEM(*positional, i, Py_NewRef(args[i]));
+    }
+    for (Py_ssize_t i = 0; *keywords != NULL && kwnames != NULL &&
+                           i < PyTuple_GET_SIZE(kwnames); i++) {
+        if (PyDict_SetItem(*keywords, PyTuple_GET_ITEM(kwnames, i), args[nargs + i]) < 0) {
+            Py_CLEAR(*keywords);
+        }
+    }
+    if (*positional == NULL || *keywords == NULL) {
+        Py_CLEAR(*positional);
+        Py_CLEAR(*keywords);
+        return -1;
+    }
+    return 0;
+}
+
+/* on_miss's graph for this call at `site`: a NEW reference to the Graphed
+ * it captured, or NULL with an exception set. */
+static PyObject *
+ask_on_miss(GraphedObject *self, PyObject *positional, PyObject *keywords,
+            const capture_site *site)
+{
+    PyObject *on_miss = Py_XNewRef(self->on_miss);  /* reset() drops ours */
+    PyObject *record = on_miss ? site_record(self, site) : raise_reset();
+    PyObject *captured = record ? PyObject_CallFunctionObjArgs(on_miss, (PyObject *)self,
+                                                               positional, keywords, record,
+                                                               NULL)
+                                : NULL;
+
+    Py_XDECREF(record);
+    Py_XDECREF(on_miss);
+    return captured;
+}
+
+/* Has on_miss capture a graph for this call and takes it as the latest
+ * entry (none if reset() ran meanwhile).  0, or -1 with an exception set. */
+static int
+capture_for(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+            int pending)
+{
+    PyObject *positional = NULL, *keywords = NULL, *captured = NULL;
+    capture_site site;
+    int status = -1;
+
+    if (python_call(args, nargs, kwnames, &positional, &keywords) == 0 &&
+        choose_site(self, pending, &site) == 0) {
+        captured = ask_on_miss(self, positional, keywords, &site);
+        if (captured == NULL && recover_from_warm_up(self, &site)) {
+            captured = ask_on_miss(self, positional, keywords, &site);
+        }
+    }
+    if (captured != NULL) {
+        status = self->is_reset ? 0 : take_graph(self, captured, "on_miss's result");
+    }
+    Py_XDECREF(captured);
     Py_XDECREF(positional);
     Py_XDECREF(keywords);
-    return captured;
+    return status;
+}
+
+/* What a call no graph takes comes to. */
+typedef enum {
+    MISS_ERROR = -1,        /* an exception is set */
+    MISS_CAPTURED,          /* a graph for it is the latest entry: look again */
+    MISS_EAGER_IN_BACKWARD, /* runs eagerly, counted in eager_on_miss */
+    MISS_EAGER              /* runs eagerly, counted in eager_pending or _past_limit */
+} miss_outcome;
+
+/* Calls no graph takes run eagerly once max_graphs are captured; the event
+ * hook hears of it once (cgraph/_log.py logs a warning).  0, or -1 with the
+ * hook's exception set. */
+static int
+report_limit(GraphedObject *self, int pending)
+{
+    if (self->limit_reported) {
+        return 0;
+    }
+    self->limit_reported = 1;
+    return cg_report_event(self->state, pending ? "past_max_graphs_pending" : "past_max_graphs",
+                           (PyObject *)self);
+}
+
+/* Decides a call no graph takes, in the order of Note [Several graphs per
+ * callable]: a layer's call inside autograd's backward runs eagerly (no
+ * capture runs there); a capture refused for good raises again; past
+ * max_graphs the call runs eagerly; else on_miss captures a graph for it. */
+static miss_outcome
+handle_miss(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+            int pending)
+{
+    if (self->is_reset) {  /* flattening the arguments ran Python */
+        raise_reset();
+        return MISS_ERROR;
+    }
+    if (self->layer && cg_in_backward()) {
+        return MISS_EAGER_IN_BACKWARD;
+    }
+    if (self->refusal != NULL) {
+        PyException_SetTraceback(self->refusal, Py_None);
+        PyErr_SetObject((PyObject *)Py_TYPE(self->refusal), self->refusal);
+        return MISS_ERROR;
+    }
+    if (self->n_entries >= self->max_graphs) {
+        return report_limit(self, pending) < 0 ? MISS_ERROR : MISS_EAGER;
+    }
+    return capture_for(self, args, nargs, kwnames, pending) < 0 ? MISS_ERROR : MISS_CAPTURED;
+}
+
+/* Runs the call eagerly, as its first graph's spec says (call_eager), or,
+ * before the first graph, through `eager`.  Returns a NEW reference, or
+ * NULL with an exception set. */
+static PyObject *
+run_eagerly(GraphedObject *self, PyObject *module, PyObject *const *args, Py_ssize_t nargs,
+            PyObject *kwnames)
+{
+    PyObject *spec, *positional, *keywords, *result = NULL;
+
+    if (self->n_entries > 0) {
+        spec = Py_NewRef(self->entries[0].spec);  /* the eager call may reset() us */
+        result = call_eager((cg_spec *)spec, module, args, nargs, kwnames);
+        Py_DECREF(spec);
+        return result;
+    }
+    if (self->eager == NULL) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "cgraph: a call was to run eagerly before the callable had a graph, "
+                        "with no way to; this is a bug in cgraph, please report it.");
+        return NULL;
+    }
+    if (python_call(args, nargs, kwnames, &positional, &keywords) == 0) {
+        result = PyObject_CallFunctionObjArgs(self->eager, positional, keywords, NULL);
+        Py_DECREF(positional);
+        Py_DECREF(keywords);
+    }
+    return result;
 }
 
 /* The call path of a callable that may have several graphs (Note [Several
@@ -580,11 +1006,12 @@ call_any(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
 {
     PyObject *module = NULL, *result = NULL;
     /* One miss: on_miss captures a graph for the call, and the second
-     * lookup finds it. */
-    int training = 0, attempts = 2, captured = 1;
+     * lookup finds it (if not, the call runs eagerly, counted). */
+    int training = 0, attempts = 2;
+    miss_outcome outcome = MISS_CAPTURED;
     lookup found = {.index = -1};
 
-    while (captured == 1 && attempts-- > 0 && !self->is_reset) {
+    while (outcome == MISS_CAPTURED && attempts-- > 0 && !self->is_reset) {
         const cg_spec *first = self->n_entries ? self->entries[0].spec : NULL;
         Py_CLEAR(module);
         if (first != NULL && first->module != Py_None &&
@@ -595,24 +1022,22 @@ call_any(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
             break;
         }
         if (found.index >= 0) {
-            result = replay_entry(self, found.index, found.tensors, found.nt);
+            result = replay_entry(self, found.index, found.tensors, found.nt, 1);
             break;
         }
-        captured = attempts > 0
-                       ? ask_on_miss(self, args, nargs, kwnames, found.pending, &result)
-                       : 0;
+        outcome = attempts > 0 ? handle_miss(self, args, nargs, kwnames, found.pending)
+                               : MISS_EAGER;
     }
-    if (captured == 2) {
-        self->eager_on_miss += 1;
-    } else if (self->is_reset && result == NULL && !PyErr_Occurred()) {
+    if (self->is_reset && result == NULL && !PyErr_Occurred()) {
         raise_reset();
-    } else if (captured == 0 && self->n_entries > 0) {
-        *(found.pending ? &self->eager_pending : &self->eager_past_limit) += 1;
-        result = call_eager(self->entries[0].spec, module, args, nargs, kwnames);
-    } else if (captured == 0) {
-        PyErr_SetString(PyExc_RuntimeError,
-                        "cgraph: no graph was captured for this call (on_miss declined "
-                        "the first call); this is a bug in cgraph, please report it.");
+    } else if (outcome == MISS_EAGER_IN_BACKWARD || outcome == MISS_EAGER) {
+        if (outcome == MISS_EAGER) {
+            *(found.pending ? &self->eager_pending : &self->eager_past_limit) += 1;
+        }
+        result = run_eagerly(self, module, args, nargs, kwnames);
+        if (outcome == MISS_EAGER_IN_BACKWARD && result != NULL) {
+            self->eager_on_miss += 1;  /* counted once it returned */
+        }
     }
     Py_XDECREF(found.owned);
     Py_XDECREF(module);
@@ -662,142 +1087,13 @@ Graphed_reset(GraphedObject *self, PyObject *unused)
     self->is_reset = 1;
     free_entries(self, 1);  /* and the samples their specs hold */
     Py_CLEAR(self->on_miss);
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(Graphed_adopt_doc,
-"_adopt(other)\n\n"
-"Take the graphs of `other` (a Graphed just captured for a call this one\n"
-"did not take) as one more entry; `other` is left empty and reset.");
-
-/* Returns a NEW reference (None), or NULL with an exception set. */
-static PyObject *
-Graphed_adopt(GraphedObject *self, PyObject *arg)
-{
-    GraphedObject *other = (GraphedObject *)arg;
-
-    if (!PyObject_TypeCheck(arg, self->state->Graphed_Type) || other == self ||
-        other->n_entries != 1 || self->is_reset) {
-        PyErr_SetString(PyExc_TypeError, "_adopt: expects another Graphed with one graph, "
-                                         "into one that is not reset");
-        return NULL;
-    }
-    graph_entry taken = other->entries[0];
-    other->n_entries = 0;
-    other->is_reset = 1;
-    if (add_entry(self, taken.spec, taken.engine, &taken.out) < 0) {
-        Py_DECREF(taken.spec);
-        return NULL;
-    }
-    Py_DECREF(taken.spec);  /* add_entry took its own reference */
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(Graphed_idle_pool_doc,
-"_idle_pool(skip) -> tuple[int, int] | None\n\n"
-"A pool of this callable's graphs where none has a backward pending, so a\n"
-"new graph may share it (Note [Several graphs per callable]); never `skip`\n"
-"(a pool shared with other callables, or None).");
-
-/* Returns a NEW reference, or NULL with an exception set. */
-static PyObject *
-Graphed_idle_pool(GraphedObject *self, PyObject *arg)
-{
-    cg_pool skip = {0, 0};
-
-    if (arg != Py_None && !PyArg_ParseTuple(arg, "KK;_idle_pool: expects a pool, a pair of "
-                                            "ints, or None", &skip.first, &skip.second)) {
-        return NULL;
-    }
-    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
-        cg_pool pool = self->entries[k].pool;
-        int skipped = arg != Py_None && pool.first == skip.first && pool.second == skip.second;
-        if (!skipped && !cg_pool_busy(pool, 0)) {
-            return Py_BuildValue("(KK)", pool.first, pool.second);
-        }
-    }
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(Graphed_backward_pending_doc,
-"_backward_pending() -> bool\n\n"
-"Whether the backward of some graph's latest replay is still to run.");
-
-/* Returns a NEW reference. */
-static PyObject *
-Graphed_backward_pending(GraphedObject *self, PyObject *Py_UNUSED(ignored))
-{
-    for (Py_ssize_t k = 0; k < self->n_entries; k++) {
-        if (cg_engine_backward_pending(self->entries[k].engine)) {
-            Py_RETURN_TRUE;
-        }
-    }
-    Py_RETURN_FALSE;
-}
-
-PyDoc_STRVAR(Graphed_drop_pool_doc,
-"_drop_pool(pool) -> int\n\n"
-"Free this callable's graphs in `pool` (none may have a backward pending) and\n"
-"return how many: Note [Warm-up in the pool] in aten_setup.cpp.");
-
-/* Returns a NEW reference (an int), or NULL with an exception set. */
-static PyObject *
-Graphed_drop_pool(GraphedObject *self, PyObject *arg)
-{
-    cg_pool pool;
-    Py_ssize_t kept = 0, n = self->n_entries;
-
-    if (!PyArg_ParseTuple(arg, "KK;_drop_pool: expects a pool, a pair of ints", &pool.first,
-                          &pool.second)) {
-        return NULL;
-    }
-    if (cg_pool_busy(pool, 0)) {
-        PyErr_SetString(PyExc_RuntimeError, "_drop_pool: a graph of that pool has a backward "
-                                            "pending");
-        return NULL;
-    }
-    for (Py_ssize_t k = 0; k < n; k++) {
-        graph_entry e = self->entries[k];
-        if (e.pool.first == pool.first && e.pool.second == pool.second) {
-            cg_engine_free(e.engine);
-            Py_XDECREF(e.spec);
-            Py_XDECREF(e.out.spec);
-        } else {
-            self->entries[kept++] = e;
-        }
-    }
-    self->n_entries = kept;
-    self->hot = 0;
-    return PyLong_FromSsize_t(n - kept);
-}
-
-PyDoc_STRVAR(Graphed_set_on_miss_doc,
-"_set_on_miss(on_miss)\n\n"
-"Let this callable capture more graphs: calls its graphs do not take go to\n"
-"on_miss(graphed, args, kwargs, pending) -> bool (Note [Several graphs per\n"
-"callable]).");
-
-/* Returns a NEW reference (None), or NULL with an exception set. */
-static PyObject *
-Graphed_set_on_miss(GraphedObject *self, PyObject *on_miss)
-{
-    if (!PyCallable_Check(on_miss) || self->is_reset) {
-        PyErr_SetString(PyExc_TypeError, "_set_on_miss: expects a callable, on a Graphed "
-                                         "that is not reset");
-        return NULL;
-    }
-    Py_XSETREF(self->on_miss, Py_NewRef(on_miss));
+    Py_CLEAR(self->eager);
+    Py_CLEAR(self->refusal);
     Py_RETURN_NONE;
 }
 
 static PyMethodDef Graphed_methods[] = {
-    {"_set_on_miss", (PyCFunction)Graphed_set_on_miss, METH_O, Graphed_set_on_miss_doc},
     {"reset", (PyCFunction)Graphed_reset, METH_NOARGS, Graphed_reset_doc},
-    {"_adopt", (PyCFunction)Graphed_adopt, METH_O, Graphed_adopt_doc},
-    {"_idle_pool", (PyCFunction)Graphed_idle_pool, METH_O, Graphed_idle_pool_doc},
-    {"_backward_pending", (PyCFunction)Graphed_backward_pending, METH_NOARGS,
-     Graphed_backward_pending_doc},
-    {"_drop_pool", (PyCFunction)Graphed_drop_pool, METH_O, Graphed_drop_pool_doc},
     {NULL, NULL, 0, NULL}
 };
 
@@ -892,39 +1188,42 @@ summed_stats(const GraphedObject *self)
     cg_stats sum = {0};
     for (Py_ssize_t k = 0; k < self->n_entries; k++) {
         cg_stats one = cg_engine_stats(self->entries[k].engine);
-        sum.forward += one.forward;
-        sum.backward += one.backward;
-        sum.grads_copied += one.grads_copied;
-        sum.grads_added += one.grads_added;
-        sum.grads_slow += one.grads_slow;
-        sum.copied_in_graph += one.copied_in_graph;
-        sum.copied_before += one.copied_before;
-        sum.outputs_copied += one.outputs_copied;
-        sum.outputs_invalidated += one.outputs_invalidated;
-        sum.input_grads_copied += one.input_grads_copied;
-        sum.param_grads_copied += one.param_grads_copied;
+#define ADD_COUNTER(field, doc) sum.field += one.field;
+        CG_STATS_COUNTERS(ADD_COUNTER)
+#undef ADD_COUNTER
     }
     return sum;
 }
 
-/* Returns a NEW reference: a dict of counters, summed over the graphs. */
+/* Sets dict[name] = value.  0, or -1 with an exception set. */
+static int
+put_counter(PyObject *dict, const char *name, unsigned long long value)
+{
+    PyObject *number = PyLong_FromUnsignedLongLong(value);
+    int status = number ? PyDict_SetItemString(dict, name, number) : -1;
+
+    Py_XDECREF(number);
+    return status;
+}
+
+/* Returns a NEW reference: a dict of counters, summed over the graphs, in
+ * the order of the docstring (Graphed_stats_doc); NULL with an exception. */
 static PyObject *
 Graphed_get_stats(GraphedObject *self, void *closure)
 {
     cg_stats sum = summed_stats(self);
-    return Py_BuildValue("{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsn}", "forward", sum.forward,
-                         "backward", sum.backward, "grads_copied", sum.grads_copied,
-                         "grads_added", sum.grads_added, "grads_slow", sum.grads_slow,
-                         "copied_in_graph", sum.copied_in_graph,
-                         "copied_before", sum.copied_before,
-                         "outputs_copied", sum.outputs_copied,
-                         "outputs_invalidated", sum.outputs_invalidated,
-                         "input_grads_copied", sum.input_grads_copied,
-                         "param_grads_copied", sum.param_grads_copied,
-                         "eager_pending", self->eager_pending,
-                         "eager_past_limit", self->eager_past_limit,
-                         "eager_on_miss", self->eager_on_miss,
-                         "graphs", self->n_entries);
+    PyObject *dict = PyDict_New();
+
+#define PUT_ENGINE_COUNTER(field, doc) put_counter(dict, #field, sum.field) < 0 ||
+#define PUT_OWN_COUNTER(field, doc) put_counter(dict, #field, self->field) < 0 ||
+    if (dict != NULL &&
+        (CG_STATS_COUNTERS(PUT_ENGINE_COUNTER) GRAPHED_COUNTERS(PUT_OWN_COUNTER)
+         put_counter(dict, "graphs", (unsigned long long)self->n_entries) < 0)) {
+        Py_CLEAR(dict);
+    }
+#undef PUT_ENGINE_COUNTER
+#undef PUT_OWN_COUNTER
+    return dict;
 }
 
 /* A NEW reference to a dict describing one pass's graph, to None if the
@@ -1047,6 +1346,16 @@ Graphed_repr(GraphedObject *self)
     return result;
 }
 
+/* Graphed.stats' docstring: a line per counter, from the counters' own docs,
+ * so that a new counter is documented where it is declared. */
+#define COUNTER_DOC(field, doc) "\n  " #field ": " doc "."
+PyDoc_STRVAR(Graphed_stats_doc,
+"How often each path ran, summed over the graphs; a dict of counters:"
+CG_STATS_COUNTERS(COUNTER_DOC)
+GRAPHED_COUNTERS(COUNTER_DOC)
+"\n  graphs: forward/backward graph pairs captured (num_graphs).");
+#undef COUNTER_DOC
+
 static PyGetSetDef Graphed_getset[] = {
     {"spec", (getter)Graphed_get_spec, NULL,
      "The CallableSpec the first graph was captured from (None before any).", NULL},
@@ -1055,20 +1364,7 @@ static PyGetSetDef Graphed_getset[] = {
     {"num_graphs", (getter)Graphed_get_num_graphs, NULL,
      "How many forward/backward graph pairs this callable has captured.", NULL},
     {"stats", (getter)Graphed_get_stats, NULL,
-     "How often each replay path ran: forward and backward replays; backwards whose\n"
-     "parameter grads were handed out as computed or copied (.grad was None), added\n"
-     "by the add tail or took the general path; arguments and incoming grads copied\n"
-     "into the static buffers by the graph itself or, for layouts a memcpy cannot\n"
-     "copy (and incoming grads lying in the graph's own grad buffers), before it;\n"
-     "outputs of earlier calls still held, moved to memory of their own before a\n"
-     "replay (kept_outputs='copy') or made unreadable (kept_outputs='error'); grads\n"
-     "handed to autograd for inputs, and parameter grads, still held and moved to\n"
-     "memory of their own before a replay; calls\n"
-     "run eagerly because a backward the replay would overwrite had not run yet\n"
-     "(eager_pending), because no graph took them and max_graphs were captured\n"
-     "(eager_past_limit), or by on_miss itself (eager_on_miss: a call inside a\n"
-     "backward that no graph of a layer sharing a pool= takes); graphs captured.\n"
-     "Summed over the graphs.", NULL},
+     Graphed_stats_doc, NULL},
     {"graphs", (getter)Graphed_get_graphs, NULL,
      "What the first forward and backward graphs are made of: node counts by type\n"
      "(kernels, memcpys, memsets, others), roots and edges; None for a pass\n"

@@ -6,21 +6,26 @@
  *     class CaptureError(RuntimeError): ...   # a capture failed; says why (.kind)
  *     class Refusal(RuntimeError): ...        # Refusal(message, kind): cgraph's own
  *                                             # refusals, raised from Python hooks
- *     FAILURE_RNG_CHANGED, FAILURE_REENTRANT_LEAF: int   # kinds Python raises
+ *     FAILURE_KINDS: tuple[str, ...]  # each kind's CaptureError.kind, by kind
+ *     FAILURE_OTHER: int = 0, FAILURE_SYNC: int = 1, ...  # the kinds, as Refusal
+ *                                     # takes them (cgraph.h CG_FAILURE_KINDS)
  *     class CallableSpec: ...                 # spec.c
  *     class Graphed: ...                      # graphed.c
+ *     class CaptureSite(tuple): ...           # where on_miss captures: graphed.c
  *     def graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
  *                         capture_error_mode, kept_outputs, warm_in_pool,
  *                         keep_activations, what=None): ...  # capture.c
  *     def device_count() -> int: ...
  *     def new_pool() -> tuple[int, int]: ...  # torch.cuda.graph_pool_handle()
+ *     def static_output(tensor, pool) -> Tensor | None: ...  # aten_pool.cpp
  *     def autograd_leaves(tensors) -> list[Tensor]: ...      # aten_warmup.cpp
  *     def rng_get_state(device: int) -> Tensor | None: ...   # aten_rng.cpp
  *     def rng_set_state(state: Tensor, device: int) -> bool: ...
  *     def modules_changed() -> None: ...      # see cg_state.module_epoch
  *     def set_event_hook(hook) -> None: ...   # cgraph/_log.py
- *     def new_graphed(on_miss) -> Graphed: ...  # no graph yet: graphed.c
- *     def capture_error(cause, what) -> CaptureError: ...  # capture.c
+ *     def _debug(on=None, fault=None) -> bool: ...  # aten_checks.cpp
+ *     def new_graphed(on_miss, max_graphs=1, *, first=None, shared_pool=None,
+ *                     layer=False, eager=None) -> Graphed: ...  # graphed.c
  *     def call_with_accumulators_here(params, fn, args, kwargs) -> tuple[object, int]:
  *         ...  # fn(*args, **kwargs), the grad accumulators of params on the
  *              # current stream meanwhile: aten_accumulators.cpp
@@ -70,27 +75,6 @@ cgm_new_pool(PyObject *module, PyObject *unused)
         return NULL;
     }
     return Py_BuildValue("(KK)", pool.first, pool.second);
-}
-
-PyDoc_STRVAR(cgm_pool_busy_doc,
-"pool_busy(pool, unkept_only=False) -> bool\n\n"
-"Whether a graph of `pool` has a backward still to run, so that capturing or\n"
-"warming up there now could overwrite what it needs (Note [Captures that share a\n"
-"pool] in aten_pool.cpp).  With unkept_only, only such a graph whose activations\n"
-"are not kept allocated (Note [Layers captured one by one into one pool]): a\n"
-"capture beside the others cannot take their memory.");
-
-/* Returns a NEW reference, or NULL with an exception set. */
-static PyObject *
-cgm_pool_busy(PyObject *module, PyObject *args)
-{
-    cg_pool pool;
-    int unkept_only = 0;
-    if (!PyArg_ParseTuple(args, "(KK)|p;pool_busy: expects a pool, a pair of ints",
-                          &pool.first, &pool.second, &unkept_only)) {
-        return NULL;
-    }
-    return PyBool_FromLong(cg_pool_busy(pool, unkept_only));
 }
 
 PyDoc_STRVAR(cgm_static_output_doc,
@@ -220,6 +204,32 @@ cg_report_event(cg_state *state, const char *event, PyObject *graphed)
     return result ? 0 : -1;
 }
 
+PyDoc_STRVAR(cgm_debug_doc,
+"_debug(on=None, fault=None) -> bool\n\n"
+"Whether cgraph's debug checks run (Note [Checked invariants] in\n"
+"aten_checks.cpp; CGRAPH_DEBUG=1 at import turns them on).  With `on`, turns\n"
+"them on or off first and plants `fault` (a test's only).  Not a public API.");
+
+/* Returns a NEW reference (a bool), or NULL with an exception set. */
+static PyObject *
+cgm_debug(PyObject *module, PyObject *args, PyObject *kwargs)
+{
+    static char *keywords[] = {"on", "fault", NULL};
+    PyObject *on = Py_None;
+    const char *fault = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|Oz:_debug", keywords, &on, &fault)) {
+        return NULL;
+    }
+    if (on != Py_None) {
+        int truth = PyObject_IsTrue(on);
+        if (truth < 0 || cg_set_debug(truth, fault) < 0) {
+            return NULL;
+        }
+    }
+    return PyBool_FromLong(cg_debug());
+}
+
 PyDoc_STRVAR(cgm_set_event_hook_doc,
 "set_event_hook(hook) -> None\n\n"
 "hook(event: str, graphed) is told what a graphed callable did that its caller\n"
@@ -248,27 +258,19 @@ PyDoc_STRVAR(cgm_graph_callables_doc,
 "step\").  keep_activations: Note [Layers captured one by one into one pool]\n"
 "in aten_pool.cpp.  Not a public API.");
 
-PyDoc_STRVAR(cgm_capture_error_doc,
-"capture_error(cause, what) -> CaptureError\n\n"
-"The CaptureError for `cause`, raised while capturing `what`: its .kind\n"
-"and the fix (csrc/capture.c, Note [Capture failures]).");
-
 PyDoc_STRVAR(cgm_new_graphed_doc,
-"new_graphed(on_miss) -> Graphed\n\n"
-"A graphed callable with no graph yet: its calls go to\n"
-"on_miss(graphed, args, kwargs, pending) -> bool, which captures one\n"
-"(cgraph/_regraph.py).  Not a public API.");
-
-/* Returns a NEW reference, or NULL with an exception set. */
-static PyObject *
-cgm_new_graphed(PyObject *module, PyObject *on_miss)
-{
-    if (!PyCallable_Check(on_miss)) {
-        PyErr_SetString(PyExc_TypeError, "new_graphed: on_miss must be callable");
-        return NULL;
-    }
-    return cg_graphed_empty(get_state(module), on_miss);
-}
+"new_graphed(on_miss, max_graphs=1, *, first=None, shared_pool=None,\n"
+"            layer=False, eager=None) -> Graphed\n\n"
+"A graphed callable that captures a graph for each call its graphs do not\n"
+"take, up to max_graphs: on_miss(graphed, args, kwargs, site) captures it\n"
+"where `site` (a CaptureSite) says and returns it, a Graphed with one graph.\n"
+"Its first graph is that of `first` (a Graphed graph_callables made), or is\n"
+"captured on its first call.  shared_pool: the pool its first graph shares\n"
+"with other callables' graphs, which later graphs stay out of; with layer,\n"
+"the pool= of a layer graphed one by one (cgraph/_group.py), which captures\n"
+"there while it may.  eager(args, kwargs) runs a call eagerly before the\n"
+"first graph.  Note [Several graphs per callable] in graphed.c.  Not a\n"
+"public API.");
 
 PyDoc_STRVAR(cgm_call_with_accumulators_here_doc,
 "call_with_accumulators_here(params, fn, args, kwargs) -> tuple[object, int]\n\n"
@@ -302,18 +304,19 @@ cgm_call_with_accumulators_here(PyObject *module, PyObject *args)
 }
 
 static PyMethodDef cgm_methods[] = {
-    {"new_graphed", cgm_new_graphed, METH_O, cgm_new_graphed_doc},
-    {"capture_error", cg_capture_error, METH_VARARGS, cgm_capture_error_doc},
+    {"new_graphed", (PyCFunction)(void (*)(void))cg_new_graphed, METH_VARARGS | METH_KEYWORDS,
+     cgm_new_graphed_doc},
     {"graph_callables", cg_graph_callables, METH_VARARGS, cgm_graph_callables_doc},
     {"device_count", cgm_device_count, METH_NOARGS, cgm_device_count_doc},
     {"new_pool", cgm_new_pool, METH_NOARGS, cgm_new_pool_doc},
-    {"pool_busy", cgm_pool_busy, METH_VARARGS, cgm_pool_busy_doc},
     {"static_output", cgm_static_output, METH_VARARGS, cgm_static_output_doc},
     {"autograd_leaves", cgm_autograd_leaves, METH_O, cgm_autograd_leaves_doc},
     {"rng_get_state", cgm_rng_get_state, METH_VARARGS, cgm_rng_get_state_doc},
     {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},
     {"modules_changed", cgm_modules_changed, METH_NOARGS, cgm_modules_changed_doc},
     {"set_event_hook", cgm_set_event_hook, METH_O, cgm_set_event_hook_doc},
+    {"_debug", (PyCFunction)(void (*)(void))cgm_debug, METH_VARARGS | METH_KEYWORDS,
+     cgm_debug_doc},
     {"call_with_accumulators_here", cgm_call_with_accumulators_here, METH_VARARGS,
      cgm_call_with_accumulators_here_doc},
     {NULL, NULL, 0, NULL}
@@ -367,6 +370,11 @@ cgm_exec(PyObject *module)
         add_type(module, &cg_graphed_type_spec, &state->Graphed_Type) < 0) {
         return -1;
     }
+    state->CaptureSite_Type = cg_capture_site_type();
+    if (state->CaptureSite_Type == NULL ||
+        PyModule_AddType(module, state->CaptureSite_Type) < 0) {
+        return -1;
+    }
     if (add_exception(module, "cgraph.CaptureError",
                       "A CUDA graph capture failed.  The message names the callable, the\n"
                       "likely cause and the fix; .kind names the cause ('sync',\n"
@@ -378,9 +386,7 @@ cgm_exec(PyObject *module)
                       &state->Refusal) < 0) {
         return -1;
     }
-    if (PyModule_AddIntConstant(module, "FAILURE_RNG_CHANGED", CG_FAILURE_RNG_CHANGED) < 0 ||
-        PyModule_AddIntConstant(module, "FAILURE_REENTRANT_LEAF",
-                                CG_FAILURE_REENTRANT_LEAF) < 0) {
+    if (cg_add_failure_kinds(module) < 0) {
         return -1;
     }
     state->str_training = PyUnicode_InternFromString("training");
@@ -399,6 +405,7 @@ cgm_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->Refusal);
     Py_VISIT(state->Spec_Type);
     Py_VISIT(state->Graphed_Type);
+    Py_VISIT(state->CaptureSite_Type);
     Py_VISIT(state->tree_flatten);
     Py_VISIT(state->tree_unflatten);
     Py_VISIT(state->event_hook);
@@ -413,6 +420,7 @@ cgm_clear(PyObject *module)
     Py_CLEAR(state->Refusal);
     Py_CLEAR(state->Spec_Type);
     Py_CLEAR(state->Graphed_Type);
+    Py_CLEAR(state->CaptureSite_Type);
     Py_CLEAR(state->tree_flatten);
     Py_CLEAR(state->tree_unflatten);
     Py_CLEAR(state->str_training);

@@ -70,6 +70,7 @@ typedef struct {
                                    raised from Python during capture */
     PyTypeObject *Spec_Type;    /* _C.CallableSpec (spec.c) */
     PyTypeObject *Graphed_Type; /* _C.Graphed (graphed.c) */
+    PyTypeObject *CaptureSite_Type; /* _C.CaptureSite (graphed.c) */
     PyObject *tree_flatten;     /* torch.utils._pytree.tree_flatten */
     PyObject *tree_unflatten;   /* torch.utils._pytree.tree_unflatten */
     PyObject *str_training;     /* interned "training" */
@@ -90,10 +91,11 @@ int cg_report_event(cg_state *state, const char *event, PyObject *graphed);
 /* ---- spec.c ------------------------------------------------------------- */
 
 /* _C.CallableSpec: one callable as make_graphed_callables describes it
- * (cgraph/_api.py _describe builds it by keyword).  Immutable; capture reads
- * it and the Graphed made from it keeps it, so it flows from Python to the
- * call path unchanged.  It holds a module only weakly: the module's forward
- * holds the Graphed, which holds this. */
+ * (cgraph/_describe.py drafts its fields; cgraph/_capture.py graph() builds
+ * it by keyword).  Immutable; capture reads it and the Graphed made from it
+ * keeps it, so it flows from Python to the call path unchanged.  It holds a
+ * module only weakly: the module's forward holds the Graphed, which holds
+ * this. */
 typedef struct {
     PyObject_HEAD
     Py_ssize_t index;        /* position among the callables graphed together */
@@ -113,9 +115,9 @@ typedef struct {
     char flat;               /* args are all tensors and there are no kwargs */
     PyObject *in_spec;       /* TreeSpec of (args, kwargs); None if flat */
     PyObject *constants;     /* tuple of (position, name, value), leaf order:
-                                _api.Constant, a NamedTuple */
+                                _describe.Constant, a NamedTuple */
     PyObject *defaults;      /* tuple of (name, position, value, by_keyword):
-                                _api.Default, the callable's parameters the
+                                _describe.Default, the callable's parameters the
                                 samples leave out whose defaults a call may
                                 pass again (position -1: keyword only) */
     PyObject *verify;        /* verify(module) raises if parameters were
@@ -164,10 +166,18 @@ typedef struct {
 PyObject *cg_graphed_new(cg_state *state, cg_spec *spec, cg_engine *engine,
                          cg_out_layout *out);
 
-/* A Graphed with no graph yet, that captures on its first calls through
- * on_miss(graphed, args, kwargs, pending) -> bool (Note [Several graphs per
- * callable] in graphed.c).  Returns a NEW reference, or NULL. */
-PyObject *cg_graphed_empty(cg_state *state, PyObject *on_miss);
+/* _C.new_graphed(on_miss, max_graphs=1, *, first=None, shared_pool=None,
+ *                layer=False, eager=None) -> Graphed
+ * A Graphed that captures a graph for each call its graphs do not take,
+ * through on_miss(graphed, args, kwargs, site) -> Graphed, up to max_graphs
+ * (Note [Several graphs per callable] in graphed.c); its first graph is
+ * taken from `first` (a Graphed graph_callables made), or captured on its
+ * first call.  Returns a NEW reference, or NULL with an exception set. */
+PyObject *cg_new_graphed(PyObject *module, PyObject *args, PyObject *kwargs);
+
+/* _C.CaptureSite: the record on_miss is handed (graphed.c).  Returns a NEW
+ * reference to the type, or NULL with an exception set. */
+PyTypeObject *cg_capture_site_type(void);
 
 /* ---- arguments.c -------------------------------------------------------- */
 
@@ -198,15 +208,19 @@ PyObject *cg_call_tensors(cg_state *state, const cg_spec *spec, PyObject *const 
 /* ---- capture.c ---------------------------------------------------------- */
 
 /* _C.graph_callables(specs, pool, num_warmup_iters, allow_unused_input,
- *                    capture_error_mode, kept_outputs) -> tuple
- * Returns a NEW reference to a tuple of Graphed, or NULL. */
+ *                    capture_error_mode, kept_outputs, warm_in_pool,
+ *                    keep_activations, what=None) -> tuple[Graphed, ...]
+ * specs: a tuple of CallableSpec; pool: a pair of ints, or None for a fresh
+ * pool; capture_error_mode a cg_capture_mode, kept_outputs a
+ * cg_kept_outputs; `what` names the callable in CaptureError ("the
+ * training step"; None: "callable <i>").  Returns a NEW reference to a
+ * tuple of Graphed, or NULL with an exception set. */
 PyObject *cg_graph_callables(PyObject *module, PyObject *args);
 
-/* _C.capture_error(cause, what) -> CaptureError
- * The CaptureError for an exception raised while capturing `what` (a
- * training step, cgraph/_step.py): its kind, the fix, cause as __cause__.
- * Returns a NEW reference, or NULL. */
-PyObject *cg_capture_error(PyObject *module, PyObject *args);
-
+/* Adds the failure kinds to the module, from CG_FAILURE_KINDS (cgraph.h):
+ * _C.FAILURE_KINDS, the tuple of their names (CaptureError.kind) indexed
+ * by kind, and an int _C.FAILURE_<ID> per kind.  0, or -1 with an
+ * exception set (SystemError if a kind has no advice in capture.c). */
+int cg_add_failure_kinds(PyObject *module);
 
 #endif /* CGRAPH_MODULE_H */

@@ -240,11 +240,10 @@ def test_a_layer_sharing_a_pool_runs_eagerly_when_first_called_inside_a_backward
     graphed callables] in cgraph/_group.py)."""
     from cgraph._capture import CaptureOptions
     from cgraph._describe import Target
-    from cgraph._group import member
+    from cgraph._group import graphed_layer
 
     layer = torch.nn.Linear(4, 4)
-    on_miss = member(Target.of(0, layer), (0, 987654), CaptureOptions(3, False, 0, 0), 8)
-    graphed = cgraph._C.new_graphed(on_miss)
+    graphed = graphed_layer(Target.of(0, layer), (0, 987654), CaptureOptions(3, False, 0, 0), 8)
     x = torch.randn(2, 4)
     seen = []
 
@@ -263,17 +262,89 @@ def test_a_layer_sharing_a_pool_runs_eagerly_when_first_called_inside_a_backward
     assert graphed.stats["eager_on_miss"] == 1 and graphed.num_graphs == 0
 
 
-def test_on_miss_may_run_the_call_itself():
-    """An on_miss may run the call eagerly itself and return its result in a
-    1-tuple (Note [Several graphs per callable] in
-    csrc/graphed.c); the graphed callable returns that result as it is."""
+def test_on_miss_is_told_where_to_capture_and_must_return_the_graph():
+    """A call no graph takes reaches on_miss with the call and one record,
+    the CaptureSite the native core chose (a fresh pool here: no graph
+    yet), and on_miss returns the Graphed it captured, which the core
+    adopts (Note [Several graphs per callable] in csrc/graphed.c).
+    Anything else is a bug, refused; nothing ran eagerly."""
     seen = []
 
-    def on_miss(graphed, args, kwargs, pending):
-        seen.append((args, kwargs, pending))
-        return (("eager", args, kwargs),)
+    def on_miss(graphed, args, kwargs, site):
+        seen.append((args, kwargs, site))
+        return "not a Graphed"
 
-    graphed = cgraph._C.new_graphed(on_miss)
-    assert graphed(1, x=2) == ("eager", (1,), {"x": 2})
-    assert seen == [((1,), {"x": 2}, False)]
-    assert graphed.stats["eager_on_miss"] == 1 and graphed.num_graphs == 0
+    graphed = cgraph._C.new_graphed(on_miss, 2)
+    with pytest.raises(TypeError, match="not a Graphed with the one graph just captured"):
+        graphed(1, x=2)
+    ((args, kwargs, site),) = seen
+    assert args == (1,) and kwargs == {"x": 2}
+    assert isinstance(site, cgraph._C.CaptureSite) and len(site.pool) == 2, site
+    assert (site.warm_in_pool, site.keep_activations, site.pending) == (False, False, False)
+    assert graphed.num_graphs == 0 and graphed.stats["eager_on_miss"] == 0
+
+
+def test_a_layer_captures_in_its_pool_and_a_warm_up_state_there_refuses_for_good():
+    """A layer graphed one by one with a pool= is told to capture in that
+    pool, warming up there and keeping its activations (no graph of the pool
+    is pending); a warm-up that left state there (CaptureError kind
+    "warmup_state") cannot be dropped with its graphs, so the native core
+    raises it again at every later call no graph takes, without capturing
+    (Note [Warm-up in the pool] in csrc/aten_setup.cpp)."""
+    seen = []
+
+    def on_miss(graphed, args, kwargs, site):
+        seen.append(site)
+        error = cgraph.CaptureError("cgraph: a warm-up left state in the pool")
+        error.kind = "warmup_state"
+        raise error
+
+    pool = (0, 987655)
+    graphed = cgraph._C.new_graphed(on_miss, 8, shared_pool=pool, layer=True,
+                                    eager=lambda args, kwargs: None)
+    for _ in range(2):
+        with pytest.raises(cgraph.CaptureError, match="left state") as raised:
+            graphed(torch.zeros(2))
+        assert raised.value.kind == "warmup_state"
+    assert len(seen) == 1, seen
+    assert (seen[0].pool, seen[0].warm_in_pool, seen[0].keep_activations) == (pool, True, True)
+    assert graphed.num_graphs == 0 and set(graphed.stats.values()) == {0}
+
+
+
+# CaptureError.kind's values, in the native core's order: public, users compare them.
+FAILURE_KINDS = ("other", "sync", "invalidated", "unjoined", "wrong_thread", "legacy_stream",
+                 "host_copy", "nested_graphs", "seed_read", "rng_changed", "rng_regions",
+                 "reentrant_leaf", "warmup_state")
+
+
+def test_failure_kinds_come_from_one_table_that_explain_and_the_step_read():
+    """C names each kind once (CG_FAILURE_KINDS in csrc/cgraph.h): _C gives
+    the names by kind and each kind's int, and explain and the graphed step
+    take the names they share with CaptureError from there."""
+    from cgraph import _explain, _step
+
+    assert cgraph._C.FAILURE_KINDS == FAILURE_KINDS
+    for kind, name in enumerate(FAILURE_KINDS):
+        assert getattr(cgraph._C, f"FAILURE_{name.upper()}") == kind, name
+    assert (_explain._SYNC, _explain._HOST_COPY, _explain._RNG_CHANGED,
+            _explain._SEED_READ) == ("sync", "host_copy", "rng_changed", "seed_read")
+    assert _step._RNG_REGIONS == "rng_regions"
+
+
+# Graphed.stats' keys, in order: the engines' counters, the Graphed's own, graphs.
+STATS = ("forward", "backward", "grads_copied", "grads_added", "grads_slow",
+         "copied_in_graph", "copied_before", "outputs_copied", "outputs_invalidated",
+         "input_grads_copied", "param_grads_copied", "eager_pending", "eager_past_limit",
+         "eager_on_miss", "graphs")
+
+
+def test_stats_counters_are_declared_once_and_each_documented():
+    """Graphed.stats and its docstring come from one declaration per counter
+    (CG_STATS_COUNTERS in csrc/cgraph.h, GRAPHED_COUNTERS in graphed.c):
+    every key users read is there, starting at 0, with a line of its own."""
+    stats = cgraph._C.new_graphed(lambda *a: False).stats
+    assert tuple(stats) == STATS and set(stats.values()) == {0}, stats
+    doc = cgraph.Graphed.stats.__doc__
+    for name in STATS:
+        assert f"\n  {name}: " in doc, (name, doc)

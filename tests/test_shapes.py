@@ -229,9 +229,9 @@ def test_past_max_graphs_calls_run_eagerly_logged_once(caplog):
 
 
 def test_captures_and_resets_are_logged_with_time_and_pool_memory(caplog):
-    """Issue #22's log lines: the first capture (time and pool memory), a
-    later graph (its pool memory) and a reset (graphs and memory freed);
-    the same for a graphed step."""
+    """What the log says: the first capture (time and pool memory), a later
+    graph (its pool memory) and a reset (graphs and memory freed); the same
+    for a graphed step."""
     torch.manual_seed(43)
     model = nn.Linear(32, 32).to(CUDA)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
@@ -416,9 +416,9 @@ def test_graphed_together_callables_capture_new_shapes_in_their_own_pools():
             assert_grads_equal(g, e, rows)
     first_pool = graphed[0].forward.pool
     for g in graphed:
-        specs = g.forward.specs
+        specs, pools = g.forward.specs, g.forward.pools
         assert len(specs) == 2
-    assert graphed[0].forward._idle_pool(first_pool) != first_pool
+        assert pools[0] == first_pool and first_pool not in pools[1:], pools
 
 
 class FakeCache:
