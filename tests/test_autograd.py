@@ -26,8 +26,9 @@ pytestmark = pytest.mark.gpu
 
 
 def test_grad_accumulation_without_zero_grad():
-    """pytorch issue 181723: torch hands its static grad buffer out as .grad
-    and the next replay overwrites it."""
+    """Grads accumulate over steps without zero_grad as eager's do, where
+    torch hands its static grad buffer out as .grad and the next replay
+    overwrites it."""
     torch.manual_seed(1)
     model, make_input = mlp()
     eager = copy.deepcopy(model)

@@ -46,8 +46,8 @@ def test_kept_outputs_keep_their_values_and_cost_one_copy_each():
 
 @pytest.mark.parametrize("kept", ["copy", "error"])
 def test_a_replay_over_a_held_output_is_logged_once(kept, caplog):
-    """Issue #22: the copy (or the read guard) a held output costs is logged,
-    once per callable, and counted."""
+    """The copy (or the read guard) a held output costs is logged, once per
+    callable, and counted."""
     model = stack()
     graphed = cgraph.make_graphed(model, (torch.randn(16, 64, device=CUDA),),
                                   kept_outputs=kept)

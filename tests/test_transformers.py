@@ -106,7 +106,7 @@ def test_llama_layers_sharing_one_pool_train_as_eager():
 
 
 def test_llama_layers_padded_to_sequence_buckets_train_as_eager():
-    """Issue #20: every decoder layer graphed with buckets for the sequence,
+    """Every decoder layer graphed with buckets for the sequence length,
     inside the real model.  SDPA attention with no padding mask is causal,
     so positions padded after the real ones cannot change them; the rotary
     tables and position ids are padded alike.  Lengths 12 and 16 share one
