@@ -6,8 +6,12 @@ neither another Python's kernelspec nor a user's IPython profile can stand in.
 Skipped where nbformat, nbclient or ipykernel are not importable (on the GPU
 machine, scripts/gpu.sh installs them from wheels in .whl/notebook/).
 
-CGRAPH_NOTEBOOK_OUT=path/to/executed.ipynb keeps the executed notebook, outputs
-and plot included.
+CGRAPH_NOTEBOOK_OUT=path/to/executed.ipynb writes the executed notebook there,
+its outputs included and the plot embedded as a PNG, in the committed file's
+format, without run timings: copy it over examples/quickstart.ipynb to commit
+a notebook with the outputs of one GPU run.  The notebook is executed from
+scratch either way: outputs already committed are cleared first, so they
+cannot stand in for a run's.
 """
 
 import json
@@ -58,8 +62,12 @@ def execute(path: pathlib.Path, tmp_path: pathlib.Path, monkeypatch):
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
 
     nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:  # a committed run's outputs: this run must make its own
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    # record_timing=False: no per-cell timestamps in a notebook written to commit.
     client = nbclient.NotebookClient(
-        nb, kernel_name="python3", timeout=CELL_TIMEOUT_S,
+        nb, kernel_name="python3", timeout=CELL_TIMEOUT_S, record_timing=False,
         startup_timeout=STARTUP_TIMEOUT_S, resources={"metadata": {"path": str(ROOT)}})
     started = time.perf_counter()
     try:
@@ -69,8 +77,10 @@ def execute(path: pathlib.Path, tmp_path: pathlib.Path, monkeypatch):
         pytest.fail(f"{path.name}: a cell raised\n{plain}", pytrace=False)
     finally:
         out = os.environ.get("CGRAPH_NOTEBOOK_OUT")
-        if out:
+        if out:  # also after a failing cell: its traceback is in the file
+            pathlib.Path(out).parent.mkdir(parents=True, exist_ok=True)
             nbformat.write(nb, out)
+            print(f"{path.name}: executed notebook written to {pathlib.Path(out).resolve()}")
     print(f"{path.name}: executed in {time.perf_counter() - started:.1f} s")
     return nb
 
@@ -89,14 +99,25 @@ def test_quickstart_notebook_runs_end_to_end(tmp_path, monkeypatch):
     assert "kept their values" in text and "graphed2:" in text, text
 
 
-def test_committed_notebook_is_valid_and_has_no_outputs():
-    """The committed notebook is nbformat 4 with its outputs cleared (json
-    alone; nbformat's schema check where nbformat is importable)."""
+def test_committed_notebook_is_valid_and_cleared_or_fully_run():
+    """The committed notebook is nbformat 4, and either has its outputs
+    cleared or holds those of one whole run (CGRAPH_NOTEBOOK_OUT): every
+    code cell executed, in order, none raised, the plot embedded as a PNG
+    (json alone; nbformat's schema check where nbformat is importable)."""
     raw = json.loads(NOTEBOOK.read_text())
     assert raw["nbformat"] == 4
-    for cell in raw["cells"]:
-        if cell["cell_type"] == "code":
-            assert cell["outputs"] == [] and cell["execution_count"] is None, cell["source"]
+    code = [cell for cell in raw["cells"] if cell["cell_type"] == "code"]
+    counts = [cell["execution_count"] for cell in code]
+    outputs = [o for cell in code for o in cell["outputs"]]
+    if all(n is None for n in counts):
+        assert outputs == [], "outputs without execution counts: clear them or rerun"
+    else:
+        assert None not in counts and counts == sorted(set(counts)), (
+            f"execution counts {counts}: commit the outputs of one whole run "
+            "(CGRAPH_NOTEBOOK_OUT), or clear them")
+        errors = [o for o in outputs if o["output_type"] == "error"]
+        assert not errors, f"a cell raised in the committed run: {errors[0]['ename']}"
+        assert any("image/png" in o.get("data", {}) for o in outputs), "the plot is missing"
     try:
         import nbformat
     except ImportError:
