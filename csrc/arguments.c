@@ -244,8 +244,8 @@ int
 cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
                   PyObject *kwnames, cg_call *out)
 {
-    PyObject *values = NULL, *names = NULL, *kept = NULL;
-    Py_ssize_t nkept = 0;
+    PyObject *values = NULL, *names = NULL, *passed = NULL;
+    Py_ssize_t npositional = 0;
     int more = passes_more(spec, nargs, kwnames);
 
     *out = (cg_call){args, nargs, kwnames, NULL};
@@ -255,18 +255,18 @@ cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
     values = PyList_New(0);
     names = PyList_New(0);
     if (values && names && keep_arguments(spec, args, nargs, kwnames, values, names) == 0) {
-        nkept = PyList_GET_SIZE(values) - PyList_GET_SIZE(names);
-        kept = Py_BuildValue("(NN)", PyList_AsTuple(values), PyList_AsTuple(names));
+        npositional = PyList_GET_SIZE(values) - PyList_GET_SIZE(names);
+        passed = Py_BuildValue("(NN)", PyList_AsTuple(values), PyList_AsTuple(names));
     }
     Py_XDECREF(values);
     Py_XDECREF(names);
-    if (kept == NULL) {
+    if (passed == NULL) {
         return -1;
     }
-    out->owned = kept;
-    out->args = PySequence_Fast_ITEMS(PyTuple_GET_ITEM(kept, 0));
-    out->nargs = nkept;
-    out->kwnames = PyTuple_GET_SIZE(PyTuple_GET_ITEM(kept, 1)) ? PyTuple_GET_ITEM(kept, 1)
+    out->owned = passed;
+    out->args = PySequence_Fast_ITEMS(PyTuple_GET_ITEM(passed, 0));
+    out->nargs = npositional;
+    out->kwnames = PyTuple_GET_SIZE(PyTuple_GET_ITEM(passed, 1)) ? PyTuple_GET_ITEM(passed, 1)
                                                                : NULL;
     return 0;
 }

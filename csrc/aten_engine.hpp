@@ -300,7 +300,7 @@ class HandedOut {
   bool has_replaced_grads() const { return !grads_.empty(); }
   // Before a replay overwrites them: the outputs still alive get memory of
   // their own (CG_KEEP_COPY) or are made unreadable (CG_KEEP_ERROR).
-  void release_outputs(cg_kept_outputs kept, c10::DeviceIndex device, cg_stats& stats);
+  void release_outputs(cg_kept_outputs policy, c10::DeviceIndex device, cg_stats& stats);
   // Likewise the replaced grads held by anybody but `consumed`.
   void release_replaced_grads(at::ArrayRef<at::Tensor> consumed, c10::DeviceIndex device,
                               cg_stats& stats);

@@ -45,10 +45,13 @@ namespace cgraph {
 //      aten_backward.cpp.
 //    A pool's ledger numbers its captures and lists its engines, and the
 //    parameter grads' stores gone engines left to others.  torch leaves both
-//    rules to the user ("replay
-//    in capture order"); cgraph runs a forward that may not replay eagerly,
-//    or captures it again elsewhere, and refuses such a backward, which has
-//    no eager fallback.
+//    rules to the user ("replay in capture order"); cgraph runs a forward
+//    that may not replay eagerly, or captures it again elsewhere, and
+//    refuses such a backward, which has no eager fallback.
+//    Checked (Note [Checked invariants]): capture numbers in note_capture;
+//    with CGRAPH_DEBUG=1, may_replay_forward() at each forward replay, and
+//    held_where_written() after release_later_outputs, both without its
+//    shortcuts.
 //
 // Note [Layers captured one by one into one pool]
 // Q: Layers graphed separately with one pool= and no samples
@@ -136,6 +139,9 @@ namespace cgraph {
 //    output the caller kept, a module's buffer returned as an output, or an
 //    input buffer, which may lie outside the pool).  kept_outputs='alias'
 //    hands out the buffers themselves, untracked: its memory is never freed.
+//    Checked: pass_finished() of every engine whose memory is freed, always
+//    (free_statics); with CGRAPH_DEBUG=1, reads_in_place_from_owner() at
+//    replay.
 struct PoolLedger {
   std::mutex mutex;  // backward replays check it from autograd's threads
   uint64_t captures = 0;
@@ -468,13 +474,13 @@ extern "C" int cg_pool_open_to_layers(cg_pool pool, int called_again) {
   try {
     const at::cuda::MempoolId_t id{pool.first, pool.second};
     const std::shared_ptr<cgraph::PoolLedger> ledger = cgraph::ledger_of(id, /*make=*/false);
-    const bool busy = cgraph::pool_busy(id, false), unkept = cgraph::pool_busy(id, true);
+    const bool busy = cgraph::pool_busy(id, false), released_only = cgraph::pool_busy(id, true);
     bool later = called_again != 0;
     if (ledger) {  // else no graph there: no pass to remember
       std::lock_guard<std::mutex> hold(ledger->mutex);
       ledger->later_pass = later = (ledger->later_pass && busy) || later;
     }
-    return later || unkept ? 0 : 1;
+    return later || released_only ? 0 : 1;
   } catch (const std::exception&) {
     return 0;  // a capture elsewhere is always exact
   }
@@ -623,8 +629,8 @@ void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> 
   if (ledger) {
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
       if (h->member.holds_activations() && !h->backward_pending()) {
-        std::vector<at::Tensor> kept = h->member.release_kept(++ledger->captures);
-        std::move(kept.begin(), kept.end(), std::back_inserter(released));
+        std::vector<at::Tensor> history = h->member.release_kept(++ledger->captures);
+        std::move(history.begin(), history.end(), std::back_inserter(released));
       }
       engines.push_back(h);
     });

@@ -207,7 +207,9 @@ bool check_params(const Engine& e) {
 //    (cudagraph_trees_generation_cloning="user_visible").
 //    kept_outputs="error" marks such storages instead, so that reading them
 //    raises (as cudagraph trees did before); "alias" hands out the static
-//    outputs themselves, as torch does.
+//    outputs themselves, as torch does.  HandedOut keeps the watch list;
+//    with CGRAPH_DEBUG=1, HandedOut::outputs_lie_in checks after each
+//    release that none still lies where the replay writes.
 constexpr const char* kOverwrittenOutput =
     "cgraph: this tensor is an output of a graphed callable whose memory a later replay, of "
     "that callable or of a graph sharing its memory pool, overwrote (kept_outputs='error'). "
@@ -406,11 +408,11 @@ void HandedOut::watch_replaced_grad(const at::Tensor& grad) {
   grads_.push_back(grad.storage().getWeakStorageImpl());  // watched until it dies
 }
 
-void HandedOut::release_outputs(cg_kept_outputs kept, c10::DeviceIndex device,
+void HandedOut::release_outputs(cg_kept_outputs policy, c10::DeviceIndex device,
                                 cg_stats& stats) {
   for (const auto& weak : outputs_) {
     if (auto storage = weak.lock()) {
-      if (kept == CG_KEEP_COPY) {
+      if (policy == CG_KEEP_COPY) {
         move_to_own_memory(device, *storage);
         ++stats.outputs_copied;
       } else {
@@ -501,6 +503,8 @@ void Engine::release_earlier_outputs() {
 //    keeps AccumulateGrad from taking it as a leaf's .grad (it copies, as
 //    from torch's buffers) and autograd from adding into it in place.
 //    kept_outputs="alias" hands out the buffers themselves, as torch does.
+//    Checked with CGRAPH_DEBUG=1: holds_grads_in_place(), after each release
+//    (Note [Checked invariants]).
 //
 // Graphs of one pool are replayed by one thread at a time: the caller's, and
 // autograd's while the caller waits in backward().  These lists are not

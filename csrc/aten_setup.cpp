@@ -199,7 +199,7 @@ bool owns_one_of(const c10::StorageImpl& storage, const std::vector<Block>& bloc
 // one of `blocks` moves to memory of its own, allocated on the current
 // stream; its storage's memory is replaced, so its views follow (a raw
 // pointer kept elsewhere does not).  Under the GIL.
-void move_kept_tensors(const std::vector<Block>& blocks) {
+void move_tensors_left_in_pool(const std::vector<Block>& blocks) {
   THPObjectPtr gc(PyImport_ImportModule("gc"));
   THPObjectPtr objects(gc ? PyObject_CallMethod(gc.get(), "get_objects", nullptr) : nullptr);
   if (!objects) {
@@ -285,7 +285,7 @@ cg_setup* open_setup(c10::DeviceIndex device) {
 //      warm-up (not the device's allocated bytes, where a cache replaced by
 //      one in the pool would even out), and every Python tensor that owns a
 //      block left behind moves to memory of its own outside the pool, its
-//      views with it (move_kept_tensors replaces its storage's memory; the
+//      views with it (move_tensors_left_in_pool replaces its storage's memory; the
 //      capture then reads it there, Engine::capture_begin).  If a block is
 //      still held then, in a segment the pool had before (a segment warm-up
 //      added is memory no graph has used), by something Python cannot reach
@@ -294,7 +294,7 @@ cg_setup* open_setup(c10::DeviceIndex device) {
 //      kind "warmup_state": graphed.c drops the callable's earlier graphs in
 //      a pool of its own; in a pool shared with other callables, that call
 //      and every later capture of the callable raise (recover_from_warm_up).
-// Q: Why does move_kept_tensors walk every object the garbage collector
+// Q: Why does move_tensors_left_in_pool walk every object the garbage collector
 //    tracks (gc.get_objects()) to find those tensors?
 // A: Nothing maps memory back to tensors: a StorageImpl counts its
 //    references but does not list them, a TensorImpl knows its own Python
@@ -349,7 +349,7 @@ bool moved_what_warm_up_left(const cg_setup& setup, at::cuda::MempoolId_t pool) 
   }
   {
     c10::cuda::CUDAStreamGuard on_caller(setup.caller);  // their memory is the caller's now
-    move_kept_tensors(left);
+    move_tensors_left_in_pool(left);
   }
   for (const Block& b : left_by_warm_up(setup, pool)) {
     if (in_blocks(setup.pool_before.segments, b.address)) {

@@ -519,7 +519,7 @@ release_pool(session *s)
 static int
 warm_up(session *s)
 {
-    int kept;
+    int left;
 
     if (s->warm_in_pool && cg_setup_warm_up_in(s->setup, s->pool) < 0) {
         return -1;
@@ -538,9 +538,9 @@ warm_up(session *s)
             return -1;
         }
     }
-    kept = cg_setup_release_warmup_memory(s->setup);
-    if (kept <= 0) {
-        return kept;
+    left = cg_setup_release_warmup_memory(s->setup);
+    if (left <= 0) {
+        return left;
     }
     PyErr_SetString(PyExc_RuntimeError,
                     "warm-up in the graph pool left memory allocated that no Python tensor holds");

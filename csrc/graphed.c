@@ -109,8 +109,9 @@ typedef struct {
                      "overwrite had not run yet")                                      \
     X(eager_past_limit, "calls run eagerly because no graph took them and max_graphs " \
                         "were captured")                                               \
-    X(eager_on_miss, "calls on_miss ran eagerly itself: a call inside a backward "     \
-                     "that no graph of a layer sharing a pool= takes")
+    X(eager_on_miss, "calls run eagerly because they came inside a backward (a "       \
+                     "checkpoint's recompute) and no graph of a layer sharing a pool= "\
+                     "took them")
 
 typedef struct {
     PyObject_HEAD
@@ -137,7 +138,7 @@ typedef struct {
     cg_pool pool;        /* the first entry's pool, kept after reset() */
     unsigned long long verified_epoch;  /* state->module_epoch at the last check */
     GRAPHED_COUNTERS(CG_COUNTER_FIELD)  /* eager_pending, eager_past_limit, ... */
-    char kept_reported;  /* the event hook was told a replay kept an earlier output */
+    char held_output_reported;  /* the event hook was told a replay kept an earlier output */
     PyObject *weakreflist;
 } GraphedObject;
 
@@ -198,7 +199,7 @@ graphed_alloc(cg_state *state, PyObject *on_miss)
 #define ZERO_COUNTER(field, doc) self->field = 0;
     GRAPHED_COUNTERS(ZERO_COUNTER)
 #undef ZERO_COUNTER
-    self->kept_reported = 0;
+    self->held_output_reported = 0;
     self->weakreflist = NULL;
     PyObject_GC_Track(self);
     return self;
@@ -497,18 +498,18 @@ rebuild_outputs(GraphedObject *self, const graph_entry *entry, PyObject *outs)
  * caller may not know of.  NULL when there is none to report.  Runs no
  * Python. */
 static const char *
-kept_outputs_event(GraphedObject *self, const cg_engine *engine)
+held_output_event(GraphedObject *self, const cg_engine *engine)
 {
     cg_stats stats;
 
-    if (self->kept_reported) {
+    if (self->held_output_reported) {
         return NULL;
     }
     stats = cg_engine_stats(engine);
     if (stats.outputs_copied + stats.outputs_invalidated == 0) {
         return NULL;
     }
-    self->kept_reported = 1;
+    self->held_output_reported = 1;
     return stats.outputs_copied ? "outputs_copied" : "outputs_invalidated";
 }
 
@@ -531,7 +532,7 @@ replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssi
         return NULL;
     }
     self->hot = k;
-    event = kept_outputs_event(self, self->entries[k].engine);
+    event = held_output_event(self, self->entries[k].engine);
     result = rebuild_outputs(self, &self->entries[k], outs);
     /* After the replay ran: a failing hook (a logging handler) must not
      * lose the call's outputs, whose step the graph has already taken. */
@@ -792,7 +793,7 @@ drop_pool(GraphedObject *self, cg_pool pool)
 {
     /* Taken out before any is freed: freeing a spec may run Python. */
     graph_entry *dropped = PyMem_Malloc((size_t)self->n_entries * sizeof(graph_entry));
-    Py_ssize_t kept = 0, n_dropped = 0;
+    Py_ssize_t remaining = 0, n_dropped = 0;
 
     if (dropped == NULL) {
         PyErr_NoMemory();
@@ -803,10 +804,10 @@ drop_pool(GraphedObject *self, cg_pool pool)
         if (same_pool(e.pool, pool)) {
             dropped[n_dropped++] = e;
         } else {
-            self->entries[kept++] = e;
+            self->entries[remaining++] = e;
         }
     }
-    self->n_entries = kept;
+    self->n_entries = remaining;
     self->hot = 0;
     for (Py_ssize_t k = 0; k < n_dropped; k++) {
         cg_engine_free(dropped[k].engine);
