@@ -141,6 +141,65 @@ def test_build_refuses_an_old_setuptools():
     setup.check_setuptools("77.0.3")
 
 
+def test_unity_groups_cover_every_file_once(tmp_path, monkeypatch):
+    """The C++ files go into unity translation units (setup.py):
+    each file in exactly one, as many units as asked and no more than files,
+    the heavy files spread out, and a unit of one compiled as itself."""
+    setup = _load("cgraph_setup", ROOT / "setup.py")
+    sizes = {"a.cpp": 900, "b.cpp": 800, "c.cpp": 100, "d.cpp": 100, "e.cpp": 50}
+    files = []
+    for name, size in sizes.items():
+        (tmp_path / name).write_text("x" * size)
+        files.append(str(tmp_path / name))
+    for count in (1, 2, 3, 5):
+        groups = setup.unity_groups(files, count)
+        assert len(groups) == count
+        assert sorted(f for g in groups for f in g) == sorted(files)
+    a, b = setup.unity_groups(files, 2)
+    assert {Path(a[0]).name, Path(b[0]).name} == {"a.cpp", "b.cpp"}  # not together
+
+    monkeypatch.delenv("CGRAPH_UNITY", raising=False)
+    assert setup.unity_count(files, jobs=2, ninja=True) == 2
+    assert setup.unity_count(files, jobs=16, ninja=True) == 5
+    assert setup.unity_count(files, jobs=16, ninja=False) == 1  # compiled one at a time
+    monkeypatch.setenv("CGRAPH_UNITY", "0")
+    assert setup.unity_count(files, jobs=2, ninja=True) == 5
+    monkeypatch.setenv("CGRAPH_UNITY", "3")
+    assert setup.unity_count(files, jobs=2, ninja=False) == 3
+
+    unity = tmp_path / "unity"
+    assert setup.unity_sources(files, 5, folder=str(unity)) == sorted(files)
+    sources = setup.unity_sources(files, 2, folder=str(unity))
+    assert all(Path(s).parent == unity for s in sources)
+    included = [line.split('"')[1] for s in sources for line in Path(s).read_text().splitlines()
+                if line.startswith("#include")]
+    assert sorted(included) == sorted(files)
+    stamp = os.stat(sources[0]).st_mtime_ns
+    setup.unity_sources(files, 2, folder=str(unity))  # unchanged: not rewritten
+    assert os.stat(sources[0]).st_mtime_ns == stamp
+    setup.unity_sources(files, 1, folder=str(unity))
+    assert sorted(p.name for p in unity.iterdir()) == ["aten_unity_0.cpp"]  # stale one gone
+
+
+def _has_gpu():
+    return os.path.exists("/dev/nvidia0") or subprocess.run(
+        "nvidia-smi -L 2>/dev/null | grep -q '^GPU '", shell=True).returncode == 0
+
+
+@pytest.mark.skipif(_has_gpu(), reason="with a GPU, scripts/demo.sh installs and builds")
+def test_demo_script_without_a_gpu_installs_nothing(tmp_path):
+    """Without a GPU, scripts/demo.sh says what it would do and exits 0
+    before it looks for Python: nothing installed or built."""
+    env = dict(os.environ, PYTHON=str(tmp_path / "no-python"))
+    done = subprocess.run(["bash", ROOT / "scripts" / "demo.sh"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "no NVIDIA GPU here" in done.stdout and "nothing installed" in done.stdout
+    assert "make_graphed_callables" in done.stdout
+    assert done.stderr == ""
+    assert list(tmp_path.iterdir()) == []
+
+
 def _backend():
     return _load("cgraph_backend", ROOT / "_backend" / "cgraph_backend.py")
 
