@@ -5,6 +5,7 @@ core, and wrap what comes back.  Warm-up, capture and replay are in csrc/."""
 from __future__ import annotations
 
 import atexit
+import sys
 import time
 import weakref
 from typing import Any, Callable
@@ -427,7 +428,7 @@ def _max_graphs(max_graphs) -> int:
             f"cgraph: max_graphs must be a positive int (or None for one graph with torch's "
             f"rules), got {max_graphs!r}."
         )
-    return max_graphs
+    return min(max_graphs, sys.maxsize)  # as many as a C Py_ssize_t holds: no limit
 
 
 def _graph(targets, sample_args, sample_kwargs, pool_id, options):

@@ -27,8 +27,8 @@ namespace cgraph {
 //    (check_nothing_held_where_written, aten_pool.cpp), that a forward
 //    replays only where may_replay_forward() holds (aten_replay.cpp), and
 //    that an input read in place lies in the output that owns it.  A
-//    failure raises RuntimeError "cgraph invariant ...": a bug in cgraph,
-//    with the rule named.  tests/test_invariants.py plants a fault
+//    failure raises RuntimeError "cgraph invariant: ...": a bug in cgraph,
+//    with the rule named (InvariantError, which no warning swallows).  tests/test_invariants.py plants a fault
 //    (Fault::SkipLaterMoves) and sees the check fire.
 
 namespace {
@@ -42,6 +42,11 @@ std::atomic<bool> debug_on{env_says_debug()};
 std::atomic<Fault> fault_planted{Fault::None};
 
 }  // namespace
+
+InvariantError::InvariantError(const std::string& rule, const char* file, uint32_t line)
+    : c10::Error(c10::SourceLocation{"cgraph invariant", file, line},
+                 "cgraph invariant: " + rule + " This is a bug in cgraph; please report it "
+                 "with the steps that led here.") {}
 
 bool debug_checks() {
   return debug_on.load(std::memory_order_relaxed);

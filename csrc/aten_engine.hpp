@@ -122,18 +122,28 @@ bool planted(Fault fault);
 // (nullptr or "": none).  False, changing nothing, for an unknown name.
 bool set_debug(bool on, const char* fault);
 
-// A rule of the Notes that is cheap to check: checked always.  A failure is
-// a bug in cgraph, reported as torch reports its own internal asserts.
-#define CG_INVARIANT(cond, ...) \
-  TORCH_INTERNAL_ASSERT((cond), "cgraph invariant: ", __VA_ARGS__)
+// A rule of the Notes found broken: a bug in cgraph.  A c10::Error, so that
+// HANDLE_TH_ERRORS raises it (RuntimeError "cgraph invariant: ..."); code
+// that turns other errors into warnings lets it through.
+class InvariantError : public c10::Error {
+ public:
+  InvariantError(const std::string& rule, const char* file, uint32_t line);
+};
+
+// A rule of the Notes that is cheap to check: checked always.
+#define CG_INVARIANT(cond, ...)                                                   \
+  do {                                                                           \
+    if (C10_UNLIKELY(!(cond))) {                                                 \
+      throw ::cgraph::InvariantError(c10::str(__VA_ARGS__), __FILE__, __LINE__); \
+    }                                                                            \
+  } while (0)
 // A rule whose check walks a pool or every held tensor: only under
 // debug_checks().  `cond` is not evaluated otherwise.
-#define CG_DEBUG_INVARIANT(cond, ...)                                          \
-  do {                                                                         \
-    if (C10_UNLIKELY(::cgraph::debug_checks())) {                              \
-      TORCH_INTERNAL_ASSERT((cond), "cgraph invariant (CGRAPH_DEBUG): ",       \
-                            __VA_ARGS__);                                      \
-    }                                                                          \
+#define CG_DEBUG_INVARIANT(cond, ...)                                            \
+  do {                                                                           \
+    if (C10_UNLIKELY(::cgraph::debug_checks())) {                                \
+      CG_INVARIANT(cond, __VA_ARGS__);                                           \
+    }                                                                            \
   } while (0)
 
 // ---- the records --------------------------------------------------------

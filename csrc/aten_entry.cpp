@@ -264,16 +264,21 @@ int cg_in_backward(void) {
   return torch::autograd::get_current_graph_task_id() != -1 ? 1 : 0;
 }
 
-void cg_pool_release_kept(cg_pool pool, cg_engine* const* capturing, Py_ssize_t n) {
+int cg_pool_release_kept(cg_pool pool, cg_engine* const* capturing, Py_ssize_t n) {
+  HANDLE_TH_ERRORS
   try {
     std::vector<cgraph::Engine*> engines;
     for (Py_ssize_t i = 0; i < n; ++i) {
       engines.push_back(capturing[i]->ptr.get());
     }
     cgraph::release_kept_activations(to_mempool(pool), engines);
+  } catch (const cgraph::InvariantError&) {
+    throw;  // a bug: raised
   } catch (const std::exception& e) {  // nothing released: still exact
     TORCH_WARN("cgraph: could not release a pool's memory for a capture: ", e.what());
   }
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
 }
 
 int cg_pool_move_held(cg_pool pool) {

@@ -578,6 +578,10 @@ void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engi
   if (freed.empty()) {
     return;
   }
+  for (const StaticRef& r : freed) {
+    CG_INVARIANT(pass_finished(*r.engine), "static memory freed of an engine whose pass is "
+                 "not over (Note [Static memory freed once its pass is over]).");
+  }
   uint64_t at = 0;
   {
     std::lock_guard<std::mutex> hold(ledger.mutex);
@@ -590,8 +594,6 @@ void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engi
   std::vector<at::Tensor> dropped;  // after every replacement: a destructor may run Python
   dropped.reserve(freed.size());
   for (const StaticRef& r : freed) {
-    CG_INVARIANT(pass_finished(*r.engine), "static memory freed of an engine whose pass is "
-                 "not over (Note [Static memory freed once its pass is over]).");
     dropped.push_back(std::exchange(*r.tensor, non_owning_view(*r.tensor)));
   }
 }
@@ -643,6 +645,8 @@ void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> 
     // without its owner is refused at its capture (note_inputs_in_place).
     try {
       free_statics(*ledger, engines, claim_read_in_place(*ledger, capturing));
+    } catch (const InvariantError&) {
+      throw;
     } catch (const std::exception& e) {
       TORCH_WARN("cgraph: could not free graphs' static memory for later captures: ", e.what());
     }

@@ -74,6 +74,7 @@ void Engine::tear_down() noexcept {
     member.forget_history();
     handed.forget();
     setup.reset();
+    rng.finish_setup();  // a failed capture's RNG set-up state, if any
     fwd.reset();
     bwd.reset();
     blas_workspace.reset();  // after the graphs that write it

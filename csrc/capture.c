@@ -509,7 +509,9 @@ warm_up_once(session *s, Py_ssize_t i)
 static int
 release_pool(session *s)
 {
-    cg_pool_release_kept(s->pool, s->engines, s->n);
+    if (cg_pool_release_kept(s->pool, s->engines, s->n) < 0) {
+        return -1;
+    }
     return s->warm_in_pool ? cg_pool_move_held(s->pool) : 0;
 }
 

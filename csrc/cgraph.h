@@ -270,8 +270,9 @@ int cg_in_backward(void);
  * capture may reuse them (Note [Layers captured one by one into one pool] in
  * aten_pool.cpp), and their static memory nobody else holds, but for what
  * `capturing` read in place (Note [Static memory freed once its pass is
- * over]).  Never fails. */
-void cg_pool_release_kept(cg_pool pool, cg_engine *const *capturing, Py_ssize_t n);
+ * over]).  What it cannot release stays (a warning says why); -1 with an
+ * exception set only for a broken invariant (Note [Checked invariants]). */
+int cg_pool_release_kept(cg_pool pool, cg_engine *const *capturing, Py_ssize_t n);
 /* Before a warm-up in `pool`, which writes its free blocks: the outputs and
  * grads of its graphs still held in memory freed once their pass was over
  * get memory of their own, on the current stream (Note [Warm-up in the
