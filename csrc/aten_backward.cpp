@@ -253,7 +253,7 @@ GradPath choose_grad_path(const Engine& e, const std::vector<uint32_t>& fused) {
   if (fused.empty()) {
     return GradPath::None;
   }
-  bool all_fresh = !partial_backward() && fused.size() == e.num_grad_params;
+  bool all_fresh = !partial_backward() && fused.size() == e.backward.num_grad_params();
   bool all_ours = all_fresh;
   MayWriteStores may_write;
   for (size_t k = 0; k < fused.size() && (all_fresh || all_ours); ++k) {
@@ -480,8 +480,8 @@ TensorVec GraphedBackward::route_incoming_grads(const autograd::variable_list& g
 // 3. The backward graph, with the tail `path` chose.
 void GraphedBackward::launch(GradPath path) {
   Engine& e = *engine;
-  e.bwd->set_segment(e.tail_copy, path == GradPath::CopyTail);
-  e.bwd->set_segment(e.tail_add, path == GradPath::AddTail);
+  e.bwd->set_segment(e.backward.tail_copy(), path == GradPath::CopyTail);
+  e.bwd->set_segment(e.backward.tail_add(), path == GradPath::AddTail);
   if (e.rng.has_regions()) {
     e.rng.before_backward_replay();
   }
@@ -509,7 +509,7 @@ autograd::variable_list GraphedBackward::edge_grads() {
 
 autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) {
   refuse_ungraded_inputs();
-  if (!engine->has_bwd) {
+  if (!engine->backward.exists()) {
     return autograd::variable_list(sources.size());  // only ungraded edges, none needed
   }
   check_replayable();

@@ -118,8 +118,8 @@ std::vector<at::Tensor> Engine::differentiable_outputs() const {
 void Engine::capture_backward(at::cuda::MempoolId_t pool_id, cudaStreamCaptureMode mode) {
   const std::vector<at::Tensor> diff = differentiable_outputs();
   adopt_hidden_leaves(diff);
-  has_bwd = !diff.empty() && !grad_targets().empty();
-  if (has_bwd) {
+  backward.note_exists(!diff.empty() && !grad_targets().empty());
+  if (backward.exists()) {
     allocate_grad_stores();
     capture_begin(CG_BACKWARD, pool_id, mode);
     try {
@@ -296,7 +296,7 @@ void share_grad_store(const at::Tensor& param, const c10::cuda::CUDAStream& stre
 // the general path right after a replay.
 void Engine::capture_param_grad_tails() {
   std::vector<at::Tensor> stores, sources;
-  num_grad_params = 0;
+  size_t num_grad_params = 0;
   for (const Param& p : params) {
     if (!p.grad.defined()) {  // frozen at capture, or unused (allow_unused_input)
       continue;
@@ -308,8 +308,19 @@ void Engine::capture_param_grad_tails() {
     }
   }
   at::NoGradGuard no_grad;
-  tail_copy = bwd->capture_segment([&] { launch_list(false, stores, sources); });
-  tail_add = bwd->capture_segment([&] { launch_list(true, stores, sources); });
+  const SegmentId copy = bwd->capture_segment([&] { launch_list(false, stores, sources); });
+  const SegmentId add = bwd->capture_segment([&] { launch_list(true, stores, sources); });
+  backward.note_tails(copy, add, num_grad_params);
+}
+
+void CapturedBackward::note_exists(bool exists) {
+  exists_ = exists;
+}
+
+void CapturedBackward::note_tails(SegmentId copy, SegmentId add, size_t num_grad_params) {
+  tail_copy_ = copy;
+  tail_add_ = add;
+  num_grad_params_ = num_grad_params;
 }
 
 // After the backward capture: the incoming-grad buffers become temporaries
@@ -350,7 +361,7 @@ GradIn Engine::capture_grad_in(const at::Tensor& buffer) {
 // [Layers captured one by one into one pool]); no static output has it.
 void Engine::forget_capture_autograd() {
   for (Output& o : outputs) {
-    if (member.keeps_activations() && has_bwd && o.requires_grad) {
+    if (member.keeps_activations() && backward.exists() && o.requires_grad) {
       member.keep_history(o.buffer);
     }
     o.buffer = o.buffer.detach();

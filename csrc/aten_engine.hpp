@@ -28,7 +28,8 @@
 // Who writes what.  The records with private state are written by their own
 // methods only, each in one file: PoolMember (aten_pool.cpp), HandedOut
 // (aten_replay.cpp), EngineRng (aten_rng.cpp), SetupState (aten_setup.cpp),
-// Graph (aten_graph.cpp, aten_graph_nodes.cpp).
+// CapturedBackward (aten_capture_backward.cpp), Graph (aten_graph.cpp,
+// aten_graph_nodes.cpp).
 // The Engine's identity is const; `alive()` changes in reset() alone
 // (aten_reset.cpp).  Its other fields are written at capture (aten_capture.cpp,
 // aten_capture_backward.cpp, aten_warmup.cpp) and, after capture, only by:
@@ -36,7 +37,10 @@
 // aten_pool.cpp (under the ledger's mutex); the static tensors, swapped for
 // non-owning views once their pass is over and Input::owner set, in
 // aten_pool.cpp; everything, at reset, in aten_reset.cpp; `stats` by the
-// path each counter counts.
+// path each counter counts.  The static tensors (Input, Param, Output) stay
+// the engine's, not a record's: capture makes them, the pool's rules swap
+// their memory, replays hand them out, so a record of their own would have
+// to open its writes to those three files anyway.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -347,6 +351,28 @@ struct Autocast {
   std::string describe() const;
 };
 
+// What the backward capture made besides the graph: whether there is a
+// backward at all, and the parameter-grad tails (Note [Parameter gradients],
+// aten_backward.cpp).  Private state, written only by its methods, in
+// aten_capture_backward.cpp.
+class CapturedBackward {
+ public:
+  bool exists() const { return exists_; }  // false when no output requires grad
+  // The optional segments that end the graph: stores = grads, stores += grads.
+  SegmentId tail_copy() const { return tail_copy_; }
+  SegmentId tail_add() const { return tail_add_; }
+  size_t num_grad_params() const { return num_grad_params_; }  // with a grad at capture
+
+  void note_exists(bool exists);
+  void note_tails(SegmentId copy, SegmentId add, size_t num_grad_params);
+
+ private:
+  bool exists_ = false;
+  SegmentId tail_copy_;
+  SegmentId tail_add_;
+  size_t num_grad_params_ = 0;
+};
+
 // ---- random numbers: Note [RNG in checkpointed regions] (aten_rng.cpp) ---
 
 // One checkpointed region's random stream, replayed from where eager mode
@@ -555,10 +581,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // The cuBLAS workspace the graphs' GEMMs use, shared with eager mode on
   // caller_stream: Note [One cuBLAS workspace per stream].
   std::shared_ptr<BlasWorkspace> blas_workspace;
-  bool has_bwd = false;  // false when no output requires grad
-  SegmentId tail_copy;
-  SegmentId tail_add;
-  size_t num_grad_params = 0;  // parameters with a grad at capture
+  CapturedBackward backward;
 
   std::vector<Input> inputs;
   std::vector<Param> params;  // module parameters, then hidden leaves

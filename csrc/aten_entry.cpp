@@ -354,7 +354,7 @@ cg_stats cg_engine_stats(const cg_engine* engine) {
 int cg_engine_graph_shape(const cg_engine* engine, cg_pass pass, cg_graph_shape* out) {
   HANDLE_TH_ERRORS
   const Engine& e = *engine->ptr;
-  if (!e.alive() || (pass == CG_BACKWARD && !e.has_bwd)) {
+  if (!e.alive() || (pass == CG_BACKWARD && !e.backward.exists())) {
     return 0;
   }
   return (pass == CG_FORWARD ? *e.fwd : *e.bwd).shape(out) ? 1 : 0;

@@ -312,7 +312,7 @@ std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at:
 
 void Engine::note_latest_node(const NodePtr& node) {
   // Only a node that replays the backward graph reads the activations.
-  WeakNodePtr latest(has_bwd ? node : NodePtr());
+  WeakNodePtr latest(backward.exists() ? node : NodePtr());
   // Backward replays on autograd's threads read it (check_backward_replayable).
   std::unique_lock<std::mutex> hold;
   if (const auto& ledger = member.ledger()) {
@@ -495,7 +495,7 @@ namespace {
 // next replay, which writes it first.  Its outputs must be tracked to be
 // moved out of the way (not kept_outputs='alias').
 bool pass_finished(const Engine& e) {
-  return e.alive() && e.has_bwd && e.member.keeps_activations() &&
+  return e.alive() && e.backward.exists() && e.member.keeps_activations() &&
          e.kept_outputs != CG_KEEP_ALIAS && e.member.released_kept() && !e.backward_pending();
 }
 

@@ -321,7 +321,7 @@ void launch_forward(Engine& e, const StagedCall& call) {
 NodePtr wire_backward(const std::shared_ptr<Engine>& shared, const StagedCall& call,
                       bool params_need_grad) {
   Engine& e = *shared;
-  const bool graded = e.has_bwd && (call.any_grad_arg || params_need_grad);
+  const bool graded = e.backward.exists() && (call.any_grad_arg || params_need_grad);
   if (!(graded || call.ungraded_arg) || !at::GradMode::is_enabled()) {
     return NodePtr();
   }
