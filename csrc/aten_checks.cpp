@@ -12,24 +12,24 @@ namespace cgraph {
 // Note [Checked invariants]
 // Q: When may a replay run, what may it overwrite, and who owns a held
 //    output or grad?  The Notes of aten_pool.cpp, aten_replay.cpp and
-//    aten_backward.cpp answer in prose; how does a reader know the code does
+//    aten_setup.cpp answer in prose; how does a reader know the code does
 //    what they say?
 // A: Each rule is also a named check at the place that relies on it.  The
-//    cheap ones (a comparison of capture numbers, a flag) are
-//    CG_INVARIANT, always on.  The ones that walk every graph of a pool or
-//    every held tensor again are CG_DEBUG_INVARIANT, on with CGRAPH_DEBUG=1
+//    cheap ones (a comparison of capture numbers, a flag) are CG_INVARIANT,
+//    always on.  The ones that walk every graph of a pool or every held
+//    tensor again are CG_DEBUG_INVARIANT, on with CGRAPH_DEBUG=1
 //    (scripts/gpu.sh runs the whole GPU suite once more so): a replay then
-//    costs a walk of its pool, which is why they are off by default.  The
-//    debug checks recompute without the shortcuts what the fast path
-//    decided with them (release_later_outputs skips the walk when no graph
-//    was captured after this one): that nothing a replay writes is still
-//    held by anybody but the replay's own incoming grads
-//    (check_nothing_held_where_written, aten_pool.cpp), that a forward
-//    replays only where may_replay_forward() holds (aten_replay.cpp), and
-//    that an input read in place lies in the output that owns it.  A
-//    failure raises RuntimeError "cgraph invariant: ...": a bug in cgraph,
-//    with the rule named (InvariantError, which no warning swallows).  tests/test_invariants.py plants a fault
-//    (Fault::SkipLaterMoves) and sees the check fire.
+//    costs a walk of its pool, which is why they are off by default.  They
+//    recompute without the shortcuts what the fast path decided with them
+//    (release_later_outputs skips the walk when no graph was captured after
+//    this one): that nothing a replay writes is still held by anybody but the
+//    replay's own incoming grads (Engine::held_where_written, aten_pool.cpp),
+//    that a forward replays only where may_replay_forward() holds, that an
+//    input read in place lies in the output that owns it, and that a call
+//    replayed as accepted is one accepts() takes (aten_replay.cpp).  A failure
+//    raises RuntimeError "cgraph invariant: ...", the rule named: a bug in
+//    cgraph (InvariantError, which no warning swallows).  tests/test_invariants.py
+//    plants a fault (Fault::SkipLaterMoves) and sees the check fire.
 
 namespace {
 

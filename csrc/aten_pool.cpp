@@ -12,136 +12,98 @@
 namespace cgraph {
 
 // Note [Captures that share a pool]
-// Q: Graphs of one callable (Note [Several graphs per callable] in
-//    graphed.c), callables graphed together, and callables graphed
-//    separately with one pool= (cgraph/_group.py) capture into one pool.
-//    When may one of them replay?
-// A: A capture takes its memory from the blocks of the pool that are free
-//    at that moment, and every replay writes those blocks again.  Free at a
-//    capture are the temporaries of the captures before it, and the
-//    activations of an earlier forward capture once its backward capture
-//    ran (autograd freed them).  Two kinds of data outlive a replay:
-//    - Activations.  Engine H's are needed from its forward replay to its
-//      backward replay (H is pending), and their blocks were allocated from
-//      H's forward capture to its backward capture (or later: Note [Layers
-//      captured one by one into one pool]).  A graph G captured
-//      strictly between those two could not take them; any other could.
-//      So G may replay only while every pending H (but G's own engine, for
-//      its backward) spans G's capture.  Forwards captured in call order and
-//      backwards in reverse (capture.c), replayed in that order, always may.
-//    - Outputs handed to the caller (Note [Outputs of earlier calls] in
-//      aten_replay.cpp).  H's static outputs were allocated at H's forward
-//      capture and stay allocated (until H's pass is over: Note [Static
-//      memory freed once its pass is over]), so only graphs captured before
-//      it can write them: before G replays, forward or backward, the outputs
-//      of every engine whose forward was captured after G that are still
-//      referenced get memory of their own.  (A backward replay needs this
-//      when the engines after it replayed since its forward: Note [Layers
-//      captured one by one into one pool].)  Likewise the grads H's
-//      backward handed to autograd, allocated at H's backward capture: Note
-//      [Grads handed to autograd] in aten_replay.cpp; and the parameter
-//      grads it handed out as param.grad, also allocated there and written
-//      by its own backward too: Note [Parameter gradients] in
-//      aten_backward.cpp.
-//    A pool's ledger numbers its captures and lists its engines, and the
-//    parameter grads' stores gone engines left to others.  torch leaves both
-//    rules to the user ("replay in capture order"); cgraph runs a forward
-//    that may not replay eagerly, or captures it again elsewhere, and
-//    refuses such a backward, which has no eager fallback.
-//    Checked (Note [Checked invariants]): capture numbers in note_capture;
-//    with CGRAPH_DEBUG=1, may_replay_forward() at each forward replay, and
-//    held_where_written() after release_later_outputs, both without its
-//    shortcuts.
+// Q: Graphs of one callable (Note [Several graphs per callable] in graphed.c), callables
+//    graphed together, and callables graphed separately with one pool= (cgraph/_group.py)
+//    capture into one pool.  When may one of them replay?
+// A: A capture takes the pool's free blocks, which its replays write again: earlier captures'
+//    temporaries, and an earlier forward capture's activations once its backward capture ran
+//    (autograd freed them).  Two kinds of data outlive a replay:
+//    - Activations: engine H needs them from its forward replay to its backward replay (H is
+//      pending), and only a graph G captured while they were allocated, from H's forward
+//      capture to its backward capture (or later: Note [Layers captured one by one into one
+//      pool]), could not take them.  So G may replay only while every pending H but its own
+//      engine (for its backward) spans G's capture (activations_span()): always, when
+//      forwards captured in call order and backwards in reverse (capture.c) replay so.
+//    - What H handed out: its outputs, allocated at its forward capture, and its input grads
+//      and param.grad, at its backward capture (Note [Outputs of earlier calls] and Note
+//      [Grads handed to autograd] in aten_replay.cpp; Note [Parameter gradients] in
+//      aten_backward.cpp).  Kept allocated (until H's pass is over: Note [Static memory freed
+//      once its pass is over]), they are written only by H's replays and graphs captured
+//      before them, so before G replays, forward or backward (later engines may have replayed
+//      since G's forward), what was allocated after G's capture and is still held moves to
+//      memory of its own (release_later_outputs).
+//    PoolLedger numbers the captures, lists the engines and keeps the parameter grads' stores
+//    gone engines left to others.  torch leaves both rules to the user ("replay in capture
+//    order"); cgraph runs a forward that may not replay (may_replay_forward) eagerly or
+//    captures it again elsewhere, and refuses such a backward, which has no eager fallback
+//    (check_backward_replayable).  Checked (Note [Checked invariants]): a backward numbered
+//    after its forward (note_capture); with CGRAPH_DEBUG=1, may_replay_forward() at each
+//    forward replay and held_where_written(), release_later_outputs redone without shortcuts.
 //
 // Note [Layers captured one by one into one pool]
-// Q: Layers graphed separately with one pool= and no samples
-//    (cgraph/_group.py) are each captured on their first call, forward and
-//    backward together, while the layers after them are still to run.  How
-//    can the next layer's capture share the pool without taking the memory
-//    of this layer's activations, which its backward will read?
-// A: Those captures keep their activations (keep_activations): the backward
-//    capture retains the forward capture's autograd graph, and the engine
-//    holds its outputs with their history (PoolMember::keep_history), so the blocks of
-//    the activations stay allocated and no later capture can take them.
-//    The next layer's captures may take the temporaries of this backward
-//    capture: that layer's activations and grad buffers are done with by
-//    the time this backward replays (after its own), and its outputs and
-//    grads still held are moved out of the way first (the outputs rule
-//    above).  That holds within one pass: a layer with a backward pending
-//    captures its next call (a second micro-batch, of any shape) elsewhere
-//    (cg_pool_open_to_layers), since the first pass's backwards run before the
-//    second's and would overwrite its activations.  The
-//    activations are released at the start of the next capture into the
-//    pool after the engine's backward has run (or its outputs died):
-//    PoolMember numbers that moment, and activations_span() reads it as the end of
-//    the engine's activations.  So the forwards of a pass replay while the
-//    earlier layers' backwards are pending, and the backwards replay in
-//    reverse, as if the pass had been captured together, with no eager pass
-//    and no warm-up but each layer's own.
+// Q: Layers graphed separately with one pool= and no samples (cgraph/_group.py) are each
+//    captured on their first call, forward and backward together, while the layers after them
+//    are still to run.  How can the next layer's capture share the pool without taking the
+//    memory of this layer's activations, which its backward will read?
+// A: These captures keep their activations (keep_activations): the backward capture retains
+//    the forward's autograd graph and the engine holds its outputs with their history
+//    (PoolMember::keep_history), so no later capture takes those blocks.  The next layer's
+//    may take this backward capture's temporaries: that layer is done with its activations
+//    and grad buffers when this backward replays (after its own), and its outputs and grads
+//    still held move out first (Note [Captures that share a pool]).  The activations are
+//    released at the first capture into the pool after the backward ran (or the outputs
+//    died), which release_kept numbers as the end of activations_span().  So a pass's
+//    forwards replay while earlier layers' backwards are pending, and its backwards in
+//    reverse, as if captured together, with no eager pass and no warm-up but each layer's
+//    own.  Within one pass: a second (a layer called again, its backward pending) is captured
+//    elsewhere (cg_pool_open_to_layers says why).  Checked: keep_activations in
+//    keep_history(), always; the spans as in Note [Captures that share a pool].
 //
 // Note [A layer reading the one before it in place]
 // Q: Layer k+1 is called with layer k's output, both graphed into one pool
 //    (cgraph/_group.py).  Why copy it into a static input of its own?
-// A: It need not be: its graphs are captured reading layer k's static output
-//    in place (the sample is a view of that output's memory,
-//    static_output_in), and Input::in_place makes them take only calls that
-//    pass that memory itself, so nothing ever copies into it.  That saves a buffer per layer
-//    and shape and a copy per call.  It is exact because that memory holds
-//    the argument's values for as long as the graph may read it:
-//    - It is written only by layer k's forward replays and by graphs
-//      captured before layer k (whose temporaries may lie there), and before
-//      any of those replays, an output of layer k still held is moved to
-//      memory of its own.  A call that passes it afterwards passes other
-//      memory, which these graphs do not take: the call misses, and gets a
-//      graph that copies, as any other tensor does.
-//    - Layer k+1's backward reads it too, and while layer k+1 is pending
-//      none of those graphs may replay: all were captured before it, so its
-//      span does not cover them (activations_span() below).
+// A: It need not be: its graphs are captured reading layer k's static output in place (the
+//    sample is a view of it: static_output_in) and take only calls that pass that memory
+//    itself (Input::in_place, fits), so nothing copies into it: a buffer per layer and shape
+//    and a copy per call saved.  Exact because only layer k's forward replays and graphs
+//    captured before layer k (their temporaries may lie there) write that memory: before any
+//    of them replays, a held output of layer k moves out (a call passing it then passes other
+//    memory, misses, and gets a graph that copies), and none replays while layer k+1, whose
+//    backward reads it too, is pending (they lie outside its activations_span()).
+//    Input::owner keeps the memory allocated: Note [Static memory freed once its pass is
+//    over].  Checked with CGRAPH_DEBUG=1: reads_in_place_from_owner() at each forward replay.
 //
 // Note [Static memory freed once its pass is over]
-// Q: Layers captured one by one into one pool keep each graph's static
-//    outputs and input grads allocated for as long as the graphs live.  With
-//    shapes that change, every new shape's captures put theirs beside the
-//    older shapes' (varlen's pool grew 24 MiB over three new shapes).  Must
-//    they stay allocated?
-// A: Only from a replay to the end of its pass, as the activations: after
-//    that nobody but a caller who kept one reads them, and the engine's next
-//    replay writes them afresh.  So when a capture releases the activations
-//    of engines whose pass is over (release_kept_activations), it frees
-//    their static outputs and input grads too; the graphs keep the addresses
-//    (non-owning views), and the next shape's captures take the blocks, as
-//    they take temporaries.  Exact because:
-//    - A graph captured after the free may write those blocks.  Before it
-//      replays, the engine's outputs and grads still held are moved out, as
-//      for an engine captured after it (freed_statics_before, in
-//      release_later_outputs).  Graphs captured before the free do not
-//      reach the blocks, so only replays of later captures pay for the walk.
-//    - The engine's own replays write memory the later captures may use:
-//      they were captured after it, so their held outputs and grads are
-//      moved out first already, and neither replays while the other is
-//      pending (activations_span(): the free comes after the engine's release).
-//    - An output the next layer reads in place (Note [A layer reading the
-//      one before it in place]) is held by that layer's engine too, from
-//      before its capture (Input::owner, claim_read_in_place; its sample is
-//      a non-owning view, as the spec keeps the sample as long as the graph
-//      lives), so it is freed only once that layer's pass is over too.  No
-//      capture reads in place an output of an engine that freed memory
-//      (static_output_in): it could take the very block it reads, or, if
-//      later, move its own argument out of the way as a freed engine's.  And
-//      an engine whose output a capture is about to read keeps all of its
-//      memory at that capture's release, for the same reason.
-//    - When an engine whose memory was freed goes while the caller still
-//      holds an output or grad of it, that is moved out first (~Engine): it
-//      no longer keeps its memory allocated, and the pool may go with the
-//      engine.
-//    Memory that anybody else holds stays allocated: a storage is freed only
-//    when the engines' own references to it are all its references (not an
-//    output the caller kept, a module's buffer returned as an output, or an
-//    input buffer, which may lie outside the pool).  kept_outputs='alias'
-//    hands out the buffers themselves, untracked: its memory is never freed.
-//    Checked: pass_finished() of every engine whose memory is freed, always
-//    (free_statics); with CGRAPH_DEBUG=1, reads_in_place_from_owner() at
-//    replay.
+// Q: Layers captured one by one into one pool keep every graph's static outputs and input
+//    grads allocated while the graphs live, each new shape's beside the older shapes'
+//    (varlen's pool grew 24 MiB over three new shapes).  Must they stay allocated?
+// A: Only from a replay to the end of its pass, as the activations: then only a caller who
+//    kept one reads them, and the engine's next replay writes them afresh.  So
+//    release_kept_activations frees them too for engines whose pass is over (pass_finished,
+//    free_statics); the graphs keep the addresses (non-owning views), and later captures take
+//    the blocks as they take temporaries.  Exact because:
+//    - Graphs captured after the free may write the blocks: before one replays, what the
+//      engine handed out and is still held moves out, as for an engine captured after it
+//      (freed_statics_before, in release_later_outputs; earlier graphs skip the walk).  The
+//      engine's own replays may write what those graphs use, but theirs moved out already,
+//      and neither replays while the other is pending (the free follows the end of the
+//      engine's activations_span()).
+//    - An output the next layer reads in place (Note [A layer reading the one before it in
+//      place]) is held by that layer's engine too from before its capture (Input::owner, set
+//      by claim_read_in_place, since the sample the spec keeps is a non-owning view), so it
+//      is freed only once that pass is over too.  No capture reads in place an output of an
+//      engine that freed memory (static_output_in), nor does an engine free any at the
+//      release of a capture about to read its output: that capture could take the very block
+//      it reads or, if later, move its own argument out as a freed engine's.
+//    - An engine that freed memory moves out what the caller still holds of it as it goes
+//      (~Engine): nothing keeps that memory then, and the pool may go with the engine.
+//    A storage is freed only when the engines' own references are all it has: memory anybody
+//    else holds stays allocated (an output the caller kept, a module's buffer returned as an
+//    output, an input buffer, which may lie outside the pool), as does that of
+//    kept_outputs='alias', handed out untracked.  Checked: pass_finished() of every engine
+//    whose memory free_statics frees, always; a capture reading freed memory in place is
+//    refused (note_inputs_in_place); with CGRAPH_DEBUG=1, held_where_written() and
+//    reads_in_place_from_owner() at replay.
 struct PoolLedger {
   std::mutex mutex;  // backward replays check it from autograd's threads
   uint64_t captures = 0;

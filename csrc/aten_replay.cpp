@@ -190,26 +190,21 @@ bool check_params(const Engine& e) {
 }
 
 // Note [Outputs of earlier calls]
-// Q: The forward graph writes its outputs into the same memory on every
-//    replay.  What happens to an output the caller kept from an earlier call
-//    (a list of predictions, losses.append(loss), IPython's Out[], a loss of
-//    two calls, or a tensor autograd saved from it)?
-// A: torch hands out the static outputs themselves, so a kept output silently
-//    changes value at the next replay.  cgraph hands out, per call, tensors
-//    with their own StorageImpl over the static memory (keeping that memory
-//    alive) and remembers them weakly.  Before the next replay overwrites the
-//    memory, each of them still alive (its storage: views and saved tensors
-//    share it) is moved to memory of its own: a device-to-device copy on the
-//    caller's stream, then the storage's DataPtr swapped, so every tensor
-//    over it keeps its value and address-independent identity.  An output
-//    nobody holds costs nothing: its weak reference is dead.  This is the
-//    design torch.compile's cudagraph trees adopted in torch 2.14
-//    (cudagraph_trees_generation_cloning="user_visible").
-//    kept_outputs="error" marks such storages instead, so that reading them
-//    raises (as cudagraph trees did before); "alias" hands out the static
-//    outputs themselves, as torch does.  HandedOut keeps the watch list;
-//    with CGRAPH_DEBUG=1, HandedOut::outputs_lie_in checks after each
-//    release that none still lies where the replay writes.
+// Q: Each forward replay writes its outputs into the same memory.  What of one the caller
+//    kept from an earlier call (a list of predictions, losses.append(loss), IPython's Out[],
+//    a loss of two calls, a tensor autograd saved from it)?
+// A: torch hands out the static outputs, so a kept one silently changes value.  cgraph hands
+//    out per call tensors with their own StorageImpl over the static memory (keeping it
+//    alive), watched weakly (HandedOut); before a replay overwrites it (Note [Captures that
+//    share a pool]), each still alive (its storage, which views and saved tensors share)
+//    moves out: a device-to-device copy on the caller's stream, then its DataPtr swapped
+//    (move_to_own_memory), so every tensor over it keeps its value and address-independent
+//    identity.  One nobody holds costs nothing (its weak reference is dead).  torch.compile's
+//    cudagraph trees adopted the design in torch 2.14
+//    (cudagraph_trees_generation_cloning="user_visible"); kept_outputs="error" makes such
+//    storages unreadable instead, as cudagraph trees did before, and "alias" hands out the
+//    static outputs, as torch does.  Checked with CGRAPH_DEBUG=1: HandedOut::outputs_lie_in()
+//    in held_where_written().
 constexpr const char* kOverwrittenOutput =
     "cgraph: this tensor is an output of a graphed callable whose memory a later replay, of "
     "that callable or of a graph sharing its memory pool, overwrote (kept_outputs='error'). "
@@ -472,43 +467,33 @@ void Engine::release_earlier_outputs() {
 }
 
 // Note [Grads handed to autograd]
-// Q: A backward replay gives autograd the grads for the graph's inputs,
-//    which live in static buffers.  Which replays overwrite them, and who
-//    may still hold one then?
-// A: A grad buffer is allocated at its engine's backward capture, from the
-//    pool's blocks free at that moment: temporaries of its own forward
-//    capture and of any capture before it.  So the engine's own replays may
-//    overwrite it, forward and backward, and so may the replay of any graph
-//    of the pool captured before that backward capture, which happens
-//    within one backward when layers are captured one by one (Note [Layers
-//    captured one by one into one pool] in aten_pool.cpp), or after the
-//    buffer was freed once the pass was over (Note [Static memory freed once
-//    its pass is over]).  Mostly nobody
-//    holds the grad by then: the node it flows to reads it as it starts.
-//    But a hook may keep it, torch.autograd.grad may return it, and
-//    autograd itself holds it in a node's input buffer until that node's
-//    other grads arrive: with h2 = B(h1) and C(h2 + h1), the grad C hands
-//    back waits for h1's node while B's backward replays.  torch returns the
-//    buffers themselves, so such a grad silently changes value.  cgraph
-//    hands out a tensor with its own storage over the buffer (Input::handed,
-//    as outputs are: Note [Outputs of earlier calls]), and before a replay
-//    that may overwrite it, one held by anybody but cgraph is moved to
-//    memory of its own (always copied, never made unreadable: the holder may
-//    be autograd).  A grad held only as an incoming grad of the backward
-//    about to replay is left where it is: that graph reads it before it
-//    writes anything but its incoming-grad buffers, and one lying in those
-//    is cloned first (Note [Incoming grads] in aten_backward.cpp).  The
-//    engine keeps that tensor and hands it out again while nobody else
-//    holds it, so a backward allocates nothing for it; its reference also
-//    keeps AccumulateGrad from taking it as a leaf's .grad (it copies, as
-//    from torch's buffers) and autograd from adding into it in place.
-//    kept_outputs="alias" hands out the buffers themselves, as torch does.
-//    Checked with CGRAPH_DEBUG=1: holds_grads_in_place(), after each release
-//    (Note [Checked invariants]).
+// Q: A backward replay gives autograd the grads for the graph's inputs, which live in static
+//    buffers.  Which replays overwrite them, and who may still hold one then?
+// A: A grad buffer is allocated at its engine's backward capture from the blocks then free
+//    (temporaries of its own forward capture and of earlier captures), so the engine's own
+//    replays may overwrite it, and so may graphs captured before that backward capture:
+//    within one backward when layers are captured one by one (Note [Layers captured one by
+//    one into one pool] in aten_pool.cpp), or once the buffer was freed (Note [Static memory
+//    freed once its pass is over]).  The node it flows to mostly reads it as it starts,
+//    nobody holding it then; but a hook may keep it, torch.autograd.grad return it, and
+//    autograd hold it in a node's input buffer until that node's other grads arrive (with
+//    h2 = B(h1) and C(h2 + h1), the grad C hands back waits for h1's node while B's backward
+//    replays).  torch returns the buffers themselves, which then silently change.
+//    cgraph hands out a tensor with its own storage over the buffer (Input::handed, as for
+//    outputs: Note [Outputs of earlier calls]) and, before a replay that may overwrite it,
+//    copies one held by anybody but cgraph to memory of its own (release_handed_grads), never
+//    making it unreadable: the holder may be autograd.  One held only as an incoming grad of
+//    the backward about to replay stays: that graph reads it before writing anything but its
+//    incoming-grad buffers, and one lying in those is cloned first (Note [Incoming grads] in
+//    aten_backward.cpp).  Input::handed is handed out again while nobody else holds it, so a
+//    backward allocates nothing for it, and the engine's reference keeps AccumulateGrad from
+//    taking it as a leaf's .grad (it copies, as from torch's buffers) and autograd from
+//    adding into it in place; one replaced while still held is watched in HandedOut until it
+//    dies (hand_out_grad).  kept_outputs="alias" hands out the buffers, as torch does.
+//    Checked with CGRAPH_DEBUG=1: holds_grads_in_place() in held_where_written().
 //
-// Graphs of one pool are replayed by one thread at a time: the caller's, and
-// autograd's while the caller waits in backward().  These lists are not
-// locked.
+// Graphs of one pool replay on one thread at a time, the caller's or autograd's while the
+// caller waits in backward(), so these lists are not locked.
 at::Tensor Engine::hand_out_grad(Input& in) {
   if (kept_outputs == CG_KEEP_ALIAS || !in.grad.defined()) {  // undefined: allow_unused_input
     return in.grad;  // still referenced here: AccumulateGrad copies it, not steals

@@ -195,10 +195,9 @@ bool owns_one_of(const c10::StorageImpl& storage, const std::vector<Block>& bloc
                             [](const Block& a, const Block& b) { return a.address < b.address; });
 }
 
-// Note [Warm-up in the pool]: every tensor Python holds whose storage owns
-// one of `blocks` moves to memory of its own, allocated on the current
-// stream; its storage's memory is replaced, so its views follow (a raw
-// pointer kept elsewhere does not).  Under the GIL.
+// Note [Warm-up in the pool]: every tensor Python holds whose storage owns one of `blocks`
+// moves to memory of its own, allocated on the current stream; its storage's memory is
+// replaced, so its views follow (a raw pointer kept elsewhere does not).  Under the GIL.
 void move_tensors_left_in_pool(const std::vector<Block>& blocks) {
   THPObjectPtr gc(PyImport_ImportModule("gc"));
   THPObjectPtr objects(gc ? PyObject_CallMethod(gc.get(), "get_objects", nullptr) : nullptr);
@@ -261,54 +260,41 @@ cg_setup* open_setup(c10::DeviceIndex device) {
 }
 
 // Note [Warm-up in the pool]
-// Q: Why does the warm-up of a later capture (another shape, another layer
-//    of one pool=) allocate from the graph pool it captures into?
-// A: Warm-up runs the callable eagerly, so its activations need memory; in
-//    the device's ordinary cache that is a second copy of what the graph
-//    pool already holds free between replays: the varlen benchmark's peak
-//    was the pool plus a whole eager step, and with one pool= for every
-//    layer, each layer's warm-up beside the pool (the capture stream's cache
-//    cannot take blocks the caller stream's holds free).  In the pool,
-//    warm-up reuses the earlier graphs' temporaries, and the capture then
-//    reuses the warm-up's.  That is safe only because nothing in those
-//    blocks is needed during warm-up and nothing warm-up allocates there
-//    outlives it:
-//    - No graph of the pool is between its forward and its backward
-//      (graphed.c's choose_site picks an idle pool), or every one that is
-//      keeps its activations allocated (Note [Layers captured one by one
-//      into one pool] in aten_pool.cpp).
-//    - Outputs and grads still held in memory freed once its pass was over
-//      are moved out first (move_held_out_of_freed, in aten_pool.cpp).
-//    - A tensor the callable keeps from warm-up (a cache made for a new
-//      shape) would sit in blocks the earlier graphs overwrite at their next
-//      replay.  So the pool's allocated blocks are compared before and after
-//      warm-up (not the device's allocated bytes, where a cache replaced by
-//      one in the pool would even out), and every Python tensor that owns a
-//      block left behind moves to memory of its own outside the pool, its
-//      views with it (move_tensors_left_in_pool replaces its storage's memory; the
-//      capture then reads it there, Engine::capture_begin).  If a block is
-//      still held then, in a segment the pool had before (a segment warm-up
-//      added is memory no graph has used), by something Python cannot reach
-//      (memory made and held in C++, as the saved statistics in the autograd
-//      history of a kept tensor that requires grad), the session fails with
-//      kind "warmup_state": graphed.c drops the callable's earlier graphs in
-//      a pool of its own; in a pool shared with other callables, that call
-//      and every later capture of the callable raise (recover_from_warm_up).
-// Q: Why does move_tensors_left_in_pool walk every object the garbage collector
-//    tracks (gc.get_objects()) to find those tensors?
-// A: Nothing maps memory back to tensors: a StorageImpl counts its
-//    references but does not list them, a TensorImpl knows its own Python
-//    object but nothing lists the TensorImpls over a storage, and the
-//    allocator knows blocks, not who holds them.  Walking only what the
-//    callable reaches (its module, its closure) would miss a tensor kept in
-//    a global or another object's cache, which the earlier graphs would then
-//    overwrite silently; every Python tensor is tracked by the collector, so
-//    the walk misses none.  It costs a list of every tracked object and a
-//    type check each: about 25 ms for 180,000 objects (torch imported) on a
-//    2-core host, paid only by a capture whose warm-up in a pool left a block
-//    behind (a first call with new shapes that made state), never by a
-//    replay.  What it cannot reach is still caught: the blocks are compared
-//    again after it.
+// Q: Why does a later capture's warm-up (another shape, another layer of one pool=) allocate
+//    from the graph pool it captures into?
+// A: Warm-up runs the callable eagerly; in the device's ordinary cache its activations would
+//    be a second copy of what the pool holds free between replays (varlen's peak was the pool
+//    plus a whole eager step; with one pool= for every layer, each layer's warm-up sat beside
+//    the pool, as the capture stream's cache cannot take blocks the caller stream's holds
+//    free).  In the pool, warm-up reuses the earlier graphs' temporaries and the capture the
+//    warm-up's.  Safe only because nothing in those blocks is needed during warm-up and
+//    nothing warm-up allocates there outlives it:
+//    - No graph of the pool is between its forward and its backward (choose_site in graphed.c
+//      picks an idle pool) but those that keep their activations (cg_pool_open_to_layers:
+//      Note [Layers captured one by one into one pool] in aten_pool.cpp).
+//    - What is held in freed static memory moves out first (move_held_out_of_freed).
+//    - A tensor the callable keeps from warm-up (a cache made for a new shape) would sit in
+//      blocks the earlier graphs overwrite.  So the pool's allocated blocks are compared
+//      before and after warm-up (not the device's allocated bytes, which a cache replaced by
+//      one in the pool evens out), and every Python tensor owning a block left behind moves
+//      out of the pool, its views with it (move_tensors_left_in_pool; the capture reads it
+//      there: Engine::capture_begin).  A block then still held in a segment the pool had
+//      before (one warm-up added is memory no graph used) by what Python cannot reach (memory
+//      C++ made and holds, as the saved statistics in the autograd history of a kept tensor
+//      that requires grad) fails the session with kind "warmup_state"
+//      (moved_what_warm_up_left): graphed.c drops the callable's earlier graphs in a pool of
+//      its own; in a pool shared with other callables, that call and every later capture of
+//      the callable raise (recover_from_warm_up).
+// Q: Why does move_tensors_left_in_pool walk every object gc tracks (gc.get_objects())?
+// A: Nothing maps memory back to tensors: a StorageImpl counts its references but does not
+//    list them, a TensorImpl knows its own Python object but nothing lists those over a
+//    storage, and the allocator knows blocks, not holders.  Walking only what the callable
+//    reaches (its module, its closure) would miss a tensor in a global or another object's
+//    cache, which the earlier graphs would overwrite silently; the collector tracks every
+//    Python tensor.  The walk costs about 25 ms for 180,000 objects (torch imported, 2-core
+//    host), paid only by a capture whose warm-up in a pool left a block behind (a first call
+//    with new shapes that made state), never by a replay; what it cannot reach is still
+//    caught by comparing the blocks again.
 void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
   setup.pool_before = pool_blocks(setup.device, pool);
   const cudaStream_t side = setup.side.stream();
