@@ -90,6 +90,25 @@ static const struct {
 #undef FAILURE_NAMES
 };
 
+int
+cg_capture_error_is(cg_state *state, PyObject *exc, cg_failure kind)
+{
+    PyObject *type, *value, *trace, *name;
+    int is;
+
+    if (!PyObject_TypeCheck(exc, (PyTypeObject *)state->CaptureError)) {
+        return 0;
+    }
+    PyErr_Fetch(&type, &value, &trace);
+    name = PyObject_GetAttrString(exc, "kind");
+    is = name != NULL && PyUnicode_Check(name) &&
+         PyUnicode_CompareWithASCIIString(name, failure_names[kind].name) == 0;
+    Py_XDECREF(name);
+    PyErr_Clear();
+    PyErr_Restore(type, value, trace);
+    return is;
+}
+
 /* Each kind's advice: what to do. */
 static const char *const advice[CG_FAILURE_COUNT] = {
     [CG_FAILURE_OTHER] =

@@ -819,9 +819,9 @@ drop_pool(GraphedObject *self, cg_pool pool)
 }
 
 /* After on_miss raised for `site`.  If a warm-up left state in the site's
- * pool where earlier graphs write (CaptureError kind "warmup_state", a name
- * CG_FAILURE_KINDS in cgraph.h makes public; Note [Warm-up in the pool] in
- * aten_setup.cpp): in the pool shared with other callables the state stays,
+ * pool where earlier graphs write (a CaptureError of CG_FAILURE_WARMUP_STATE:
+ * Note [Warm-up in the pool] in aten_setup.cpp): in the pool shared with
+ * other callables the state stays,
  * and the error comes back at every later capture (self->refusal); in a pool
  * of this callable's own, its graphs there go (captured again when needed)
  * and *site becomes a fresh pool without warm-up.  1 if on_miss may be
@@ -829,18 +829,14 @@ drop_pool(GraphedObject *self, cg_pool pool)
 static int
 recover_from_warm_up(GraphedObject *self, capture_site *site)
 {
-    PyObject *exc, *kind;
+    PyObject *exc;
     int state_left;
 
     if (!site->warm_in_pool || !PyErr_ExceptionMatches(self->state->CaptureError)) {
         return 0;
     }
     exc = cg_err_take();
-    kind = PyObject_GetAttrString(exc, "kind");
-    state_left = kind != NULL && PyUnicode_Check(kind) &&
-                 PyUnicode_CompareWithASCIIString(kind, "warmup_state") == 0;
-    Py_XDECREF(kind);
-    PyErr_Clear();
+    state_left = cg_capture_error_is(self->state, exc, CG_FAILURE_WARMUP_STATE);
     if (state_left && self->has_shared && same_pool(site->pool, self->shared)) {
         Py_XSETREF(self->refusal, Py_NewRef(exc));
     } else if (state_left && !cg_pool_busy(site->pool, 0) && drop_pool(self, site->pool) == 0) {

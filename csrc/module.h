@@ -222,5 +222,8 @@ PyObject *cg_graph_callables(PyObject *module, PyObject *args);
  * by kind, and an int _C.FAILURE_<ID> per kind.  0, or -1 with an
  * exception set (SystemError if a kind has no advice in capture.c). */
 int cg_add_failure_kinds(PyObject *module);
+/* 1 if `exc` (borrowed) is a CaptureError of `kind`, else 0.  Never raises
+ * (an exception set on entry is kept). */
+int cg_capture_error_is(cg_state *state, PyObject *exc, cg_failure kind);
 
 #endif /* CGRAPH_MODULE_H */
