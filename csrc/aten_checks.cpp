@@ -38,22 +38,19 @@ bool env_says_debug() {
   return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
 }
 
-std::atomic<bool> debug_on{env_says_debug()};
 std::atomic<Fault> fault_planted{Fault::None};
 
 }  // namespace
+
+std::atomic<bool> debug_switch{env_says_debug()};
 
 InvariantError::InvariantError(const std::string& rule, const char* file, uint32_t line)
     : c10::Error(c10::SourceLocation{"cgraph invariant", file, line},
                  "cgraph invariant: " + rule + " This is a bug in cgraph; please report it "
                  "with the steps that led here.") {}
 
-bool debug_checks() {
-  return debug_on.load(std::memory_order_relaxed);
-}
-
-bool planted(Fault fault) {
-  return debug_checks() && fault_planted.load(std::memory_order_relaxed) == fault;
+Fault planted_fault() {
+  return fault_planted.load(std::memory_order_relaxed);
 }
 
 bool set_debug(bool on, const char* fault) {
@@ -64,7 +61,7 @@ bool set_debug(bool on, const char* fault) {
     return false;
   }
   fault_planted.store(plant);
-  debug_on.store(on);
+  debug_switch.store(on);
   return true;
 }
 

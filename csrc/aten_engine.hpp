@@ -110,8 +110,12 @@ class Refusal : public c10::Error {
 // ---- checked invariants: Note [Checked invariants] (aten_checks.cpp) ------
 
 // Whether the checks that walk a pool or every held tensor run: CGRAPH_DEBUG=1
-// in the environment at import, or cgraph._C._debug(True).  One relaxed load.
-bool debug_checks();
+// in the environment at import, or cgraph._C._debug(True).  Inline, one
+// relaxed load: the replay path asks it a few times per call.
+extern std::atomic<bool> debug_switch;  // aten_checks.cpp
+inline bool debug_checks() {
+  return debug_switch.load(std::memory_order_relaxed);
+}
 
 // Faults a test plants to show that a check fires (cgraph._C._debug(True,
 // fault)); each is honoured only while debug_checks() is on.
@@ -121,7 +125,10 @@ enum class Fault : uint8_t {
   // stay where the replay writes.
   SkipLaterMoves,
 };
-bool planted(Fault fault);
+Fault planted_fault();  // aten_checks.cpp
+inline bool planted(Fault fault) {
+  return C10_UNLIKELY(debug_checks()) && planted_fault() == fault;
+}
 // Turns the debug checks on or off and plants the fault named `fault`
 // (nullptr or "": none).  False, changing nothing, for an unknown name.
 bool set_debug(bool on, const char* fault);

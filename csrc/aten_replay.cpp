@@ -280,6 +280,19 @@ bool held_only_by(const c10::StorageImpl* storage, size_t uses, const at::Tensor
   return uses == holders.size();
 }
 
+// Whether anybody but the engine and `consumed` holds Input::handed, a grad
+// handed to autograd: a replay that writes its memory moves it first.
+bool handed_held_elsewhere(const at::Tensor& handed, at::ArrayRef<at::Tensor> consumed) {
+  return handed.defined() && !held_only_by(handed.storage().unsafeGetStorageImpl(),
+                                           handed.storage().use_count(), &handed, consumed);
+}
+
+// Likewise for a watched storage (HandedOut), locked: the lock is one use.
+bool watched_held_elsewhere(const c10::intrusive_ptr<c10::StorageImpl>& storage,
+                            at::ArrayRef<at::Tensor> consumed) {
+  return storage && !held_only_by(storage.get(), storage.use_count() - 1, nullptr, consumed);
+}
+
 // Whether Input::handed may be handed out again: nobody but the engine holds
 // it, and nobody changed what it is.
 bool reusable(const Input& in) {
@@ -424,7 +437,7 @@ void HandedOut::release_replaced_grads(at::ArrayRef<at::Tensor> consumed,
   size_t watched = 0;
   for (size_t k = 0; k < grads_.size(); ++k) {
     const auto storage = grads_[k].lock();
-    if (storage && held_only_by(storage.get(), storage.use_count() - 1, nullptr, consumed)) {
+    if (storage && !watched_held_elsewhere(storage, consumed)) {
       std::swap(grads_[watched++], grads_[k]);  // looked at again next replay
     } else if (storage) {
       move_to_own_memory(device, *storage);
@@ -449,8 +462,7 @@ bool HandedOut::outputs_lie_in(const std::vector<Output>& statics) const {
 
 bool HandedOut::replaced_grads_held(at::ArrayRef<at::Tensor> consumed) const {
   for (const auto& weak : grads_) {
-    const auto storage = weak.lock();
-    if (storage && !held_only_by(storage.get(), storage.use_count() - 1, nullptr, consumed)) {
+    if (watched_held_elsewhere(weak.lock(), consumed)) {
       return true;
     }
   }
@@ -530,11 +542,8 @@ void Engine::release_handed_grads(at::ArrayRef<at::Tensor> consumed) {
 
 void Engine::release_handed_input_grads(at::ArrayRef<at::Tensor> consumed) {
   for (Input& in : inputs) {
-    c10::StorageImpl* storage =
-        in.handed.defined() ? in.handed.storage().unsafeGetStorageImpl() : nullptr;
-    if (storage && !held_only_by(storage, in.handed.storage().use_count(), &in.handed,
-                                 consumed)) {
-      move_to_own_memory(device, *storage);
+    if (handed_held_elsewhere(in.handed, consumed)) {
+      move_to_own_memory(device, *in.handed.storage().unsafeGetStorageImpl());
       ++stats.input_grads_copied;
       in.handed = at::Tensor();  // its holders keep it, in memory of its own now
     }
@@ -549,9 +558,7 @@ bool Engine::holds_outputs_in_place() const {
 // What release_handed_grads leaves, recomputed: Note [Checked invariants].
 bool Engine::holds_grads_in_place(at::ArrayRef<at::Tensor> consumed) const {
   for (const Input& in : inputs) {
-    if (in.handed.defined() && !held_only_by(in.handed.storage().unsafeGetStorageImpl(),
-                                             in.handed.storage().use_count(), &in.handed,
-                                             consumed)) {
+    if (handed_held_elsewhere(in.handed, consumed)) {
       return true;
     }
   }
