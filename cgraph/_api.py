@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _C, _group, _log
+from . import _C, _fsdp, _group, _log
 from ._buckets import Bucketed
 from ._buckets import normalize as normalize_buckets
 from ._capture import CaptureOptions, graph
@@ -48,6 +48,7 @@ def reset_all() -> None:
     """
     for graphed in list(_live):
         graphed.reset()
+        _fsdp.release(graphed)
 
 
 atexit.register(reset_all)
@@ -156,6 +157,8 @@ def make_graphed_callables(
                 f"{len(callables)} dicts (or None), one per callable."
             )
     targets = tuple(_unwrap_ddp(fn) for fn in callables)
+    for i, target in enumerate(targets):
+        _fsdp.refuse_in_drop_in(i, target)
     options = _options(num_warmup_iters, allow_unused_input, capture_error_mode,
                        _kept_outputs(kept_outputs, guard_outputs))
     described = [Target.of(i, fn) for i, fn in enumerate(targets)]
@@ -241,7 +244,9 @@ def make_graphed(
     cgraph/_group.py).
 
     Returns a :class:`GraphedModule` for an
-    ``nn.Module`` (the module stays untouched inside it) and a graphed
+    ``nn.Module`` (the module stays untouched inside it, but for a module
+    with hooks, whose ``forward`` becomes the graphed callable so that its
+    hooks run around every call, as in eager) and a graphed
     callable for anything else.  A ``DistributedDataParallel`` model comes
     back itself, with the module it wraps graphed: DDP's per-call
     bookkeeping and its gradient hooks keep running around the graphs.  Both have
@@ -262,6 +267,12 @@ def make_graphed(
                        _kept_outputs(kept_outputs, guard_outputs))
     target, pool_id = Target.of(0, inner), _pool_id(pool)
     limit = None if max_graphs is None else _max_graphs(max_graphs)
+    if sample_args is not None and _fsdp.is_fsdp(inner):
+        # Note [FSDP2's unsharded parameters in per-layer graphs]: FSDP
+        # all-gathers the parameters inside its forward, so it captures there.
+        _log.log.info("cgraph: %s is sharded by fully_shard: captured on its first call, "
+                      "not from the samples", type(inner).__name__)
+        sample_args = sample_kwargs = None
     if sample_args is None:
         if sample_kwargs is not None:
             raise ValueError("cgraph: sample_kwargs without sample_args; pass both, or "
@@ -283,7 +294,15 @@ def make_graphed(
     if inner is not fn:  # DistributedDataParallel: see _unwrap_ddp
         inner.forward = call
         return fn
-    return GraphedModule(fn, g, call) if isinstance(fn, nn.Module) else call
+    if not isinstance(fn, nn.Module):
+        return call
+    if _has_hooks(fn):
+        # Its hooks (FSDP2's all-gather and reshard among them) run around
+        # every call, outside the graphs, as in eager: the wrapper calls the
+        # module, whose forward is the graphed callable.
+        fn.forward = call
+        return GraphedModule(fn, g, fn.__call__)
+    return GraphedModule(fn, g, call)
 
 
 class GraphedModule(nn.Module):
@@ -296,6 +315,15 @@ class GraphedModule(nn.Module):
     :func:`make_graphed`.
     """
 
+    def __setattr__(self, name: str, value) -> None:
+        """fully_shard(graphed_module) swaps this module's class, then the
+        wrapped module's parameters without registering them: the graphed
+        modules are checked again on their next call (StateCheck), which
+        refuses it, naming the recipe (shard first, then graph)."""
+        if name == "__class__":
+            _C.modules_changed()
+        super().__setattr__(name, value)
+
     def __init__(self, module: nn.Module, graphed: _C.Graphed, forward=None):
         super().__init__()
         self.module = module
@@ -307,6 +335,7 @@ class GraphedModule(nn.Module):
     def reset(self) -> None:
         """Free the graphs, their static tensors and their memory pool."""
         self._graphed.reset()
+        _fsdp.release(self._graphed)
 
     @property
     def pool(self) -> tuple[int, int]:
@@ -361,6 +390,11 @@ def _unwrap_ddp(fn):
     the module inside and leaves DDP around it.  Collectives then run from
     DDP's hooks outside the graphs; none is ever captured."""
     return fn.module if isinstance(fn, DistributedDataParallel) else fn
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
 
 
 def _require_cuda() -> None:

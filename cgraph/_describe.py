@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import _C
+from . import _C, _fsdp
 
 # Non-tensor arguments a graph can bake in as constants: each call must pass
 # the captured value again (checked in C on every call).
@@ -235,12 +235,10 @@ def _target_fields(index: int, fn) -> dict:
     if not isinstance(fn, nn.Module):
         return dict(function=fn, module=None, eager=None, eager_takes_module=False,
                     verify=None)
-    if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks:
-        raise ValueError(
-            f"cgraph: module {index} ({type(fn).__name__}) has module hooks; they would "
-            "run once, at capture, and never on replay. Remove them before graphing "
-            "(you may register hooks afterwards), as torch requires."
-        )
+    # The module's own hooks (FSDP2's among them) run around every call,
+    # outside the graphs, as in eager (cgraph/_api.py, make_graphed); hooks
+    # of FSDP modules inside it would run once, at capture.
+    _fsdp.refuse_nested(index, fn)
     if any(b.requires_grad for b in fn.buffers()):
         raise ValueError(
             f"cgraph: module {index} has a buffer that requires grad; only parameters "
@@ -290,16 +288,21 @@ class StateCheck:
 
     def __call__(self, module: nn.Module) -> None:
         now = dict(_named_state(module))
+        faces = _fsdp.faces(module)
         for name in [*self.captured, *(k for k in now if k not in self.captured)]:
-            if self.captured.get(name) is not now.get(name):
-                raise RuntimeError(
-                    f"cgraph: '{name}' of graphed module {self.index} "
-                    f"({type(module).__name__}) was replaced after capture "
-                    "(load_state_dict(assign=True), a new nn.Parameter or buffer, or a "
-                    "removed one); the graphs would keep reading the old tensor. Graph the "
-                    "module again after replacing it, or load weights in place "
-                    "(load_state_dict without assign=True)."
-                )
+            was, found = self.captured.get(name), now.get(name)
+            if was is found or (id(was) in faces and faces[id(was)] is faces.get(id(found))):
+                continue  # the same tensor, or FSDP's other face of it
+            raise RuntimeError(
+                f"cgraph: '{name}' of graphed module {self.index} "
+                f"({type(module).__name__}) was replaced after capture "
+                "(load_state_dict(assign=True), a new nn.Parameter or buffer, a removed one, "
+                "or fully_shard or parallelize_module applied after graphing); the graphs "
+                "would keep reading the old tensor. Graph the module again after replacing "
+                "it, or load weights in place (load_state_dict without assign=True); to "
+                "shard a model, shard first (fully_shard every layer and the root), then "
+                "graph each layer: cgraph.make_graphed(layer)."
+            )
 
 
 def _named_state(module: nn.Module):

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _C
+from . import _C, _fsdp
 from ._capture import patched
 from ._describe import _CONTAINERS, CONSTANT_TYPES, leaf_names
 
@@ -144,7 +144,7 @@ def explain(fn: Callable[..., Any], sample_args: tuple,
       ``"dynamic_shape"``: the same op gave another shape or dtype.
     * ``"argument"``: an argument that is neither a tensor nor a constant (a
       transformers cache), or a CPU tensor of a CUDA callable.
-      ``"module"``: module hooks, a buffer that requires grad.
+      ``"module"``: a buffer that requires grad, fully_shard inside the module.
     * ``"output"``: an output on the CPU; ``"output_alias"``: an output that
       is an argument or a view of one.  ``"state"``: a tensor assigned to a
       module attribute during the call (a buffer replaced, not updated in
@@ -285,14 +285,6 @@ def _module_problems(fn) -> Iterator[Problem]:
     if not isinstance(fn, nn.Module):
         return
     where = f"module {type(fn).__name__}"
-    if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks:
-        yield Problem(
-            "module", "", where,
-            "the module has module hooks (register_forward_hook, "
-            "register_forward_pre_hook, register_full_backward_hook); they would run "
-            "once, at capture, and never on replay.",
-            "remove them before graphing (you may register hooks afterwards), as torch "
-            "requires.")
     for name, buffer in fn.named_buffers():
         if buffer.requires_grad:
             yield Problem(
@@ -300,6 +292,14 @@ def _module_problems(fn) -> Iterator[Problem]:
                 f"buffer '{name}' requires grad; only parameters may be trainable in a "
                 "graphed module.",
                 "make it an nn.Parameter.")
+    nested = [name for name, sub in fn.named_modules() if sub is not fn and _fsdp.is_fsdp(sub)]
+    if nested:
+        yield Problem(
+            "module", "", f"{where}, submodule '{nested[0]}'",
+            f"fully_shard was applied to '{nested[0]}' inside the module; its all-gathers "
+            "would run once, at capture.",
+            "graph each fully_shard-ed layer itself (cgraph.make_graphed(layer)), or the "
+            "whole step (cgraph.make_graphed_step).")
 
 
 # ---- where: the user's line -------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from . import _C, _log
+from . import _C, _fsdp, _log
 from ._capture import CaptureOptions, graph
 from ._describe import Target, draft
 
@@ -35,6 +35,9 @@ class Regraph:
                  site: _C.CaptureSite) -> _C.Graphed:
         """The Graphed captured for this call, with one graph."""
         _check_device(graphed, (args, kwargs))
+        module = self.target.callable()
+        if _fsdp.is_fsdp(module):  # inside its forward: FSDP has just all-gathered
+            _fsdp.home_parameters(module, graphed)
         started = time.perf_counter()
         with self._samples(args, kwargs, site.pool) as samples:
             (captured,) = graph([draft(self.target, *samples, set())], site.pool, self.options,

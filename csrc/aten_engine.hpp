@@ -19,6 +19,7 @@
 //                              PoolMember, and when a replay may run
 //   aten_rng.cpp               random numbers in warm-up, capture and replay
 //   aten_accumulators.cpp      grad accumulators moved for a whole-step capture
+//   aten_lend.cpp              storages lent fixed memory (FSDP2's parameters)
 //   aten_inspect.cpp           what a captured graph is made of
 //   aten_checks.cpp            the switch of the debug checks (Note [Checked
 //                              invariants]) and the faults tests plant
@@ -763,6 +764,11 @@ void* autograd_thread_blas_handle(const c10::cuda::CUDAStream& caller);
 // (aten_accumulators.cpp, Note [DDP inside a graphed step] in cgraph/_ddp.py).
 cg_moved_accumulators* move_accumulators(const std::vector<at::Tensor>& params);
 void restore_accumulators(cg_moved_accumulators* moved) noexcept;
+
+// Points the storage of `t` at `home`'s memory, keeping `home` alive
+// (aten_lend.cpp, Note [FSDP2's unsharded parameters in per-layer graphs] in
+// cgraph/_fsdp.py).
+void lend_memory(const at::Tensor& t, const at::Tensor& home);
 
 // Unpacks a Python sequence of tensors.  `what` names the items in errors
 // (aten_setup.cpp).

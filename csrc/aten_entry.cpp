@@ -300,6 +300,21 @@ PyObject* cg_pool_static_output(cg_pool pool, PyObject* tensor) {
   END_HANDLE_TH_ERRORS
 }
 
+// ---- fixed homes ----------------------------------------------------------------
+
+int cg_lend_memory(PyObject* tensors, PyObject* homes) {
+  HANDLE_TH_ERRORS
+  const auto ts = cgraph::unpack_tensors(tensors, "tensor");
+  const auto hs = cgraph::unpack_tensors(homes, "home");
+  TORCH_CHECK(ts.size() == hs.size(), "cgraph: lend_memory: ", ts.size(), " tensors but ",
+              hs.size(), " homes");
+  for (size_t k = 0; k < ts.size(); ++k) {
+    cgraph::lend_memory(ts[k], hs[k]);
+  }
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
 // ---- random numbers ------------------------------------------------------------
 
 PyObject* cg_rng_get_state(int device, cg_failure* failure) {

@@ -177,8 +177,10 @@ bool check_params(const Engine& e) {
     const Param& p = e.params[j];
     TORCH_CHECK(p.tensor.const_data_ptr() == p.data, "cgraph: parameter ", j,
                 " (shape ", p.tensor.sizes(), ") moved to new memory after capture (.to(), "
-                ".data = ..., load_state_dict(assign=True)?); the graph would read the old "
-                "memory. Graph the module again after moving it.");
+                ".data = ..., load_state_dict(assign=True), fully_shard or parallelize_module "
+                "after graphing?); the graph would read the old memory. Graph the module "
+                "again after moving it; to shard a model, shard first (fully_shard every "
+                "layer and the root), then graph each layer.");
     if (p.tensor.requires_grad()) {
       TORCH_CHECK(p.requires_grad, "cgraph: parameter ", j, " (shape ", p.tensor.sizes(),
                   ") requires grad, but did not at capture, so the backward graph computes "

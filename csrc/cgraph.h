@@ -218,6 +218,16 @@ cg_moved_accumulators *cg_accumulators_move(PyObject *params, Py_ssize_t *count)
  * raises; NULL is allowed. */
 void cg_accumulators_restore(cg_moved_accumulators *moved);
 
+/* ---- fixed homes for parameters sharded by FSDP2 (aten_lend.cpp) -------- */
+
+/* Points the storage of each tensor of `tensors` at the memory of the
+ * tensor of `homes` at the same position (sequences of one length; each
+ * pair contiguous, of as many bytes, on one device), which that storage
+ * keeps alive until it is resized or lent again.  0, or -1 with an
+ * exception set.  Why: Note [FSDP2's unsharded parameters in per-layer
+ * graphs] in cgraph/_fsdp.py. */
+int cg_lend_memory(PyObject *tensors, PyObject *homes);
+
 /* ---- replay (aten_replay.cpp, aten_backward.cpp) ------------------------ */
 
 /* The hot path.  Checks `args[0..nargs)` against the captured inputs (not

@@ -29,6 +29,8 @@
  *     def call_with_accumulators_here(params, fn, args, kwargs) -> tuple[object, int]:
  *         ...  # fn(*args, **kwargs), the grad accumulators of params on the
  *              # current stream meanwhile: aten_accumulators.cpp
+ *     def lend_memory(tensors, homes) -> None: ...  # each storage pointed at its
+ *                                     # home's memory: aten_lend.cpp
  *
  * Laid out as CPython's Modules/xxlimited.c: state in the module (multi-phase
  * initialization), heap types, and PyInit__C the only exported symbol.
@@ -303,6 +305,28 @@ cgm_call_with_accumulators_here(PyObject *module, PyObject *args)
     return Py_BuildValue("(Nn)", result, count);
 }
 
+PyDoc_STRVAR(cgm_lend_memory_doc,
+"lend_memory(tensors, homes) -> None\n\n"
+"Points the storage of each tensor at the memory of its home (same\n"
+"position, as many bytes), which the storage keeps alive until it is\n"
+"resized or lent again.  Note [FSDP2's unsharded parameters in per-layer\n"
+"graphs] in cgraph/_fsdp.py says why.  Not a public API.");
+
+/* Returns a NEW reference (None), or NULL with an exception set. */
+static PyObject *
+cgm_lend_memory(PyObject *module, PyObject *args)
+{
+    PyObject *tensors, *homes;
+
+    if (!PyArg_ParseTuple(args, "OO:lend_memory", &tensors, &homes)) {
+        return NULL;
+    }
+    if (cg_lend_memory(tensors, homes) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef cgm_methods[] = {
     {"new_graphed", (PyCFunction)(void (*)(void))cg_new_graphed, METH_VARARGS | METH_KEYWORDS,
      cgm_new_graphed_doc},
@@ -319,6 +343,7 @@ static PyMethodDef cgm_methods[] = {
      cgm_debug_doc},
     {"call_with_accumulators_here", cgm_call_with_accumulators_here, METH_VARARGS,
      cgm_call_with_accumulators_here_doc},
+    {"lend_memory", cgm_lend_memory, METH_VARARGS, cgm_lend_memory_doc},
     {NULL, NULL, 0, NULL}
 };
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import cgraph
+from _helpers import assert_equal
 
 
 def test_public_names():
@@ -146,11 +147,37 @@ def test_not_callable():
         cgraph.make_graphed(42, (torch.randn(2),))
 
 
-def test_module_hooks_are_refused_like_torch():
-    layer = torch.nn.Linear(4, 4)
-    layer.register_forward_hook(lambda *a: None)
-    with pytest.raises(ValueError, match="hooks"):
-        cgraph.make_graphed(layer, (torch.randn(2, 4),))
+def _hooked_layer(seen: list):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 4).cuda()
+    layer.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    layer.register_forward_hook(lambda m, args, out: out + 1)
+    layer.register_full_backward_hook(lambda m, gin, gout: seen.append(gout[0].clone()))
+    return layer
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["make_graphed", "drop-in"])
+def test_module_hooks_run_around_every_call(how):
+    """torch refuses a module with hooks; cgraph runs them on every call,
+    outside the graphs, as eager does (FSDP2's hooks are such hooks)."""
+    seen, seen_eager = [], []
+    layer, eager = _hooked_layer(seen), _hooked_layer(seen_eager)
+    sample = (torch.randn(2, 4, device="cuda", requires_grad=True),)
+    graphed = (cgraph.make_graphed(layer, sample) if how == "make_graphed"
+               else cgraph.make_graphed_callables(layer, sample))
+    for _ in range(3):
+        x = torch.randn(2, 4, device="cuda", requires_grad=True)
+        x_eager = x.detach().clone().requires_grad_()
+        out, ref = graphed(x), eager(x_eager)
+        assert_equal(out, ref, "output")
+        out.square().sum().backward()
+        ref.square().sum().backward()
+        assert_equal(x.grad, x_eager.grad, "input grad")
+    assert len(seen) == len(seen_eager) == 3
+    for got, want in zip(seen, seen_eager):
+        assert_equal(got, want, "grad seen by the backward hook")
+    assert_equal(layer.weight.grad, eager.weight.grad, "weight grad")
 
 
 def test_trainable_buffer_is_refused():

@@ -1,0 +1,242 @@
+"""Layers sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``), graphed
+one by one: FSDP's hooks run around each graph, and the graph reads the
+unsharded parameters at fixed homes.
+
+Note [FSDP2's unsharded parameters in per-layer graphs]
+Q: FSDP2 all-gathers a layer's parameters before its forward and frees them
+   after (``reshard_after_forward``), and again around its backward.  A
+   graph reads memory at the addresses it was captured with, and FSDP's
+   unsharded parameters get new memory on every all-gather (their storage
+   is resized to 0 and back).  How does a layer's graph read them?
+A: cgraph gives them a fixed home.  FSDP copies the all-gathered
+   parameters out into its all-gather outputs, whose storages the unsharded
+   parameters view; at the layer's first capture (inside its forward, after
+   FSDP's pre-forward hook: a graphed FSDP layer captures on its first call,
+   samples or not) cgraph copies them into a home buffer, points those
+   storages at it (``_C.lend_memory``, csrc/aten_lend.cpp: the StorageImpl
+   itself is repointed, so the parameter, its views and weights autograd
+   saved read the home) and replaces the FSDPParam's
+   ``alloc_all_gather_outputs`` for that instance: from then on FSDP's
+   "allocation" before each copy-out lends the home again, no allocation is
+   made, and its copy-out writes straight into the memory the graph reads.
+   FSDP's reshard frees the storage as before (``resize_(0)`` drops the
+   loan); only the layer's compute is in the graph, FSDP's all-gathers,
+   reduce-scatters and prefetching run from its hooks around it.
+   What it costs: no copy and no kernel per step.  Memory: a layer FSDP
+   re-gathers before its backward (``reshard_after_forward`` True or an int)
+   shares one home with every such layer of the same parameter layout (the
+   decoder layers of a transformer): FSDP copies a layer out just before it
+   runs, forward and backward, and frees it after, so a home serves one
+   layer at a time; that is one unsharded layer held for good, in place of
+   the copy-out buffers FSDP would allocate at each all-gather.  A layer
+   kept unsharded from its forward to its backward
+   (``reshard_after_forward=False``) has a home of its own: the unsharded
+   parameters FSDP holds through the pass anyway, held between steps too.
+   Checked, never silently stale: each replay checks that every parameter
+   is where the graph reads it (csrc/aten_replay.cpp, check_params), so a
+   copy-out that did not go to the home raises; a shared home lent to a
+   layer while another layer it serves is still unsharded raises
+   (``Home.lend``).  ``reset()`` gives FSDP its own allocation back, and the
+   home is freed once no storage borrows it.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from . import _C, _log
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # a torch built without distributed
+    FSDPModule = None
+
+_ALIGN = 256  # bytes: each parameter's home starts as the caching allocator's blocks do
+
+# Homes shared by the layers FSDP re-gathers before backward, by (device,
+# layout); a home lives while a parameter's lender holds it.
+_shared: "weakref.WeakValueDictionary[tuple, Home]" = weakref.WeakValueDictionary()
+# The FSDP parameters each graphed callable homed, for reset().
+_homed: "weakref.WeakKeyDictionary[_C.Graphed, list]" = weakref.WeakKeyDictionary()
+
+
+def is_fsdp(module) -> bool:
+    """Whether `module` is an FSDP2 module (``fully_shard`` was applied to it)."""
+    return FSDPModule is not None and isinstance(module, FSDPModule)
+
+
+def refuse_nested(index: int, module: nn.Module) -> None:
+    """A module graphed whole must not contain other FSDP2 modules: their
+    hooks (all-gathers, reduce-scatters) would run once, inside the capture."""
+    if FSDPModule is None:
+        return
+    for name, sub in module.named_modules():
+        if sub is not module and isinstance(sub, FSDPModule):
+            raise ValueError(
+                f"cgraph: module {index} ({type(module).__name__}) contains '{name}', to which "
+                "fully_shard was applied; its all-gathers would run once, at capture. Graph "
+                "each fully_shard-ed layer itself (cgraph.make_graphed(layer) for each "
+                "layer), or graph the whole training step (cgraph.make_graphed_step).")
+
+
+def refuse_in_drop_in(index: int, module) -> None:
+    """make_graphed_callables captures at once, before FSDP's first forward
+    has set up its state: an FSDP layer must capture inside its forward."""
+    if is_fsdp(module):
+        raise ValueError(
+            f"cgraph: callable {index} ({type(module).__name__}) is sharded by fully_shard; "
+            "graph it with cgraph.make_graphed(layer) (optionally pool=), which captures on "
+            "its first call, after FSDP's all-gather: Note [FSDP2's unsharded parameters in "
+            "per-layer graphs] in cgraph/_fsdp.py.")
+
+
+def faces(module: nn.Module) -> dict[int, object]:
+    """id() of each face of the module's FSDP parameters (sharded DTensor,
+    unsharded tensor), mapped to its FSDPParam: FSDP swaps one for the other
+    on the module around every forward, which is not a replacement."""
+    group = _param_group(module)
+    if group is None:
+        return {}
+    out = {}
+    for p in group.fsdp_params:
+        out[id(p.sharded_param)] = p
+        unsharded = getattr(p, "_unsharded_param", None)
+        if unsharded is not None:
+            out[id(unsharded)] = p
+    return out
+
+
+class Home:
+    """The memory the graphs of FSDP layers read their unsharded parameters
+    from: one layer's, or shared by the layers of one layout that FSDP
+    re-gathers before backward (Note [FSDP2's unsharded parameters in
+    per-layer graphs])."""
+
+    __slots__ = ("buffer", "views", "holder", "__weakref__")
+
+    def __init__(self, like: list[torch.Tensor]):
+        offsets, size = [], 0
+        for t in like:
+            offsets.append(size)
+            size += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        self.buffer = torch.empty(size, dtype=torch.uint8, device=like[0].device)
+        self.views = [self.buffer[o:o + t.numel() * t.element_size()].view(t.dtype)
+                      for o, t in zip(offsets, like)]
+        self.holder = None  # the FSDPParamGroup it was last lent to
+
+    def free_for(self, group) -> bool:
+        """Whether lending it to `group` overwrites nothing a layer needs: the
+        layer it was last lent to has been resharded since."""
+        return self.holder is None or self.holder is group or not _unsharded(self.holder)
+
+    def lend(self, group, outputs: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        if not self.free_for(group):
+            raise RuntimeError(
+                "cgraph: two FSDP layers whose graphs share one home for their unsharded "
+                "parameters were unsharded at once (an explicit unshard(), a layer called "
+                "twice in a pass?), so one would read the other's parameters. Shard these "
+                "layers with reshard_after_forward=False (each then gets a home of its own), "
+                "or graph them in separate make_graphed calls after the change.")
+        self.holder = group
+        _C.lend_memory(outputs, views)
+
+
+class _Lender:
+    """FSDPParam.alloc_all_gather_outputs of a homed parameter: lends the
+    home instead of allocating, while its graphed callable is alive."""
+
+    __slots__ = ("param", "group", "home", "views", "graphed")
+
+    def __init__(self, param, group, home: Home, views: list, graphed: _C.Graphed):
+        self.param, self.group, self.home, self.views = param, group, home, views
+        self.graphed = weakref.ref(graphed)
+
+    def __call__(self) -> None:
+        graphed = self.graphed()
+        if graphed is None or graphed.is_reset:
+            _unhome(self.param)
+            self.param.alloc_all_gather_outputs()
+            return
+        self.home.lend(self.group, self.param.all_gather_outputs, self.views)
+
+
+def home_parameters(module: nn.Module, graphed: _C.Graphed) -> None:
+    """Before a capture of FSDP layer `module` (inside its forward): its
+    unsharded parameters moved to their home, and FSDP's copy-outs sent
+    there from now on.  A layer homed already is left as it is."""
+    group = _param_group(module)
+    if group is None or all(isinstance(p.__dict__.get("alloc_all_gather_outputs"), _Lender)
+                            for p in group.fsdp_params):
+        return
+    for p in group.fsdp_params:
+        if hasattr(p._sharded_local_tensor, "fsdp_post_all_gather"):
+            raise ValueError(
+                f"cgraph: parameter '{p._param_fqn}' uses an FSDP2 all-gather extension "
+                "(fsdp_pre_all_gather, as float8 training does), which per-layer graphs do "
+                "not support; graph the whole step (cgraph.make_graphed_step) instead.")
+    outputs = [t for p in group.fsdp_params for t in p.all_gather_outputs]
+    if not outputs or not _unsharded(group):
+        raise RuntimeError(
+            f"cgraph: FSDP layer {type(module).__name__} is not unsharded at its capture; "
+            "call it as FSDP does (through the model, or the layer itself), not its forward.")
+    home = _home_for(group, outputs)
+    with torch.no_grad():
+        torch._foreach_copy_(home.views, outputs)
+    home.lend(group, outputs, home.views)
+    at = 0
+    for p in group.fsdp_params:
+        n = len(p.all_gather_outputs)
+        p.alloc_all_gather_outputs = _Lender(p, group, home, home.views[at:at + n], graphed)
+        at += n
+    _homed.setdefault(graphed, []).extend(group.fsdp_params)
+    _log.log.debug("FSDP layer %s: %d parameter(s) in a %s home of %.1f MiB",
+                   type(module).__name__, len(group.fsdp_params),
+                   "shared" if home is _shared.get(_key(outputs)) else "private",
+                   home.buffer.numel() / 2**20)
+
+
+def release(graphed: _C.Graphed) -> None:
+    """At reset(): the FSDP parameters `graphed` homed allocate as FSDP does
+    again; a home is freed once no storage borrows it."""
+    for p in _homed.pop(graphed, ()):
+        _unhome(p)
+
+
+def _home_for(group, outputs: list[torch.Tensor]) -> Home:
+    """The shared home of this layout where FSDP re-gathers the layer
+    before its backward and the home is free, else a home of its own."""
+    if group.post_forward_mesh_info is None:  # kept unsharded until its backward
+        return Home(outputs)
+    key = _key(outputs)
+    home = _shared.get(key)
+    if home is None:
+        home = _shared[key] = Home(outputs)
+    elif not home.free_for(group):
+        return Home(outputs)
+    return home
+
+
+def _key(outputs: list[torch.Tensor]) -> tuple:
+    return (outputs[0].device, tuple((t.numel(), t.dtype) for t in outputs))
+
+
+def _unhome(param) -> None:
+    if isinstance(param.__dict__.get("alloc_all_gather_outputs"), _Lender):
+        del param.alloc_all_gather_outputs
+
+
+def _unsharded(group) -> bool:
+    """Whether the group's all-gather outputs hold memory now."""
+    return any(t.untyped_storage().nbytes() != 0
+               for p in group.fsdp_params for t in p.all_gather_outputs)
+
+
+def _param_group(module: nn.Module):
+    """The FSDPParamGroup of an FSDP module, or None (no parameters of its
+    own, or not an FSDP module)."""
+    if not is_fsdp(module):
+        return None
+    return module._get_fsdp_state()._fsdp_param_group

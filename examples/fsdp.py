@@ -1,0 +1,245 @@
+"""FSDP2 (fully_shard) with cgraph, on two GPUs or four: from the repository
+root after a build,
+
+    PYTHONPATH=. torchrun --nproc_per_node=2 examples/fsdp.py
+
+The recipe for per-layer graphs is the eager one, then one line:
+
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.layers = nn.ModuleList(cgraph.make_graphed(l, pool=pool) for l in model.layers)
+
+FSDP's hooks keep running around each layer's graphs (the all-gather
+before its forward, the reshard after, the reduce-scatter after its
+backward, and their prefetching); only the layer's compute replays.  The
+graphs read the unsharded parameters at fixed homes (Note [FSDP2's
+unsharded parameters in per-layer graphs] in cgraph/_fsdp.py).
+
+Each rank checks, against an eager FSDP2 twin (same weights, same sharding,
+each rank its own data), and prints one line per check (tests/test_fsdp.py
+reads them):
+
+1. per-layer graphs, for each sharding below: every loss, every sharded
+   grad and the sharded parameters after each AdamW step bitwise equal to
+   eager FSDP2's, and every step after the first replayed the layers'
+   graphs.  Shardings: reshard_after_forward True; False with pool= and
+   samples; bf16 parameters with fp32 reduction (MixedPrecisionPolicy) and
+   pool=; on four GPUs, reshard_after_forward=2.
+2. a whole step graphed: make_graphed_step around the FSDP2 model's step
+   (fused AdamW), its all-gathers and reduce-scatters inside the graph:
+   losses and parameters bitwise equal to eager FSDP2's.
+3. graphing first and sharding after is refused, naming this recipe.
+4. teardown: reset() of every graph gives back all memory of the graphed
+   model once the model is dropped, and dist.destroy_process_group()
+   returns.
+"""
+
+import gc
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+import cgraph
+
+VOCAB, DIM, HEADS, DEPTH, SEQ, BATCH, STEPS = 512, 256, 4, 4, 64, 4, 5
+
+
+class Block(nn.Module):
+    """A Llama-style decoder block: RMSNorm, causal attention, SwiGLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.qkv, self.out = nn.Linear(DIM, 3 * DIM, bias=False), nn.Linear(DIM, DIM, bias=False)
+        self.gate_up = nn.Linear(DIM, 4 * DIM, bias=False)
+        self.down = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(self.attn_norm(x)).view(b, s, 3, HEADS, -1).transpose(1, 3).unbind(2)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, DIM))
+        gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.norm, self.head = nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def sharded(reshard=True, mp=False):
+    torch.manual_seed(0)  # the same weights on every rank and in both twins
+    model = Toy().cuda()
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if mp else MixedPrecisionPolicy())
+    for layer in model.layers:
+        fully_shard(layer, reshard_after_forward=reshard, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return model
+
+
+def batch(step, rank):
+    g = torch.Generator(device="cuda").manual_seed(1000 * step + rank)  # each rank its own
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), device="cuda", generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def loss_of(model, tokens, targets):
+    return F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def same(a, b, what, rank, name):
+    if not torch.equal(local(a), local(b)):
+        diff = (local(a).double() - local(b).double()).abs().max().item()
+        raise SystemExit(f"rank {rank} {name}: {what} differs from eager FSDP2 "
+                         f"(max |diff| {diff:.3g})")
+
+
+def home_of(layer):
+    """The home a graphed layer's unsharded parameters live in (Note [FSDP2's
+    unsharded parameters in per-layer graphs]): one for all the layers FSDP
+    re-gathers before backward, one each where it does not."""
+    group = layer.module._get_fsdp_state()._fsdp_param_group
+    lenders = {p.__dict__.get("alloc_all_gather_outputs") for p in group.fsdp_params}
+    homes = {getattr(lender, "home", None) for lender in lenders}
+    if len(homes) != 1 or None in homes:
+        raise SystemExit(f"{type(layer.module).__name__}: parameters not homed: {lenders}")
+    return homes.pop()
+
+
+def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False):
+    """Recipe 1: every layer graphed after sharding, trained beside an eager twin."""
+    eager, model = sharded(reshard, mp), sharded(reshard, mp)
+    shared = cgraph.graph_pool_handle() if pool else None
+    sample = (torch.randn(BATCH, SEQ, DIM, device="cuda"),) if samples else None
+    model.layers = nn.ModuleList(cgraph.make_graphed(layer, sample, pool=shared)
+                                 for layer in model.layers)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, model)]
+    for step in range(STEPS):
+        tokens, targets = batch(step, rank)
+        losses = [loss_of(m, tokens, targets) for m in (eager, model)]
+        for loss in losses:
+            loss.backward()
+        same(losses[1], losses[0], f"step {step} loss", rank, name)
+        for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+            same(p.grad, q.grad, f"step {step} grad {k}", rank, name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+        same(p, q, f"parameter {k}", rank, name)
+    homes = {id(home) for home in map(home_of, model.layers)}
+    if len(homes) != (DEPTH if reshard is False else 1):
+        raise SystemExit(f"rank {rank} {name}: {len(homes)} parameter homes for {DEPTH} layers")
+    replays = [layer.stats["forward"] for layer in model.layers]
+    if min(replays) < STEPS - 1:
+        raise SystemExit(f"rank {rank} {name}: the layers replayed {replays} times in {STEPS} "
+                         f"steps, stats {[layer.stats for layer in model.layers]}")
+    print(f"rank {rank} {name}: losses, grads and parameters equal to eager FSDP2 over "
+          f"{STEPS} steps, layers replayed {replays}, {len(homes)} parameter home(s): OK",
+          flush=True)
+    for layer in model.layers:
+        layer.reset()
+
+
+def whole_step(rank):
+    """Recipe 2: make_graphed_step around the FSDP2 model's step."""
+    models = [sharded(mp=True), sharded(mp=True)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
+
+    def train_step(model, opt):
+        def step(tokens, targets):
+            opt.zero_grad()
+            loss = loss_of(model, tokens, targets)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    eager = train_step(models[0], opts[0])
+    graphed = cgraph.make_graphed_step(train_step(models[1], opts[1]), batch(0, rank))
+    steps = 8
+    for step in range(steps):
+        tokens, targets = batch(step, rank)
+        same(graphed(tokens, targets), eager(tokens, targets), f"step {step} loss", rank,
+             "graphed FSDP2 step")
+    for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
+        same(p, q, f"parameter {k}", rank, "graphed FSDP2 step")
+    print(f"rank {rank} graphed FSDP2 step: losses and parameters equal to eager FSDP2 over "
+          f"{steps} steps, {graphed.stats}: OK", flush=True)
+    graphed.reset()
+
+
+def graph_then_shard_is_refused(rank):
+    """Recipe 3: graphing first, sharding after."""
+    torch.manual_seed(0)
+    model = Toy().cuda()
+    model.layers = nn.ModuleList(cgraph.make_graphed(layer) for layer in model.layers)
+    model(batch(0, rank)[0])  # captures, unsharded
+    for layer in model.layers:  # the GraphedModules
+        fully_shard(layer)
+    fully_shard(model)
+    try:
+        model(batch(1, rank)[0])
+    except RuntimeError as e:
+        if "shard first" not in str(e):
+            raise
+        print(f"rank {rank} graph then shard: refused, naming the recipe: OK", flush=True)
+    else:
+        raise SystemExit(f"rank {rank}: graphing first and sharding after was not refused")
+    cgraph.reset_all()
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dist.barrier()
+    before = torch.cuda.memory_allocated()
+
+    per_layer(rank, "per-layer graphs, reshard_after_forward=True")
+    per_layer(rank, "per-layer graphs, reshard_after_forward=False, pool, samples",
+              reshard=False, pool=True, samples=True)
+    per_layer(rank, "per-layer graphs, bf16 params fp32 reduce, pool", mp=True, pool=True)
+    if world >= 4:
+        per_layer(rank, "per-layer graphs, reshard_after_forward=2", reshard=2, pool=True)
+    whole_step(rank)
+    graph_then_shard_is_refused(rank)
+
+    cgraph.reset_all()
+    gc.collect()
+    after = torch.cuda.memory_allocated()
+    if after > before:
+        raise SystemExit(f"rank {rank}: {after - before} bytes still allocated after reset and "
+                         "dropping every model")
+    dist.barrier()
+    started = time.perf_counter()
+    dist.destroy_process_group()
+    print(f"rank {rank} teardown: memory given back ({after - before} bytes), "
+          f"destroy_process_group in {time.perf_counter() - started:.2f} s: OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

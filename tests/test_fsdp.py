@@ -1,0 +1,92 @@
+"""FSDP2 (fully_shard) with cgraph.  On GPUs, examples/fsdp.py runs under
+torchrun and the tests assert each rank's report of every check: per-layer
+graphs inside FSDP2 (reshard_after_forward True, False, an int on four
+GPUs; bf16 parameters), a step graphed whole, graphing before sharding
+refused, teardown.  On the CPU, a one-process gloo group checks the
+refusals and that FSDP swapping its parameters is not a replacement."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import cgraph
+from cgraph._describe import StateCheck
+from test_ddp import torchrun
+
+PER_LAYER = ("per-layer graphs, reshard_after_forward=True",
+             "per-layer graphs, reshard_after_forward=False, pool, samples",
+             "per-layer graphs, bf16 params fp32 reduce, pool")
+CHECKS = (*PER_LAYER, "graphed FSDP2 step", "graph then shard: refused", "teardown:")
+
+
+def assert_checks(out, ranks, checks):
+    for rank in range(ranks):
+        for check in checks:
+            assert f"rank {rank} {check}" in out, out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_fsdp_on_two_gpus():
+    assert_checks(torchrun("fsdp.py", 2), 2, CHECKS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+def test_fsdp_on_four_gpus():
+    assert_checks(torchrun("fsdp.py", 4), 4,
+                  (*CHECKS, "per-layer graphs, reshard_after_forward=2"))
+
+
+# ---- on the CPU: a one-process gloo group -------------------------------------
+
+@pytest.fixture
+def mesh():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def sharded_pair(mesh):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def test_a_module_containing_fsdp_modules_is_refused(mesh):
+    with pytest.raises(ValueError, match="Graph each fully_shard-ed layer itself"):
+        cgraph.make_graphed(sharded_pair(mesh))
+
+
+def test_the_drop_in_refuses_fsdp_modules_naming_make_graphed(mesh):
+    with pytest.raises(ValueError, match=r"cgraph.make_graphed\(layer\)"):
+        cgraph.make_graphed_callables(sharded_pair(mesh)[0], (torch.randn(2, 4),))
+
+
+def test_fsdp_swapping_its_parameters_is_not_a_replacement(mesh):
+    """Around every forward FSDP puts the unsharded parameters on the module
+    and the sharded ones back: both are the captured parameter."""
+    model = sharded_pair(mesh)
+    check = StateCheck(0, model[0])
+    checked = []
+    # After FSDP's pre-forward hook: the unsharded parameters are on the module.
+    model[0].register_forward_pre_hook(
+        lambda m, args: checked.append(hasattr(m.weight, "to_local")) or check(m))
+    model(torch.randn(2, 4)).sum().backward()
+    check(model[0])  # the sharded ones again
+    assert checked == [False] and hasattr(model[0].weight, "to_local")
+
+
+def test_sharding_a_graphed_module_names_the_recipe(mesh):
+    layer = nn.Linear(4, 4)
+    check = StateCheck(0, layer)
+    fully_shard(layer, mesh=mesh)
+    with pytest.raises(RuntimeError, match="shard first"):
+        check(layer)
