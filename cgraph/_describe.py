@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import _C, _fsdp
+from . import _C, _dtensor, _fsdp
 
 # Non-tensor arguments a graph can bake in as constants: each call must pass
 # the captured value again (checked in C on every call).
@@ -117,6 +117,7 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
     kwargs = dict(sorted(kwargs.items()))  # calls are flattened in this order too
     _check_containers(index, target.signature, args, kwargs)
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    _dtensor.refuse_dtensors(leaves, "takes")
     leaves = [_static_input(leaf, claimed) if isinstance(leaf, torch.Tensor) else leaf
               for leaf in leaves]
     args, kwargs = pytree.tree_unflatten(leaves, in_spec)
@@ -127,7 +128,8 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
     fields = dict(
         index=index, **target.fields, training=fn.training if module else False,
         args=args, kwargs=kwargs, kw_names=tuple(kwargs), tensors=tensors,
-        names=tensor_names, params=tuple(fn.parameters()) if module else (),
+        names=tensor_names,
+        params=tuple(map(_dtensor.local_leaf, fn.parameters())) if module else (),
         buffers=tuple(fn.buffers()) if module else (), flat=flat,
         in_spec=None if flat else in_spec, constants=constants,
         defaults=_defaults(target.signature, len(args), kwargs),
@@ -248,6 +250,9 @@ def _target_fields(index: int, fn) -> dict:
         eager, takes_module = fn.__dict__["forward"], False
     else:
         eager, takes_module = type(fn).forward, True
+        if any(map(_dtensor.is_dtensor, fn.parameters())):
+            # Note [DTensor parameters in per-layer graphs] (cgraph/_dtensor.py)
+            eager = _dtensor.forward_on_leaves(eager)
     # The module weakly: module.forward holds the Graphed, which holds the spec.
     return dict(function=None, module=weakref.ref(fn), eager=eager,
                 eager_takes_module=takes_module, verify=StateCheck(index, fn))

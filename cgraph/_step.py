@@ -51,7 +51,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import _C, _log
+from . import _C, _log, _ranks
 from ._api import _live, _pool_id, _require_cuda
 from ._capture import CaptureOptions, graph
 from ._ddp import DDPInStep
@@ -288,13 +288,19 @@ class GraphedStep:
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
         _require_cuda()
+        failure = None
         try:
             with self._device_lrs():
                 (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
         except _C.CaptureError as exc:
-            if exc.kind != _RNG_REGIONS:
-                raise
-            raise _rng_state_refused(exc) from exc.__cause__
+            failure = exc
+            if exc.kind == _RNG_REGIONS:
+                failure = _rng_state_refused(exc)
+                failure.__cause__ = exc.__cause__
+        except Exception as exc:  # noqa: BLE001 -- every rank hears of it, then it is raised
+            failure = exc
+        # Note [A capture that fails on one rank] (cgraph/_ranks.py)
+        _ranks.agree(failure, "the training step's capture")
         self.outputs = returned[0]
         _live.add(self.graphed)
         self.stats["captures"] += 1

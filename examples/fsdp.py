@@ -31,8 +31,12 @@ reads them):
    losses and parameters bitwise equal to eager FSDP2's.
 3. graphing first and sharding after is refused, naming this recipe.
 4. teardown: reset() of every graph gives back all memory of the graphed
-   model once the model is dropped, and dist.destroy_process_group()
-   returns.
+   model once the model is dropped.
+5. a whole-step capture that fails on one rank (an error planted there)
+   raises on every rank, naming that rank and its error, instead of leaving
+   the others to replay collectives it never joins (Note [A capture that
+   fails on one rank] in cgraph/_ranks.py); then
+   dist.destroy_process_group() returns.
 """
 
 import gc
@@ -210,6 +214,35 @@ def graph_then_shard_is_refused(rank):
     cgraph.reset_all()
 
 
+def failing_capture(rank, world):
+    """Recipe 5: the step's capture fails on the last rank only."""
+    model = sharded(mp=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def step(tokens, targets):
+        opt.zero_grad()
+        loss = loss_of(model, tokens, targets)
+        loss.backward()
+        if rank == world - 1 and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("planted at capture")
+        opt.step()
+        return loss
+
+    graphed = cgraph.make_graphed_step(step, batch(0, rank))
+    try:
+        for n in range(4):
+            graphed(*batch(n, rank))
+    except RuntimeError as e:
+        said = " ".join([str(e), *getattr(e, "__notes__", [])])
+        if f"failed on rank(s) [{world - 1}]" not in said or "planted at capture" not in said:
+            raise
+    else:
+        raise SystemExit(f"rank {rank}: a capture that failed on rank {world - 1} did not raise")
+    print(f"rank {rank} failed capture: raised on every rank, naming rank {world - 1} and its "
+          "error: OK", flush=True)
+    cgraph.reset_all()
+
+
 def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -234,6 +267,7 @@ def main():
     if after > before:
         raise SystemExit(f"rank {rank}: {after - before} bytes still allocated after reset and "
                          "dropping every model")
+    failing_capture(rank, world)
     dist.barrier()
     started = time.perf_counter()
     dist.destroy_process_group()

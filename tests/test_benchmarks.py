@@ -384,3 +384,16 @@ def test_breakdown_runs_on_a_gpu():
     assert lines[0].startswith("primitives, host µs:") and "calling thread" in lines[0]
     for v in ("eager", "cgraph-whole"):
         assert [line.split()[2] for line in lines if line.split()[1:2] == [v]] == ["host", "waits"]
+
+
+def test_the_sharded_tp_plan_names_llama_decoder_layer_submodules():
+    """benchmarks/sharded.py parallelizes these submodules of each decoder
+    layer; a renamed one would make parallelize_module fail on the GPUs."""
+    transformers = pytest.importorskip("transformers")
+    from benchmarks import sharded
+    config = transformers.LlamaConfig(**{**sharded.CONFIG, "hidden_size": 64,
+                                         "intermediate_size": 128, "num_attention_heads": 4,
+                                         "num_key_value_heads": 4})
+    layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, layer_idx=0)
+    for name in sharded.tp_plan():
+        assert type(layer.get_submodule(name)).__name__ == "Linear", name

@@ -13,13 +13,15 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import cgraph
+from cgraph import _ranks
 from cgraph._describe import StateCheck
 from test_ddp import torchrun
 
 PER_LAYER = ("per-layer graphs, reshard_after_forward=True",
              "per-layer graphs, reshard_after_forward=False, pool, samples",
              "per-layer graphs, bf16 params fp32 reduce, pool")
-CHECKS = (*PER_LAYER, "graphed FSDP2 step", "graph then shard: refused", "teardown:")
+CHECKS = (*PER_LAYER, "graphed FSDP2 step", "graph then shard: refused",
+          "failed capture: raised on every rank", "teardown:")
 
 
 def assert_checks(out, ranks, checks):
@@ -90,3 +92,40 @@ def test_sharding_a_graphed_module_names_the_recipe(mesh):
     fully_shard(layer, mesh=mesh)
     with pytest.raises(RuntimeError, match="shard first"):
         check(layer)
+
+
+# ---- Note [A capture that fails on one rank]: two CPU processes, gloo ---------
+
+def _agree(rank, port, queue):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        _ranks.agree(RuntimeError("planted on rank 1") if rank == 1 else None, "a test capture")
+        queue.put((rank, "no error"))
+    except RuntimeError as e:
+        queue.put((rank, " ".join([str(e), *getattr(e, "__notes__", [])])))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_capture_failing_on_one_rank_raises_on_every_rank_naming_it():
+    import socket
+
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.spawn(_agree, args=(port, queue), nprocs=2, join=True)
+    said = dict(queue.get() for _ in range(2))
+    for rank in (0, 1):
+        assert "a test capture failed on rank(s) [1]" in said[rank], said
+        assert "Rank 1: RuntimeError: planted on rank 1" in said[rank], said
+    assert said[1].startswith("planted on rank 1"), said  # its own error, with the note
+
+
+def test_without_a_process_group_the_failure_is_raised_as_it_is():
+    with pytest.raises(ValueError, match="^mine$"):
+        _ranks.agree(ValueError("mine"), "a test capture")
+    _ranks.agree(None, "a test capture")

@@ -1,0 +1,199 @@
+"""The sharded workload: a Llama (Hugging Face ``LlamaForCausalLM``, random
+init, about 220M parameters: hidden 1024, 12 decoder layers) under FSDP2,
+or under FSDP2 x TP on a 2-D mesh (TP inside pairs of GPUs, FSDP across
+them, as torchtitan lays it out), bf16 parameters with fp32 reduction, one
+training step (forward, loss, backward, fused AdamW) per call.  Run with
+torchrun, from the repository root after a build::
+
+    python3 -m torch.distributed.run --standalone --nproc_per_node=2 -m benchmarks.sharded
+    python3 -m torch.distributed.run --standalone --nproc_per_node=4 -m benchmarks.sharded \\
+        --layout 2d
+
+Variants: ``eager``; ``compile`` (each decoder layer ``torch.compile``-d,
+default mode, as torchtitan does); ``cgraph-layer`` (each decoder layer
+``cgraph.make_graphed(layer, pool=pool)`` after sharding); ``cgraph-step``
+(``cgraph.make_graphed_step`` around the step: its collectives and the
+optimizer inside the graph); ``cgraph-compiled-layer`` (each layer's forward
+compiled, then graphed; FSDP layout only).  Regimes: ``small`` (1 x 256
+tokens per GPU: the host-bound regime) and ``large`` (4 x 2048: GPU-bound).
+
+Each variant builds a fresh model, sets up (eager steps, captures,
+compiles), then times ``--steps`` steps ``--repeats`` times; the table (rank
+0 prints it) has the median step time and the spread of the repeats,
+tokens per second over all ranks, and rank 0's peak allocated and reserved
+memory from set-up on, each also against eager's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import cgraph
+
+CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
+              num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16,
+              max_position_embeddings=2048, use_cache=False, attn_implementation="sdpa")
+REGIMES = {"small": (1, 256), "large": (4, 2048)}  # (batch, sequence) per GPU
+VARIANTS = ("eager", "compile", "cgraph-layer", "cgraph-step", "cgraph-compiled-layer")
+SETUP_STEPS = 4  # eager steps, or compiles, before timing; make_graphed_step captures at 4
+
+
+def tp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+            "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+            "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel()}
+
+
+def build(layout: str, meshes):
+    """The model, sharded; every rank the same weights."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).cuda()
+    dp, tp = meshes
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        if layout == "2d":
+            parallelize_module(layer, tp, tp_plan())
+        fully_shard(layer, mesh=dp, mp_policy=policy)
+    fully_shard(model, mesh=dp, mp_policy=policy)
+    return model
+
+
+def optimizer(model):
+    """Fused AdamW over groups of one kind each (plain, DTensor on a 1-D
+    mesh, on a 2-D one), which a fused step must not mix."""
+    kinds: dict = {}
+    for p in model.parameters():
+        kinds.setdefault(p.device_mesh.ndim if hasattr(p, "device_mesh") else 0, []).append(p)
+    return torch.optim.AdamW([{"params": ps} for ps in kinds.values()], lr=1e-4, fused=True)
+
+
+def prepare(variant: str, model, sample):
+    """The step to time, set up as `variant` says."""
+    layers = model.model.layers
+    if variant == "compile":
+        for layer in layers:
+            layer.compile()
+    elif variant in ("cgraph-layer", "cgraph-compiled-layer"):
+        if variant == "cgraph-compiled-layer":
+            for layer in layers:
+                layer.forward = torch.compile(layer.forward)
+        pool = cgraph.graph_pool_handle()
+        model.model.layers = nn.ModuleList(cgraph.make_graphed(layer, pool=pool)
+                                           for layer in layers)
+    opt = optimizer(model)
+
+    def step(ids):
+        opt.zero_grad()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    return cgraph.make_graphed_step(step, (sample,)) if variant == "cgraph-step" else step
+
+
+def measure(variant, layout, meshes, regime, steps, repeats, dp_rank):
+    batch, seq = REGIMES[regime]
+    g = torch.Generator(device="cuda").manual_seed(dp_rank)
+    ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq), device="cuda", generator=g)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model = build(layout, meshes)
+    step = prepare(variant, model, ids)
+    for _ in range(SETUP_STEPS + 1):
+        step(ids)
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(steps):
+            step(ids)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) / steps)
+    memory = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+    cgraph.reset_all()
+    del model, step
+    return times, memory
+
+
+def row(variant, regime, result, eager, tokens):
+    if isinstance(result, str):
+        return f"| {regime} | {variant} | {result} | | | | | |"
+    times, (alloc, reserved) = result
+    ms = statistics.median(times) * 1e3
+    spread = f"{min(times) * 1e3:.1f}-{max(times) * 1e3:.1f}"
+    if isinstance(eager, str):
+        return f"| {regime} | {variant} | {ms:.1f} ({spread}) | | {tokens / ms * 1e3:,.0f} | " \
+               f"{alloc / 2**30:.2f} | {reserved / 2**30:.2f} | |"
+    e_ms = statistics.median(eager[0]) * 1e3
+    e_alloc, e_res = eager[1]
+    return (f"| {regime} | {variant} | {ms:.1f} ({spread}) | {ms / e_ms:.2f}x | "
+            f"{tokens / ms * 1e3:,.0f} | {alloc / 2**30:.2f} ({alloc / e_alloc:.2f}x) | "
+            f"{reserved / 2**30:.2f} ({reserved / e_res:.2f}x) |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layout", choices=("fsdp", "2d"), default="fsdp")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--regimes", default=",".join(REGIMES))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    from torch.distributed.device_mesh import init_device_mesh
+    if args.layout == "2d":
+        mesh = init_device_mesh("cuda", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        meshes = (mesh["dp"], mesh["tp"])
+    else:
+        meshes = (init_device_mesh("cuda", (world,)), None)
+    dp_rank = meshes[0].get_local_rank()
+    lines = []
+    for regime in args.regimes.split(","):
+        batch, seq = REGIMES[regime]
+        tokens = batch * seq * meshes[0].size()  # a TP group shares its batch
+        eager = None
+        for variant in args.variants.split(","):
+            if variant == "cgraph-compiled-layer" and args.layout == "2d":
+                result = "n/a: compiled forwards of DTensor layers are not graphed per layer"
+            else:
+                try:
+                    result = measure(variant, args.layout, meshes, regime, args.steps,
+                                     args.repeats, dp_rank)
+                except Exception as e:  # noqa: BLE001 -- a failed variant is a row
+                    result = f"failed: {type(e).__name__}: {str(e)[:160]}"
+            eager = result if variant == "eager" else eager
+            lines.append(row(variant, regime, result, "n/a" if eager is None else eager,
+                             tokens))
+            if rank == 0:
+                print(lines[-1], flush=True)
+    if rank == 0:
+        gpus = f"{world} x {torch.cuda.get_device_name()}"
+        print(f"\nsharded, layout {args.layout}, {gpus}, torch {torch.__version__}, "
+              f"{args.steps} steps x {args.repeats} repeats")
+        print("| regime | variant | step ms (spread) | / eager | tokens/s | "
+              "peak allocated GiB | peak reserved GiB |")
+        print("|---|---|---|---|---|---|---|")
+        print("\n".join(lines))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

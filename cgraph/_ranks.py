@@ -1,0 +1,46 @@
+"""Ranks that agree on a capture.
+
+Note [A capture that fails on one rank]
+Q: A step graphed whole holds its collectives (DDP's allreduce, FSDP's
+   all-gathers and reduce-scatters, TP's all-reduces) inside its graph, and
+   every rank captures it at the same call.  If the capture fails on one
+   rank, the others finish theirs and replay, and their collectives wait
+   for a rank that never comes: a hang, with the cause on one rank's
+   console.  How does every rank learn it?
+A: After a whole-step capture, where torch.distributed is initialized with
+   more than one rank, the ranks tell each other whether it succeeded: one
+   all_gather_object on the default group, once per capture, none per
+   replay.  A collective captured into a graph does not run at capture, so
+   no rank is inside one then.  If any rank failed, every rank raises,
+   naming each failed rank and its error; a failed rank raises its own
+   error with that note.  Per-layer graphs are not agreed on: their
+   captures come on each rank's own first call with new shapes, which may
+   differ between ranks (a short last batch on one of them).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+def agree(failure: BaseException | None, what: str) -> None:
+    """Raises on every rank if `what` failed on any (`failure`: this rank's
+    error, or None); without a process group of several ranks, raises
+    `failure` if there is one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if failure is not None:
+            raise failure
+        return
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, None if failure is None
+                           else f"{type(failure).__name__}: {failure}")
+    failed = {rank: why for rank, why in enumerate(everyone) if why is not None}
+    if not failed:
+        return
+    message = (f"cgraph: {what} failed on rank(s) {sorted(failed)}, so every rank stops here "
+               "instead of replaying collectives that the failed rank(s) would never join. "
+               + " ".join(f"Rank {rank}: {why}" for rank, why in sorted(failed.items())))
+    if failure is not None:
+        failure.add_note(message)
+        raise failure
+    raise RuntimeError(message)

@@ -1,0 +1,203 @@
+"""Tensor parallelism (DTensor) with cgraph, and FSDP2 x TP on a 2-D mesh:
+from the repository root after a build,
+
+    PYTHONPATH=. torchrun --nproc_per_node=2 examples/tp.py   # or 4: adds 2-D
+
+The recipes are the eager ones, then one line: each Llama-style block is
+parallelized (``parallelize_module``: q, k, v, gate and up
+``ColwiseParallel``, o and down ``RowwiseParallel``), then graphed
+(``cgraph.make_graphed(block)``); the all-reduces TP issues inside a block
+are part of its graphs.  Its DTensor parameters are read through plain
+leaves over their local memory and get DTensor grads of their placements
+(Note [DTensor parameters in per-layer graphs] in cgraph/_dtensor.py).
+
+Each rank checks, against an eager twin (same weights, same
+parallelization), and prints one line per check (tests/test_tp.py reads
+them):
+
+1. TP, per-layer graphs: every loss, every grad (a DTensor of its
+   parameter's placements) and the parameters after each AdamW step
+   bitwise equal to eager TP's.
+2. TP, the whole step graphed (make_graphed_step, fused AdamW stepping
+   DTensor state inside the graph): losses and parameters bitwise equal.
+3. On four GPUs, FSDP2 x TP on a (2, 2) mesh as torchtitan lays it out (TP
+   inside a pair of GPUs, FSDP across pairs): per-layer graphs (FSDP's
+   hooks around each graph, its unsharded parameters DTensors over the TP
+   mesh at their homes) and the whole step, each bitwise equal to eager.
+"""
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+import cgraph
+
+VOCAB, DIM, HEADS, DEPTH, SEQ, BATCH, STEPS = 512, 256, 4, 3, 64, 4, 4
+HEAD_DIM = DIM // HEADS
+PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
+        "o": RowwiseParallel(), "gate": ColwiseParallel(), "up": ColwiseParallel(),
+        "down": RowwiseParallel()}
+
+
+class Block(nn.Module):
+    """A Llama-style block whose heads and MLP columns TP splits."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
+        self.down = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (proj(h).view(b, s, -1, HEAD_DIM).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))  # this rank's heads
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(DEPTH))
+        self.norm, self.head = nn.RMSNorm(DIM), nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.norm(x))
+
+
+def parallel(tp_mesh, dp_mesh=None):
+    torch.manual_seed(0)  # the same weights on every rank and in both twins
+    model = Toy().cuda()
+    for layer in model.layers:
+        parallelize_module(layer, tp_mesh, PLAN)
+        if dp_mesh is not None:
+            fully_shard(layer, mesh=dp_mesh)
+    if dp_mesh is not None:
+        fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def batch(step, dp_rank):
+    g = torch.Generator(device="cuda").manual_seed(1000 * step + dp_rank)  # per TP group
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), device="cuda", generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def adamw(model, **options):
+    """AdamW over parameter groups of one kind each (plain, DTensor on a 1-D
+    mesh, on a 2-D one): a foreach or fused optimizer batches a group's
+    parameters into one op, which must not mix them."""
+    kinds = {}
+    for p in model.parameters():
+        kinds.setdefault(p.device_mesh.ndim if hasattr(p, "device_mesh") else 0, []).append(p)
+    return torch.optim.AdamW([{"params": ps} for ps in kinds.values()], lr=1e-3, **options)
+
+
+def loss_of(model, tokens, targets):
+    return F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+
+
+def local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def same(a, b, what, rank, name):
+    if type(a) is not type(b):
+        raise SystemExit(f"rank {rank} {name}: {what} is a {type(a).__name__}, eager's a "
+                         f"{type(b).__name__}")
+    if hasattr(a, "placements") and a.placements != b.placements:
+        raise SystemExit(f"rank {rank} {name}: {what} placements {a.placements} != "
+                         f"{b.placements}")
+    if not torch.equal(local(a), local(b)):
+        diff = (local(a).double() - local(b).double()).abs().max().item()
+        raise SystemExit(f"rank {rank} {name}: {what} differs from eager (max |diff| {diff:.3g})")
+
+
+def per_layer(rank, name, meshes, dp_rank):
+    eager, model = parallel(*meshes), parallel(*meshes)
+    model.layers = nn.ModuleList(cgraph.make_graphed(layer) for layer in model.layers)
+    opts = [adamw(m) for m in (eager, model)]
+    for step in range(STEPS):
+        tokens, targets = batch(step, dp_rank)
+        losses = [loss_of(m, tokens, targets) for m in (eager, model)]
+        for loss in losses:
+            loss.backward()
+        same(losses[1], losses[0], f"step {step} loss", rank, name)
+        for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+            same(p.grad, q.grad, f"step {step} grad {k}", rank, name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+        same(p, q, f"parameter {k}", rank, name)
+    replays = [layer.stats["forward"] for layer in model.layers]
+    if min(replays) < STEPS - 1:
+        raise SystemExit(f"rank {rank} {name}: layers replayed {replays} in {STEPS} steps")
+    print(f"rank {rank} {name}: losses, DTensor grads and parameters equal to eager over "
+          f"{STEPS} steps, layers replayed {replays}: OK", flush=True)
+    cgraph.reset_all()
+
+
+def whole_step(rank, name, meshes, dp_rank):
+    models = [parallel(*meshes), parallel(*meshes)]
+    opts = [adamw(m, fused=True) for m in models]
+
+    def train_step(model, opt):
+        def step(tokens, targets):
+            opt.zero_grad()
+            loss = loss_of(model, tokens, targets)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    eager = train_step(models[0], opts[0])
+    graphed = cgraph.make_graphed_step(train_step(models[1], opts[1]), batch(0, dp_rank))
+    steps = 7
+    for step in range(steps):
+        tokens, targets = batch(step, dp_rank)
+        same(graphed(tokens, targets), eager(tokens, targets), f"step {step} loss", rank, name)
+    for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
+        same(p, q, f"parameter {k}", rank, name)
+    print(f"rank {rank} {name}: losses and parameters equal to eager over {steps} steps, "
+          f"{graphed.stats}: OK", flush=True)
+    graphed.reset()
+
+
+def main():
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tp = (init_device_mesh("cuda", (world,)), None)
+    per_layer(rank, "TP per-layer graphs", tp, 0)
+    whole_step(rank, "TP whole step", tp, 0)
+    if world == 4:
+        mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
+        two_d = (mesh["tp"], mesh["dp"])
+        dp_rank = mesh["dp"].get_local_rank()
+        per_layer(rank, "FSDP2 x TP per-layer graphs", two_d, dp_rank)
+        whole_step(rank, "FSDP2 x TP whole step", two_d, dp_rank)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"rank {rank} teardown: OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()

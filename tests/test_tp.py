@@ -1,0 +1,80 @@
+"""Tensor parallelism (DTensor) with cgraph.  On GPUs, examples/tp.py runs
+under torchrun and the tests assert each rank's report: per-layer graphs
+and the whole step under TP on two GPUs, and FSDP2 x TP on four.  On the
+CPU, a one-process gloo group checks Note [DTensor parameters in per-layer
+graphs] without graphs: a module run on the leaves gives its DTensor
+parameters the grads eager gives them."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               parallelize_module)
+
+import cgraph
+from cgraph import _dtensor
+from _helpers import assert_equal
+from test_ddp import torchrun
+from test_fsdp import assert_checks
+
+CHECKS = ("TP per-layer graphs", "TP whole step", "teardown:")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_tp_on_two_gpus():
+    assert_checks(torchrun("tp.py", 2), 2, CHECKS)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs four GPUs")
+def test_tp_and_fsdp_on_a_2d_mesh_on_four_gpus():
+    assert_checks(torchrun("tp.py", 4), 4,
+                  (*CHECKS, "FSDP2 x TP per-layer graphs", "FSDP2 x TP whole step"))
+
+
+# ---- on the CPU: a one-process gloo group -------------------------------------
+
+@pytest.fixture
+def mesh():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def mlp(mesh):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.Tanh(), nn.Linear(16, 8))
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return model
+
+
+def test_a_module_run_on_leaves_gives_dtensor_grads_as_eager(mesh):
+    """Two backwards (the second accumulates), on leaves and eagerly: the
+    same DTensor grads, of the parameters' placements; the leaves keep none."""
+    model, eager = mlp(mesh), mlp(mesh)
+    on_leaves = _dtensor.forward_on_leaves(nn.Sequential.forward)
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        x = torch.randn(4, 8)
+        on_leaves(model, x).square().sum().backward()
+        eager(x).square().sum().backward()
+    for p, q in zip(model.parameters(), eager.parameters()):
+        assert isinstance(p.grad, DTensor) and p.grad.placements == q.grad.placements
+        assert_equal(p.grad.to_local(), q.grad.to_local(), "grad")
+        assert _dtensor.local_leaf(p).grad is None
+    leaf = _dtensor.local_leaf(model[0].weight)
+    assert leaf is _dtensor.local_leaf(model[0].weight)  # one per parameter
+    assert leaf.data_ptr() == model[0].weight.to_local().data_ptr()
+
+
+def test_a_dtensor_argument_is_refused_naming_use_local_output(mesh):
+    model = mlp(mesh)
+    x = DTensor.from_local(torch.randn(4, 8), mesh, [Replicate()])
+    with pytest.raises(ValueError, match="use_local_output=True"):
+        cgraph.make_graphed(model, (x,))
