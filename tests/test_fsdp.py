@@ -43,6 +43,21 @@ def test_fsdp_on_four_gpus():
                   (*CHECKS, "per-layer graphs, reshard_after_forward=2"))
 
 
+LLAMA = ("llama, every decoder layer graphed: 20 losses and the parameters bitwise equal",
+         "llama, the whole step graphed: 20 losses and the parameters bitwise equal")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_a_hugging_face_llama_under_fsdp_trains_as_eager(gpus):
+    """examples/fsdp_llama.py: 220M parameters, bf16, 20 steps, per-layer
+    graphs and the whole step, each bitwise equal to eager FSDP2."""
+    pytest.importorskip("transformers")
+    if torch.cuda.device_count() < gpus:
+        pytest.skip(f"needs {gpus} GPUs")
+    assert_checks(torchrun("fsdp_llama.py", gpus), gpus, LLAMA)
+
+
 # ---- on the CPU: a one-process gloo group -------------------------------------
 
 @pytest.fixture
