@@ -15,7 +15,8 @@ default mode, as torchtitan does); ``cgraph-layer`` (each decoder layer
 (``cgraph.make_graphed_step`` around the step: its collectives and the
 optimizer inside the graph); ``cgraph-compiled-layer`` (each layer's forward
 compiled, then graphed; FSDP layout only).  Regimes: ``small`` (1 x 256
-tokens per GPU: the host-bound regime) and ``large`` (4 x 2048: GPU-bound).
+tokens per data-parallel rank: the host-bound regime) and ``large`` (8 x 4096:
+GPU-bound).
 
 Each variant builds a fresh model, sets up (eager steps, captures,
 compiles), then times ``--steps`` steps ``--repeats`` times; the table (rank
@@ -39,8 +40,8 @@ import cgraph
 
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
               num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16,
-              max_position_embeddings=2048, use_cache=False, attn_implementation="sdpa")
-REGIMES = {"small": (1, 256), "large": (4, 2048)}  # (batch, sequence) per GPU
+              max_position_embeddings=4096, use_cache=False, attn_implementation="sdpa")
+REGIMES = {"small": (1, 256), "large": (8, 4096)}  # (batch, sequence) per data-parallel rank
 VARIANTS = ("eager", "compile", "cgraph-layer", "cgraph-step", "cgraph-compiled-layer")
 SETUP_STEPS = 4  # eager steps, or compiles, before timing; make_graphed_step captures at 4
 
@@ -177,7 +178,8 @@ def main() -> None:
                     result = measure(variant, args.layout, meshes, regime, args.steps,
                                      args.repeats, dp_rank)
                 except Exception as e:  # noqa: BLE001 -- a failed variant is a row
-                    result = f"failed: {type(e).__name__}: {str(e)[:160]}"
+                    cause = f" Cause: {e.__cause__}" if e.__cause__ is not None else ""
+                    result = f"failed: {type(e).__name__}: {e}{cause}"[:400].replace("\n", " ")
             eager = result if variant == "eager" else eager
             lines.append(row(variant, regime, result, "n/a" if eager is None else eager,
                              tokens))
