@@ -21,3 +21,17 @@ def _fresh_allocator():
         gc.collect()
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+
+
+@pytest.fixture
+def mesh():
+    """A one-process gloo group and its one-device CPU mesh, for the CPU
+    tests of FSDP2 and DTensor (tests/test_fsdp.py, tests/test_tp.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import cgraph
@@ -59,15 +58,6 @@ def test_a_hugging_face_llama_under_fsdp_trains_as_eager(gpus):
 
 
 # ---- on the CPU: a one-process gloo group -------------------------------------
-
-@pytest.fixture
-def mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
 
 def sharded_pair(mesh):
     torch.manual_seed(0)

@@ -7,9 +7,7 @@ parameters the grads eager gives them."""
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
@@ -37,15 +35,6 @@ def test_tp_and_fsdp_on_a_2d_mesh_on_four_gpus():
 
 
 # ---- on the CPU: a one-process gloo group -------------------------------------
-
-@pytest.fixture
-def mesh():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
-
 
 def mlp(mesh):
     torch.manual_seed(0)
