@@ -134,3 +134,10 @@ def test_without_a_process_group_the_failure_is_raised_as_it_is():
     with pytest.raises(ValueError, match="^mine$"):
         _ranks.agree(ValueError("mine"), "a test capture")
     _ranks.agree(None, "a test capture")
+
+
+def test_explain_finds_fully_shard_inside_the_module(mesh):
+    report = cgraph.explain(sharded_pair(mesh), (torch.randn(2, 4),))
+    modules = [p for p in report.problems if p.kind == "module"]
+    assert len(modules) == 1 and modules[0].where == "module FSDPSequential, submodule '0'"
+    assert "make_graphed(layer)" in modules[0].fix
