@@ -12,7 +12,9 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 import cgraph
-from cgraph import _ranks
+from types import SimpleNamespace
+
+from cgraph import _fsdp, _ranks
 from cgraph._describe import StateCheck
 from test_ddp import torchrun
 
@@ -141,3 +143,47 @@ def test_explain_finds_fully_shard_inside_the_module(mesh):
     modules = [p for p in report.problems if p.kind == "module"]
     assert len(modules) == 1 and modules[0].where == "module FSDPSequential, submodule '0'"
     assert "make_graphed(layer)" in modules[0].fix
+
+
+# ---- Note [FSDP2's unsharded parameters in per-layer graphs]: which home ------
+
+def fake_group(reshards: bool, sizes=(16, 8)):
+    """An FSDPParamGroup as _fsdp reads it: all-gather outputs (allocated:
+    unsharded) and whether FSDP re-gathers it before backward."""
+    params = [SimpleNamespace(all_gather_outputs=[torch.empty(n)]) for n in sizes]
+    return SimpleNamespace(fsdp_params=params, post_forward_mesh_info=object() if reshards
+                           else None)
+
+
+def outputs_of(group):
+    return [t for p in group.fsdp_params for t in p.all_gather_outputs]
+
+
+def reshard(group):
+    for t in outputs_of(group):
+        t.untyped_storage().resize_(0)
+
+
+def test_layers_regathered_before_backward_share_one_home_per_layout():
+    first, second, other = fake_group(True), fake_group(True), fake_group(True, (4,))
+    home = _fsdp._home_for(first, outputs_of(first))
+    home.holder = first
+    reshard(first)  # FSDP freed it after its forward: the home is free
+    assert _fsdp._home_for(second, outputs_of(second)) is home
+    assert _fsdp._home_for(other, outputs_of(other)) is not home  # another layout
+    assert [v.numel() for v in home.views] == [16, 8]
+    assert all((v.data_ptr() - home.buffer.data_ptr()) % 256 == 0 for v in home.views)
+
+
+def test_a_layer_kept_unsharded_until_its_backward_gets_a_home_of_its_own():
+    kept = fake_group(False)
+    assert _fsdp._home_for(kept, outputs_of(kept)) is not _fsdp._home_for(kept, outputs_of(kept))
+
+
+def test_a_shared_home_is_not_lent_over_a_layer_still_unsharded():
+    first, second = fake_group(True), fake_group(True)
+    home = _fsdp._home_for(first, outputs_of(first))
+    home.holder = first  # lent to it, and FSDP has not resharded it
+    assert _fsdp._home_for(second, outputs_of(second)) is not home  # at capture: another
+    with pytest.raises(RuntimeError, match="unsharded at once"):  # on a later step: raises
+        home.lend(second, outputs_of(second), home.views)
