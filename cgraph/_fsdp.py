@@ -21,7 +21,9 @@ A: cgraph gives them a fixed home.  FSDP copies the all-gathered
    made, and its copy-out writes straight into the memory the graph reads.
    FSDP's reshard frees the storage as before (``resize_(0)`` drops the
    loan); only the layer's compute is in the graph, FSDP's all-gathers,
-   reduce-scatters and prefetching run from its hooks around it.
+   reduce-scatters and prefetching run from its hooks around it.  (With one
+   rank FSDP copies into a storage it allocates itself; there the storage
+   stays lent, at its full size, and has a home of its own: ``_Keeper``.)
    What it costs: no copy and no kernel per step.  Memory: a layer FSDP
    re-gathers before its backward (``reshard_after_forward`` True or an int)
    shares one home with every such layer of the same parameter layout (the
@@ -144,6 +146,25 @@ class Home:
         _C.lend_memory(outputs, views)
 
 
+class _Keeper:
+    """FSDPParam.free_unsharded_param of a homed parameter of a one-rank
+    group: its storage stays lent, while its graphed callable is alive.
+    With one rank, FSDP copies the sharded parameter into a storage it
+    allocates itself (torch's alloc_storage, not alloc_all_gather_outputs);
+    a storage kept at its full size is not allocated again."""
+
+    __slots__ = ("param", "graphed")
+
+    def __init__(self, param, graphed: _C.Graphed):
+        self.param, self.graphed = param, weakref.ref(graphed)
+
+    def __call__(self) -> None:
+        graphed = self.graphed()
+        if graphed is None or graphed.is_reset:
+            _unhome(self.param)
+            self.param.free_unsharded_param()
+
+
 class _Lender:
     """FSDPParam.alloc_all_gather_outputs of a homed parameter: lends the
     home instead of allocating, while its graphed callable is alive."""
@@ -190,6 +211,8 @@ def home_parameters(module: nn.Module, graphed: _C.Graphed) -> None:
     for p in group.fsdp_params:
         n = len(p.all_gather_outputs)
         p.alloc_all_gather_outputs = _Lender(p, group, home, home.views[at:at + n], graphed)
+        if _one_rank(group):
+            p.free_unsharded_param = _Keeper(p, graphed)
         at += n
     _homed.setdefault(graphed, []).extend(group.fsdp_params)
     _log.log.debug("FSDP layer %s: %d parameter(s) in a %s home of %.1f MiB",
@@ -208,7 +231,7 @@ def release(graphed: _C.Graphed) -> None:
 def _home_for(group, outputs: list[torch.Tensor]) -> Home:
     """The shared home of this layout where FSDP re-gathers the layer
     before its backward and the home is free, else a home of its own."""
-    if group.post_forward_mesh_info is None:  # kept unsharded until its backward
+    if group.post_forward_mesh_info is None or _one_rank(group):  # not re-gathered
         return Home(outputs)
     key = _key(outputs)
     home = _shared.get(key)
@@ -226,6 +249,13 @@ def _key(outputs: list[torch.Tensor]) -> tuple:
 def _unhome(param) -> None:
     if isinstance(param.__dict__.get("alloc_all_gather_outputs"), _Lender):
         del param.alloc_all_gather_outputs
+    if isinstance(param.__dict__.get("free_unsharded_param"), _Keeper):
+        del param.free_unsharded_param
+
+
+def _one_rank(group) -> bool:
+    """Whether the group shards over one rank (its storage is kept: _Keeper)."""
+    return getattr(group.mesh_info, "shard_mesh_size", 2) == 1
 
 
 def _unsharded(group) -> bool:

@@ -32,6 +32,13 @@ def assert_checks(out, ranks, checks):
 
 
 @pytest.mark.gpu
+def test_fsdp_on_one_gpu():
+    """One rank: the all-gathers and reduce-scatters are a copy each, but
+    FSDP's hooks, parameter swaps and homes are all there."""
+    assert_checks(torchrun("fsdp.py", 1), 1, CHECKS[:-2] + CHECKS[-1:])
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_fsdp_on_two_gpus():
     assert_checks(torchrun("fsdp.py", 2), 2, CHECKS)
@@ -147,12 +154,13 @@ def test_explain_finds_fully_shard_inside_the_module(mesh):
 
 # ---- Note [FSDP2's unsharded parameters in per-layer graphs]: which home ------
 
-def fake_group(reshards: bool, sizes=(16, 8)):
+def fake_group(reshards: bool, sizes=(16, 8), ranks=2):
     """An FSDPParamGroup as _fsdp reads it: all-gather outputs (allocated:
-    unsharded) and whether FSDP re-gathers it before backward."""
+    unsharded), whether FSDP re-gathers it before backward, how many ranks
+    it shards over."""
     params = [SimpleNamespace(all_gather_outputs=[torch.empty(n)]) for n in sizes]
     return SimpleNamespace(fsdp_params=params, post_forward_mesh_info=object() if reshards
-                           else None)
+                           else None, mesh_info=SimpleNamespace(shard_mesh_size=ranks))
 
 
 def outputs_of(group):
@@ -175,8 +183,10 @@ def test_layers_regathered_before_backward_share_one_home_per_layout():
     assert all((v.data_ptr() - home.buffer.data_ptr()) % 256 == 0 for v in home.views)
 
 
-def test_a_layer_kept_unsharded_until_its_backward_gets_a_home_of_its_own():
-    kept = fake_group(False)
+@pytest.mark.parametrize("reshards,ranks", [(False, 2), (True, 1)],
+                         ids=["kept-unsharded-until-backward", "one-rank"])
+def test_a_layer_not_regathered_before_its_backward_gets_a_home_of_its_own(reshards, ranks):
+    kept = fake_group(reshards, ranks=ranks)
     assert _fsdp._home_for(kept, outputs_of(kept)) is not _fsdp._home_for(kept, outputs_of(kept))
 
 

@@ -22,6 +22,13 @@ CHECKS = ("TP per-layer graphs", "TP whole step", "teardown:")
 
 
 @pytest.mark.gpu
+def test_tp_on_one_gpu():
+    """A TP mesh of one: DTensor parameters, leaves and DTensor grads all
+    there, the all-reduces of one rank."""
+    assert_checks(torchrun("tp.py", 1), 1, CHECKS)
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tp_on_two_gpus():
     assert_checks(torchrun("tp.py", 2), 2, CHECKS)
