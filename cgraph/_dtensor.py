@@ -32,6 +32,7 @@ import weakref
 
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 try:
@@ -91,8 +92,8 @@ def forward_on_leaves(forward):
 
     def call(module, *args, **kwargs):
         swaps = {name: _over_leaf(p) for name, p in module.named_parameters()
-                 if is_dtensor(p)} if DTensor is not None else None
-        if not swaps:
+                 if is_dtensor(p)}
+        if not swaps:  # FSDP's unsharded parameters of a 1-D mesh are plain tensors
             return forward(module, *args, **kwargs)
         with _reparametrize_module(module, swaps):
             out = forward(module, *args, **kwargs)
@@ -104,7 +105,6 @@ def forward_on_leaves(forward):
 
 def refuse_dtensors(tree, what: str) -> None:
     """DTensor arguments and outputs are not graphed per layer."""
-    from torch.utils import _pytree as pytree
     if DTensor is not None and any(is_dtensor(t) for t in pytree.tree_leaves(tree)):
         raise ValueError(
             f"cgraph: a graphed layer {what} a DTensor (SequenceParallel, or "

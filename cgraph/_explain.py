@@ -292,14 +292,12 @@ def _module_problems(fn) -> Iterator[Problem]:
                 f"buffer '{name}' requires grad; only parameters may be trainable in a "
                 "graphed module.",
                 "make it an nn.Parameter.")
-    nested = [name for name, sub in fn.named_modules() if sub is not fn and _fsdp.is_fsdp(sub)]
-    if nested:
+    nested = _fsdp.nested(fn)
+    if nested is not None:
         yield Problem(
-            "module", "", f"{where}, submodule '{nested[0]}'",
-            f"fully_shard was applied to '{nested[0]}' inside the module; its all-gathers "
-            "would run once, at capture.",
-            "graph each fully_shard-ed layer itself (cgraph.make_graphed(layer)), or the "
-            "whole step (cgraph.make_graphed_step).")
+            "module", "", f"{where}, submodule '{nested}'",
+            f"fully_shard was applied to '{nested}' inside the module; its all-gathers "
+            "would run once, at capture.", _fsdp.NESTED_FIX)
 
 
 # ---- where: the user's line -------------------------------------------------

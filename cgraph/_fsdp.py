@@ -70,18 +70,26 @@ def is_fsdp(module) -> bool:
     return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
-def refuse_nested(index: int, module: nn.Module) -> None:
-    """A module graphed whole must not contain other FSDP2 modules: their
-    hooks (all-gathers, reduce-scatters) would run once, inside the capture."""
+def nested(module: nn.Module) -> str | None:
+    """The name of the first FSDP2 module inside `module` (not itself), or
+    None: a module graphed whole must not contain one, since its hooks
+    (all-gathers, reduce-scatters) would run once, inside the capture."""
     if FSDPModule is None:
-        return
-    for name, sub in module.named_modules():
-        if sub is not module and isinstance(sub, FSDPModule):
-            raise ValueError(
-                f"cgraph: module {index} ({type(module).__name__}) contains '{name}', to which "
-                "fully_shard was applied; its all-gathers would run once, at capture. Graph "
-                "each fully_shard-ed layer itself (cgraph.make_graphed(layer) for each "
-                "layer), or graph the whole training step (cgraph.make_graphed_step).")
+        return None
+    return next((name for name, sub in module.named_modules()
+                 if sub is not module and isinstance(sub, FSDPModule)), None)
+
+
+NESTED_FIX = ("Graph each fully_shard-ed layer itself (cgraph.make_graphed(layer) for each "
+              "layer), or graph the whole training step (cgraph.make_graphed_step).")
+
+
+def refuse_nested(index: int, module: nn.Module) -> None:
+    name = nested(module)
+    if name is not None:
+        raise ValueError(
+            f"cgraph: module {index} ({type(module).__name__}) contains '{name}', to which "
+            f"fully_shard was applied; its all-gathers would run once, at capture. {NESTED_FIX}")
 
 
 def refuse_in_drop_in(index: int, module) -> None:
