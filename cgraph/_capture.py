@@ -24,6 +24,12 @@ the session ends, also when warm-up or capture raised:
    draws random numbers (dropout) that no eager run would have drawn, so a
    later call, eager or graphed, sees the stream it would have seen without
    graphing, and dropout masks equal eager's call for call.
+6. torch._functorch.config.donated_buffer is off, so a torch.compile'd
+   module compiled during warm-up does not hand its saved activations'
+   memory to its backward: a backward compiled that way refuses to run while
+   the activations are kept (retain_graph=True), which a capture into a
+   shared pool= does (Note [Layers captured one by one into one pool] in
+   csrc/aten_pool.cpp).  In a graph the pool reuses that memory anyway.
 
 Refusals raise _C.Refusal(message, kind), which the capture turns into a
 CaptureError naming the cause (Note [Capture failures] in csrc/capture.c).
@@ -76,7 +82,8 @@ def capture_session(specs: Sequence[_C.CallableSpec],
                     reentrant_checked: bool = True) -> Iterator[None]:
     """The patches of Note [Patches during capture], for these callables."""
     reentrant = _reentrant_regions_checked(specs) if reentrant_checked else contextlib.nullcontext()
-    with _rng_stream_kept(specs), _autocast_cache_off(), _rng_hooks(), reentrant:
+    with _rng_stream_kept(specs), _autocast_cache_off(), _rng_hooks(), reentrant, \
+            _donated_buffers_off():
         yield
 
 
@@ -109,6 +116,14 @@ def _autocast_cache_off() -> Iterator[None]:
         yield
     finally:
         torch.set_autocast_cache_enabled(enabled)
+
+
+def _donated_buffers_off():
+    """Item 6 of Note [Patches during capture]."""
+    from torch._functorch import config
+    if not hasattr(config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)
 
 
 @contextlib.contextmanager

@@ -106,6 +106,36 @@ def test_compiled_module_inside_matches_the_compiled_module_run_eagerly(mode):
             p.grad = None
 
 
+def test_compiled_layers_graphed_into_one_pool_match_compiled_layers():
+    """Layers captured one by one into one pool= keep their activations
+    through capture (retain_graph=True), which a backward compiled with
+    donated buffers refuses; cgraph compiles without them (Note [Patches
+    during capture], item 6)."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU()).to(CUDA)
+              for _ in range(2)]
+    twins = copy.deepcopy(blocks)
+    for block in blocks + twins:
+        block.forward = torch.compile(block.forward)
+    pool = cgraph.graph_pool_handle()
+    sample = (torch.randn(16, 64, device=CUDA, requires_grad=True),)
+    graphed = [cgraph.make_graphed(b, sample, pool=pool) for b in blocks]
+    for i in range(3):
+        x = torch.randn(16, 64, device=CUDA)
+        outs = []
+        for layers in (graphed, twins):
+            h = x.clone().requires_grad_()
+            for layer in layers:
+                h = layer(h)
+            h.sum().backward()
+            outs.append(h.detach())
+        assert_equal(outs[0], outs[1], f"call {i}: output")
+        for k, (b, t) in enumerate(zip(blocks, twins)):
+            for p, q in zip(b.parameters(), t.parameters()):
+                assert_equal(p.grad, q.grad, f"call {i}: grad of block {k}")
+                p.grad = q.grad = None
+
+
 # ---- examples ---------------------------------------------------------------
 
 
