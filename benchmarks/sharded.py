@@ -14,7 +14,8 @@ default mode, as torchtitan does); ``cgraph-layer`` (each decoder layer
 ``cgraph.make_graphed(layer, pool=pool)`` after sharding); ``cgraph-step``
 (``cgraph.make_graphed_step`` around the step: its collectives and the
 optimizer inside the graph); ``cgraph-compiled-layer`` (each layer's forward
-compiled, then graphed; FSDP layout only).  Regimes: ``small`` (1 x 256
+compiled, then graphed; FSDP layout only); ``cgraph-compiled-step`` (each
+decoder layer compiled as in ``compile``, the step graphed whole).  Regimes: ``small`` (1 x 256
 tokens per data-parallel rank: the host-bound regime) and ``large`` (8 x 4096:
 GPU-bound).
 
@@ -22,12 +23,14 @@ Each variant builds a fresh model, sets up (eager steps, captures,
 compiles), then times ``--steps`` steps ``--repeats`` times; the table (rank
 0 prints it) has the median step time and the spread of the repeats,
 tokens per second over all ranks, and rank 0's peak allocated and reserved
-memory from set-up on, each also against eager's.
+memory from set-up on (above what was allocated and reserved before it), each
+also against eager's.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import time
@@ -40,9 +43,10 @@ import cgraph
 
 CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
               num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16,
-              max_position_embeddings=4096, use_cache=False, attn_implementation="sdpa")
+              max_position_embeddings=4096, use_cache=False)
 REGIMES = {"small": (1, 256), "large": (8, 4096)}  # (batch, sequence) per data-parallel rank
-VARIANTS = ("eager", "compile", "cgraph-layer", "cgraph-step", "cgraph-compiled-layer")
+VARIANTS = ("eager", "compile", "cgraph-layer", "cgraph-step", "cgraph-compiled-layer",
+            "cgraph-compiled-step")
 SETUP_STEPS = 4  # eager steps, or compiles, before timing; make_graphed_step captures at 4
 
 
@@ -54,6 +58,25 @@ def tp_plan():
             "mlp.down_proj": RowwiseParallel()}
 
 
+def unpadded_causal_attention() -> str:
+    """An attention implementation for batches with neither padding nor packed
+    sequences, registered with transformers: plain SDPA with
+    ``is_causal=True`` and no mask, in eager and in captures alike.
+
+    Why: transformers (5.17 to 5.24 at least) cannot skip the causal mask
+    inside a CUDA stream capture.  Llama's forward passes ``position_ids``,
+    and whether they hold packed sequences is a value it may not read while
+    capturing, so a captured forward builds a dense 4-D mask and runs masked
+    attention (cuDNN's kernels 3x slower at 8 x 4096 tokens on H100/H200;
+    without cuDNN, memory-efficient attention instead of flash) where eager
+    reads the values and passes ``is_causal=True``.  A name with no mask
+    function registered makes transformers build no mask at all."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    AttentionInterface.register("sdpa_unpadded", sdpa_attention_forward)
+    return "sdpa_unpadded"
+
+
 def build(layout: str, meshes):
     """The model, sharded; every rank the same weights."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -61,7 +84,8 @@ def build(layout: str, meshes):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).cuda()
+    config = LlamaConfig(**CONFIG, attn_implementation=unpadded_causal_attention())
+    model = LlamaForCausalLM(config).cuda()
     dp, tp = meshes
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -84,7 +108,7 @@ def optimizer(model):
 def prepare(variant: str, model, sample):
     """The step to time, set up as `variant` says."""
     layers = model.model.layers
-    if variant == "compile":
+    if variant in ("compile", "cgraph-compiled-step"):
         for layer in layers:
             layer.compile()
     elif variant in ("cgraph-layer", "cgraph-compiled-layer"):
@@ -103,15 +127,18 @@ def prepare(variant: str, model, sample):
         opt.step()
         return loss
 
-    return cgraph.make_graphed_step(step, (sample,)) if variant == "cgraph-step" else step
+    graph_step = variant in ("cgraph-step", "cgraph-compiled-step")
+    return cgraph.make_graphed_step(step, (sample,)) if graph_step else step
 
 
 def measure(variant, layout, meshes, regime, steps, repeats, dp_rank):
     batch, seq = REGIMES[regime]
     g = torch.Generator(device="cuda").manual_seed(dp_rank)
     ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq), device="cuda", generator=g)
+    gc.collect()  # the last variant's FSDP2 model: its hooks make reference cycles
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    base = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())  # NCCL's, the ids
     model = build(layout, meshes)
     step = prepare(variant, model, ids)
     for _ in range(SETUP_STEPS + 1):
@@ -125,7 +152,8 @@ def measure(variant, layout, meshes, regime, steps, repeats, dp_rank):
             step(ids)
         torch.cuda.synchronize()
         times.append((time.perf_counter() - started) / steps)
-    memory = (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved())
+    memory = (torch.cuda.max_memory_allocated() - base[0],
+              torch.cuda.max_memory_reserved() - base[1])
     cgraph.reset_all()
     del model, step
     return times, memory

@@ -397,3 +397,33 @@ def test_the_sharded_tp_plan_names_llama_decoder_layer_submodules():
     layer = transformers.models.llama.modeling_llama.LlamaDecoderLayer(config, layer_idx=0)
     for name in sharded.tp_plan():
         assert type(layer.get_submodule(name)).__name__ == "Linear", name
+
+
+def test_sharded_llama_attends_without_a_mask_inside_captures(monkeypatch):
+    """transformers builds a dense causal mask while a CUDA stream captures
+    (it may not read position_ids then); the sharded benchmark's attention
+    implementation builds none, so eager and captured steps run the same
+    unmasked causal SDPA.  The capture is simulated on the CPU."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import import_utils
+    from benchmarks import sharded
+    config = {**sharded.CONFIG, "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4}
+    seen = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((kwargs.get("attn_mask") is None, kwargs.get("is_causal")))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    monkeypatch.setattr(import_utils, "is_cuda_stream_capturing", lambda: True)
+    ids = torch.randint(0, 100, (2, 16))
+    for implementation, expected in (("sdpa", (False, False)),
+                                     (sharded.unpadded_causal_attention(), (True, True))):
+        seen.clear()
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(**config, attn_implementation=implementation))
+        model(input_ids=ids)
+        assert seen == [expected], implementation
