@@ -28,6 +28,7 @@ from ._version import __version__
 from ._api import (GraphedModule, graph_pool_handle, make_graphed, make_graphed_callables,
                    reset_all)
 from ._explain import Explanation, Problem, explain
+from ._layers import graph_layers
 from ._step import GraphedStep, make_graphed_step
 
 CaptureError = _C.CaptureError
@@ -41,6 +42,7 @@ __all__ = [
     "GraphedStep",
     "Problem",
     "explain",
+    "graph_layers",
     "graph_pool_handle",
     "make_graphed",
     "make_graphed_callables",

@@ -175,3 +175,35 @@ def test_bert_layers_padded_to_batch_buckets_train_as_eager():
                           BUCKET_TOLERANCE)
     for layer in model.encoder.layer:
         assert layer.num_graphs == len({length for _, length in STEPS}), layer
+
+
+def test_graph_layers_finds_and_graphs_llamas_decoder_layers_in_one_pool():
+    """cgraph.graph_layers: the decoder layers found, graphed into one
+    shared pool, the cache turned off (as it is in the eager twin)."""
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=True, attn_implementation="eager")
+    torch.manual_seed(54)
+    model = transformers.LlamaForCausalLM(config).to(CUDA)
+    eager = copy.deepcopy(model)
+    eager.config.use_cache = False
+    assert cgraph.graph_layers(model) is model and model.config.use_cache is False
+    assert_training_equal(train(model, llama_step, 900), train(eager, llama_step, 900))
+    pools = {tuple(p) for layer in model.model.layers for p in layer._graphed.pools}
+    assert len(pools) == 1, pools
+    for layer in model.model.layers:
+        assert isinstance(layer, cgraph.GraphedModule)
+        assert layer.num_graphs == len(set(STEPS)) and layer.stats["eager_past_limit"] == 0
+
+
+def test_graph_layers_finds_berts_encoder_layers():
+    config = transformers.BertConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(55)
+    model = transformers.BertModel(config).to(CUDA)
+    eager = copy.deepcopy(model)
+    cgraph.graph_layers(model)
+    assert all(isinstance(layer, cgraph.GraphedModule) for layer in model.encoder.layer)
+    assert_training_equal(train(model, bert_step, 1000), train(eager, bert_step, 1000))

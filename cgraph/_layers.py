@@ -1,0 +1,158 @@
+"""graph_layers: a model's repeated blocks, each graphed, in one line.
+
+Finding the blocks: the ``nn.ModuleList`` (or ``nn.Sequential``) of two or
+more children of one type that holds the most parameters, as Hugging Face's
+``model.model.layers`` and ``encoder.layer``, timm's ``blocks`` and a GPT's
+``h`` are.  An outer list of layers holds the parameters of any list inside
+its layers (a mixture of experts' ``experts``), so it wins over them.  Where
+the guess is not wanted, ``layers=`` names the list.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from . import _fsdp
+from ._api import GraphedModule, graph_pool_handle, make_graphed
+from ._log import log
+
+
+class Blocks(NamedTuple):
+    """The list of blocks graph_layers graphs, and where it sits."""
+
+    owner: nn.Module  # the module holding the list
+    name: str  # the list's attribute on `owner`
+    path: str  # below the model (the module DDP wraps)
+    blocks: nn.Module  # an nn.ModuleList or nn.Sequential
+
+
+def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
+                 pool: Any = "shared", **make_graphed_kwargs) -> nn.Module:
+    """Replace each of `model`'s repeated blocks by ``make_graphed(block)``,
+    captured on its first call, and return `model` (changed in place).
+
+    ``layers``: the blocks' list, as a path below the model (``"model.layers"``,
+    below the module a ``DistributedDataParallel`` wraps) or as the
+    ``nn.ModuleList`` itself; by default the list of same-typed blocks
+    holding the most parameters.  ``pool``: ``"shared"`` (default) gives
+    every block's graphs one new pool, as one ``pool=`` in
+    :func:`make_graphed` does; ``None`` a pool per block; or a handle from
+    :func:`graph_pool_handle`.  Other keywords go to :func:`make_graphed`
+    (``buckets``, ``max_graphs``, ``num_warmup_iters``...).
+
+    For FSDP2, ``fully_shard`` each block and the root first, as in the
+    README's recipe; under DDP, either order works.  A Hugging Face model's
+    KV cache is turned off (``config.use_cache = False``, logged): a graph
+    replay cannot append to it.  Logs what it graphed (logger ``cgraph``).
+
+    Example::
+
+        model = cgraph.graph_layers(AutoModelForCausalLM.from_config(config).cuda())
+    """
+    root = model.module if isinstance(model, DistributedDataParallel) else model
+    if isinstance(getattr(root, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
+        raise TypeError(
+            "cgraph: graph_layers got a torch.compile'd model. Call graph_layers on the "
+            "model first and compile afterwards, or compile each layer "
+            "(layer.compile()) and then call graph_layers.")
+    found = _find(root, layers)
+    blocks, path = found.blocks, found.path
+    _refuse_unsharded_blocks(root, blocks, path)
+    _cache_off(root)
+    if pool == "shared":
+        pool = graph_pool_handle()
+    graphed = [make_graphed(block, pool=pool, **make_graphed_kwargs) for block in blocks]
+    setattr(found.owner, found.name, nn.Sequential(*graphed) if isinstance(blocks, nn.Sequential)
+            else nn.ModuleList(graphed))
+    share = _parameter_count(blocks) / max(_parameter_count(root), 1)
+    log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
+             "%s; each captures on its first call", len(graphed), type(blocks[0]).__name__,
+             path, 100 * share,
+             "one pool" if pool is not None else "a pool each")
+    return model
+
+
+def find_layers(model: nn.Module) -> tuple[str, nn.Module]:
+    """The path and the list of the blocks :func:`graph_layers` would graph
+    in `model` (below the module a DDP model wraps)."""
+    root = model.module if isinstance(model, DistributedDataParallel) else model
+    found = _find(root, None)
+    return found.path, found.blocks
+
+
+def _find(root: nn.Module, layers) -> Blocks:
+    if layers is None:
+        blocks = _guess(root)
+    elif isinstance(layers, str):
+        try:
+            blocks = root.get_submodule(layers)
+        except AttributeError as e:
+            raise ValueError(f"cgraph: graph_layers: {e}. Name the list of blocks by its "
+                             "path below the model, as in model.named_modules().") from None
+    elif isinstance(layers, nn.Module):
+        blocks = layers
+    else:
+        raise TypeError(f"cgraph: graph_layers: layers= takes a path or an nn.ModuleList, "
+                        f"got {type(layers).__name__}.")
+    path = _path(root, blocks)
+    if not path:
+        raise ValueError("cgraph: graph_layers: layers= names the model itself; name the list "
+                         "of blocks inside it, or graph the model whole with cgraph.make_graphed.")
+    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
+        raise TypeError(f"cgraph: graph_layers: '{path}' is a {type(blocks).__name__}; it "
+                        "takes a non-empty nn.ModuleList or nn.Sequential of blocks.")
+    if any(isinstance(block, GraphedModule) for block in blocks):
+        raise ValueError(f"cgraph: graph_layers: the blocks at '{path}' are graphed already.")
+    owner_path, _, name = path.rpartition(".")
+    return Blocks(root.get_submodule(owner_path), name, path, blocks)
+
+
+def _guess(root: nn.Module) -> nn.Module:
+    candidates = [m for _, m in root.named_modules()
+                  if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2
+                  and len({type(child) for child in m}) == 1
+                  and not isinstance(m[0], GraphedModule)]
+    candidates = [m for m in candidates if _parameter_count(m) > 0]
+    if not candidates:
+        raise ValueError(
+            f"cgraph: graph_layers found no list of repeated blocks in {type(root).__name__} "
+            "(an nn.ModuleList or nn.Sequential of two or more modules of one type, with "
+            "parameters). Name them with layers='path.to.blocks', or graph the model whole "
+            "with cgraph.make_graphed.")
+    return max(candidates, key=_parameter_count)
+
+
+def _refuse_unsharded_blocks(root: nn.Module, blocks: nn.Module, path: str) -> None:
+    """FSDP2 on the root alone gathers every block's parameters in the
+    root's forward, into memory freed after it: graphs of a block would
+    read it there.  Each block must be its own FSDP module (Note [FSDP2's
+    unsharded parameters in per-layer graphs] in cgraph/_fsdp.py)."""
+    sharded = [m for m in root.modules() if _fsdp.is_fsdp(m)]
+    if sharded and not all(_fsdp.is_fsdp(block) for block in blocks):
+        raise ValueError(
+            f"cgraph: graph_layers: the model is sharded by fully_shard, but the blocks at "
+            f"'{path}' are not each sharded. Apply fully_shard to every "
+            "block, then to the root, then call graph_layers (README, Sharded models).")
+
+
+def _cache_off(root: nn.Module) -> None:
+    config = getattr(root, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+        log.info("cgraph: graph_layers set %s.config.use_cache = False: a graphed block "
+                 "cannot append to a KV cache (training does not use one)", type(root).__name__)
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _path(root: nn.Module, module: nn.Module) -> str:
+    for name, m in root.named_modules():
+        if m is module:
+            return name
+    raise ValueError(f"cgraph: graph_layers: the {type(module).__name__} given as layers= is "
+                     f"not inside the model ({type(root).__name__}).")

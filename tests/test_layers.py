@@ -1,0 +1,191 @@
+"""cgraph.graph_layers on the CPU: which blocks it finds, how it replaces
+them (make_graphed itself is stood in for: it needs a GPU), and what it
+refuses.  Training equality on a GPU is in tests/test_transformers.py."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import cgraph
+from cgraph import _layers
+
+
+class Block(nn.Module):
+    def __init__(self, width=8, experts=0):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x):
+        return self.linear(x).relu() + x
+
+
+class GPT(nn.Module):
+    """Embedding larger than any block, blocks larger together."""
+
+    def __init__(self, depth=4, experts=0):
+        super().__init__()
+        self.embed = nn.Embedding(64, 8)
+        self.blocks = nn.ModuleList(Block(experts=experts) for _ in range(depth))
+        self.heads = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 2)])  # one type, fewer params
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.heads[1](self.heads[0](h))
+
+
+@pytest.fixture
+def graphed_by(monkeypatch):
+    """make_graphed and graph_pool_handle stood in for: the calls, and a
+    marker module per block."""
+    calls = []
+
+    def make_graphed(block, **kwargs):
+        calls.append((block, kwargs))
+        marker = nn.Module()
+        marker.block = block
+        return marker
+
+    monkeypatch.setattr(_layers, "make_graphed", make_graphed)
+    monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 77))
+    return calls
+
+
+def test_the_list_of_repeated_blocks_with_most_parameters_is_found():
+    path, blocks = _layers.find_layers(GPT())
+    assert path == "blocks" and blocks is not None
+
+
+def test_an_outer_list_wins_over_the_lists_inside_its_blocks():
+    path, _ = _layers.find_layers(GPT(experts=4))
+    assert path == "blocks"
+
+
+def test_each_block_is_graphed_with_one_shared_pool_in_place(graphed_by):
+    model = GPT()
+    blocks = list(model.blocks)
+    assert cgraph.graph_layers(model, num_warmup_iters=2) is model
+    assert isinstance(model.blocks, nn.ModuleList)
+    assert [m.block for m in model.blocks] == blocks
+    assert [b for b, _ in graphed_by] == blocks
+    assert all(kw == {"pool": (0, 77), "num_warmup_iters": 2} for _, kw in graphed_by)
+
+
+def test_pool_none_gives_each_block_its_own(graphed_by):
+    cgraph.graph_layers(GPT(), pool=None)
+    assert all(kw["pool"] is None for _, kw in graphed_by)
+
+
+def test_layers_by_path_or_by_module(graphed_by):
+    model = GPT()
+    heads = list(model.heads)
+    cgraph.graph_layers(model, layers="heads")
+    assert [m.block for m in model.heads] == heads
+    other = GPT()
+    cgraph.graph_layers(other, layers=other.heads)
+    assert len(graphed_by) == 4
+
+
+def test_a_sequential_stays_a_sequential(graphed_by):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(Block(), Block(), Block()))
+    cgraph.graph_layers(model)
+    assert type(model[1]) is nn.Sequential and len(graphed_by) == 3
+
+
+def test_ddp_models_are_graphed_inside(graphed_by, mesh):
+    ddp = nn.parallel.DistributedDataParallel(GPT())
+    assert cgraph.graph_layers(ddp) is ddp
+    assert len(graphed_by) == 4 and all(hasattr(m, "block") for m in ddp.module.blocks)
+
+
+def test_a_hugging_face_cache_is_turned_off_and_logged(graphed_by, caplog):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, use_cache=True)
+    model = transformers.LlamaForCausalLM(config)
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        cgraph.graph_layers(model)
+    assert model.config.use_cache is False
+    assert [b for b, _ in graphed_by] == [m.block for m in model.model.layers]
+    text = caplog.text
+    assert "use_cache = False" in text and "graphed 2 LlamaDecoderLayer blocks at " \
+        "'model.layers'" in text, text
+
+
+@pytest.mark.parametrize("build, path", [
+    ("BertConfig", "bert.encoder.layer"), ("GPT2Config", "transformer.h")])
+def test_hugging_face_layer_lists_are_found(build, path):
+    transformers = pytest.importorskip("transformers")
+    if build == "BertConfig":
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+    assert _layers.find_layers(model)[0] == path
+
+
+@pytest.mark.parametrize("layers, error, match", [
+    ("blocks.9", ValueError, "path below the model"),
+    ("embed", TypeError, "'embed' is a Embedding"),
+    (7, TypeError, "takes a path or an nn.ModuleList"),
+    ("", ValueError, "names the model itself"),
+])
+def test_wrong_layers_are_refused_saying_what_it_takes(layers, error, match, graphed_by):
+    with pytest.raises(error, match=match):
+        cgraph.graph_layers(GPT(), layers=layers)
+    assert graphed_by == []
+
+
+def test_a_list_outside_the_model_is_refused(graphed_by):
+    with pytest.raises(ValueError, match="not inside the model"):
+        cgraph.graph_layers(GPT(), layers=nn.ModuleList([Block(), Block()]))
+
+
+def test_a_model_without_repeated_blocks_is_refused():
+    with pytest.raises(ValueError, match="no list of repeated blocks.*layers="):
+        cgraph.graph_layers(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+
+
+def test_a_compiled_model_is_refused_naming_the_order():
+    with pytest.raises(TypeError, match="graph_layers on the model first"):
+        cgraph.graph_layers(torch.compile(GPT()))
+
+
+def test_graphing_twice_is_refused(monkeypatch):
+    def make_graphed(block, **kwargs):
+        marker = cgraph.GraphedModule.__new__(cgraph.GraphedModule)
+        nn.Module.__init__(marker)
+        return marker
+
+    monkeypatch.setattr(_layers, "make_graphed", make_graphed)
+    monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 1))
+    model = GPT()
+    cgraph.graph_layers(model)
+    with pytest.raises(ValueError, match="graphed already"):
+        cgraph.graph_layers(model, layers="blocks")
+
+
+def test_fsdp_on_the_root_alone_is_refused_naming_the_recipe(mesh, graphed_by):
+    from torch.distributed.fsdp import fully_shard
+    model = GPT()
+    fully_shard(model, mesh=mesh)
+    with pytest.raises(ValueError, match="fully_shard to every block, then to the root"):
+        cgraph.graph_layers(model)
+    assert graphed_by == []
+
+
+def test_fsdp_blocks_are_graphed(mesh, graphed_by):
+    from torch.distributed.fsdp import fully_shard
+    model = GPT()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    cgraph.graph_layers(model)
+    assert len(graphed_by) == 4
