@@ -75,6 +75,17 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     return model
 
 
+def graph_layers_once(model: nn.Module, who: str, **graph_layers_kwargs) -> None:
+    """graph_layers, for the framework callbacks (cgraph/transformers.py,
+    cgraph/lightning.py): a model with graphed blocks already (a second
+    fit, or blocks the user graphed) is left as it is, logged."""
+    if any(isinstance(m, GraphedModule) for m in model.modules()):
+        log.info("cgraph: %s: %s has graphed blocks already; left as it is", who,
+                 type(model).__name__)
+        return
+    graph_layers(model, **graph_layers_kwargs)
+
+
 def find_layers(model: nn.Module) -> tuple[str, nn.Module]:
     """The path and the list of the blocks :func:`graph_layers` would graph
     in `model` (below the module a DDP model wraps)."""
@@ -139,11 +150,16 @@ def _refuse_unsharded_blocks(root: nn.Module, blocks: nn.Module, path: str) -> N
 
 
 def _cache_off(root: nn.Module) -> None:
-    config = getattr(root, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False
-        log.info("cgraph: graph_layers set %s.config.use_cache = False: a graphed block "
-                 "cannot append to a KV cache (training does not use one)", type(root).__name__)
+    """Hugging Face models (the root, or inside a LightningModule) build a
+    KV cache per forward when config.use_cache is on, and hand it to every
+    block; make_graphed refuses it (a replay cannot append to it)."""
+    for module in root.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            log.info("cgraph: graph_layers set %s.config.use_cache = False: a graphed block "
+                     "cannot append to a KV cache (training does not use one)",
+                     type(module).__name__)
 
 
 def _parameter_count(module: nn.Module) -> int:

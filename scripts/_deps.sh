@@ -52,6 +52,15 @@ if ! has_ninja; then
     || echo "ninja could not be installed (no network?): the build compiles its C++ in one unit" \
             "instead of one a core (about 47 s instead of 40 on 2 cores)."
 fi
+# The frameworks cgraph's callbacks plug into (tests/test_trainers.py and the
+# CPU tests of graph_layers skip without them), tried where pytest runs.
+if [ "${DEPS_FOR:-}" = tests ] && ! has "import transformers, accelerate, lightning"; then
+  echo "installing into $PY: transformers accelerate lightning"
+  "$PY" -m pip install -q --retries 0 --timeout 20 "transformers>=5" "accelerate>=1" \
+    "lightning>=2.4" >/dev/null 2>&1 \
+    || echo "transformers, accelerate or lightning could not be installed (no network?):" \
+            "their CPU tests skip."
+fi
 
 mkdir -p build
 # Measured from clean (rm -rf build cgraph/*.so) on a 2-core machine: 37-41 s

@@ -1,0 +1,156 @@
+"""The framework callbacks on the CPU, inside the real trainers: the Hugging
+Face Trainer (cgraph.transformers.CUDAGraphsCallback) and Lightning
+(cgraph.lightning.CUDAGraphs).  make_graphed is stood in for by a module
+that counts its calls and runs the block (graphs need a GPU), so these check
+the wiring: the blocks are replaced when training starts, the trainer's own
+loop then calls the replacements (training and evaluation), and a second fit
+leaves them as they are.  Training equal to eager is checked on a GPU in
+tests/test_transformers.py."""
+
+import pytest
+import torch
+from torch import nn
+
+from cgraph import _layers
+
+
+class Counted(nn.Module):
+    """What the stand-in make_graphed returns: the block, counted."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.module = block
+        self.calls = 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        return self.module(*args, **kwargs)
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    made = []
+
+    def make_graphed(block, **kwargs):
+        made.append(Counted(block))
+        return made[-1]
+
+    monkeypatch.setattr(_layers, "make_graphed", make_graphed)
+    monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 1))
+    monkeypatch.setattr(_layers, "GraphedModule", Counted)  # a second fit sees "graphed"
+    return made
+
+
+def tiny_llama(transformers):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, use_cache=True)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        ids = torch.randint(0, 64, (16,), generator=torch.Generator().manual_seed(i))
+        return {"input_ids": ids, "labels": ids}
+
+
+def test_hf_trainer_callback_graphs_the_decoder_layers_at_train_start(counted, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from cgraph.transformers import CUDAGraphsCallback
+    model = tiny_llama(transformers)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=2, per_device_train_batch_size=2,
+        per_device_eval_batch_size=2, gradient_accumulation_steps=2, report_to=[],
+        save_strategy="no", eval_strategy="steps", eval_steps=2, logging_steps=1)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   eval_dataset=Tokens(), callbacks=[CUDAGraphsCallback()])
+    trainer.train()
+    assert [type(layer) for layer in model.model.layers] == [Counted, Counted]
+    assert model.config.use_cache is False
+    # 2 steps x 2 micro-batches, then evaluation: 4 batches of 2.
+    assert [layer.calls for layer in model.model.layers] == [8, 8]
+    trainer.train()  # a second run: the graphed blocks are kept
+    assert len(counted) == 2
+
+
+def test_lightning_callback_graphs_the_blocks_at_fit_start(counted):
+    lightning = pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(64, 16)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU())
+                                        for _ in range(3))
+            self.head = nn.Linear(16, 64)
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            for block in self.blocks:
+                h = h + block(h)
+            return self.head(h)
+
+        def training_step(self, batch, i):
+            loss = nn.functional.cross_entropy(self(batch).flatten(0, 1), batch.flatten())
+            self.log("loss", loss)
+            return loss
+
+        def validation_step(self, batch, i):
+            self.log("val", self(batch).mean())
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.randint(0, 64, (8, 12)), batch_size=2)
+    module = Module()
+    trainer = lightning.Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2,
+                                limit_val_batches=1, val_check_interval=2, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, num_sanity_val_steps=0,
+                                callbacks=[CUDAGraphs()])
+    trainer.fit(module, data, data)
+    assert all(type(block) is Counted for block in module.blocks)
+    # 2 steps x 2 micro-batches, and one validation batch after every second
+    # training batch (val_check_interval counts batches).
+    assert [block.calls for block in module.blocks] == [6, 6, 6]
+
+
+# ---- on a GPU: trained through the trainer, equal to the same run eagerly -----
+
+
+def _hf_run(transformers, tmp_path, callbacks, precision):
+    from transformers.trainer_utils import set_seed
+    set_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, use_cache=False,
+                                      attn_implementation="eager")
+    model = transformers.LlamaForCausalLM(config)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
+        gradient_accumulation_steps=2, report_to=[], save_strategy="no", logging_steps=1,
+        seed=0, data_seed=0, **{precision: True} if precision else {})
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   callbacks=callbacks)
+    trainer.train()
+    losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    return losses, [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, precision):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from cgraph.transformers import CUDAGraphsCallback
+    eager = _hf_run(transformers, tmp_path, [], precision)
+    graphed = _hf_run(transformers, tmp_path, [CUDAGraphsCallback()], precision)
+    assert graphed[0] == eager[0]
+    for i, (g, e) in enumerate(zip(graphed[1], eager[1])):
+        assert torch.equal(g, e), f"parameter {i}"
