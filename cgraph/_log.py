@@ -168,6 +168,14 @@ def step_ddp_warmup(step, eager: int, forwards: int) -> None:
              "capture, not %d.", step, forwards, eager, step.num_warmup_iters)
 
 
+def step_waits_for_a_step(step, optimizers: list) -> None:
+    """A GradScaler skipped every warm-up step of these optimizers so far."""
+    names = ", ".join(sorted({type(opt).__name__ for opt in optimizers}))
+    log.info("%r: GradScaler has skipped every step of %s so far (inf or NaN grads): warm-up "
+             "goes on until each has stepped once, so that its state exists before capture "
+             "(Note [GradScaler with any optimizer] in cgraph/_step.py).", step, names)
+
+
 # The progress bar of the set-up in progress, if any (progress()).
 _bar = None
 

@@ -33,9 +33,29 @@ A: Before capture, every param group that has torch's ``capturable`` flag
    refills its tensor (one fill kernel).  Any other hyperparameter baked
    into the graph as a number (SGD's lr unless fused, betas, weight decay,
    momentum) is compared before each replay, and a change recaptures, with
-   a log line: nothing replays with a stale value.  A GradScaler needs an
-   optimizer that takes its scale on the device (fused=True); else its
-   ``step`` reads ``found_inf`` on the host, and the capture says so.
+   a log line: nothing replays with a stale value.  A GradScaler with such
+   an optimizer: Note [GradScaler with any optimizer].
+
+Note [GradScaler with any optimizer]
+Q: GradScaler.step skips the optimizer's step when unscale_ found an inf or
+   a NaN.  A fused optimizer takes found_inf on the device and skips inside
+   its kernels; any other is skipped by the scaler on the host
+   (``found_inf.item()``), a sync a graph cannot hold.  How does a graphed
+   step skip it exactly as eager does?
+A: While the step is captured, the scaler's host test is replaced by a CUDA
+   conditional node (CUDA 12.4+, torch's ``begin_capture_to_if_node``): the
+   optimizer's whole step is captured into the body of an "if found_inf is
+   zero" node, so a replay runs it, or skips all of it (state, step counts
+   and parameters untouched), as eager would.  The scale itself is updated
+   on the device by ``scaler.update()``, as before.  Cost per step when no
+   inf occurs: a sum and a compare of one-element tensors, the kernel
+   setting the node's condition, and the conditional node's launch of its
+   body graph, a few microseconds of GPU time, none of host time.
+   The body is captured once, so the optimizer must already have its state
+   (momentum buffers, Adam moments): its first step would create it inside
+   the body, every replay again.  A warm-up call whose step the scaler
+   skipped (inf grads, common at fp16's first scales) therefore does not
+   count: warm-up goes on until every such optimizer has stepped once.
 """
 
 from __future__ import annotations
@@ -53,7 +73,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _log, _ranks
 from ._api import _live, _pool_id, _require_cuda
-from ._capture import CaptureOptions, graph
+from ._capture import CaptureOptions, graph, patched
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
 
@@ -191,6 +211,7 @@ class GraphedStep:
         self.outputs: _Outputs | None = None  # None: the native call returns them as they are
         self.groups: list[_Group] = []
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
+        self._waited = False  # logged that warm-up waits for a scaler's first step
 
     def __call__(self, *args, **kwargs):
         graphed = self.graphed
@@ -236,6 +257,8 @@ class GraphedStep:
             handle.remove()
         self.stats["eager"] += 1
         self.num_warmup_iters = self.ddp.warmup_iters(self)
+        if self._unstepped():  # Note [GradScaler with any optimizer]
+            self.num_warmup_iters = max(self.num_warmup_iters, self.stats["eager"] + 1)
         # Detached, as replays return them: a loss kept with its grad_fn
         # would keep this step's autograd graph, whose AccumulateGrad nodes
         # (on this stream) the capture would then reuse from its own stream.
@@ -243,6 +266,15 @@ class GraphedStep:
 
     def _found(self, optimizer, args, kwargs):
         self.optimizers.add(optimizer)
+
+    def _unstepped(self) -> list:
+        """Optimizers a GradScaler has skipped at every warm-up call so far:
+        their state does not exist yet (Note [GradScaler with any optimizer])."""
+        waiting = [opt for opt in self.scaled if opt not in self.optimizers]
+        if waiting and not self._waited:
+            self._waited = True
+            _log.step_waits_for_a_step(self, waiting)
+        return waiting
 
     def _check(self, leaves: list, spec) -> None:
         """Calls pass what the samples (or the first call) passed."""
@@ -290,7 +322,7 @@ class GraphedStep:
         _require_cuda()
         failure = None
         try:
-            with self._device_lrs():
+            with self._device_lrs(), _scaler_steps_on_the_device():
                 (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
         except _C.CaptureError as exc:
             failure = exc
@@ -455,11 +487,40 @@ def _check_capturable(optimizer, scaled: bool) -> None:
             f"cgraph: torch.optim.{name} has no capturable form (no capturable= or "
             "fused= option), so its step cannot be part of a graphed training step. Step it "
             "outside the graphed step, or use Adam, AdamW or SGD.")
-    if scaled and not getattr(optimizer, "_step_supports_amp_scaling", False):
+    if (scaled and not getattr(optimizer, "_step_supports_amp_scaling", False)
+            and not _conditional_nodes()):
         raise ValueError(
             f"cgraph: a GradScaler steps this {name} by reading found_inf on the host (a "
-            f"sync a graph cannot hold). Build it with {name}(..., fused=True): the scaler "
-            "then hands it the scale and found_inf on the device.")
+            "sync a graph cannot hold), and this torch or CUDA (before 12.4) has no "
+            "conditional graph nodes to skip it on the device. Build it with "
+            f"{name}(..., fused=True): the scaler then hands it the scale and found_inf on "
+            "the device.")
+
+
+def _conditional_nodes() -> bool:
+    """Whether captures can hold CUDA conditional nodes (torch's
+    begin_capture_to_if_node, CUDA 12.4 and later)."""
+    version = torch.version.cuda
+    graph = torch.cuda.CUDAGraph
+    return (hasattr(graph, "begin_capture_to_if_node") and version is not None
+            and hasattr(graph, "get_currently_capturing_graph")
+            and tuple(int(x) for x in version.split(".")[:2]) >= (12, 4))
+
+
+def _scaler_steps_on_the_device():
+    """Note [GradScaler with any optimizer]: while the step is captured,
+    GradScaler's host test of found_inf becomes a conditional node around
+    the optimizer's step."""
+    def maybe_step(scaler, optimizer, optimizer_state, *args, **kwargs):
+        found_inf = sum(optimizer_state["found_inf_per_device"].values())
+        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
+        graph.begin_capture_to_if_node((found_inf == 0).reshape(()))
+        try:
+            return optimizer.step(*args, **kwargs)
+        finally:
+            graph.end_capture_to_conditional_node()
+
+    return patched({(torch.amp.GradScaler, "_maybe_opt_step"): maybe_step})
 
 
 def _rng_state_refused(exc: BaseException) -> BaseException:

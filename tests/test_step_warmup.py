@@ -1,0 +1,40 @@
+"""make_graphed_step's warm-up on the CPU (no capture): warm-up calls are
+eager steps, and a GradScaler's skipped steps do not count towards it
+(Note [GradScaler with any optimizer] in cgraph/_step.py).  The GPU tests
+of the step are in tests/test_step.py."""
+
+import logging
+
+import torch
+from torch import nn
+
+import cgraph
+
+
+def test_warm_up_goes_on_until_a_grad_scaler_has_let_the_optimizer_step(caplog):
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+
+    def train_step(x):
+        opt.zero_grad()
+        loss = model(x).sum()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    step = cgraph.make_graphed_step(train_step, (torch.randn(3, 4),), num_warmup_iters=1)
+    inf = torch.full((3, 4), float("inf"))
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for x in (inf, inf):
+            step(x)
+            assert not opt.state and step.num_warmup_iters == step.stats["eager"] + 1
+        step(torch.randn(3, 4))  # the scaler lets this one step: the buffers exist
+    assert "momentum_buffer" in opt.state[model.weight]
+    assert step.stats == {"eager": 3, "captures": 0, "replays": 0}
+    assert step.num_warmup_iters == 3  # the next call captures
+    assert scaler.get_scale() == 2.0**8
+    waits = [r for r in caplog.records if "skipped every step of SGD" in r.getMessage()]
+    assert len(waits) == 1, caplog.text
