@@ -71,7 +71,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import _C, _log, _ranks
+from . import _C, _log, _optim, _ranks
 from ._api import _live, _pool_id, _require_cuda
 from ._capture import CaptureOptions, graph, patched
 from ._ddp import DDPInStep
@@ -322,7 +322,8 @@ class GraphedStep:
         _require_cuda()
         failure = None
         try:
-            with self._device_lrs(), _scaler_steps_on_the_device():
+            with self._device_lrs(), _scaler_steps_on_the_device(), \
+                    _optim.device_resident_steps():
                 (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
         except _C.CaptureError as exc:
             failure = exc
@@ -357,11 +358,9 @@ class GraphedStep:
         """Note [Capturable optimizers], for one param group."""
         if "capturable" in group and not group["capturable"]:
             group["capturable"] = True
+        if "capturable" in group or isinstance(optimizer, _DEVICE_RESIDENT):
             for p in group["params"]:
-                state = optimizer.state.get(p, {})
-                step = state.get("step")
-                if isinstance(step, torch.Tensor) and step.device != p.device:
-                    state["step"] = step.to(p.device, torch.float32)
+                _state_to_device(optimizer.state.get(p, {}), p.device)
         reads_device_lr = group.get("capturable") or group.get("fused")
         lr = None
         if reads_device_lr and not isinstance(group["lr"], torch.Tensor):
@@ -476,17 +475,39 @@ def _fits(got: torch.Tensor, want: torch.Tensor) -> bool:
                                     want.dtype.is_floating_point))
 
 
+# Optimizers with no capturable form that cgraph steps on the device itself
+# while the step is captured: Note [Optimizers without a capturable form].
+_DEVICE_RESIDENT = (torch.optim.Adagrad,)
+
+
+def _state_to_device(state: dict, device: torch.device) -> None:
+    """An optimizer's one-element state (step counts; NAdam's mu_product)
+    moved to its parameter's device, as capturable=True keeps it."""
+    for key, value in state.items():
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and value.device != device:
+            state[key] = value.to(device, torch.float32 if key == "step" else value.dtype)
+
+
 def _check_capturable(optimizer, scaled: bool) -> None:
     """Refuses, naming the fix, an optimizer a graph cannot step: one with
     no capturable form, or one a GradScaler steps through the host."""
     name = type(optimizer).__name__
     groups = optimizer.param_groups
-    if not (isinstance(optimizer, torch.optim.SGD) or
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            "cgraph: torch.optim.LBFGS evaluates its closure several times per step and "
+            "decides on the host when to stop (line search, tolerances), which a graph cannot "
+            "replay. Step it outside the graphed step, or graph the model with "
+            "cgraph.make_graphed and keep LBFGS eager.")
+    stepped_by_cgraph = (isinstance(optimizer, _DEVICE_RESIDENT)  # Note [Optimizers
+                         and not any(g.get("fused") for g in groups))  # without a capturable form]
+    if not (stepped_by_cgraph or isinstance(optimizer, torch.optim.SGD) or
             all("capturable" in g or g.get("fused") for g in groups)):
         raise ValueError(
-            f"cgraph: torch.optim.{name} has no capturable form (no capturable= or "
-            "fused= option), so its step cannot be part of a graphed training step. Step it "
-            "outside the graphed step, or use Adam, AdamW or SGD.")
+            f"cgraph: {type(optimizer).__module__}.{name} has no capturable form (no "
+            "capturable= or fused= option), so its step cannot be part of a graphed training "
+            "step. Step it outside the graphed step, or use an optimizer that has one (Adam, "
+            "AdamW, SGD, RMSprop, ...; Adagrad cgraph steps on the device itself).")
     if (scaled and not getattr(optimizer, "_step_supports_amp_scaling", False)
             and not _conditional_nodes()):
         raise ValueError(

@@ -240,16 +240,25 @@ def test_buckets_are_checked_and_sorted():
             normalize(bad)
 
 
-def test_a_step_refuses_optimizers_it_cannot_capture_naming_the_fix():
+def test_a_step_refuses_optimizers_it_cannot_capture_naming_the_fix(monkeypatch):
+    from cgraph import _step
     from cgraph._step import _check_capturable
 
     params = [torch.nn.Parameter(torch.zeros(2))]
-    with pytest.raises(ValueError, match="LBFGS has no capturable form.*outside"):
+    with pytest.raises(ValueError, match="LBFGS evaluates its closure.*outside the graphed"):
         _check_capturable(torch.optim.LBFGS(params), scaled=False)
-    with pytest.raises(ValueError, match=r"GradScaler.*Adam\(\.\.\., fused=True\)"):
-        _check_capturable(torch.optim.Adam(params), scaled=True)
+    with pytest.raises(ValueError, match="SparseAdam has no capturable form.*outside"):
+        _check_capturable(torch.optim.SparseAdam(params), scaled=False)
     _check_capturable(torch.optim.Adam(params), scaled=False)
     _check_capturable(torch.optim.SGD(params, lr=0.1), scaled=False)
+    _check_capturable(torch.optim.Adagrad(params), scaled=False)  # cgraph steps it
+    # A scaler with an optimizer that is not fused: a conditional node where
+    # this torch and CUDA have them, else refused.
+    monkeypatch.setattr(_step, "_conditional_nodes", lambda: True)
+    _check_capturable(torch.optim.Adam(params), scaled=True)
+    monkeypatch.setattr(_step, "_conditional_nodes", lambda: False)
+    with pytest.raises(ValueError, match=r"GradScaler.*Adam\(\.\.\., fused=True\)"):
+        _check_capturable(torch.optim.Adam(params), scaled=True)
 
 
 def test_repr_of_a_callable_with_no_graph_yet():

@@ -6,6 +6,7 @@ a deep copy from the same random state and compares bitwise, or with the
 float32 tolerance stated where the optimizer's math differs."""
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -95,6 +96,68 @@ def test_n_calls_are_n_eager_steps(name):
     for (p, q) in zip(opt.state.values(), opt_e.state.values()):
         for key in q:
             assert_equal(p[key].to(q[key].device).to(q[key].dtype), q[key], f"state {key}")
+
+
+def _every_optimizer():
+    """Every torch.optim optimizer but LBFGS and SparseAdam, at its defaults
+    (SGD with momentum), and with foreach= and fused= where it has them."""
+    made = {}
+    for cls in (torch.optim.Adadelta, torch.optim.Adagrad, torch.optim.Adam,
+                torch.optim.AdamW, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,
+                torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.SGD):
+        name = cls.__name__.lower()
+        extra = {"lr": 0.05, "momentum": 0.9} if cls is torch.optim.SGD else {}
+        made[name] = functools.partial(cls, **extra)
+        made[name + "-single-tensor"] = functools.partial(cls, foreach=False, **extra)
+        if cls in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+            made[name + "-fused"] = functools.partial(cls, fused=True, **extra)
+    return made
+
+
+EVERY_OPTIMIZER = _every_optimizer()
+
+
+@pytest.mark.parametrize("name", list(EVERY_OPTIMIZER))
+def test_every_optimizer_steps_inside_the_graph_as_eager(name):
+    """n graphed steps are n eager steps: parameters, grads, losses and
+    optimizer state.  Optimizers made capturable compute their step sizes
+    on the device in float32 where eager computes them on the host in
+    float64 (Adam's, NAdam's bias corrections): compared with
+    assert_close's float32 tolerance.  SGD and Adagrad with its default
+    lr_decay=0 (Note [Optimizers without a capturable form]): bitwise."""
+    exact = name.split("-")[0] in ("sgd", "adagrad")
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    make = EVERY_OPTIMIZER[name]
+    opt, opt_e = make(model.parameters()), make(eager.parameters())
+    step = cgraph.make_graphed_step(make_step(model, opt), batches[0])
+    losses = run(step, batches)
+    losses_e = run(make_step(eager, opt_e), batches)
+    assert step.stats == {"eager": 3, "captures": 1, "replays": 5}, step.stats
+    assert_same_training(model, eager, losses, losses_e, exact=exact)
+    for p, q in zip(opt.state.values(), opt_e.state.values()):
+        for key, value in q.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(p[key].to(value.device, value.dtype), value,
+                                           msg=lambda m, key=key: f"state {key}: {m}")
+
+
+def test_lbfgs_is_refused_naming_why():
+    model, batches = model_and_data(dropout=0.0)
+    opt = torch.optim.LBFGS(model.parameters())
+
+    def step(x, y):
+        def closure():
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        return opt.step(closure)
+
+    graphed = cgraph.make_graphed_step(step, batches[0], num_warmup_iters=1)
+    graphed(*batches[0])
+    with pytest.raises(ValueError, match="LBFGS evaluates its closure"):
+        graphed(*batches[1])
 
 
 @pytest.mark.parametrize("name", ["adam", "adamw"])
