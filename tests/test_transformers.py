@@ -143,13 +143,19 @@ def bert_step(model, batch, length):
     return (hidden * hidden).mean()
 
 
-def test_bert_with_every_encoder_layer_graphed_trains_as_eager():
-    """Dropout on (0.1): masks equal eager's call for call."""
+def small_bert(seed: int, attention: str = "eager", **config):
+    """A random-initialised two-layer BERT."""
     config = transformers.BertConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, attn_implementation="eager")
-    torch.manual_seed(51)
-    model = transformers.BertModel(config).to(CUDA)
+        num_attention_heads=4, max_position_embeddings=64, attn_implementation=attention,
+        **config)
+    torch.manual_seed(seed)
+    return transformers.BertModel(config).to(CUDA)
+
+
+def test_bert_with_every_encoder_layer_graphed_trains_as_eager():
+    """Dropout on (0.1): masks equal eager's call for call."""
+    model = small_bert(51)
     eager = copy.deepcopy(model)
     model.encoder.layer = graph_layers(model.encoder.layer)
     assert_training_equal(train(model, bert_step, 600), train(eager, bert_step, 600))
@@ -163,12 +169,7 @@ def test_bert_layers_padded_to_batch_buckets_train_as_eager():
     that row alone.  Dropout off: a padded call draws masks for more rows
     than eager, so its random stream differs (as the docstring of
     make_graphed says)."""
-    config = transformers.BertConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, attn_implementation="sdpa",
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    torch.manual_seed(53)
-    model = transformers.BertModel(config).to(CUDA)
+    model = small_bert(53, "sdpa", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     eager = copy.deepcopy(model)
     model.encoder.layer = graph_layers(model.encoder.layer, buckets=[2])
     assert_training_equal(train(model, bert_step, 800), train(eager, bert_step, 800),
@@ -198,11 +199,7 @@ def test_graph_layers_finds_and_graphs_llamas_decoder_layers_in_one_pool():
 
 
 def test_graph_layers_finds_berts_encoder_layers():
-    config = transformers.BertConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, max_position_embeddings=64, attn_implementation="eager")
-    torch.manual_seed(55)
-    model = transformers.BertModel(config).to(CUDA)
+    model = small_bert(55)
     eager = copy.deepcopy(model)
     cgraph.graph_layers(model)
     assert all(isinstance(layer, cgraph.GraphedModule) for layer in model.encoder.layer)
