@@ -7,6 +7,10 @@ loop then calls the replacements (training and evaluation), and a second fit
 leaves them as they are.  Training equal to eager is checked on a GPU in
 tests/test_transformers.py."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -154,3 +158,20 @@ def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, precision):
     assert graphed[0] == eager[0]
     for i, (g, e) in enumerate(zip(graphed[1], eager[1])):
         assert torch.equal(g, e), f"parameter {i}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("example, needs", [
+    ("hf_trainer", ("transformers", "accelerate")), ("lightning", ("lightning",)),
+    ("accelerate", ("accelerate", "transformers"))])
+def test_trainer_examples_train_as_eager(example, needs):
+    """Each example trains its model with and without cgraph and exits
+    non-zero unless losses and parameters are equal; the timings it prints
+    are not checked here (benchmarks time)."""
+    for package in needs:
+        pytest.importorskip(package)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", f"examples.{example}"], capture_output=True,
+                         text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "equal to eager's" in run.stdout and ": True" in run.stdout, run.stdout
