@@ -65,6 +65,9 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     if pool == "shared":
         pool = graph_pool_handle()
     graphed = [make_graphed(block, pool=pool, **make_graphed_kwargs) for block in blocks]
+    for block, wrapper in zip(blocks, graphed):
+        if isinstance(wrapper, nn.Module) and getattr(wrapper, "module", None) is block:
+            _keys_as_before(wrapper)
     setattr(found.owner, found.name, nn.Sequential(*graphed) if isinstance(blocks, nn.Sequential)
             else nn.ModuleList(graphed))
     share = _parameter_count(blocks) / max(_parameter_count(root), 1)
@@ -123,7 +126,8 @@ def _find(root: nn.Module, layers) -> Blocks:
 
 def _guess(root: nn.Module) -> nn.Module:
     candidates = [m for _, m in root.named_modules()
-                  if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2
+                  if m is not root and isinstance(m, (nn.ModuleList, nn.Sequential))
+                  and len(m) >= 2
                   and len({type(child) for child in m}) == 1
                   and not isinstance(m[0], GraphedModule)]
     candidates = [m for m in candidates if _parameter_count(m) > 0]
@@ -160,6 +164,29 @@ def _cache_off(root: nn.Module) -> None:
             log.info("cgraph: graph_layers set %s.config.use_cache = False: a graphed block "
                      "cannot append to a KV cache (training does not use one)",
                      type(module).__name__)
+
+
+def _keys_as_before(wrapper: nn.Module) -> None:
+    """A GraphedModule keeps its block under ``.module``, which would put
+    ``module.`` into every key of the model's state_dict under it, so that
+    checkpoints saved before graphing (or by an ungraphed copy: Hugging
+    Face's from_pretrained, a resumed Trainer, Lightning's restore) would
+    not load, nor those saved after graphing into an ungraphed model.
+    graph_layers changes the model in place, so its keys stay as they were."""
+    wrapper.register_state_dict_post_hook(_drop_module_name)
+    wrapper.register_load_state_dict_pre_hook(_add_module_name)
+
+
+def _drop_module_name(module, state_dict, prefix, local_metadata) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _add_module_name(module, state_dict, prefix, *args) -> None:
+    inner = prefix + "module."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 def _parameter_count(module: nn.Module) -> int:

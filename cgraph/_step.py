@@ -61,6 +61,7 @@ A: While the step is captured, the scaler's host test is replaced by a CUDA
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
 import time
@@ -106,16 +107,19 @@ def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
     computes no grad for its copy of it).
 
     Optimizers are made capturable before capture (Note [Capturable
-    optimizers] in cgraph/_step.py): Adam, AdamW and SGD (default, foreach,
-    fused) work as built; an LR scheduler stepped between calls takes effect
-    without recapture (for SGD without ``fused=True`` it recaptures, logged).
-    Capturable Adam/AdamW compute the step size on the device in float32,
-    not on the host in float64: parameters then match eager's to float32
-    rounding, not bitwise (fused ones: bitwise).  A ``GradScaler`` needs
-    ``fused=True`` optimizers.  A ``DistributedDataParallel`` model built as
-    usual may be called in ``fn``: its gradient allreduce is captured too, and
-    the step stays eager until DDP has had the 11 forwards it needs (Note [DDP
-    inside a graphed step] in cgraph/_ddp.py).  Python side effects in ``fn``
+    optimizers] in cgraph/_step.py): torch.optim's optimizers work as built,
+    those with a ``capturable=`` option, SGD, and Adagrad (Note [Optimizers
+    without a capturable form]); LBFGS is refused.  An LR scheduler stepped
+    between calls takes effect without recapture where the optimizer reads
+    lr on the device (otherwise it recaptures, logged).  Capturable
+    optimizers compute their step sizes on the device in float32, not on the
+    host in float64: parameters then match eager's to float32 rounding, not
+    bitwise (fused ones, SGD, Adagrad: bitwise).  A ``GradScaler`` works
+    with any of them (Note [GradScaler with any optimizer]).  A
+    ``DistributedDataParallel`` model built as usual may be called in ``fn``:
+    its gradient allreduce is captured too, and the step stays eager until
+    DDP has had the 11 forwards it needs (Note [DDP inside a graphed step]
+    in cgraph/_ddp.py).  Python side effects in ``fn``
     (a counter, a print) run once, at capture.  A host sync in ``fn``
     (``.item()``, a branch on a tensor) or a draw from the CPU's random
     generator raises ``CaptureError`` naming it and the fix.
@@ -361,7 +365,8 @@ class GraphedStep:
         if "capturable" in group or isinstance(optimizer, _DEVICE_RESIDENT):
             for p in group["params"]:
                 _state_to_device(optimizer.state.get(p, {}), p.device)
-        reads_device_lr = group.get("capturable") or group.get("fused")
+        reads_device_lr = group.get("fused") or (
+            group.get("capturable") and not _reads_lr_on_the_host(optimizer, group))
         lr = None
         if reads_device_lr and not isinstance(group["lr"], torch.Tensor):
             lr = torch.tensor(float(group["lr"]), device=group["params"][0].device)
@@ -480,6 +485,17 @@ def _fits(got: torch.Tensor, want: torch.Tensor) -> bool:
 _DEVICE_RESIDENT = (torch.optim.Adagrad,)
 
 
+# Capturable optimizers whose single-tensor step reads a tensor lr back to the
+# host (``alpha=-lr``), a sync a capture cannot hold: their lr stays a number,
+# baked into the graph, and a change recaptures (Note [Capturable optimizers]).
+_SINGLE_TENSOR_LR_ON_HOST = (torch.optim.Adadelta, torch.optim.RMSprop)
+
+
+def _reads_lr_on_the_host(optimizer, group: dict) -> bool:
+    return isinstance(optimizer, _SINGLE_TENSOR_LR_ON_HOST) and (
+        group.get("foreach") is False or bool(group.get("differentiable")))
+
+
 def _state_to_device(state: dict, device: torch.device) -> None:
     """An optimizer's one-element state (step counts; NAdam's mu_product)
     moved to its parameter's device, as capturable=True keeps it."""
@@ -501,6 +517,11 @@ def _check_capturable(optimizer, scaled: bool) -> None:
             "cgraph.make_graphed and keep LBFGS eager.")
     stepped_by_cgraph = (isinstance(optimizer, _DEVICE_RESIDENT)  # Note [Optimizers
                          and not any(g.get("fused") for g in groups))  # without a capturable form]
+    if stepped_by_cgraph and any(isinstance(g["lr"], torch.Tensor) for g in groups):
+        raise ValueError(
+            f"cgraph: this {name} has a tensor lr, which cgraph's device-resident {name} step "
+            "cannot read on the device yet. Pass lr as a float: an LR scheduler's changes "
+            "then recapture the step (logged).")
     if not (stepped_by_cgraph or isinstance(optimizer, torch.optim.SGD) or
             all("capturable" in g or g.get("fused") for g in groups)):
         raise ValueError(
@@ -520,12 +541,25 @@ def _check_capturable(optimizer, scaled: bool) -> None:
 
 def _conditional_nodes() -> bool:
     """Whether captures can hold CUDA conditional nodes (torch's
-    begin_capture_to_if_node, CUDA 12.4 and later)."""
+    begin_capture_to_if_node, CUDA 12.4 and later, built and driver)."""
     version = torch.version.cuda
     graph = torch.cuda.CUDAGraph
-    return (hasattr(graph, "begin_capture_to_if_node") and version is not None
+    if not (hasattr(graph, "begin_capture_to_if_node") and version is not None
             and hasattr(graph, "get_currently_capturing_graph")
-            and tuple(int(x) for x in version.split(".")[:2]) >= (12, 4))
+            and tuple(int(x) for x in version.split(".")[:2]) >= (12, 4)):
+        return False
+    return _driver_version() >= 12040  # an older driver would fail inside the capture
+
+
+@functools.cache
+def _driver_version() -> int:
+    """The CUDA driver's version (12040 for 12.4), 0 where none loads."""
+    version = ctypes.c_int(0)
+    try:
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+    except OSError:
+        return 0
+    return version.value
 
 
 def _scaler_steps_on_the_device():

@@ -17,8 +17,10 @@ __all__ = ["CUDAGraphs"]
 
 class CUDAGraphs(Callback):
     """Graphs the LightningModule's repeated blocks
-    (:func:`cgraph.graph_layers`) when fitting starts, after the strategy
-    has set the module up (DDP wraps it then).
+    (:func:`cgraph.graph_layers`) when training starts: after the strategy
+    has set the module up (DDP wraps it then) and after the sanity-check
+    validation, which runs under ``torch.inference_mode``, where torch up to
+    2.11 must not capture a process's first graph (pytorch#172706).
 
     Each block captures on its first call, one graph per shape, train and
     eval mode, and autocast state: ``precision="16-mixed"`` or
@@ -31,5 +33,5 @@ class CUDAGraphs(Callback):
     def __init__(self, **graph_layers_kwargs):
         self.graph_layers_kwargs = graph_layers_kwargs
 
-    def on_fit_start(self, trainer, pl_module) -> None:
+    def on_train_start(self, trainer, pl_module) -> None:
         graph_layers_once(pl_module, "CUDAGraphs", **self.graph_layers_kwargs)

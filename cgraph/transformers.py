@@ -36,4 +36,20 @@ class CUDAGraphsCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
+        _refuse_what_cannot_be_graphed(args)
         graph_layers_once(model, "CUDAGraphsCallback", **self.graph_layers_kwargs)
+
+
+def _refuse_what_cannot_be_graphed(args) -> None:
+    if getattr(args, "n_gpu", 1) > 1:  # one process, several GPUs: nn.DataParallel
+        raise ValueError(
+            f"cgraph: CUDAGraphsCallback: the Trainer runs on {args.n_gpu} GPUs in one process "
+            "(torch.nn.DataParallel), which would replay each graph on GPUs it was not "
+            "captured on. Launch one process per GPU (torchrun --nproc_per_node=N "
+            "train.py), or make one GPU visible (CUDA_VISIBLE_DEVICES=0).")
+    if getattr(args, "torch_compile", False):
+        raise ValueError(
+            "cgraph: CUDAGraphsCallback: torch_compile=True compiles the whole model around "
+            "the layers the callback would graph. Pass torch_compile=False; to compile as "
+            "well, compile each layer (layer.compile()) before training: cgraph graphs "
+            "compiled layers.")

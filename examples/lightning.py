@@ -6,9 +6,9 @@ builds in place):
 
 A LightningModule around a small GPT-style model (6 blocks of width 256:
 the host bounds its step), trained for 40 steps on synthetic tokens with
-``precision="bf16-mixed"``, ``accumulate_grad_batches=2`` and a validation
-pass, once as is and once with ``callbacks=[CUDAGraphs()]``, which graphs
-every block when fitting starts.  Checks that both runs end with the same
+``precision="bf16-mixed"``, ``accumulate_grad_batches=2``, the sanity-check
+validation and a validation pass, once as is and once with ``callbacks=[CUDAGraphs()]``, which graphs
+every block when training starts.  Checks that both runs end with the same
 parameters (no dropout: bitwise) and prints the median time per optimizer
 step of each.
 """
@@ -97,8 +97,7 @@ def train(callbacks):
     trainer = lightning.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed",
                                 max_steps=STEPS, accumulate_grad_batches=2, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False, num_sanity_val_steps=0,
-                                val_check_interval=STEPS, callbacks=[timer, *callbacks])
+                                enable_model_summary=False, val_check_interval=STEPS, callbacks=[timer, *callbacks])
     trainer.fit(module, train_data, val_data)
     params = [p.detach().clone() for p in module.parameters()]
     return params, statistics.median(timer.times[5:]) * 1e3

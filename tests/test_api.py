@@ -259,6 +259,26 @@ def test_a_step_refuses_optimizers_it_cannot_capture_naming_the_fix(monkeypatch)
     monkeypatch.setattr(_step, "_conditional_nodes", lambda: False)
     with pytest.raises(ValueError, match=r"GradScaler.*Adam\(\.\.\., fused=True\)"):
         _check_capturable(torch.optim.Adam(params), scaled=True)
+    with pytest.raises(ValueError, match="tensor lr.*as a float"):
+        _check_capturable(torch.optim.Adagrad(params, lr=torch.tensor(0.1)), scaled=False)
+
+
+@pytest.mark.parametrize("make, device_lr", [
+    (lambda ps: torch.optim.RMSprop(ps, foreach=False), False),
+    (lambda ps: torch.optim.Adadelta(ps, foreach=False), False),
+    (lambda ps: torch.optim.RMSprop(ps, foreach=True), True),
+    (lambda ps: torch.optim.Adam(ps, foreach=False), True),
+    (lambda ps: torch.optim.SGD(ps, lr=0.1), False),
+])
+def test_a_step_gives_the_lr_as_a_tensor_only_to_steps_that_read_it_on_the_device(
+        make, device_lr):
+    """Single-tensor RMSprop and Adadelta turn a tensor lr back into a
+    number (alpha=-lr): a host read.  Their lr stays baked into the graph."""
+    from cgraph._step import GraphedStep
+    opt = make([torch.nn.Parameter(torch.zeros(2))])
+    group = GraphedStep._capturable(None, opt, opt.param_groups[0])
+    assert (group.lr is not None) == device_lr
+    assert ("lr" in group.baked) != device_lr
 
 
 def test_repr_of_a_callable_with_no_graph_yet():

@@ -46,8 +46,8 @@ def graphed_by(monkeypatch):
 
     def make_graphed(block, **kwargs):
         calls.append((block, kwargs))
-        marker = nn.Module()
-        marker.block = block
+        marker = nn.Module()  # as a GraphedModule keeps its block
+        marker.module = block
         return marker
 
     monkeypatch.setattr(_layers, "make_graphed", make_graphed)
@@ -70,7 +70,7 @@ def test_each_block_is_graphed_with_one_shared_pool_in_place(graphed_by):
     blocks = list(model.blocks)
     assert cgraph.graph_layers(model, num_warmup_iters=2) is model
     assert isinstance(model.blocks, nn.ModuleList)
-    assert [m.block for m in model.blocks] == blocks
+    assert [m.module for m in model.blocks] == blocks
     assert [b for b, _ in graphed_by] == blocks
     assert all(kw == {"pool": (0, 77), "num_warmup_iters": 2} for _, kw in graphed_by)
 
@@ -84,7 +84,7 @@ def test_layers_by_path_or_by_module(graphed_by):
     model = GPT()
     heads = list(model.heads)
     cgraph.graph_layers(model, layers="heads")
-    assert [m.block for m in model.heads] == heads
+    assert [m.module for m in model.heads] == heads
     other = GPT()
     cgraph.graph_layers(other, layers=other.heads)
     assert len(graphed_by) == 4
@@ -99,7 +99,7 @@ def test_a_sequential_stays_a_sequential(graphed_by):
 def test_ddp_models_are_graphed_inside(graphed_by, mesh):
     ddp = nn.parallel.DistributedDataParallel(GPT())
     assert cgraph.graph_layers(ddp) is ddp
-    assert len(graphed_by) == 4 and all(hasattr(m, "block") for m in ddp.module.blocks)
+    assert len(graphed_by) == 4 and all(hasattr(m, "module") for m in ddp.module.blocks)
 
 
 def test_a_hugging_face_cache_is_turned_off_and_logged(graphed_by, caplog):
@@ -111,7 +111,7 @@ def test_a_hugging_face_cache_is_turned_off_and_logged(graphed_by, caplog):
     with caplog.at_level(logging.INFO, logger="cgraph"):
         cgraph.graph_layers(model)
     assert model.config.use_cache is False
-    assert [b for b, _ in graphed_by] == [m.block for m in model.model.layers]
+    assert [b for b, _ in graphed_by] == [m.module for m in model.model.layers]
     text = caplog.text
     assert "use_cache = False" in text and "graphed 2 LlamaDecoderLayer blocks at " \
         "'model.layers'" in text, text
@@ -189,3 +189,33 @@ def test_fsdp_blocks_are_graphed(mesh, graphed_by):
     fully_shard(model, mesh=mesh)
     cgraph.graph_layers(model)
     assert len(graphed_by) == 4
+
+
+def test_state_dict_keys_stay_as_they_were_both_ways(graphed_by):
+    """graph_layers changes the model in place: checkpoints saved before
+    graphing load into the graphed model and the other way round."""
+    model, fresh = GPT(), GPT()
+    keys = list(model.state_dict())
+    cgraph.graph_layers(model)
+    assert list(model.state_dict()) == keys
+    model.load_state_dict(fresh.state_dict())  # strict
+    assert torch.equal(model.blocks[1].module.linear.weight, fresh.blocks[1].linear.weight)
+    with torch.no_grad():
+        model.blocks[2].module.linear.weight.add_(1)
+    fresh.load_state_dict(model.state_dict())  # strict
+    assert torch.equal(fresh.blocks[2].linear.weight, model.blocks[2].module.linear.weight)
+
+
+def test_a_graphed_hugging_face_model_saves_what_from_pretrained_loads(graphed_by, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    cgraph.graph_layers(model)
+    with torch.no_grad():
+        model.model.layers[1].module.mlp.up_proj.weight.mul_(3)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    for (name, p), q in zip(loaded.named_parameters(), model.state_dict().values()):
+        assert torch.equal(p, q), name

@@ -99,8 +99,9 @@ def test_n_calls_are_n_eager_steps(name):
 
 
 def _every_optimizer():
-    """Every torch.optim optimizer but LBFGS and SparseAdam, at its defaults
-    (SGD with momentum), and with foreach= and fused= where it has them."""
+    """torch.optim's optimizers (LBFGS and SparseAdam aside; Adafactor and
+    Muon, in newer torch, have no capturable form), at their defaults (SGD
+    with momentum), single-tensor, and fused where they have it."""
     made = {}
     for cls in (torch.optim.Adadelta, torch.optim.Adagrad, torch.optim.Adam,
                 torch.optim.AdamW, torch.optim.Adamax, torch.optim.ASGD, torch.optim.NAdam,

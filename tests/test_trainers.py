@@ -82,7 +82,7 @@ def test_hf_trainer_callback_graphs_the_decoder_layers_at_train_start(counted, t
     assert len(counted) == 2
 
 
-def test_lightning_callback_graphs_the_blocks_at_fit_start(counted):
+def test_lightning_callback_graphs_the_blocks_when_training_starts(counted):
     lightning = pytest.importorskip("lightning")
     from cgraph.lightning import CUDAGraphs
 
@@ -116,11 +116,11 @@ def test_lightning_callback_graphs_the_blocks_at_fit_start(counted):
     trainer = lightning.Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2,
                                 limit_val_batches=1, val_check_interval=2, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False, num_sanity_val_steps=0,
-                                callbacks=[CUDAGraphs()])
+                                enable_model_summary=False, callbacks=[CUDAGraphs()])
     trainer.fit(module, data, data)
     assert all(type(block) is Counted for block in module.blocks)
-    # 2 steps x 2 micro-batches, and one validation batch after every second
+    # Graphed after the sanity check (one batch: limit_val_batches), then 2
+    # steps x 2 micro-batches, and one validation batch after every second
     # training batch (val_check_interval counts batches).
     assert [block.calls for block in module.blocks] == [6, 6, 6]
 
@@ -150,6 +150,9 @@ def _hf_run(transformers, tmp_path, callbacks, precision):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", [None, "bf16"])
 def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, precision):
+    if torch.cuda.device_count() > 1:
+        pytest.skip("several GPUs visible: the Trainer would use DataParallel, which the "
+                    "callback refuses (tested on the CPU)")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from cgraph.transformers import CUDAGraphsCallback
@@ -167,11 +170,28 @@ def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, precision):
 def test_trainer_examples_train_as_eager(example, needs):
     """Each example trains its model with and without cgraph and exits
     non-zero unless losses and parameters are equal; the timings it prints
-    are not checked here (benchmarks time)."""
+    are not checked here (benchmarks time).  On one GPU: the HF Trainer
+    would use DataParallel over several."""
     for package in needs:
         pytest.importorskip(package)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    one_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": str(torch.cuda.current_device())
+               if "CUDA_VISIBLE_DEVICES" not in os.environ
+               else os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0]}
     run = subprocess.run([sys.executable, "-m", f"examples.{example}"], capture_output=True,
-                         text=True, timeout=300, cwd=root)
+                         text=True, timeout=300, cwd=root, env=one_gpu)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "equal to eager's" in run.stdout and ": True" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("setting, match", [
+    ({"n_gpu": 2}, "torchrun --nproc_per_node"), ({"torch_compile": True}, "torch_compile=False")])
+def test_hf_callback_refuses_what_it_cannot_graph(setting, match, counted):
+    pytest.importorskip("transformers")
+    from types import SimpleNamespace
+
+    from cgraph.transformers import CUDAGraphsCallback
+    args = SimpleNamespace(**{"n_gpu": 1, "torch_compile": False, **setting})
+    with pytest.raises(ValueError, match=match):
+        CUDAGraphsCallback().on_train_begin(args, None, None, model=nn.Linear(2, 2))
+    assert counted == []
