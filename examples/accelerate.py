@@ -21,6 +21,7 @@ import torch
 import transformers
 
 import cgraph
+from examples._compare import report
 
 STEPS, ACCUMULATE = 40, 2
 
@@ -63,15 +64,7 @@ def train(graphed: bool):
 
 
 def main():
-    eager_losses, eager_params, eager_ms = train(graphed=False)
-    graphed_losses, graphed_params, graphed_ms = train(graphed=True)
-    same = torch.equal(graphed_losses, eager_losses) and all(
-        torch.equal(p, q) for p, q in zip(graphed_params, eager_params))
-    print(f"losses and parameters equal to eager's after {STEPS} steps: {same}")
-    print(f"ms per step: eager {eager_ms:.1f}, cgraph {graphed_ms:.1f} "
-          f"({graphed_ms / eager_ms:.2f}x)")
-    if not same:
-        raise SystemExit("the graphed run differs from eager's")
+    report(train(graphed=False), train(graphed=True), STEPS)
 
 
 if __name__ == "__main__":

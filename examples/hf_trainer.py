@@ -22,6 +22,7 @@ import transformers
 from transformers.trainer_utils import set_seed
 
 from cgraph.transformers import CUDAGraphsCallback
+from examples._compare import report
 
 STEPS = 40
 
@@ -72,15 +73,7 @@ def train(callbacks):
 
 
 def main():
-    eager_losses, eager_params, eager_ms = train([])
-    graphed_losses, graphed_params, graphed_ms = train([CUDAGraphsCallback()])
-    same = graphed_losses == eager_losses and all(
-        torch.equal(p, q) for p, q in zip(graphed_params, eager_params))
-    print(f"losses and parameters equal to eager's after {len(eager_losses)} steps: {same}")
-    print(f"ms per step: eager {eager_ms:.1f}, cgraph {graphed_ms:.1f} "
-          f"({graphed_ms / eager_ms:.2f}x)")
-    if not same:
-        raise SystemExit("the graphed run differs from eager's")
+    report(train([]), train([CUDAGraphsCallback()]), STEPS)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,20 @@
+"""What the trainer examples (hf_trainer.py, lightning.py, accelerate.py)
+print: whether the run with cgraph ended where the run without it did, and
+the time per optimizer step of each."""
+
+import torch
+
+
+def report(eager, graphed, steps: int) -> None:
+    """`eager` and `graphed`: (losses or None, parameters, ms per step) of
+    each run.  Exits non-zero if the runs differ."""
+    (eager_losses, eager_params, eager_ms), (losses, params, ms) = eager, graphed
+    same = all(torch.equal(p, q) for p, q in zip(params, eager_params))
+    if eager_losses is not None:
+        same = same and (torch.equal(losses, eager_losses) if torch.is_tensor(losses)
+                         else losses == eager_losses)
+    what = "parameters" if eager_losses is None else "losses and parameters"
+    print(f"{what} equal to eager's after {steps} steps: {same}")
+    print(f"ms per step: eager {eager_ms:.1f}, cgraph {ms:.1f} ({ms / eager_ms:.2f}x)")
+    if not same:
+        raise SystemExit("the graphed run differs from eager's")
