@@ -128,7 +128,7 @@ def test_lightning_callback_graphs_the_blocks_when_training_starts(counted):
 # ---- on a GPU: trained through the trainer, equal to the same run eagerly -----
 
 
-def _hf_run(transformers, tmp_path, callbacks, precision):
+def _hf_run(transformers, tmp_path, callbacks, setting):
     from transformers.trainer_utils import set_seed
     set_seed(0)
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
@@ -139,7 +139,7 @@ def _hf_run(transformers, tmp_path, callbacks, precision):
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=4, per_device_train_batch_size=2,
         gradient_accumulation_steps=2, report_to=[], save_strategy="no", logging_steps=1,
-        seed=0, data_seed=0, **{precision: True} if precision else {})
+        seed=0, data_seed=0, **{setting: True} if setting else {})
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
                                    callbacks=callbacks)
     trainer.train()
@@ -148,16 +148,18 @@ def _hf_run(transformers, tmp_path, callbacks, precision):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision", [None, "bf16"])
-def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, precision):
+@pytest.mark.parametrize("setting", [None, "bf16", "gradient_checkpointing"])
+def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, setting):
+    """Plain, bf16 autocast, and gradient checkpointing (each decoder layer
+    checkpointed inside its own graphs)."""
     if torch.cuda.device_count() > 1:
         pytest.skip("several GPUs visible: the Trainer would use DataParallel, which the "
                     "callback refuses (tested on the CPU)")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from cgraph.transformers import CUDAGraphsCallback
-    eager = _hf_run(transformers, tmp_path, [], precision)
-    graphed = _hf_run(transformers, tmp_path, [CUDAGraphsCallback()], precision)
+    eager = _hf_run(transformers, tmp_path, [], setting)
+    graphed = _hf_run(transformers, tmp_path, [CUDAGraphsCallback()], setting)
     assert graphed[0] == eager[0]
     for i, (g, e) in enumerate(zip(graphed[1], eager[1])):
         assert torch.equal(g, e), f"parameter {i}"
