@@ -305,6 +305,24 @@ def make_graphed(
     return GraphedModule(fn, g, call)
 
 
+def graphed_in_place(module: nn.Module, **make_graphed_kwargs) -> nn.Module:
+    """make_graphed for a block inside a model (cgraph.graph_layers): the
+    module itself comes back, its ``forward`` the graphed callable, as the
+    drop-in returns modules, so every name in the model (state_dict keys,
+    named_parameters, optimizer and distributed checkpoints) stays as it
+    was.  Its graphs are ``module.forward`` (stats, num_graphs, reset)."""
+    wrapper = make_graphed(module, **make_graphed_kwargs)
+    if not _has_hooks(module):  # with hooks make_graphed did this already
+        module.forward = wrapper.forward
+    return module
+
+
+def is_graphed(module: nn.Module) -> bool:
+    """Whether make_graphed, the drop-in or graph_layers graphed `module`."""
+    return isinstance(module, GraphedModule) or isinstance(
+        module.__dict__.get("forward"), (_C.Graphed, Bucketed))
+
+
 class GraphedModule(nn.Module):
     """An ``nn.Module`` whose forward replays CUDA graphs of ``self.module``.
 

@@ -5,7 +5,9 @@ more children of one type that holds the most parameters, as Hugging Face's
 ``model.model.layers`` and ``encoder.layer``, timm's ``blocks`` and a GPT's
 ``h`` are.  An outer list of layers holds the parameters of any list inside
 its layers (a mixture of experts' ``experts``), so it wins over them.  Where
-the guess is not wanted, ``layers=`` names the list.
+the guess is not wanted, ``layers=`` names the list.  The blocks stay
+where they are (their ``forward`` is replaced), so every name in the model
+does too.
 """
 
 from __future__ import annotations
@@ -16,23 +18,27 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _fsdp
-from ._api import GraphedModule, graph_pool_handle, make_graphed
+from ._api import graph_pool_handle, graphed_in_place, is_graphed
 from ._log import log
 
 
 class Blocks(NamedTuple):
     """The list of blocks graph_layers graphs, and where it sits."""
 
-    owner: nn.Module  # the module holding the list
-    name: str  # the list's attribute on `owner`
     path: str  # below the model (the module DDP wraps)
     blocks: nn.Module  # an nn.ModuleList or nn.Sequential
 
 
 def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
                  pool: Any = "shared", **make_graphed_kwargs) -> nn.Module:
-    """Replace each of `model`'s repeated blocks by ``make_graphed(block)``,
-    captured on its first call, and return `model` (changed in place).
+    """Graph each of `model`'s repeated blocks as :func:`make_graphed` does,
+    captured on its first call, and return `model`.
+
+    Each block stays in its place, its ``forward`` replaced by its graphed
+    callable (as :func:`make_graphed_callables` returns modules), so
+    ``state_dict`` keys, parameter names and checkpoints are unchanged; a
+    block's graphs are ``block.forward`` (``stats``, ``num_graphs``,
+    ``reset()``).
 
     ``layers``: the blocks' list, as a path below the model (``"model.layers"``,
     below the module a ``DistributedDataParallel`` wraps) or as the
@@ -64,15 +70,11 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     _cache_off(root)
     if pool == "shared":
         pool = graph_pool_handle()
-    graphed = [make_graphed(block, pool=pool, **make_graphed_kwargs) for block in blocks]
-    for block, wrapper in zip(blocks, graphed):
-        if isinstance(wrapper, nn.Module) and getattr(wrapper, "module", None) is block:
-            _keys_as_before(wrapper)
-    setattr(found.owner, found.name, nn.Sequential(*graphed) if isinstance(blocks, nn.Sequential)
-            else nn.ModuleList(graphed))
+    for block in blocks:
+        graphed_in_place(block, pool=pool, **make_graphed_kwargs)
     share = _parameter_count(blocks) / max(_parameter_count(root), 1)
     log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
-             "%s; each captures on its first call", len(graphed), type(blocks[0]).__name__,
+             "%s; each captures on its first call", len(blocks), type(blocks[0]).__name__,
              path, 100 * share,
              "one pool" if pool is not None else "a pool each")
     return model
@@ -82,7 +84,7 @@ def graph_layers_once(model: nn.Module, who: str, **graph_layers_kwargs) -> None
     """graph_layers, for the framework callbacks (cgraph/transformers.py,
     cgraph/lightning.py): a model with graphed blocks already (a second
     fit, or blocks the user graphed) is left as it is, logged."""
-    if any(isinstance(m, GraphedModule) for m in model.modules()):
+    if any(is_graphed(m) for m in model.modules()):
         log.info("cgraph: %s: %s has graphed blocks already; left as it is", who,
                  type(model).__name__)
         return
@@ -118,10 +120,9 @@ def _find(root: nn.Module, layers) -> Blocks:
     if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
         raise TypeError(f"cgraph: graph_layers: '{path}' is a {type(blocks).__name__}; it "
                         "takes a non-empty nn.ModuleList or nn.Sequential of blocks.")
-    if any(isinstance(block, GraphedModule) for block in blocks):
+    if any(is_graphed(block) for block in blocks):
         raise ValueError(f"cgraph: graph_layers: the blocks at '{path}' are graphed already.")
-    owner_path, _, name = path.rpartition(".")
-    return Blocks(root.get_submodule(owner_path), name, path, blocks)
+    return Blocks(path, blocks)
 
 
 def _guess(root: nn.Module) -> nn.Module:
@@ -129,7 +130,7 @@ def _guess(root: nn.Module) -> nn.Module:
                   if m is not root and isinstance(m, (nn.ModuleList, nn.Sequential))
                   and len(m) >= 2
                   and len({type(child) for child in m}) == 1
-                  and not isinstance(m[0], GraphedModule)]
+                  and not is_graphed(m[0])]
     candidates = [m for m in candidates if _parameter_count(m) > 0]
     if not candidates:
         raise ValueError(
@@ -164,29 +165,6 @@ def _cache_off(root: nn.Module) -> None:
             log.info("cgraph: graph_layers set %s.config.use_cache = False: a graphed block "
                      "cannot append to a KV cache (training does not use one)",
                      type(module).__name__)
-
-
-def _keys_as_before(wrapper: nn.Module) -> None:
-    """A GraphedModule keeps its block under ``.module``, which would put
-    ``module.`` into every key of the model's state_dict under it, so that
-    checkpoints saved before graphing (or by an ungraphed copy: Hugging
-    Face's from_pretrained, a resumed Trainer, Lightning's restore) would
-    not load, nor those saved after graphing into an ungraphed model.
-    graph_layers changes the model in place, so its keys stay as they were."""
-    wrapper.register_state_dict_post_hook(_drop_module_name)
-    wrapper.register_load_state_dict_pre_hook(_add_module_name)
-
-
-def _drop_module_name(module, state_dict, prefix, local_metadata) -> None:
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
-
-
-def _add_module_name(module, state_dict, prefix, *args) -> None:
-    inner = prefix + "module."
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
-        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 def _parameter_count(module: nn.Module) -> int:

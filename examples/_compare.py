@@ -1,6 +1,6 @@
-"""What the trainer examples (hf_trainer.py, lightning.py, accelerate.py)
-print: whether the run with cgraph ended where the run without it did, and
-the time per optimizer step of each."""
+"""What the trainer examples (hf_trainer.py, lightning_callback.py,
+accelerate_loop.py) print: whether the run with cgraph ended where the run
+without it did, and the time per optimizer step of each."""
 
 import torch
 

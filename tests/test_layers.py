@@ -3,6 +3,7 @@ them (make_graphed itself is stood in for: it needs a GPU), and what it
 refuses.  Training equality on a GPU is in tests/test_transformers.py."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -38,19 +39,30 @@ class GPT(nn.Module):
         return self.heads[1](self.heads[0](h))
 
 
+class Replaced:
+    """The stand-in for a graphed callable: the block's own forward."""
+
+    def __init__(self, block):
+        self.forward = type(block).forward.__get__(block)
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
 @pytest.fixture
 def graphed_by(monkeypatch):
-    """make_graphed and graph_pool_handle stood in for: the calls, and a
-    marker module per block."""
+    """graphed_in_place and graph_pool_handle stood in for (graphs need a
+    GPU): the calls; each block's forward becomes a Replaced."""
     calls = []
 
-    def make_graphed(block, **kwargs):
+    def graphed_in_place(block, **kwargs):
         calls.append((block, kwargs))
-        marker = nn.Module()  # as a GraphedModule keeps its block
-        marker.module = block
-        return marker
+        block.forward = Replaced(block)
+        return block
 
-    monkeypatch.setattr(_layers, "make_graphed", make_graphed)
+    monkeypatch.setattr(_layers, "graphed_in_place", graphed_in_place)
+    monkeypatch.setattr(_layers, "is_graphed",
+                        lambda m: isinstance(m.__dict__.get("forward"), Replaced))
     monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 77))
     return calls
 
@@ -65,12 +77,12 @@ def test_an_outer_list_wins_over_the_lists_inside_its_blocks():
     assert path == "blocks"
 
 
-def test_each_block_is_graphed_with_one_shared_pool_in_place(graphed_by):
+def test_each_block_is_graphed_in_place_with_one_shared_pool(graphed_by):
     model = GPT()
     blocks = list(model.blocks)
     assert cgraph.graph_layers(model, num_warmup_iters=2) is model
-    assert isinstance(model.blocks, nn.ModuleList)
-    assert [m.module for m in model.blocks] == blocks
+    assert list(model.blocks) == blocks
+    assert all(isinstance(b.forward, Replaced) for b in model.blocks)
     assert [b for b, _ in graphed_by] == blocks
     assert all(kw == {"pool": (0, 77), "num_warmup_iters": 2} for _, kw in graphed_by)
 
@@ -82,24 +94,23 @@ def test_pool_none_gives_each_block_its_own(graphed_by):
 
 def test_layers_by_path_or_by_module(graphed_by):
     model = GPT()
-    heads = list(model.heads)
     cgraph.graph_layers(model, layers="heads")
-    assert [m.module for m in model.heads] == heads
+    assert [b for b, _ in graphed_by] == list(model.heads)
     other = GPT()
     cgraph.graph_layers(other, layers=other.heads)
     assert len(graphed_by) == 4
 
 
-def test_a_sequential_stays_a_sequential(graphed_by):
+def test_a_sequential_of_blocks_is_found(graphed_by):
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(Block(), Block(), Block()))
     cgraph.graph_layers(model)
-    assert type(model[1]) is nn.Sequential and len(graphed_by) == 3
+    assert [b for b, _ in graphed_by] == list(model[1])
 
 
 def test_ddp_models_are_graphed_inside(graphed_by, mesh):
     ddp = nn.parallel.DistributedDataParallel(GPT())
     assert cgraph.graph_layers(ddp) is ddp
-    assert len(graphed_by) == 4 and all(hasattr(m, "module") for m in ddp.module.blocks)
+    assert [b for b, _ in graphed_by] == list(ddp.module.blocks)
 
 
 def test_a_hugging_face_cache_is_turned_off_and_logged(graphed_by, caplog):
@@ -111,7 +122,7 @@ def test_a_hugging_face_cache_is_turned_off_and_logged(graphed_by, caplog):
     with caplog.at_level(logging.INFO, logger="cgraph"):
         cgraph.graph_layers(model)
     assert model.config.use_cache is False
-    assert [b for b, _ in graphed_by] == [m.module for m in model.model.layers]
+    assert [b for b, _ in graphed_by] == list(model.model.layers)
     text = caplog.text
     assert "use_cache = False" in text and "graphed 2 LlamaDecoderLayer blocks at " \
         "'model.layers'" in text, text
@@ -158,18 +169,18 @@ def test_a_compiled_model_is_refused_naming_the_order():
         cgraph.graph_layers(torch.compile(GPT()))
 
 
-def test_graphing_twice_is_refused(monkeypatch):
-    def make_graphed(block, **kwargs):
-        marker = cgraph.GraphedModule.__new__(cgraph.GraphedModule)
-        nn.Module.__init__(marker)
-        return marker
-
-    monkeypatch.setattr(_layers, "make_graphed", make_graphed)
-    monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 1))
+def test_graphing_twice_is_refused(graphed_by):
     model = GPT()
     cgraph.graph_layers(model)
     with pytest.raises(ValueError, match="graphed already"):
         cgraph.graph_layers(model, layers="blocks")
+
+
+def test_a_graphed_block_is_recognised():
+    block = Block()
+    assert not cgraph._api.is_graphed(block)
+    block.forward = cgraph._api.Bucketed.__new__(cgraph._api.Bucketed)
+    assert cgraph._api.is_graphed(block)
 
 
 def test_fsdp_on_the_root_alone_is_refused_naming_the_recipe(mesh, graphed_by):
@@ -191,19 +202,17 @@ def test_fsdp_blocks_are_graphed(mesh, graphed_by):
     assert len(graphed_by) == 4
 
 
-def test_state_dict_keys_stay_as_they_were_both_ways(graphed_by):
-    """graph_layers changes the model in place: checkpoints saved before
-    graphing load into the graphed model and the other way round."""
+def test_every_name_in_the_model_stays_as_it_was(graphed_by):
+    """The blocks stay in place: state_dict keys and parameter names (which
+    optimizer and distributed checkpoints use) are those of the model
+    before graphing, and checkpoints load both ways."""
     model, fresh = GPT(), GPT()
-    keys = list(model.state_dict())
+    keys, names = list(model.state_dict()), [n for n, _ in model.named_parameters()]
     cgraph.graph_layers(model)
     assert list(model.state_dict()) == keys
+    assert [n for n, _ in model.named_parameters()] == names
     model.load_state_dict(fresh.state_dict())  # strict
-    assert torch.equal(model.blocks[1].module.linear.weight, fresh.blocks[1].linear.weight)
-    with torch.no_grad():
-        model.blocks[2].module.linear.weight.add_(1)
-    fresh.load_state_dict(model.state_dict())  # strict
-    assert torch.equal(fresh.blocks[2].linear.weight, model.blocks[2].module.linear.weight)
+    fresh.load_state_dict(model.state_dict())
 
 
 def test_a_graphed_hugging_face_model_saves_what_from_pretrained_loads(graphed_by, tmp_path):
@@ -214,8 +223,29 @@ def test_a_graphed_hugging_face_model_saves_what_from_pretrained_loads(graphed_b
     model = transformers.LlamaForCausalLM(config)
     cgraph.graph_layers(model)
     with torch.no_grad():
-        model.model.layers[1].module.mlp.up_proj.weight.mul_(3)
+        model.model.layers[1].mlp.up_proj.weight.mul_(3)
     model.save_pretrained(tmp_path)
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
-    for (name, p), q in zip(loaded.named_parameters(), model.state_dict().values()):
+    for (name, p), q in zip(loaded.named_parameters(), model.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_graphed_in_place_makes_the_graphed_callable_the_blocks_forward(monkeypatch):
+    """make_graphed's wrapper calls the graphed callable (a block without
+    hooks) or the block (with hooks: make_graphed has made the graphed
+    callable its forward then); in place, the block's forward is it."""
+    from cgraph import _api
+    graphed = object()
+
+    def make_graphed(block, **kwargs):
+        if _api._has_hooks(block):
+            block.forward = graphed
+            return SimpleNamespace(forward=block.__call__)
+        return SimpleNamespace(forward=graphed)
+
+    monkeypatch.setattr(_api, "make_graphed", make_graphed)
+    plain, hooked = Block(), Block()
+    hooked.register_forward_pre_hook(lambda module, args: None)
+    for block in (plain, hooked):
+        assert _api.graphed_in_place(block, pool=None) is block
+        assert block.__dict__["forward"] is graphed

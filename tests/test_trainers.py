@@ -1,10 +1,10 @@
 """The framework callbacks on the CPU, inside the real trainers: the Hugging
 Face Trainer (cgraph.transformers.CUDAGraphsCallback) and Lightning
-(cgraph.lightning.CUDAGraphs).  make_graphed is stood in for by a module
-that counts its calls and runs the block (graphs need a GPU), so these check
-the wiring: the blocks are replaced when training starts, the trainer's own
-loop then calls the replacements (training and evaluation), and a second fit
-leaves them as they are.  Training equal to eager is checked on a GPU in
+(cgraph.lightning.CUDAGraphs).  Graphing is stood in for by a forward that
+counts its calls and runs the block's own (graphs need a GPU), so these
+check the wiring: the blocks are graphed when training starts, the
+trainer's own loop then calls them (training and evaluation), and a second
+fit leaves them as they are.  Training equal to eager is checked on a GPU in
 tests/test_transformers.py."""
 
 import os
@@ -18,30 +18,32 @@ from torch import nn
 from cgraph import _layers
 
 
-class Counted(nn.Module):
-    """What the stand-in make_graphed returns: the block, counted."""
+class Counted:
+    """What the stand-in graphed_in_place makes a block's forward: its own
+    forward, counted."""
 
     def __init__(self, block):
-        super().__init__()
-        self.module = block
+        self.forward = type(block).forward.__get__(block)
         self.calls = 0
 
-    def forward(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):
         self.calls += 1
-        return self.module(*args, **kwargs)
+        return self.forward(*args, **kwargs)
 
 
 @pytest.fixture
 def counted(monkeypatch):
     made = []
 
-    def make_graphed(block, **kwargs):
+    def graphed_in_place(block, **kwargs):
         made.append(Counted(block))
-        return made[-1]
+        block.forward = made[-1]
+        return block
 
-    monkeypatch.setattr(_layers, "make_graphed", make_graphed)
+    monkeypatch.setattr(_layers, "graphed_in_place", graphed_in_place)
     monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 1))
-    monkeypatch.setattr(_layers, "GraphedModule", Counted)  # a second fit sees "graphed"
+    monkeypatch.setattr(_layers, "is_graphed",  # a second fit sees "graphed"
+                        lambda m: isinstance(m.__dict__.get("forward"), Counted))
     return made
 
 
@@ -74,10 +76,10 @@ def test_hf_trainer_callback_graphs_the_decoder_layers_at_train_start(counted, t
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
                                    eval_dataset=Tokens(), callbacks=[CUDAGraphsCallback()])
     trainer.train()
-    assert [type(layer) for layer in model.model.layers] == [Counted, Counted]
+    assert [type(layer.forward) for layer in model.model.layers] == [Counted, Counted]
     assert model.config.use_cache is False
     # 2 steps x 2 micro-batches, then evaluation: 4 batches of 2.
-    assert [layer.calls for layer in model.model.layers] == [8, 8]
+    assert [layer.forward.calls for layer in model.model.layers] == [8, 8]
     trainer.train()  # a second run: the graphed blocks are kept
     assert len(counted) == 2
 
@@ -118,11 +120,11 @@ def test_lightning_callback_graphs_the_blocks_when_training_starts(counted):
                                 enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, callbacks=[CUDAGraphs()])
     trainer.fit(module, data, data)
-    assert all(type(block) is Counted for block in module.blocks)
+    assert all(type(block.forward) is Counted for block in module.blocks)
     # Graphed after the sanity check (one batch: limit_val_batches), then 2
     # steps x 2 micro-batches, and one validation batch after every second
     # training batch (val_check_interval counts batches).
-    assert [block.calls for block in module.blocks] == [6, 6, 6]
+    assert [block.forward.calls for block in module.blocks] == [6, 6, 6]
 
 
 # ---- on a GPU: trained through the trainer, equal to the same run eagerly -----
@@ -167,8 +169,8 @@ def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, setting):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("example, needs", [
-    ("hf_trainer", ("transformers", "accelerate")), ("lightning", ("lightning",)),
-    ("accelerate", ("accelerate", "transformers"))])
+    ("hf_trainer", ("transformers", "accelerate")), ("lightning_callback", ("lightning",)),
+    ("accelerate_loop", ("accelerate", "transformers"))])
 def test_trainer_examples_train_as_eager(example, needs):
     """Each example trains its model with and without cgraph and exits
     non-zero unless losses and parameters are equal; the timings it prints
@@ -196,4 +198,21 @@ def test_hf_callback_refuses_what_it_cannot_graph(setting, match, counted):
     args = SimpleNamespace(**{"n_gpu": 1, "torch_compile": False, **setting})
     with pytest.raises(ValueError, match=match):
         CUDAGraphsCallback().on_train_begin(args, None, None, model=nn.Linear(2, 2))
+    assert counted == []
+
+
+def test_lightning_callback_refuses_a_module_compiled_whole(counted):
+    lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.utilities.compile import from_compiled
+
+    from cgraph.lightning import CUDAGraphs
+
+    class Module(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    module = from_compiled(torch.compile(Module()))  # what trainer.fit(compiled) does
+    with pytest.raises(ValueError, match="compiled whole.*block.compile"):
+        CUDAGraphs().on_train_start(None, module)
     assert counted == []

@@ -189,18 +189,21 @@ def test_graph_layers_finds_and_graphs_llamas_decoder_layers_in_one_pool():
     model = transformers.LlamaForCausalLM(config).to(CUDA)
     eager = copy.deepcopy(model)
     eager.config.use_cache = False
+    names = [name for name, _ in model.named_parameters()]
     assert cgraph.graph_layers(model) is model and model.config.use_cache is False
+    assert [name for name, _ in model.named_parameters()] == names  # blocks stay in place
     assert_training_equal(train(model, llama_step, 900), train(eager, llama_step, 900))
-    pools = {tuple(p) for layer in model.model.layers for p in layer._graphed.pools}
+    pools = {tuple(p) for layer in model.model.layers for p in layer.forward.pools}
     assert len(pools) == 1, pools
     for layer in model.model.layers:
-        assert isinstance(layer, cgraph.GraphedModule)
-        assert layer.num_graphs == len(set(STEPS)) and layer.stats["eager_past_limit"] == 0
+        graphed = layer.forward
+        assert isinstance(graphed, cgraph.Graphed)
+        assert graphed.num_graphs == len(set(STEPS)) and graphed.stats["eager_past_limit"] == 0
 
 
 def test_graph_layers_finds_berts_encoder_layers():
     model = small_bert(55)
     eager = copy.deepcopy(model)
     cgraph.graph_layers(model)
-    assert all(isinstance(layer, cgraph.GraphedModule) for layer in model.encoder.layer)
+    assert all(isinstance(layer.forward, cgraph.Graphed) for layer in model.encoder.layer)
     assert_training_equal(train(model, bert_step, 1000), train(eager, bert_step, 1000))

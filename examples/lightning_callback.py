@@ -2,7 +2,7 @@
 one GPU, from the repository root after a build (`bash scripts/gpu.sh`
 builds in place):
 
-    python3 -m examples.lightning
+    python3 -m examples.lightning_callback
 
 A LightningModule around a small GPT-style model (6 blocks of width 256:
 the host bounds its step), trained for 40 steps on synthetic tokens with

@@ -3,7 +3,7 @@
 loop without it.  On one GPU, from the repository root after a build (`bash
 scripts/gpu.sh` builds in place):
 
-    python3 -m examples.accelerate
+    python3 -m examples.accelerate_loop
 
 The model is the same random-init Llama as examples/hf_trainer.py (4
 decoder layers, hidden 256: the host bounds its step), trained for 40
