@@ -368,6 +368,12 @@ class GraphedStep:
         reads_device_lr = group.get("fused") or (
             group.get("capturable") and not _reads_lr_on_the_host(optimizer, group))
         lr = None
+        if not reads_device_lr and isinstance(group["lr"], torch.Tensor):
+            raise ValueError(
+                f"cgraph: this {type(optimizer).__name__} has a tensor lr, but its step reads "
+                "lr as a number, which the graph would keep at its value at capture (an LR "
+                "scheduler changes a tensor lr in place, unseen). Pass lr as a float: a "
+                "change then recaptures the step (logged).")
         if reads_device_lr and not isinstance(group["lr"], torch.Tensor):
             lr = torch.tensor(float(group["lr"]), device=group["params"][0].device)
         baked = {k: v for k, v in group.items()
@@ -492,8 +498,13 @@ _SINGLE_TENSOR_LR_ON_HOST = (torch.optim.Adadelta, torch.optim.RMSprop)
 
 
 def _reads_lr_on_the_host(optimizer, group: dict) -> bool:
-    return isinstance(optimizer, _SINGLE_TENSOR_LR_ON_HOST) and (
-        group.get("foreach") is False or bool(group.get("differentiable")))
+    if not isinstance(optimizer, _SINGLE_TENSOR_LR_ON_HOST):
+        return False
+    foreach, differentiable = group.get("foreach"), bool(group.get("differentiable"))
+    if foreach is None:  # torch's own choice, as its step makes it
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+        foreach = _default_to_fused_or_foreach(group["params"], differentiable, False)[1]
+    return not foreach or differentiable
 
 
 def _state_to_device(state: dict, device: torch.device) -> None:
@@ -517,11 +528,6 @@ def _check_capturable(optimizer, scaled: bool) -> None:
             "cgraph.make_graphed and keep LBFGS eager.")
     stepped_by_cgraph = (isinstance(optimizer, _DEVICE_RESIDENT)  # Note [Optimizers
                          and not any(g.get("fused") for g in groups))  # without a capturable form]
-    if stepped_by_cgraph and any(isinstance(g["lr"], torch.Tensor) for g in groups):
-        raise ValueError(
-            f"cgraph: this {name} has a tensor lr, which cgraph's device-resident {name} step "
-            "cannot read on the device yet. Pass lr as a float: an LR scheduler's changes "
-            "then recapture the step (logged).")
     if not (stepped_by_cgraph or isinstance(optimizer, torch.optim.SGD) or
             all("capturable" in g or g.get("fused") for g in groups)):
         raise ValueError(

@@ -34,4 +34,10 @@ class CUDAGraphs(Callback):
         self.graph_layers_kwargs = graph_layers_kwargs
 
     def on_train_start(self, trainer, pl_module) -> None:
+        if getattr(pl_module, "_compiler_ctx", None):  # trainer.fit(torch.compile(module))
+            raise ValueError(
+                "cgraph: CUDAGraphs: the LightningModule was compiled whole (torch.compile), "
+                "around the blocks the callback would graph. Fit the module uncompiled; to "
+                "compile as well, compile each block (block.compile()): cgraph graphs "
+                "compiled blocks.")
         graph_layers_once(pl_module, "CUDAGraphs", **self.graph_layers_kwargs)
