@@ -427,3 +427,19 @@ def test_sharded_llama_attends_without_a_mask_inside_captures(monkeypatch):
             transformers.LlamaConfig(**config, attn_implementation=implementation))
         model(input_ids=ids)
         assert seen == [expected], implementation
+
+
+def test_frameworks_workload_checks_each_graphed_run_against_eager(monkeypatch):
+    """benchmarks/frameworks.py times the examples' runs, and refuses a
+    graphed run that ends elsewhere than its eager twin."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import frameworks
+    same, other = [torch.zeros(2)], [torch.ones(2)]
+    monkeypatch.setattr(frameworks, "runs", lambda name: (lambda: (None, same, 10.0),
+                                                          lambda: (None, same, 4.0)))
+    assert frameworks.measure("hf_trainer", 2) == {"eager": [10.0, 10.0],
+                                                   "cgraph-layers": [4.0, 4.0]}
+    monkeypatch.setattr(frameworks, "runs", lambda name: (lambda: (None, same, 10.0),
+                                                          lambda: (None, other, 4.0)))
+    with pytest.raises(SystemExit, match="differ from eager"):
+        frameworks.measure("hf_trainer", 1)

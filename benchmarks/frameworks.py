@@ -1,0 +1,76 @@
+"""The frameworks workload: the same kind of small, host-bound model trained
+through the Hugging Face Trainer, Lightning and an Accelerate loop, each
+without cgraph and with its layers graphed (the examples' own runs:
+examples/hf_trainer.py, examples/lightning_callback.py,
+examples/accelerate_loop.py), alternating in one process.  On one GPU, from
+the repository root after a build::
+
+    python3 -m benchmarks.frameworks --repeats 3
+
+Prints, per framework and variant, the median time per optimizer step over
+the repeats (each repeat's own median over its steps after the fifth), the
+spread of the repeats, and the ratio to the framework's eager time.  Every
+graphed run is also checked equal to its eager twin, as the examples do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+FRAMEWORKS = ("hf_trainer", "lightning_callback", "accelerate_loop")
+
+
+def runs(name: str):
+    """(eager run, graphed run) of the example `name`, each returning
+    (losses or None, parameters, ms per step)."""
+    if name == "hf_trainer":
+        from cgraph.transformers import CUDAGraphsCallback
+        from examples import hf_trainer
+        return (lambda: hf_trainer.train([]),
+                lambda: hf_trainer.train([CUDAGraphsCallback()]))
+    if name == "lightning_callback":
+        from cgraph.lightning import CUDAGraphs
+        from examples import lightning_callback
+        return (lambda: (None, *lightning_callback.train([])),
+                lambda: (None, *lightning_callback.train([CUDAGraphs()])))
+    from examples import accelerate_loop
+    return (lambda: accelerate_loop.train(graphed=False),
+            lambda: accelerate_loop.train(graphed=True))
+
+
+def measure(name: str, repeats: int) -> dict[str, list[float]]:
+    eager, graphed = runs(name)
+    times: dict[str, list[float]] = {"eager": [], "cgraph-layers": []}
+    for _ in range(repeats):
+        expected = eager()
+        actual = graphed()
+        if not all(torch.equal(p, q) for p, q in zip(actual[1], expected[1])):
+            raise SystemExit(f"{name}: the graphed run's parameters differ from eager's")
+        times["eager"].append(expected[2])
+        times["cgraph-layers"].append(actual[2])
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    print(f"frameworks, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"{args.repeats} repeats")
+    print("| framework | variant | ms per step (spread) | / eager | steps/s |")
+    print("|---|---|---|---|---|")
+    for name in args.frameworks.split(","):
+        times = measure(name, args.repeats)
+        eager_ms = statistics.median(times["eager"])
+        for variant, ms_list in times.items():
+            ms = statistics.median(ms_list)
+            print(f"| {name} | {variant} | {ms:.1f} ({min(ms_list):.1f}-{max(ms_list):.1f}) | "
+                  f"{ms / eager_ms:.2f}x | {1e3 / ms:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
