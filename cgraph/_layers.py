@@ -12,8 +12,10 @@ does too.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
+import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -71,6 +73,7 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     if pool == "shared":
         pool = graph_pool_handle()
     for block in blocks:
+        _checkpointing_inside(block)
         graphed_in_place(block, pool=pool, **make_graphed_kwargs)
     share = _parameter_count(blocks) / max(_parameter_count(root), 1)
     log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
@@ -165,6 +168,34 @@ def _cache_off(root: nn.Module) -> None:
             log.info("cgraph: graph_layers set %s.config.use_cache = False: a graphed block "
                      "cannot append to a KV cache (training does not use one)",
                      type(module).__name__)
+
+
+def _checkpointing_inside(block: nn.Module) -> None:
+    """Hugging Face's gradient checkpointing, moved from around a block's
+    call into the forward its graphs capture.  transformers before 5.23
+    checkpoints in GradientCheckpointingLayer.__call__, around the module's
+    call, and so around its graphed forward: a first call inside
+    a reentrant checkpoint would capture under no_grad, and the recompute
+    during backward would capture there.  Inside the captured forward,
+    checkpointing works as in any graphed callable (its recompute is part of
+    the backward graph) and keeps its memory saving.  Later transformers
+    checkpoint inside ``forward`` already: nothing to move."""
+    if (not getattr(block, "gradient_checkpointing", False)
+            or type(block).__call__ is nn.Module.__call__
+            or not callable(getattr(block, "_gradient_checkpointing_func", None))):
+        return
+    forward, checkpoint = block.forward, block._gradient_checkpointing_func
+
+    def forward_with_checkpointing(*args, **kwargs):
+        if block.training and torch.is_grad_enabled():
+            return checkpoint(functools.partial(forward, **kwargs), *args)
+        return forward(*args, **kwargs)
+
+    block.forward = forward_with_checkpointing
+    block.gradient_checkpointing = False  # its __call__ no longer checkpoints around
+    log.info("cgraph: graph_layers: %s checkpoints inside its graphs (transformers' gradient "
+             "checkpointing, moved from around the call into its forward)",
+             type(block).__name__)
 
 
 def _parameter_count(module: nn.Module) -> int:

@@ -2,6 +2,7 @@
 them (make_graphed itself is stood in for: it needs a GPU), and what it
 refuses.  Training equality on a GPU is in tests/test_transformers.py."""
 
+import functools
 import logging
 from types import SimpleNamespace
 
@@ -40,10 +41,11 @@ class GPT(nn.Module):
 
 
 class Replaced:
-    """The stand-in for a graphed callable: the block's own forward."""
+    """The stand-in for a graphed callable: the forward make_graphed would
+    capture (an instance forward if the block has one, else its class's)."""
 
     def __init__(self, block):
-        self.forward = type(block).forward.__get__(block)
+        self.forward = block.__dict__.get("forward", type(block).forward.__get__(block))
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
@@ -249,3 +251,59 @@ def test_graphed_in_place_makes_the_graphed_callable_the_blocks_forward(monkeypa
     for block in (plain, hooked):
         assert _api.graphed_in_place(block, pool=None) is block
         assert block.__dict__["forward"] is graphed
+
+
+class CheckpointedAroundCall(Block):
+    """transformers' GradientCheckpointingLayer before 5.23: checkpointing
+    around the module's call."""
+
+    gradient_checkpointing = False
+
+    def __call__(self, *args, **kwargs):
+        if self.gradient_checkpointing and self.training:
+            return self._gradient_checkpointing_func(
+                functools.partial(super().__call__, **kwargs), *args)
+        return super().__call__(*args, **kwargs)
+
+
+def test_checkpointing_around_a_blocks_call_moves_into_its_forward(graphed_by):
+    """Around the call it would wrap the graphed forward (a capture under
+    no_grad, then one during backward); inside, it is captured."""
+    checkpointed = []
+
+    def checkpoint(fn, *args):
+        checkpointed.append(fn)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+
+    model = nn.Sequential(*(CheckpointedAroundCall() for _ in range(2)))
+    for block in model:
+        block.gradient_checkpointing, block._gradient_checkpointing_func = True, checkpoint
+    holder = nn.Module()
+    holder.blocks = model
+    cgraph.graph_layers(holder)
+    assert all(not b.gradient_checkpointing and isinstance(b.forward, Replaced) for b in model)
+    x = torch.randn(3, 8, requires_grad=True)
+    model(x).sum().backward()
+    assert len(checkpointed) == 2  # once per block, inside its (stand-in) graphed forward
+    around_the_call = [fn for fn in checkpointed
+                       if getattr(fn.func, "__func__", None) is nn.Module.__call__]
+    assert not around_the_call
+    with torch.no_grad():
+        model(x)
+    model.eval()
+    model(x)
+    assert len(checkpointed) == 2  # not without grad, not in eval mode
+
+
+def test_checkpointing_already_inside_forward_is_left_as_it_is(graphed_by):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config)
+    model.gradient_checkpointing_enable()
+    layer_class = type(model.model.layers[0])
+    if layer_class.__call__ is not nn.Module.__call__:
+        pytest.skip("this transformers checkpoints around __call__ (before 5.23)")
+    cgraph.graph_layers(model)
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
