@@ -10,12 +10,14 @@ the repository root after a build::
 Prints, per framework and variant, the median time per optimizer step over
 the repeats (each repeat's own median over its steps after the fifth), the
 spread of the repeats, and the ratio to the framework's eager time.  Every
-graphed run is also checked equal to its eager twin, as the examples do.
+graphed run is also checked equal to its eager twin (losses and
+parameters), as the examples do.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 
 import torch
@@ -26,6 +28,8 @@ FRAMEWORKS = ("hf_trainer", "lightning_callback", "accelerate_loop")
 def runs(name: str):
     """(eager run, graphed run) of the example `name`, each returning
     (losses or None, parameters, ms per step)."""
+    if name not in FRAMEWORKS:
+        raise SystemExit(f"unknown framework {name!r}: choose from {', '.join(FRAMEWORKS)}")
     if name == "hf_trainer":
         from cgraph.transformers import CUDAGraphsCallback
         from examples import hf_trainer
@@ -45,13 +49,33 @@ def measure(name: str, repeats: int) -> dict[str, list[float]]:
     eager, graphed = runs(name)
     times: dict[str, list[float]] = {"eager": [], "cgraph-layers": []}
     for _ in range(repeats):
-        expected = eager()
-        actual = graphed()
-        if not all(torch.equal(p, q) for p, q in zip(actual[1], expected[1])):
-            raise SystemExit(f"{name}: the graphed run's parameters differ from eager's")
+        expected = _collected(eager)
+        actual = _collected(graphed)
+        if not _same(actual, expected):
+            raise SystemExit(f"{name}: the graphed run's losses or parameters differ from "
+                             "eager's")
         times["eager"].append(expected[2])
         times["cgraph-layers"].append(actual[2])
     return times
+
+
+def _collected(run):
+    """A run from a clean slate: the last run's models (trainers keep
+    reference cycles) and their graph pools collected first."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return run()
+
+
+def _same(actual, expected) -> bool:
+    (losses, params, _), (losses_e, params_e, _) = actual, expected
+    if len(params) != len(params_e) or not params:
+        return False
+    if not all(torch.equal(p, q) for p, q in zip(params, params_e)):
+        return False
+    if losses_e is None:
+        return True
+    return torch.equal(losses, losses_e) if torch.is_tensor(losses_e) else losses == losses_e
 
 
 def main() -> None:

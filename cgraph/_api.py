@@ -51,8 +51,18 @@ def reset_all() -> None:
         _fsdp.release(graphed)
 
 
+def _on_event(event: str, graphed) -> None:
+    """The native core's event hook: the log, and at a reset, FSDP's
+    parameters that graphed homed go back to FSDP's own allocation (as
+    reset_all and GraphedModule.reset do; a graph of graph_layers is reset
+    through its block's forward)."""
+    _log.on_event(event, graphed)
+    if event == "reset":
+        _fsdp.release(graphed)
+
+
 atexit.register(reset_all)
-_C.set_event_hook(_log.on_event)
+_C.set_event_hook(_on_event)
 _log.configure_from_environment()
 
 

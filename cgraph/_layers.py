@@ -64,17 +64,26 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     if isinstance(getattr(root, "_orig_mod", None), nn.Module):  # torch.compile's wrapper
         raise TypeError(
             "cgraph: graph_layers got a torch.compile'd model. Call graph_layers on the "
-            "model first and compile afterwards, or compile each layer "
-            "(layer.compile()) and then call graph_layers.")
+            "uncompiled model; to compile as well, compile each layer's forward first "
+            "(layer.forward = torch.compile(layer.forward)): cgraph graphs compiled "
+            "forwards.")
     found = _find(root, layers)
     blocks, path = found.blocks, found.path
     _refuse_unsharded_blocks(root, blocks, path)
     _cache_off(root)
     if pool == "shared":
         pool = graph_pool_handle()
-    for block in blocks:
-        _checkpointing_inside(block)
-        graphed_in_place(block, pool=pool, **make_graphed_kwargs)
+    _refuse_compiled_calls(blocks, path)
+    classes = [type(block) for block in blocks]
+    try:
+        for block in blocks:
+            _checkpointing_inside(block)
+            graphed_in_place(block, pool=pool, **make_graphed_kwargs)
+    except BaseException:  # none or all: the blocks graphed so far go back as they were
+        for block, cls in zip(blocks, classes):
+            block.__dict__.pop("forward", None)
+            block.__class__ = cls
+        raise
     share = _parameter_count(blocks) / max(_parameter_count(root), 1)
     log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
              "%s; each captures on its first call", len(blocks), type(blocks[0]).__name__,
@@ -132,8 +141,7 @@ def _guess(root: nn.Module) -> nn.Module:
     candidates = [m for _, m in root.named_modules()
                   if m is not root and isinstance(m, (nn.ModuleList, nn.Sequential))
                   and len(m) >= 2
-                  and len({type(child) for child in m}) == 1
-                  and not is_graphed(m[0])]
+                  and len({type(child) for child in m}) == 1]
     candidates = [m for m in candidates if _parameter_count(m) > 0]
     if not candidates:
         raise ValueError(
@@ -142,6 +150,16 @@ def _guess(root: nn.Module) -> nn.Module:
             "parameters). Name them with layers='path.to.blocks', or graph the model whole "
             "with cgraph.make_graphed.")
     return max(candidates, key=_parameter_count)
+
+
+def _refuse_compiled_calls(blocks: nn.Module, path: str) -> None:
+    """block.compile() compiles the module's call, which would then run the
+    graphed forward under dynamo; a compiled forward is what cgraph graphs."""
+    if any(getattr(block, "_compiled_call_impl", None) is not None for block in blocks):
+        raise ValueError(
+            f"cgraph: graph_layers: the blocks at '{path}' were compiled with block.compile(), "
+            "which compiles their call around the graphs. Compile their forward instead "
+            "(block.forward = torch.compile(block.forward)): cgraph graphs compiled forwards.")
 
 
 def _refuse_unsharded_blocks(root: nn.Module, blocks: nn.Module, path: str) -> None:
@@ -174,28 +192,43 @@ def _checkpointing_inside(block: nn.Module) -> None:
     """Hugging Face's gradient checkpointing, moved from around a block's
     call into the forward its graphs capture.  transformers before 5.23
     checkpoints in GradientCheckpointingLayer.__call__, around the module's
-    call, and so around its graphed forward: a first call inside
-    a reentrant checkpoint would capture under no_grad, and the recompute
-    during backward would capture there.  Inside the captured forward,
-    checkpointing works as in any graphed callable (its recompute is part of
-    the backward graph) and keeps its memory saving.  Later transformers
-    checkpoint inside ``forward`` already: nothing to move."""
-    if (not getattr(block, "gradient_checkpointing", False)
-            or type(block).__call__ is nn.Module.__call__
-            or not callable(getattr(block, "_gradient_checkpointing_func", None))):
+    call, and so around its graphed forward: a first call inside a
+    reentrant checkpoint would capture under no_grad, and the recompute
+    during backward would capture there.  The block's class becomes a
+    subclass that checkpoints in ``forward``, as 5.23 and later do, reading
+    the block's flags at each call (enabled or disabled later too); inside
+    the captured forward, checkpointing works as in any graphed callable and
+    keeps its memory saving."""
+    cls = type(block)
+    if not hasattr(block, "gradient_checkpointing") or cls.__call__ is nn.Module.__call__:
         return
-    forward, checkpoint = block.forward, block._gradient_checkpointing_func
-
-    def forward_with_checkpointing(*args, **kwargs):
-        if block.training and torch.is_grad_enabled():
-            return checkpoint(functools.partial(forward, **kwargs), *args)
-        return forward(*args, **kwargs)
-
-    block.forward = forward_with_checkpointing
-    block.gradient_checkpointing = False  # its __call__ no longer checkpoints around
+    block.__class__ = _checkpointing_in_forward(cls)
     log.info("cgraph: graph_layers: %s checkpoints inside its graphs (transformers' gradient "
-             "checkpointing, moved from around the call into its forward)",
-             type(block).__name__)
+             "checkpointing, moved from around the call into forward)", cls.__name__)
+
+
+@functools.cache
+def _checkpointing_in_forward(cls: type) -> type:
+    """`cls` with transformers' GradientCheckpointingLayer.__call__ logic in
+    ``forward`` and ``nn.Module.__call__`` as its call."""
+    forward = cls.forward
+
+    @functools.wraps(forward)
+    def forward_with_checkpointing(self, *args, **kwargs):
+        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
+            return forward(self, *args, **kwargs)
+        if kwargs.get("use_cache"):  # as transformers' __call__: no cache under checkpointing
+            kwargs["use_cache"] = False
+        if not getattr(self, "_can_checkpoint_with_cache", False):
+            for name in ("past_key_values", "layer_past"):
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
+        return self._gradient_checkpointing_func(
+            functools.partial(forward, self, **kwargs), *args)
+
+    return type(cls.__name__, (cls,), {"__call__": nn.Module.__call__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__,
+                                       "forward": forward_with_checkpointing})
 
 
 def _parameter_count(module: nn.Module) -> int:

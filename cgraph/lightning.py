@@ -38,6 +38,6 @@ class CUDAGraphs(Callback):
             raise ValueError(
                 "cgraph: CUDAGraphs: the LightningModule was compiled whole (torch.compile), "
                 "around the blocks the callback would graph. Fit the module uncompiled; to "
-                "compile as well, compile each block (block.compile()): cgraph graphs "
-                "compiled blocks.")
+                "compile as well, compile each block's forward (block.forward = "
+                "torch.compile(block.forward)): cgraph graphs compiled forwards.")
         graph_layers_once(pl_module, "CUDAGraphs", **self.graph_layers_kwargs)

@@ -51,5 +51,5 @@ def _refuse_what_cannot_be_graphed(args) -> None:
         raise ValueError(
             "cgraph: CUDAGraphsCallback: torch_compile=True compiles the whole model around "
             "the layers the callback would graph. Pass torch_compile=False; to compile as "
-            "well, compile each layer (layer.compile()) before training: cgraph graphs "
-            "compiled layers.")
+            "well, compile each layer's forward before training (layer.forward = "
+            "torch.compile(layer.forward)): cgraph graphs compiled forwards.")

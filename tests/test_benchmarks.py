@@ -443,3 +443,7 @@ def test_frameworks_workload_checks_each_graphed_run_against_eager(monkeypatch):
                                                           lambda: (None, other, 4.0)))
     with pytest.raises(SystemExit, match="differ from eager"):
         frameworks.measure("hf_trainer", 1)
+    monkeypatch.setattr(frameworks, "runs", lambda name: (lambda: ([1.0], same, 10.0),
+                                                          lambda: ([2.0], same, 4.0)))
+    with pytest.raises(SystemExit, match="differ from eager"):
+        frameworks.measure("hf_trainer", 1)

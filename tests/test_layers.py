@@ -3,6 +3,7 @@ them (make_graphed itself is stood in for: it needs a GPU), and what it
 refuses.  Training equality on a GPU is in tests/test_transformers.py."""
 
 import functools
+import inspect
 import logging
 from types import SimpleNamespace
 
@@ -167,15 +168,17 @@ def test_a_model_without_repeated_blocks_is_refused():
 
 
 def test_a_compiled_model_is_refused_naming_the_order():
-    with pytest.raises(TypeError, match="graph_layers on the model first"):
+    with pytest.raises(TypeError, match=r"uncompiled model.*torch.compile\(layer.forward\)"):
         cgraph.graph_layers(torch.compile(GPT()))
 
 
 def test_graphing_twice_is_refused(graphed_by):
     model = GPT()
     cgraph.graph_layers(model)
-    with pytest.raises(ValueError, match="graphed already"):
-        cgraph.graph_layers(model, layers="blocks")
+    for layers in ("blocks", None):  # not the next list of blocks either
+        with pytest.raises(ValueError, match="graphed already"):
+            cgraph.graph_layers(model, layers=layers)
+    assert len(graphed_by) == 4
 
 
 def test_a_graphed_block_is_recognised():
@@ -268,7 +271,8 @@ class CheckpointedAroundCall(Block):
 
 def test_checkpointing_around_a_blocks_call_moves_into_its_forward(graphed_by):
     """Around the call it would wrap the graphed forward (a capture under
-    no_grad, then one during backward); inside, it is captured."""
+    no_grad, then one during backward); inside, it is captured.  The flags
+    are read at each call: disabling and enabling later work too."""
     checkpointed = []
 
     def checkpoint(fn, *args):
@@ -281,18 +285,30 @@ def test_checkpointing_around_a_blocks_call_moves_into_its_forward(graphed_by):
     holder = nn.Module()
     holder.blocks = model
     cgraph.graph_layers(holder)
-    assert all(not b.gradient_checkpointing and isinstance(b.forward, Replaced) for b in model)
+    assert all(type(b).__call__ is nn.Module.__call__ and isinstance(b, CheckpointedAroundCall)
+               and isinstance(b.forward, Replaced) for b in model)
+    assert list(inspect.signature(type(model[0]).forward).parameters) == ["self", "x"]
+
+    def checkpoints_of(run):
+        checkpointed.clear()
+        run()
+        around = [fn for fn in checkpointed
+                  if getattr(fn.func, "__func__", None) is nn.Module.__call__]
+        assert not around, "checkpointed around the graphed call"
+        return len(checkpointed)
+
     x = torch.randn(3, 8, requires_grad=True)
-    model(x).sum().backward()
-    assert len(checkpointed) == 2  # once per block, inside its (stand-in) graphed forward
-    around_the_call = [fn for fn in checkpointed
-                       if getattr(fn.func, "__func__", None) is nn.Module.__call__]
-    assert not around_the_call
+    assert checkpoints_of(lambda: model(x).sum().backward()) == 2  # one per block, inside
     with torch.no_grad():
-        model(x)
+        assert checkpoints_of(lambda: model(x)) == 0
+    for block in model:
+        block.gradient_checkpointing = False
+    assert checkpoints_of(lambda: model(x)) == 0
+    for block in model:
+        block.gradient_checkpointing = True
+    assert checkpoints_of(lambda: model(x)) == 2
     model.eval()
-    model(x)
-    assert len(checkpointed) == 2  # not without grad, not in eval mode
+    assert checkpoints_of(lambda: model(x)) == 0
 
 
 def test_checkpointing_already_inside_forward_is_left_as_it_is(graphed_by):
@@ -305,5 +321,48 @@ def test_checkpointing_already_inside_forward_is_left_as_it_is(graphed_by):
     layer_class = type(model.model.layers[0])
     if layer_class.__call__ is not nn.Module.__call__:
         pytest.skip("this transformers checkpoints around __call__ (before 5.23)")
+    classes = [type(layer) for layer in model.model.layers]
     cgraph.graph_layers(model)
-    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    assert [type(layer) for layer in model.model.layers] == classes
+
+
+def test_a_failure_halfway_leaves_every_block_as_it_was(monkeypatch):
+    def graphed_in_place(block, **kwargs):
+        if len(done) == 2:
+            raise RuntimeError("capture failed")
+        block.forward = Replaced(block)
+        done.append(block)
+        return block
+
+    done = []
+    monkeypatch.setattr(_layers, "graphed_in_place", graphed_in_place)
+    monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 1))
+    model = nn.Sequential(*(CheckpointedAroundCall() for _ in range(3)))
+    holder = nn.Module()
+    holder.blocks = model
+    with pytest.raises(RuntimeError, match="capture failed"):
+        cgraph.graph_layers(holder)
+    assert all("forward" not in b.__dict__ and type(b) is CheckpointedAroundCall for b in model)
+
+
+def test_blocks_compiled_whole_are_refused_naming_their_forward(graphed_by):
+    model = GPT()
+    for block in model.blocks:
+        block.compile()
+    with pytest.raises(ValueError, match=r"block.forward = torch.compile\(block.forward\)"):
+        cgraph.graph_layers(model)
+    assert graphed_by == []
+
+
+def test_real_graphs_in_place_before_their_first_call(monkeypatch):
+    """The real graph_layers on the CPU, up to the first call (which would
+    capture): each block's forward is a cgraph.Graphed, names unchanged."""
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    model = GPT()
+    names = [n for n, _ in model.named_parameters()]
+    cgraph.graph_layers(model, pool=None)
+    graphed = [block.forward for block in model.blocks]
+    assert all(isinstance(g, cgraph.Graphed) and g.num_graphs == 0 for g in graphed)
+    assert all(_api.is_graphed(block) for block in model.blocks)
+    assert [n for n, _ in model.named_parameters()] == names
