@@ -56,9 +56,11 @@ def _on_event(event: str, graphed) -> None:
     parameters that graphed homed go back to FSDP's own allocation (as
     reset_all and GraphedModule.reset do; a graph of graph_layers is reset
     through its block's forward)."""
-    _log.on_event(event, graphed)
-    if event == "reset":
-        _fsdp.release(graphed)
+    try:
+        _log.on_event(event, graphed)
+    finally:
+        if event == "reset":
+            _fsdp.release(graphed)
 
 
 atexit.register(reset_all)

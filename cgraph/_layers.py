@@ -70,20 +70,22 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     found = _find(root, layers)
     blocks, path = found.blocks, found.path
     _refuse_unsharded_blocks(root, blocks, path)
-    _cache_off(root)
     if pool == "shared":
         pool = graph_pool_handle()
     _refuse_compiled_calls(blocks, path)
-    classes = [type(block) for block in blocks]
+    before = [(type(block), block.__dict__.get("forward")) for block in blocks]
     try:
         for block in blocks:
             _checkpointing_inside(block)
             graphed_in_place(block, pool=pool, **make_graphed_kwargs)
-    except BaseException:  # none or all: the blocks graphed so far go back as they were
-        for block, cls in zip(blocks, classes):
-            block.__dict__.pop("forward", None)
+    except BaseException:  # none or all: every block goes back as it was
+        for block, (cls, forward) in zip(blocks, before):
             block.__class__ = cls
+            block.__dict__.pop("forward", None)
+            if forward is not None:
+                block.forward = forward
         raise
+    _cache_off(root)
     share = _parameter_count(blocks) / max(_parameter_count(root), 1)
     log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
              "%s; each captures on its first call", len(blocks), type(blocks[0]).__name__,
@@ -195,40 +197,52 @@ def _checkpointing_inside(block: nn.Module) -> None:
     call, and so around its graphed forward: a first call inside a
     reentrant checkpoint would capture under no_grad, and the recompute
     during backward would capture there.  The block's class becomes a
-    subclass that checkpoints in ``forward``, as 5.23 and later do, reading
-    the block's flags at each call (enabled or disabled later too); inside
-    the captured forward, checkpointing works as in any graphed callable and
-    keeps its memory saving."""
+    subclass that checkpoints in ``forward``, as 5.23 and later do, and an
+    instance ``forward`` (a compiled one) checkpoints the same way, each
+    reading the block's flags at every call (enabled or disabled later
+    too); inside the captured forward, checkpointing works as in any
+    graphed callable and keeps its memory saving."""
     cls = type(block)
-    if not hasattr(block, "gradient_checkpointing") or cls.__call__ is nn.Module.__call__:
+    if getattr(cls.__call__, "__qualname__", "") != "GradientCheckpointingLayer.__call__":
         return
     block.__class__ = _checkpointing_in_forward(cls)
+    own = block.__dict__.get("forward")
+    if own is not None:
+        block.forward = functools.wraps(own)(
+            lambda *args, **kwargs: _maybe_checkpointed(block, own, args, kwargs))
     log.info("cgraph: graph_layers: %s checkpoints inside its graphs (transformers' gradient "
              "checkpointing, moved from around the call into forward)", cls.__name__)
+
+
+def _maybe_checkpointed(block: nn.Module, forward, args: tuple, kwargs: dict):
+    """`forward(*args, **kwargs)`, checkpointed as transformers'
+    GradientCheckpointingLayer.__call__ does it, where the block's flags
+    say so now."""
+    if not (block.gradient_checkpointing and block.training and torch.is_grad_enabled()):
+        return forward(*args, **kwargs)
+    if kwargs.get("use_cache"):  # no cache under checkpointing, as transformers has it
+        kwargs["use_cache"] = False
+    if not getattr(block, "_can_checkpoint_with_cache", False):
+        for name in ("past_key_values", "layer_past"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+    return block._gradient_checkpointing_func(functools.partial(forward, **kwargs), *args)
 
 
 @functools.cache
 def _checkpointing_in_forward(cls: type) -> type:
     """`cls` with transformers' GradientCheckpointingLayer.__call__ logic in
-    ``forward`` and ``nn.Module.__call__`` as its call."""
-    forward = cls.forward
-
-    @functools.wraps(forward)
+    ``forward`` (cls's own, looked up at each call) and
+    ``nn.Module.__call__`` as its call."""
+    @functools.wraps(cls.forward)
     def forward_with_checkpointing(self, *args, **kwargs):
-        if not (self.gradient_checkpointing and self.training and torch.is_grad_enabled()):
-            return forward(self, *args, **kwargs)
-        if kwargs.get("use_cache"):  # as transformers' __call__: no cache under checkpointing
-            kwargs["use_cache"] = False
-        if not getattr(self, "_can_checkpoint_with_cache", False):
-            for name in ("past_key_values", "layer_past"):
-                if kwargs.get(name) is not None:
-                    kwargs[name] = None
-        return self._gradient_checkpointing_func(
-            functools.partial(forward, self, **kwargs), *args)
+        return _maybe_checkpointed(self, functools.partial(cls.forward, self), args, kwargs)
 
-    return type(cls.__name__, (cls,), {"__call__": nn.Module.__call__, "__module__": cls.__module__,
-                                       "__qualname__": cls.__qualname__,
-                                       "forward": forward_with_checkpointing})
+    namespace = {"__call__": nn.Module.__call__, "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__, "forward": forward_with_checkpointing}
+    if hasattr(cls, "_orig_cls_mro_index"):  # FSDP2's FSDP<cls>: its original class sits
+        namespace["_orig_cls_mro_index"] = cls._orig_cls_mro_index + 1  # one further now
+    return type(cls.__name__, (cls,), namespace)
 
 
 def _parameter_count(module: nn.Module) -> int:

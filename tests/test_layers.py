@@ -256,9 +256,9 @@ def test_graphed_in_place_makes_the_graphed_callable_the_blocks_forward(monkeypa
         assert block.__dict__["forward"] is graphed
 
 
-class CheckpointedAroundCall(Block):
-    """transformers' GradientCheckpointingLayer before 5.23: checkpointing
-    around the module's call."""
+class GradientCheckpointingLayer(Block):
+    """transformers' GradientCheckpointingLayer before 5.23, abridged:
+    checkpointing around the module's call."""
 
     gradient_checkpointing = False
 
@@ -269,46 +269,96 @@ class CheckpointedAroundCall(Block):
         return super().__call__(*args, **kwargs)
 
 
+CheckpointedAroundCall = GradientCheckpointingLayer
+
+
+def counting_checkpoint(checkpointed: list):
+    def checkpoint(fn, *args):
+        checkpointed.append(fn)
+        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+    return checkpoint
+
+
+def checkpoints_of(run, checkpointed: list) -> int:
+    """How often `run` checkpoints, none of them around a graphed call."""
+    checkpointed.clear()
+    run()
+    around = [fn for fn in checkpointed if getattr(fn.func, "__func__", None) is nn.Module.__call__]
+    assert not around, "checkpointed around the graphed call"
+    return len(checkpointed)
+
+
+def checkpointed_blocks(n: int, enabled: bool, checkpointed: list) -> nn.Module:
+    model = nn.Sequential(*(CheckpointedAroundCall() for _ in range(n)))
+    for block in model:
+        block.gradient_checkpointing = enabled
+        block._gradient_checkpointing_func = counting_checkpoint(checkpointed)
+    holder = nn.Module()
+    holder.blocks = model
+    return holder
+
+
 def test_checkpointing_around_a_blocks_call_moves_into_its_forward(graphed_by):
     """Around the call it would wrap the graphed forward (a capture under
     no_grad, then one during backward); inside, it is captured.  The flags
     are read at each call: disabling and enabling later work too."""
     checkpointed = []
-
-    def checkpoint(fn, *args):
-        checkpointed.append(fn)
-        return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
-
-    model = nn.Sequential(*(CheckpointedAroundCall() for _ in range(2)))
-    for block in model:
-        block.gradient_checkpointing, block._gradient_checkpointing_func = True, checkpoint
-    holder = nn.Module()
-    holder.blocks = model
+    holder = checkpointed_blocks(2, True, checkpointed)
+    model = holder.blocks
     cgraph.graph_layers(holder)
     assert all(type(b).__call__ is nn.Module.__call__ and isinstance(b, CheckpointedAroundCall)
                and isinstance(b.forward, Replaced) for b in model)
     assert list(inspect.signature(type(model[0]).forward).parameters) == ["self", "x"]
-
-    def checkpoints_of(run):
-        checkpointed.clear()
-        run()
-        around = [fn for fn in checkpointed
-                  if getattr(fn.func, "__func__", None) is nn.Module.__call__]
-        assert not around, "checkpointed around the graphed call"
-        return len(checkpointed)
-
     x = torch.randn(3, 8, requires_grad=True)
-    assert checkpoints_of(lambda: model(x).sum().backward()) == 2  # one per block, inside
+    assert checkpoints_of(lambda: model(x).sum().backward(), checkpointed) == 2  # inside
     with torch.no_grad():
-        assert checkpoints_of(lambda: model(x)) == 0
+        assert checkpoints_of(lambda: model(x), checkpointed) == 0
     for block in model:
         block.gradient_checkpointing = False
-    assert checkpoints_of(lambda: model(x)) == 0
+    assert checkpoints_of(lambda: model(x), checkpointed) == 0
     for block in model:
         block.gradient_checkpointing = True
-    assert checkpoints_of(lambda: model(x)) == 2
+    assert checkpoints_of(lambda: model(x), checkpointed) == 2
     model.eval()
-    assert checkpoints_of(lambda: model(x)) == 0
+    assert checkpoints_of(lambda: model(x), checkpointed) == 0
+
+
+def test_checkpointing_enabled_after_graphing_is_inside_too(graphed_by):
+    checkpointed = []
+    holder = checkpointed_blocks(2, False, checkpointed)
+    cgraph.graph_layers(holder)
+    for block in holder.blocks:
+        block.gradient_checkpointing = True  # as gradient_checkpointing_enable() sets it
+    x = torch.randn(3, 8, requires_grad=True)
+    assert checkpoints_of(lambda: holder.blocks(x).sum().backward(), checkpointed) == 2
+
+
+def test_a_blocks_own_forward_is_kept_and_checkpointed(graphed_by):
+    """A compiled forward (here any instance forward) is what the graphs
+    capture: it checkpoints as the class's would."""
+    checkpointed, own = [], []
+    holder = checkpointed_blocks(2, True, checkpointed)
+    for block in holder.blocks:
+        def forward(x, block=block, inner=block.forward):  # as torch.compile(block.forward)
+            own.append(block)
+            return inner(x)
+        block.forward = forward
+    cgraph.graph_layers(holder)
+    x = torch.randn(3, 8, requires_grad=True)
+    assert checkpoints_of(lambda: holder.blocks(x).sum().backward(), checkpointed) == 2
+    # each block's own forward: in the forward, and again in the backward's recompute
+    assert [own.count(block) for block in holder.blocks] == [2, 2]
+
+
+def test_checkpointing_turns_a_cache_off_as_transformers_does():
+    from cgraph._layers import _maybe_checkpointed
+    block = CheckpointedAroundCall()
+    block.gradient_checkpointing = True
+    block._gradient_checkpointing_func = lambda fn, *args: fn(*args)
+    seen = []
+    _maybe_checkpointed(block, lambda x, **kw: seen.append(kw), (torch.ones(1),),
+                        {"use_cache": True, "past_key_values": object(), "layer_past": None})
+    assert seen == [{"use_cache": False, "past_key_values": None, "layer_past": None}]
 
 
 def test_checkpointing_already_inside_forward_is_left_as_it_is(graphed_by):
@@ -327,6 +377,8 @@ def test_checkpointing_already_inside_forward_is_left_as_it_is(graphed_by):
 
 
 def test_a_failure_halfway_leaves_every_block_as_it_was(monkeypatch):
+    """Classes and forwards (a block's own forward included) as they were;
+    the cache setting too."""
     def graphed_in_place(block, **kwargs):
         if len(done) == 2:
             raise RuntimeError("capture failed")
@@ -338,11 +390,15 @@ def test_a_failure_halfway_leaves_every_block_as_it_was(monkeypatch):
     monkeypatch.setattr(_layers, "graphed_in_place", graphed_in_place)
     monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 1))
     model = nn.Sequential(*(CheckpointedAroundCall() for _ in range(3)))
+    own = model[0].forward = model[2].forward = lambda x: x
     holder = nn.Module()
     holder.blocks = model
+    holder.config = SimpleNamespace(use_cache=True)
     with pytest.raises(RuntimeError, match="capture failed"):
         cgraph.graph_layers(holder)
-    assert all("forward" not in b.__dict__ and type(b) is CheckpointedAroundCall for b in model)
+    assert all(type(b) is CheckpointedAroundCall for b in model)
+    assert [b.__dict__.get("forward") for b in model] == [own, None, own]
+    assert holder.config.use_cache is True
 
 
 def test_blocks_compiled_whole_are_refused_naming_their_forward(graphed_by):
