@@ -422,3 +422,23 @@ def test_real_graphs_in_place_before_their_first_call(monkeypatch):
     assert all(isinstance(g, cgraph.Graphed) and g.num_graphs == 0 for g in graphed)
     assert all(_api.is_graphed(block) for block in model.blocks)
     assert [n for n, _ in model.named_parameters()] == names
+
+
+def test_a_reset_gives_fsdp_its_parameters_back_even_if_logging_fails(monkeypatch):
+    """A block graphed in place is reset through its forward (a
+    cgraph.Graphed), not a GraphedModule: the native reset event releases
+    the FSDP homes its graphs borrowed."""
+    from cgraph import _api
+    released = []
+    monkeypatch.setattr(_api._fsdp, "release", released.append)
+
+    def failing_log(event, graphed):
+        raise RuntimeError("log failed")
+
+    graphed = object()
+    _api._on_event("progress", graphed)
+    assert released == []
+    monkeypatch.setattr(_api._log, "on_event", failing_log)
+    with pytest.raises(RuntimeError, match="log failed"):
+        _api._on_event("reset", graphed)
+    assert released == [graphed]
