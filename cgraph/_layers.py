@@ -68,30 +68,34 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
             "(layer.forward = torch.compile(layer.forward)): cgraph graphs compiled "
             "forwards.")
     found = _find(root, layers)
-    blocks, path = found.blocks, found.path
-    _refuse_unsharded_blocks(root, blocks, path)
+    _refuse(root, found)
     if pool == "shared":
         pool = graph_pool_handle()
-    _refuse_compiled_calls(blocks, path)
+    _graph_each(found.blocks, pool, make_graphed_kwargs)
+    _cache_off(root)
+    share = _parameter_count(found.blocks) / max(_parameter_count(root), 1)
+    log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
+             "%s; each captures on its first call", len(found.blocks),
+             type(found.blocks[0]).__name__, found.path, 100 * share,
+             "one pool" if pool is not None else "a pool each")
+    return model
+
+
+def _graph_each(blocks: nn.Module, pool, make_graphed_kwargs: dict) -> None:
+    """Every block graphed in place, or none: a failure puts each block back
+    as it was (its class and its own forward)."""
     before = [(type(block), block.__dict__.get("forward")) for block in blocks]
     try:
         for block in blocks:
             _checkpointing_inside(block)
             graphed_in_place(block, pool=pool, **make_graphed_kwargs)
-    except BaseException:  # none or all: every block goes back as it was
+    except BaseException:
         for block, (cls, forward) in zip(blocks, before):
             block.__class__ = cls
             block.__dict__.pop("forward", None)
             if forward is not None:
                 block.forward = forward
         raise
-    _cache_off(root)
-    share = _parameter_count(blocks) / max(_parameter_count(root), 1)
-    log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
-             "%s; each captures on its first call", len(blocks), type(blocks[0]).__name__,
-             path, 100 * share,
-             "one pool" if pool is not None else "a pool each")
-    return model
 
 
 def graph_layers_once(model: nn.Module, who: str, **graph_layers_kwargs) -> None:
@@ -103,14 +107,6 @@ def graph_layers_once(model: nn.Module, who: str, **graph_layers_kwargs) -> None
                  type(model).__name__)
         return
     graph_layers(model, **graph_layers_kwargs)
-
-
-def find_layers(model: nn.Module) -> tuple[str, nn.Module]:
-    """The path and the list of the blocks :func:`graph_layers` would graph
-    in `model` (below the module a DDP model wraps)."""
-    root = model.module if isinstance(model, DistributedDataParallel) else model
-    found = _find(root, None)
-    return found.path, found.blocks
 
 
 def _find(root: nn.Module, layers) -> Blocks:
@@ -154,27 +150,26 @@ def _guess(root: nn.Module) -> nn.Module:
     return max(candidates, key=_parameter_count)
 
 
-def _refuse_compiled_calls(blocks: nn.Module, path: str) -> None:
-    """block.compile() compiles the module's call, which would then run the
-    graphed forward under dynamo; a compiled forward is what cgraph graphs."""
-    if any(getattr(block, "_compiled_call_impl", None) is not None for block in blocks):
+def _refuse(root: nn.Module, found: Blocks) -> None:
+    """Blocks graph_layers cannot graph, refused before anything changes,
+    naming the fix."""
+    if any(getattr(block, "_compiled_call_impl", None) is not None for block in found.blocks):
+        # block.compile() compiles the call, which would run the graphed forward under dynamo
         raise ValueError(
-            f"cgraph: graph_layers: the blocks at '{path}' were compiled with block.compile(), "
-            "which compiles their call around the graphs. Compile their forward instead "
-            "(block.forward = torch.compile(block.forward)): cgraph graphs compiled forwards.")
-
-
-def _refuse_unsharded_blocks(root: nn.Module, blocks: nn.Module, path: str) -> None:
-    """FSDP2 on the root alone gathers every block's parameters in the
-    root's forward, into memory freed after it: graphs of a block would
-    read it there.  Each block must be its own FSDP module (Note [FSDP2's
-    unsharded parameters in per-layer graphs] in cgraph/_fsdp.py)."""
-    sharded = [m for m in root.modules() if _fsdp.is_fsdp(m)]
-    if sharded and not all(_fsdp.is_fsdp(block) for block in blocks):
+            f"cgraph: graph_layers: the blocks at '{found.path}' were compiled with "
+            "block.compile(), which compiles their call around the graphs. Compile their "
+            "forward instead (block.forward = torch.compile(block.forward)): cgraph graphs "
+            "compiled forwards.")
+    # FSDP2 on the root alone gathers every block's parameters in the root's
+    # forward, into memory freed after it: graphs of a block would read it
+    # there.  Each block must be its own FSDP module (Note [FSDP2's unsharded
+    # parameters in per-layer graphs] in cgraph/_fsdp.py).
+    sharded = any(_fsdp.is_fsdp(m) for m in root.modules())
+    if sharded and not all(_fsdp.is_fsdp(block) for block in found.blocks):
         raise ValueError(
             f"cgraph: graph_layers: the model is sharded by fully_shard, but the blocks at "
-            f"'{path}' are not each sharded. Apply fully_shard to every "
-            "block, then to the root, then call graph_layers (README, Sharded models).")
+            f"'{found.path}' are not each sharded. Apply fully_shard to every block, then to "
+            "the root, then call graph_layers (README, Sharded models).")
 
 
 def _cache_off(root: nn.Module) -> None:
