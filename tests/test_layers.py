@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import cgraph
+from _helpers import StandIn
 from cgraph import _layers
 
 
@@ -41,82 +42,53 @@ class GPT(nn.Module):
         return self.heads[1](self.heads[0](h))
 
 
-class Replaced:
-    """The stand-in for a graphed callable: the forward make_graphed would
-    capture (an instance forward if the block has one, else its class's)."""
-
-    def __init__(self, block):
-        self.forward = block.__dict__.get("forward", type(block).forward.__get__(block))
-
-    def __call__(self, *args, **kwargs):
-        return self.forward(*args, **kwargs)
-
-
-@pytest.fixture
-def graphed_by(monkeypatch):
-    """graphed_in_place and graph_pool_handle stood in for (graphs need a
-    GPU): the calls; each block's forward becomes a Replaced."""
-    calls = []
-
-    def graphed_in_place(block, **kwargs):
-        calls.append((block, kwargs))
-        block.forward = Replaced(block)
-        return block
-
-    monkeypatch.setattr(_layers, "graphed_in_place", graphed_in_place)
-    monkeypatch.setattr(_layers, "is_graphed",
-                        lambda m: isinstance(m.__dict__.get("forward"), Replaced))
-    monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 77))
-    return calls
-
-
 def test_the_list_of_repeated_blocks_with_most_parameters_is_found():
-    path, blocks = _layers.find_layers(GPT())
+    path, blocks = _layers._find(GPT(), None)
     assert path == "blocks" and blocks is not None
 
 
 def test_an_outer_list_wins_over_the_lists_inside_its_blocks():
-    path, _ = _layers.find_layers(GPT(experts=4))
+    path, _ = _layers._find(GPT(experts=4), None)
     assert path == "blocks"
 
 
-def test_each_block_is_graphed_in_place_with_one_shared_pool(graphed_by):
+def test_each_block_is_graphed_in_place_with_one_shared_pool(stand_in):
     model = GPT()
     blocks = list(model.blocks)
     assert cgraph.graph_layers(model, num_warmup_iters=2) is model
     assert list(model.blocks) == blocks
-    assert all(isinstance(b.forward, Replaced) for b in model.blocks)
-    assert [b for b, _ in graphed_by] == blocks
-    assert all(kw == {"pool": (0, 77), "num_warmup_iters": 2} for _, kw in graphed_by)
+    assert all(isinstance(b.forward, StandIn) for b in model.blocks)
+    assert [b for b, _ in stand_in] == blocks
+    assert all(kw == {"pool": (0, 77), "num_warmup_iters": 2} for _, kw in stand_in)
 
 
-def test_pool_none_gives_each_block_its_own(graphed_by):
+def test_pool_none_gives_each_block_its_own(stand_in):
     cgraph.graph_layers(GPT(), pool=None)
-    assert all(kw["pool"] is None for _, kw in graphed_by)
+    assert all(kw["pool"] is None for _, kw in stand_in)
 
 
-def test_layers_by_path_or_by_module(graphed_by):
+def test_layers_by_path_or_by_module(stand_in):
     model = GPT()
     cgraph.graph_layers(model, layers="heads")
-    assert [b for b, _ in graphed_by] == list(model.heads)
+    assert [b for b, _ in stand_in] == list(model.heads)
     other = GPT()
     cgraph.graph_layers(other, layers=other.heads)
-    assert len(graphed_by) == 4
+    assert len(stand_in) == 4
 
 
-def test_a_sequential_of_blocks_is_found(graphed_by):
+def test_a_sequential_of_blocks_is_found(stand_in):
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(Block(), Block(), Block()))
     cgraph.graph_layers(model)
-    assert [b for b, _ in graphed_by] == list(model[1])
+    assert [b for b, _ in stand_in] == list(model[1])
 
 
-def test_ddp_models_are_graphed_inside(graphed_by, mesh):
+def test_ddp_models_are_graphed_inside(stand_in, mesh):
     ddp = nn.parallel.DistributedDataParallel(GPT())
     assert cgraph.graph_layers(ddp) is ddp
-    assert [b for b, _ in graphed_by] == list(ddp.module.blocks)
+    assert [b for b, _ in stand_in] == list(ddp.module.blocks)
 
 
-def test_a_hugging_face_cache_is_turned_off_and_logged(graphed_by, caplog):
+def test_a_hugging_face_cache_is_turned_off_and_logged(stand_in, caplog):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -125,7 +97,7 @@ def test_a_hugging_face_cache_is_turned_off_and_logged(graphed_by, caplog):
     with caplog.at_level(logging.INFO, logger="cgraph"):
         cgraph.graph_layers(model)
     assert model.config.use_cache is False
-    assert [b for b, _ in graphed_by] == list(model.model.layers)
+    assert [b for b, _ in stand_in] == list(model.model.layers)
     text = caplog.text
     assert "use_cache = False" in text and "graphed 2 LlamaDecoderLayer blocks at " \
         "'model.layers'" in text, text
@@ -142,7 +114,7 @@ def test_hugging_face_layer_lists_are_found(build, path):
     else:
         model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
             vocab_size=128, n_embd=64, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
-    assert _layers.find_layers(model)[0] == path
+    assert _layers._find(model, None).path == path
 
 
 @pytest.mark.parametrize("layers, error, match", [
@@ -151,13 +123,13 @@ def test_hugging_face_layer_lists_are_found(build, path):
     (7, TypeError, "takes a path or an nn.ModuleList"),
     ("", ValueError, "names the model itself"),
 ])
-def test_wrong_layers_are_refused_saying_what_it_takes(layers, error, match, graphed_by):
+def test_wrong_layers_are_refused_saying_what_it_takes(layers, error, match, stand_in):
     with pytest.raises(error, match=match):
         cgraph.graph_layers(GPT(), layers=layers)
-    assert graphed_by == []
+    assert stand_in == []
 
 
-def test_a_list_outside_the_model_is_refused(graphed_by):
+def test_a_list_outside_the_model_is_refused(stand_in):
     with pytest.raises(ValueError, match="not inside the model"):
         cgraph.graph_layers(GPT(), layers=nn.ModuleList([Block(), Block()]))
 
@@ -172,13 +144,13 @@ def test_a_compiled_model_is_refused_naming_the_order():
         cgraph.graph_layers(torch.compile(GPT()))
 
 
-def test_graphing_twice_is_refused(graphed_by):
+def test_graphing_twice_is_refused(stand_in):
     model = GPT()
     cgraph.graph_layers(model)
     for layers in ("blocks", None):  # not the next list of blocks either
         with pytest.raises(ValueError, match="graphed already"):
             cgraph.graph_layers(model, layers=layers)
-    assert len(graphed_by) == 4
+    assert len(stand_in) == 4
 
 
 def test_a_graphed_block_is_recognised():
@@ -188,26 +160,26 @@ def test_a_graphed_block_is_recognised():
     assert cgraph._api.is_graphed(block)
 
 
-def test_fsdp_on_the_root_alone_is_refused_naming_the_recipe(mesh, graphed_by):
+def test_fsdp_on_the_root_alone_is_refused_naming_the_recipe(mesh, stand_in):
     from torch.distributed.fsdp import fully_shard
     model = GPT()
     fully_shard(model, mesh=mesh)
     with pytest.raises(ValueError, match="fully_shard to every block, then to the root"):
         cgraph.graph_layers(model)
-    assert graphed_by == []
+    assert stand_in == []
 
 
-def test_fsdp_blocks_are_graphed(mesh, graphed_by):
+def test_fsdp_blocks_are_graphed(mesh, stand_in):
     from torch.distributed.fsdp import fully_shard
     model = GPT()
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     cgraph.graph_layers(model)
-    assert len(graphed_by) == 4
+    assert len(stand_in) == 4
 
 
-def test_every_name_in_the_model_stays_as_it_was(graphed_by):
+def test_every_name_in_the_model_stays_as_it_was(stand_in):
     """The blocks stay in place: state_dict keys and parameter names (which
     optimizer and distributed checkpoints use) are those of the model
     before graphing, and checkpoints load both ways."""
@@ -220,7 +192,7 @@ def test_every_name_in_the_model_stays_as_it_was(graphed_by):
     fresh.load_state_dict(model.state_dict())
 
 
-def test_a_graphed_hugging_face_model_saves_what_from_pretrained_loads(graphed_by, tmp_path):
+def test_a_graphed_hugging_face_model_saves_what_from_pretrained_loads(stand_in, tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -298,7 +270,7 @@ def checkpointed_blocks(n: int, enabled: bool, checkpointed: list) -> nn.Module:
     return holder
 
 
-def test_checkpointing_around_a_blocks_call_moves_into_its_forward(graphed_by):
+def test_checkpointing_around_a_blocks_call_moves_into_its_forward(stand_in):
     """Around the call it would wrap the graphed forward (a capture under
     no_grad, then one during backward); inside, it is captured.  The flags
     are read at each call: disabling and enabling later work too."""
@@ -307,7 +279,7 @@ def test_checkpointing_around_a_blocks_call_moves_into_its_forward(graphed_by):
     model = holder.blocks
     cgraph.graph_layers(holder)
     assert all(type(b).__call__ is nn.Module.__call__ and isinstance(b, CheckpointedAroundCall)
-               and isinstance(b.forward, Replaced) for b in model)
+               and isinstance(b.forward, StandIn) for b in model)
     assert list(inspect.signature(type(model[0]).forward).parameters) == ["self", "x"]
     x = torch.randn(3, 8, requires_grad=True)
     assert checkpoints_of(lambda: model(x).sum().backward(), checkpointed) == 2  # inside
@@ -323,7 +295,7 @@ def test_checkpointing_around_a_blocks_call_moves_into_its_forward(graphed_by):
     assert checkpoints_of(lambda: model(x), checkpointed) == 0
 
 
-def test_checkpointing_enabled_after_graphing_is_inside_too(graphed_by):
+def test_checkpointing_enabled_after_graphing_is_inside_too(stand_in):
     checkpointed = []
     holder = checkpointed_blocks(2, False, checkpointed)
     cgraph.graph_layers(holder)
@@ -333,7 +305,7 @@ def test_checkpointing_enabled_after_graphing_is_inside_too(graphed_by):
     assert checkpoints_of(lambda: holder.blocks(x).sum().backward(), checkpointed) == 2
 
 
-def test_a_blocks_own_forward_is_kept_and_checkpointed(graphed_by):
+def test_a_blocks_own_forward_is_kept_and_checkpointed(stand_in):
     """A compiled forward (here any instance forward) is what the graphs
     capture: it checkpoints as the class's would."""
     checkpointed, own = [], []
@@ -361,7 +333,7 @@ def test_checkpointing_turns_a_cache_off_as_transformers_does():
     assert seen == [{"use_cache": False, "past_key_values": None, "layer_past": None}]
 
 
-def test_checkpointing_already_inside_forward_is_left_as_it_is(graphed_by):
+def test_checkpointing_already_inside_forward_is_left_as_it_is(stand_in):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -382,7 +354,7 @@ def test_a_failure_halfway_leaves_every_block_as_it_was(monkeypatch):
     def graphed_in_place(block, **kwargs):
         if len(done) == 2:
             raise RuntimeError("capture failed")
-        block.forward = Replaced(block)
+        block.forward = StandIn(block)
         done.append(block)
         return block
 
@@ -401,13 +373,13 @@ def test_a_failure_halfway_leaves_every_block_as_it_was(monkeypatch):
     assert holder.config.use_cache is True
 
 
-def test_blocks_compiled_whole_are_refused_naming_their_forward(graphed_by):
+def test_blocks_compiled_whole_are_refused_naming_their_forward(stand_in):
     model = GPT()
     for block in model.blocks:
         block.compile()
     with pytest.raises(ValueError, match=r"block.forward = torch.compile\(block.forward\)"):
         cgraph.graph_layers(model)
-    assert graphed_by == []
+    assert stand_in == []
 
 
 def test_real_graphs_in_place_before_their_first_call(monkeypatch):

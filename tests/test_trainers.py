@@ -15,36 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from cgraph import _layers
-
-
-class Counted:
-    """What the stand-in graphed_in_place makes a block's forward: its own
-    forward, counted."""
-
-    def __init__(self, block):  # the forward make_graphed would capture
-        self.forward = block.__dict__.get("forward", type(block).forward.__get__(block))
-        self.calls = 0
-
-    def __call__(self, *args, **kwargs):
-        self.calls += 1
-        return self.forward(*args, **kwargs)
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    made = []
-
-    def graphed_in_place(block, **kwargs):
-        made.append(Counted(block))
-        block.forward = made[-1]
-        return block
-
-    monkeypatch.setattr(_layers, "graphed_in_place", graphed_in_place)
-    monkeypatch.setattr(_layers, "graph_pool_handle", lambda: (0, 1))
-    monkeypatch.setattr(_layers, "is_graphed",  # a second fit sees "graphed"
-                        lambda m: isinstance(m.__dict__.get("forward"), Counted))
-    return made
+from _helpers import StandIn
 
 
 def tiny_llama(transformers):
@@ -64,7 +35,7 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": ids}
 
 
-def test_hf_trainer_callback_graphs_the_decoder_layers_at_train_start(counted, tmp_path):
+def test_hf_trainer_callback_graphs_the_decoder_layers_at_train_start(stand_in, tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from cgraph.transformers import CUDAGraphsCallback
@@ -76,15 +47,15 @@ def test_hf_trainer_callback_graphs_the_decoder_layers_at_train_start(counted, t
     trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
                                    eval_dataset=Tokens(), callbacks=[CUDAGraphsCallback()])
     trainer.train()
-    assert [type(layer.forward) for layer in model.model.layers] == [Counted, Counted]
+    assert [type(layer.forward) for layer in model.model.layers] == [StandIn, StandIn]
     assert model.config.use_cache is False
     # 2 steps x 2 micro-batches, then evaluation: 4 batches of 2.
     assert [layer.forward.calls for layer in model.model.layers] == [8, 8]
     trainer.train()  # a second run: the graphed blocks are kept
-    assert len(counted) == 2
+    assert len(stand_in) == 2
 
 
-def test_lightning_callback_graphs_the_blocks_when_training_starts(counted):
+def test_lightning_callback_graphs_the_blocks_when_training_starts(stand_in):
     lightning = pytest.importorskip("lightning")
     from cgraph.lightning import CUDAGraphs
 
@@ -120,7 +91,7 @@ def test_lightning_callback_graphs_the_blocks_when_training_starts(counted):
                                 enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, callbacks=[CUDAGraphs()])
     trainer.fit(module, data, data)
-    assert all(type(block.forward) is Counted for block in module.blocks)
+    assert all(type(block.forward) is StandIn for block in module.blocks)
     # Graphed after the sanity check (one batch: limit_val_batches), then 2
     # steps x 2 micro-batches, and one validation batch after every second
     # training batch (val_check_interval counts batches).
@@ -190,7 +161,7 @@ def test_trainer_examples_train_as_eager(example, needs):
 
 @pytest.mark.parametrize("setting, match", [
     ({"n_gpu": 2}, "torchrun --nproc_per_node"), ({"torch_compile": True}, "torch_compile=False")])
-def test_hf_callback_refuses_what_it_cannot_graph(setting, match, counted):
+def test_hf_callback_refuses_what_it_cannot_graph(setting, match, stand_in):
     pytest.importorskip("transformers")
     from types import SimpleNamespace
 
@@ -198,10 +169,10 @@ def test_hf_callback_refuses_what_it_cannot_graph(setting, match, counted):
     args = SimpleNamespace(**{"n_gpu": 1, "torch_compile": False, **setting})
     with pytest.raises(ValueError, match=match):
         CUDAGraphsCallback().on_train_begin(args, None, None, model=nn.Linear(2, 2))
-    assert counted == []
+    assert stand_in == []
 
 
-def test_lightning_callback_refuses_a_module_compiled_whole(counted):
+def test_lightning_callback_refuses_a_module_compiled_whole(stand_in):
     lightning = pytest.importorskip("lightning")
     from lightning.pytorch.utilities.compile import from_compiled
 
@@ -215,4 +186,4 @@ def test_lightning_callback_refuses_a_module_compiled_whole(counted):
     module = from_compiled(torch.compile(Module()))  # what trainer.fit(compiled) does
     with pytest.raises(ValueError, match=r"compiled whole.*torch.compile\(block.forward\)"):
         CUDAGraphs().on_train_start(None, module)
-    assert counted == []
+    assert stand_in == []
