@@ -43,9 +43,10 @@ Q: GradScaler.step skips the optimizer's step when unscale_ found an inf or
    (``found_inf.item()``), a sync a graph cannot hold.  How does a graphed
    step skip it exactly as eager does?
 A: While the step is captured, the scaler's host test is replaced by a CUDA
-   conditional node (CUDA 12.4+, torch's ``begin_capture_to_if_node``): the
+   conditional node (CUDA 12.4+): the
    optimizer's whole step is captured into the body of an "if found_inf is
-   zero" node, so a replay runs it, or skips all of it (state, step counts
+   zero" node (cgraph records it itself, Note [Conditional regions] in
+   csrc/aten_conditional.cpp: torch's begin_capture_to_if_node is 2.12+), so a replay runs it, or skips all of it (state, step counts
    and parameters untouched), as eager would.  The scale itself is updated
    on the device by ``scaler.update()``, as before.  Cost per step when no
    inf occurs: a sum and a compare of one-element tensors, the kernel
@@ -61,7 +62,6 @@ A: While the step is captured, the scaler's host test is replaced by a CUDA
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import time
@@ -536,7 +536,7 @@ def _check_capturable(optimizer, scaled: bool) -> None:
             "step. Step it outside the graphed step, or use an optimizer that has one (Adam, "
             "AdamW, SGD, RMSprop, ...; Adagrad cgraph steps on the device itself).")
     if (scaled and not getattr(optimizer, "_step_supports_amp_scaling", False)
-            and not _conditional_nodes()):
+            and not _C.conditional_nodes()):
         raise ValueError(
             f"cgraph: a GradScaler steps this {name} by reading found_inf on the host (a "
             "sync a graph cannot hold), and this torch or CUDA (before 12.4) has no "
@@ -545,41 +545,13 @@ def _check_capturable(optimizer, scaled: bool) -> None:
             "the device.")
 
 
-def _conditional_nodes() -> bool:
-    """Whether captures can hold CUDA conditional nodes (torch's
-    begin_capture_to_if_node, CUDA 12.4 and later, built and driver)."""
-    version = torch.version.cuda
-    graph = torch.cuda.CUDAGraph
-    if not (hasattr(graph, "begin_capture_to_if_node") and version is not None
-            and hasattr(graph, "get_currently_capturing_graph")
-            and tuple(int(x) for x in version.split(".")[:2]) >= (12, 4)):
-        return False
-    return _driver_version() >= 12040  # an older driver would fail inside the capture
-
-
-@functools.cache
-def _driver_version() -> int:
-    """The CUDA driver's version (12040 for 12.4), 0 where none loads."""
-    version = ctypes.c_int(0)
-    try:
-        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
-    except OSError:
-        return 0
-    return version.value
-
-
 def _scaler_steps_on_the_device():
     """Note [GradScaler with any optimizer]: while the step is captured,
     GradScaler's host test of found_inf becomes a conditional node around
     the optimizer's step."""
     def maybe_step(scaler, optimizer, optimizer_state, *args, **kwargs):
         found_inf = sum(optimizer_state["found_inf_per_device"].values())
-        graph = torch.cuda.CUDAGraph.get_currently_capturing_graph()
-        graph.begin_capture_to_if_node((found_inf == 0).reshape(()))
-        try:
-            return optimizer.step(*args, **kwargs)
-        finally:
-            graph.end_capture_to_conditional_node()
+        return _C.call_if((found_inf == 0).reshape(()), optimizer.step, args, kwargs)
 
     return patched({(torch.amp.GradScaler, "_maybe_opt_step"): maybe_step})
 

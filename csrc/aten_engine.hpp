@@ -791,6 +791,11 @@ struct cg_moved_accumulators {
   std::vector<Moved> moved;
 };
 
+// An open region of the Graph capturing it (Note [Conditional regions]).
+struct cg_if_region {
+  cgraph::Graph* graph;
+};
+
 struct cg_setup {
   c10::DeviceIndex device;
   c10::cuda::CUDAStream caller;

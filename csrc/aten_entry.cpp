@@ -229,6 +229,38 @@ void cg_accumulators_restore(cg_moved_accumulators* moved) {
   cgraph::restore_accumulators(moved);
 }
 
+// ---- conditional regions -----------------------------------------------------
+
+int cg_conditional_nodes(void) {
+  try {
+    return cgraph::conditional_nodes_supported() ? 1 : 0;
+  } catch (...) {
+    return 0;
+  }
+}
+
+cg_if_region* cg_if_begin(PyObject* flag) {
+  HANDLE_TH_ERRORS
+  cgraph::Graph* graph = cgraph::Graph::capturing_here();
+  TORCH_CHECK(graph != nullptr, "cgraph: a conditional region needs a capture by cgraph on the "
+              "current stream; none is under way.");
+  graph->begin_if(THPVariable_Unpack(flag));
+  return new cg_if_region{graph};
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
+int cg_if_end(cg_if_region* region, int completed) {
+  std::unique_ptr<cg_if_region> owned(region);
+  if (!completed) {
+    owned->graph->end_if(false);
+    return 0;
+  }
+  HANDLE_TH_ERRORS
+  owned->graph->end_if(true);
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
 // ---- replay ------------------------------------------------------------------
 
 PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args, Py_ssize_t nargs,

@@ -44,9 +44,13 @@ struct QuietWarnings : c10::WarningHandler {
 void Graph::capture_begin(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode) {
   drop_foreign_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
   at::cuda::CUDAGraph::capture_begin(pool, mode);
+  enlist(mode);  // Note [Conditional regions] (aten_conditional.cpp)
 }
 
 void Graph::capture_end() {
+  TORCH_CHECK(regions_.empty(), "cgraph: internal error: a capture ended inside a conditional "
+              "region.");
+  delist();
   at::cuda::CUDAGraph::capture_end();
   drop_foreign_blas_workspaces(c10::cuda::getCurrentCUDAStream().stream());
   if (!has_graph_exec_) {
@@ -72,6 +76,9 @@ void Graph::release_abandoned_pool() noexcept {
 }
 
 void Graph::abandon() noexcept {
+  while (!regions_.empty()) {
+    end_if(/*completed=*/false);
+  }
   bool invalidated = false;
   try {
     // Succeeds when only Python code failed and the stream capture is

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <vector>
 
@@ -88,7 +89,36 @@ class Graph : public at::cuda::CUDAGraph {
   // not captured (or was reset).
   bool shape(cg_graph_shape* out) const;
 
+  // During capture: what the current stream records from now until end_if()
+  // runs at a replay only where `flag` (one CUDA bool) is true then; until
+  // end_if() the current stream is the region's own.  Regions nest.  Note
+  // [Conditional regions] (aten_conditional.cpp).
+  void begin_if(const at::Tensor& flag);
+  // Ends the innermost open region and gives its caller's stream back.  With
+  // completed=false (what it recorded raised), never throws.
+  void end_if(bool completed);
+  // The Graph whose capture (or one of whose regions) the current stream
+  // records, or nullptr.
+  static Graph* capturing_here();
+
  private:
+  // Conditional regions (aten_conditional.cpp).
+  struct IfRegion {
+    c10::cuda::CUDAStream outer;        // the stream begin_if() was called on
+    c10::cuda::CUDAStream body;         // records the region
+    unsigned long long capture_id = 0;  // the body's capture
+  };
+  std::vector<IfRegion> regions_;  // open, innermost last
+  // The capture ids whose allocations go to the graph's pool: its own and
+  // every region's so far.  The allocator's filter reads it on any thread.
+  std::vector<unsigned long long> pool_captures_;
+  mutable std::mutex pool_captures_mutex_;
+  bool regions_routed_ = false;  // the allocator's filter is takes_allocations_of
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeGlobal;
+  void enlist(cudaStreamCaptureMode mode);
+  void delist() noexcept;
+  void route_regions_to_pool();
+  bool takes_allocations_of(cudaStream_t stream) const;
   static void finish_generator_capture() noexcept;
   void release_abandoned_pool() noexcept;
   // At capture end, before instantiation: the nodes that write the seeds and
@@ -135,6 +165,10 @@ class Graph : public at::cuda::CUDAGraph {
     return false;
   }
 };
+
+// Whether captures can record conditional nodes: cgraph built with CUDA 12.4
+// or later, and a driver as new (aten_conditional.cpp).
+bool conditional_nodes_supported();
 
 // Whether a memcpy of dst.nbytes() bytes from src's first element copies
 // `src` into `dst` element for element (aten_graph_nodes.cpp).

@@ -218,6 +218,27 @@ cg_moved_accumulators *cg_accumulators_move(PyObject *params, Py_ssize_t *count)
  * raises; NULL is allowed. */
 void cg_accumulators_restore(cg_moved_accumulators *moved);
 
+/* ---- conditional regions of a capture (aten_conditional.cpp) ------------ */
+
+/* An open conditional region of the capture on the current stream. */
+typedef struct cg_if_region cg_if_region;
+
+/* 1 if captures can hold conditional nodes (cgraph built with CUDA 12.4 or
+ * later, and a driver as new), else 0.  Never fails. */
+int cg_conditional_nodes(void);
+
+/* During a capture by cgraph on the current stream: what the current stream
+ * records from now until cg_if_end runs, at each replay, only where `flag`
+ * (one bool CUDA tensor) is true then.  Until then the current stream is the
+ * region's own.  NULL with an exception set on failure (no such capture, no
+ * conditional nodes, a CUDA error).  Why: Note [Conditional regions]. */
+cg_if_region *cg_if_begin(PyObject *flag);
+
+/* Ends `region`, gives the caller's stream back and frees `region`.  With
+ * completed=0 (what it recorded raised) keeps the caller's exception and
+ * never fails; else 0, or -1 with an exception set. */
+int cg_if_end(cg_if_region *region, int completed);
+
 /* ---- fixed homes for parameters sharded by FSDP2 (aten_lend.cpp) -------- */
 
 /* Points the storage of each tensor of `tensors` at the memory of the

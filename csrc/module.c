@@ -31,6 +31,9 @@
  *              # current stream meanwhile: aten_accumulators.cpp
  *     def lend_memory(tensors, homes) -> None: ...  # each storage pointed at its
  *                                     # home's memory: aten_lend.cpp
+ *     def conditional_nodes() -> bool: ...  # aten_conditional.cpp
+ *     def call_if(flag, fn, args, kwargs) -> object: ...  # fn(*args, **kwargs),
+ *         # what it records replayed only where flag holds: aten_conditional.cpp
  *
  * Laid out as CPython's Modules/xxlimited.c: state in the module (multi-phase
  * initialization), heap types, and PyInit__C the only exported symbol.
@@ -327,6 +330,48 @@ cgm_lend_memory(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(cgm_conditional_nodes_doc,
+"conditional_nodes() -> bool\n\n"
+"Whether captures can hold conditional nodes (cgraph built with CUDA 12.4 or\n"
+"later, and a driver as new), which call_if needs.  Not a public API.");
+
+/* Returns a NEW reference to a bool; never fails. */
+static PyObject *
+cgm_conditional_nodes(PyObject *module, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(cg_conditional_nodes());
+}
+
+PyDoc_STRVAR(cgm_call_if_doc,
+"call_if(flag, fn, args, kwargs) -> object\n\n"
+"fn(*args, **kwargs), called while cgraph captures on the current stream:\n"
+"what it records runs at a replay only where `flag` (one bool CUDA tensor)\n"
+"is true then.  Note [Conditional regions] in csrc/aten_conditional.cpp\n"
+"says how; Note [GradScaler with any optimizer] in cgraph/_step.py why.\n"
+"Not a public API.");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+cgm_call_if(PyObject *module, PyObject *args)
+{
+    PyObject *flag, *fn, *call_args, *call_kwargs, *result;
+    cg_if_region *region;
+
+    if (!PyArg_ParseTuple(args, "OOO!O!:call_if", &flag, &fn, &PyTuple_Type, &call_args,
+                          &PyDict_Type, &call_kwargs)) {
+        return NULL;
+    }
+    region = cg_if_begin(flag);
+    if (region == NULL) {
+        return NULL;
+    }
+    result = PyObject_Call(fn, call_args, call_kwargs);
+    if (cg_if_end(region, result != NULL) < 0) {
+        Py_CLEAR(result);
+    }
+    return result;
+}
+
 static PyMethodDef cgm_methods[] = {
     {"new_graphed", (PyCFunction)(void (*)(void))cg_new_graphed, METH_VARARGS | METH_KEYWORDS,
      cgm_new_graphed_doc},
@@ -344,6 +389,8 @@ static PyMethodDef cgm_methods[] = {
     {"call_with_accumulators_here", cgm_call_with_accumulators_here, METH_VARARGS,
      cgm_call_with_accumulators_here_doc},
     {"lend_memory", cgm_lend_memory, METH_VARARGS, cgm_lend_memory_doc},
+    {"conditional_nodes", cgm_conditional_nodes, METH_NOARGS, cgm_conditional_nodes_doc},
+    {"call_if", cgm_call_if, METH_VARARGS, cgm_call_if_doc},
     {NULL, NULL, 0, NULL}
 };
 

@@ -254,9 +254,9 @@ def test_a_step_refuses_optimizers_it_cannot_capture_naming_the_fix(monkeypatch)
     _check_capturable(torch.optim.Adagrad(params), scaled=False)  # cgraph steps it
     # A scaler with an optimizer that is not fused: a conditional node where
     # this torch and CUDA have them, else refused.
-    monkeypatch.setattr(_step, "_conditional_nodes", lambda: True)
+    monkeypatch.setattr(_step._C, "conditional_nodes", lambda: True)
     _check_capturable(torch.optim.Adam(params), scaled=True)
-    monkeypatch.setattr(_step, "_conditional_nodes", lambda: False)
+    monkeypatch.setattr(_step._C, "conditional_nodes", lambda: False)
     with pytest.raises(ValueError, match=r"GradScaler.*Adam\(\.\.\., fused=True\)"):
         _check_capturable(torch.optim.Adam(params), scaled=True)
 

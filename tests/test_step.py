@@ -61,7 +61,13 @@ def run(step_fn, batches, after_step=None):
     return losses
 
 
-def assert_same_training(model, eager, losses, losses_e, exact=True):
+# Grads of a float16 autocast forward whose parameters differ from eager's by
+# float32 rounding (capturable optimizers' step sizes): one float16 rounding
+# (2**-10 relative) apart at most.
+FP16_GRADS = dict(rtol=2e-3, atol=1e-5)
+
+
+def assert_same_training(model, eager, losses, losses_e, exact=True, grad_tolerance=None):
     check = assert_equal if exact else (lambda a, b, what: torch.testing.assert_close(a, b))
     for i, (a, b) in enumerate(zip(losses, losses_e)):
         tolerance = dict(rtol=0, atol=0) if exact else {}
@@ -69,7 +75,11 @@ def assert_same_training(model, eager, losses, losses_e, exact=True):
                                    msg=lambda m: f"loss of step {i}: {m}")
     for (name, p), q in zip(model.named_parameters(), eager.parameters()):
         check(p, q, f"parameter {name}")
-        check(p.grad, q.grad, f"grad of {name}")
+        if grad_tolerance is None:
+            check(p.grad, q.grad, f"grad of {name}")
+        else:
+            torch.testing.assert_close(p.grad, q.grad, **grad_tolerance,
+                                       msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 OPTIMIZERS = {
@@ -454,7 +464,8 @@ def test_grad_scaler_with_an_unfused_optimizer_skips_an_inf_step_as_eager_does(n
     losses_e = run(make_step(eager, opt_e, scalers[1], clip=1.0, dtype=torch.float16),
                    batches)
     assert step.stats["captures"] == 1 and step.stats["replays"] == 5, step.stats
-    assert_same_training(model, eager, losses, losses_e, exact=exact)
+    assert_same_training(model, eager, losses, losses_e, exact=exact,
+                         grad_tolerance=None if exact else FP16_GRADS)
     assert_equal(scalers[0]._scale, scalers[1]._scale, "the scale")
     assert scalers[0].get_scale() == 2.0**9
     for p, q in zip(opt.state.values(), opt_e.state.values()):
@@ -485,7 +496,7 @@ def test_warm_up_waits_for_the_first_step_a_grad_scaler_does_not_skip():
 def test_a_grad_scaler_with_an_unfused_optimizer_is_refused_without_conditional_nodes(
         monkeypatch):
     from cgraph import _step
-    monkeypatch.setattr(_step, "_conditional_nodes", lambda: False)
+    monkeypatch.setattr(_step._C, "conditional_nodes", lambda: False)
     model, batches = model_and_data(dropout=0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = torch.amp.GradScaler("cuda")
