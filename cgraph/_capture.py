@@ -11,7 +11,8 @@ the session ends, also when warm-up or capture raised:
 2. torch.cuda.get_rng_state and torch.cuda.set_rng_state ask the native
    core first, so torch.utils.checkpoint's recompute redraws its forward's
    masks: Note [RNG in checkpointed regions] in csrc/aten_rng.cpp.  Anything
-   the core does not claim goes to torch.
+   the core does not claim goes to torch, and so does torch.compile's own
+   saving and restoring of the state around a compile.
 3. torch.manual_seed, torch.random.manual_seed, torch.cuda.manual_seed and
    torch.cuda.manual_seed_all refuse while a stream captures: a graph would
    not reseed on replay.  (The native core also compares the host
@@ -30,6 +31,14 @@ the session ends, also when warm-up or capture raised:
    the activations are kept (retain_graph=True), which a capture into a
    shared pool= does (Note [Layers captured one by one into one pool] in
    csrc/aten_pool.cpp).  In a graph the pool reuses that memory anyway.
+7. torch.compile's cudagraph trees (mode="reduce-overhead") refuse to run:
+   their graphs cannot run inside a capture.  Where they recorded before
+   (a training step's eager warm-up), their replay would first sync, and
+   the failure would read as a sync instead of naming them.
+
+A training step's eager warm-up calls (cgraph/_step.py) run under items 1
+and 6 too: compiled code guards on such global state, and would otherwise
+compile again inside the capture.
 
 Refusals raise _C.Refusal(message, kind), which the capture turns into a
 CaptureError naming the cause (Note [Capture failures] in csrc/capture.c).
@@ -38,6 +47,7 @@ CaptureError naming the cause (Note [Capture failures] in csrc/capture.c).
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
@@ -83,7 +93,7 @@ def capture_session(specs: Sequence[_C.CallableSpec],
     """The patches of Note [Patches during capture], for these callables."""
     reentrant = _reentrant_regions_checked(specs) if reentrant_checked else contextlib.nullcontext()
     with _rng_stream_kept(specs), _autocast_cache_off(), _rng_hooks(), reentrant, \
-            _donated_buffers_off():
+            _donated_buffers_off(), _cudagraph_trees_refused():
         yield
 
 
@@ -118,6 +128,24 @@ def _autocast_cache_off() -> Iterator[None]:
         torch.set_autocast_cache_enabled(enabled)
 
 
+def _cudagraph_trees_refused():
+    """Item 7 of Note [Patches during capture]: torch.compile's reduce-overhead
+    runs its own CUDA graphs (cudagraph trees), which cannot run inside
+    cgraph's capture.  Where it ran before (a step's eager warm-up), its
+    replay inside the capture first syncs, so the failure would read as a
+    sync: refused at its entry instead, as what it is."""
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    manager = getattr(trees, "CUDAGraphTreeManager", None)
+    if manager is None or not hasattr(manager, "_run"):
+        return contextlib.nullcontext()
+
+    def refuse(*args, **kwargs):
+        raise _C.Refusal("cgraph: torch.compile(mode='reduce-overhead') ran its own CUDA "
+                         "graphs inside cgraph's capture.", _C.FAILURE_NESTED_GRAPHS)
+
+    return patched({(manager, "_run"): refuse})
+
+
 def _donated_buffers_off():
     """Item 6 of Note [Patches during capture]."""
     from torch._functorch import config
@@ -149,11 +177,13 @@ def _rng_hooks():
     torch_get, torch_set = torch.cuda.get_rng_state, torch.cuda.set_rng_state
 
     def get_rng_state(device="cuda"):
+        if asked_by_the_compiler():
+            return torch_get(device)
         state = _C.rng_get_state(_cuda_index(device))
         return torch_get(device) if state is None else state
 
     def set_rng_state(new_state, device="cuda"):
-        if not _C.rng_set_state(new_state, _cuda_index(device)):
+        if asked_by_the_compiler() or not _C.rng_set_state(new_state, _cuda_index(device)):
             torch_set(new_state, device)
 
     def refuse_while_capturing(seed_fn):
@@ -173,6 +203,16 @@ def _rng_hooks():
                (torch.cuda, "set_rng_state"): set_rng_state}
     patches.update({key: refuse_while_capturing(getattr(*key)) for key in seeds})
     return patched(patches)
+
+
+def asked_by_the_compiler(depth: int = 2) -> bool:
+    """Whether the caller of the function asking this (``depth`` frames up)
+    is torch.compile's own bookkeeping: dynamo and inductor save the CUDA RNG
+    state around every compile and put it back, which is no region of the
+    callable's (a compile in one warm-up call and not in the next must not
+    change where the regions are), so torch answers it."""
+    caller = sys._getframe(depth).f_globals.get("__name__", "")
+    return caller.startswith(("torch._dynamo.", "torch._inductor.", "torch._functorch."))
 
 
 def _reentrant_regions_checked(specs):

@@ -133,6 +133,7 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
         buffers=tuple(fn.buffers()) if module else (), flat=flat,
         in_spec=None if flat else in_spec, constants=constants,
         defaults=_defaults(target.signature, len(args), kwargs),
+        rng_warmup=None,  # cgraph/_step.py sets it: Note [RNG inside a graphed step]
     )
     return Draft(fields, leaves)
 

@@ -43,11 +43,11 @@ Q: GradScaler.step skips the optimizer's step when unscale_ found an inf or
    (``found_inf.item()``), a sync a graph cannot hold.  How does a graphed
    step skip it exactly as eager does?
 A: While the step is captured, the scaler's host test is replaced by a CUDA
-   conditional node (CUDA 12.4+): the
-   optimizer's whole step is captured into the body of an "if found_inf is
-   zero" node (cgraph records it itself, Note [Conditional regions] in
-   csrc/aten_conditional.cpp: torch's begin_capture_to_if_node is 2.12+), so a replay runs it, or skips all of it (state, step counts
-   and parameters untouched), as eager would.  The scale itself is updated
+   conditional node (CUDA 12.4+): the optimizer's whole step is captured
+   into the body of an "if found_inf is zero" node (cgraph records it
+   itself, Note [Conditional regions] in csrc/aten_conditional.cpp; torch's
+   begin_capture_to_if_node is 2.12+ only), so a replay runs it, or skips
+   all of it (state, step counts and parameters untouched), as eager would.  The scale itself is updated
    on the device by ``scaler.update()``, as before.  Cost per step when no
    inf occurs: a sum and a compare of one-element tensors, the kernel
    setting the node's condition, and the conditional node's launch of its
@@ -57,6 +57,30 @@ A: While the step is captured, the scaler's host test is replaced by a CUDA
    the body, every replay again.  A warm-up call whose step the scaler
    skipped (inf grads, common at fp16's first scales) therefore does not
    count: warm-up goes on until every such optimizer has stepped once.
+
+Note [RNG inside a graphed step]
+Q: How do dropout masks inside torch.utils.checkpoint (preserve_rng_state=
+   True) come out as eager's in a graphed step?
+A: As in per-layer graphs (Note [RNG in checkpointed regions],
+   csrc/aten_rng.cpp): while captured, each torch.cuda.get_rng_state hands
+   out a graph-safe generator state of its own, seeded at every replay at
+   the offset where eager mode would be, and set_rng_state with it makes
+   the recompute draw from there, so its masks are the forward's.  cgraph's
+   own warm-up notes where those offsets fall; a step warms up eagerly
+   instead (real steps, outside cgraph), so each warm-up call notes them
+   itself (_warm_up_as_captured: the offset of the default generator at each
+   get_rng_state, and how far the call moved it), and the last call's go to
+   the engine with the captured call (CallableSpec.rng_warmup).  The
+   recompute runs inside the same capture as the forward, where the
+   region's state has moved on: setting a region's state back switches to a
+   second state of that region, seeded at its start too.  The compiler's
+   own asks (dynamo and inductor save and restore the state around each
+   compile) are no regions: torch answers them, in warm-up and capture
+   alike.  Random ops outside such regions (dropout, compiled code's
+   seeds) draw from the default generator's graph-safe state, as every
+   graph does.  Warm-up calls also run with autocast's weight cache and
+   donated buffers off, as the capture will: compiled code guards on such
+   global state, and a recompile at capture would run inside the capture.
 """
 
 from __future__ import annotations
@@ -74,7 +98,8 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _log, _optim, _ranks
 from ._api import _live, _pool_id, _require_cuda
-from ._capture import CaptureOptions, graph, patched
+from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
+                       asked_by_the_compiler, graph, patched)
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
 
@@ -216,6 +241,7 @@ class GraphedStep:
         self.groups: list[_Group] = []
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
         self._waited = False  # logged that warm-up waits for a scaler's first step
+        self.rng: list = [None]  # the last warm-up's rng_warmup: Note [RNG inside a graphed step]
 
     def __call__(self, *args, **kwargs):
         graphed = self.graphed
@@ -254,7 +280,7 @@ class GraphedStep:
 
         torch.amp.GradScaler.step = noted_scaler_step
         try:
-            with self.ddp.watch():
+            with self.ddp.watch(), _warm_up_as_captured(_device(args, kwargs), self.rng):
                 out = self.fn(*args, **kwargs)
         finally:
             torch.amp.GradScaler.step = scaler_step
@@ -323,6 +349,7 @@ class GraphedStep:
         args, kwargs = pytree.tree_unflatten(static, spec)
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
+        drafted.fields["rng_warmup"] = self.rng[0]  # Note [RNG inside a graphed step]
         _require_cuda()
         failure = None
         try:
@@ -556,16 +583,53 @@ def _scaler_steps_on_the_device():
     return patched({(torch.amp.GradScaler, "_maybe_opt_step"): maybe_step})
 
 
+@contextlib.contextmanager
+def _warm_up_as_captured(device: int | None, noted: list):
+    """A warm-up call of the step, under what its capture will change
+    (Note [RNG inside a graphed step]): torch.cuda.get_rng_state noted as
+    cgraph's own warm-up notes it, into ``noted[0]``; autocast's cache and
+    donated buffers off, as while captured (Note [Patches during capture]
+    items 4 and 6), so compiled code guarded on them compiles now, not at
+    capture.  Without CUDA (a test's CPU stand-in), nothing is noted."""
+    if device is None:
+        with _autocast_cache_off(), _donated_buffers_off():
+            yield
+        return
+    generator = torch.cuda.default_generators[device]
+    torch_get = torch.cuda.get_rng_state
+    start, offsets = generator.get_offset(), []
+
+    def get_rng_state(device_="cuda"):
+        if _cuda_index(device_) == device and not asked_by_the_compiler():
+            offsets.append(generator.get_offset() - start)
+        return torch_get(device_)
+
+    with patched({(torch.cuda, "get_rng_state"): get_rng_state}), _autocast_cache_off(), \
+            _donated_buffers_off():
+        yield
+    noted[0] = (tuple(offsets), generator.get_offset() - start)
+
+
+def _device(args: tuple, kwargs: dict) -> int | None:
+    """The step's device: its first CUDA tensor argument's, else the current
+    one; None without CUDA."""
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            return leaf.device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
+
+
 def _rng_state_refused(exc: BaseException) -> BaseException:
-    """The step asked for the CUDA RNG state while captured: the CaptureError
+    """The step asked for the CUDA RNG state while captured unlike in its
+    last warm-up call (Note [RNG inside a graphed step]): the CaptureError
     of kind ``rng_regions``, in a step's terms."""
     error = _C.CaptureError(
         "cgraph: capturing the training step failed: the step asked for the CUDA RNG state "
-        "(torch.utils.checkpoint with preserve_rng_state=True does, to redraw dropout masks "
-        "in its recompute), which a whole-step graph does not replay yet. Graph the model "
-        "inside the step with cgraph.make_graphed instead (it handles checkpointing, "
-        "dropout included), or checkpoint with preserve_rng_state=False where the region "
-        f"draws no random numbers. Torch said: {exc.__cause__}")
+        "(torch.utils.checkpoint with preserve_rng_state=True does) a different number of "
+        "times while captured than in its last warm-up call, so its checkpointed regions "
+        "cannot be matched to their random streams. Make every call of the step take the "
+        "same path (a region entered on some calls only cannot be graphed), or raise "
+        f"num_warmup_iters if the first calls differ. Torch said: {exc.__cause__}")
     error.kind = _RNG_REGIONS
     return error
 

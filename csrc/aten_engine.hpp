@@ -383,11 +383,22 @@ class CapturedBackward {
 
 // ---- random numbers: Note [RNG in checkpointed regions] (aten_rng.cpp) ---
 
+// A graph-safe generator state, registered with the engine's graphs, and a
+// generator over it.
+struct RngStream {
+  c10::intrusive_ptr<at::CUDAGeneratorState> state;
+  at::Generator generator;
+};
+
 // One checkpointed region's random stream, replayed from where eager mode
-// would be at the region's start.
+// would be at the region's start: `drawn` is what the region draws from
+// after get_rng_state; `again` starts there once more when the state is set
+// back within the same capture (a whole step's recompute, fork_rng's exit):
+// Note [RNG inside a graphed step] (cgraph/_step.py).
 struct RngRegion {
-  c10::intrusive_ptr<at::CUDAGeneratorState> state;  // registered with both graphs
-  at::Generator generator;                           // over `state`
+  RngStream drawn;
+  RngStream again;
+  bool set_back = false;      // `again` taken in this capture
   uint64_t entry_offset = 0;  // from the forward's start to the region's
 };
 
@@ -421,6 +432,9 @@ class EngineRng {
   // -- warm-up and capture; none after finish_setup()
   void warmup_begin();
   void warmup_end();
+  // What a warm-up would have noted, from an eager run outside cgraph (a
+  // training step's): where it asked for the RNG state, how far it moved it.
+  void warmed_up_elsewhere(std::vector<uint64_t> entry_offsets, uint64_t increment);
   void capture_begin(Graph& graph, cg_pass pass);
   void capture_end() noexcept;        // also when the capture failed
   void check_host_untouched() const;  // after each capture: throws a Refusal
@@ -437,6 +451,7 @@ class EngineRng {
   friend std::optional<at::Tensor> rng_get_state(c10::DeviceIndex device);
   friend bool rng_set_state(const at::Tensor& state, c10::DeviceIndex device);
   RngSnapshot host_snapshot() const;
+  at::Generator set_back(const at::Generator& generator);
 
   c10::DeviceIndex device_;
   std::vector<RngRegion> regions_;

@@ -22,6 +22,10 @@
 //    - forward capture: the k-th get_rng_state switches the default
 //      generator to region k's own generator state (registered with both
 //      graphs) for the rest of the forward and returns a token for it;
+//      set_rng_state(token) in the same capture (fork_rng's exit, or a whole
+//      training step's recompute: Note [RNG inside a graphed step] in
+//      cgraph/_step.py) switches to region k's second state, which starts
+//      at the region's start again, as eager's restored state does;
 //    - backward capture: set_rng_state(token) switches to that state, so the
 //      recompute draws from region k's state from its start, as the forward
 //      did; get_rng_state returns a token for the current state.
@@ -56,13 +60,28 @@ at::Generator default_generator(c10::DeviceIndex device) {
 // registers a state on both sides (graph and state) only through the
 // Generator overload; later releases have only the state overload.
 template <class G>
-auto register_region(G& graph, const RngRegion& region, int)
-    -> decltype(graph.register_generator_state(region.generator), void()) {
-  graph.register_generator_state(region.generator);
+auto register_stream(G& graph, const RngStream& stream, int)
+    -> decltype(graph.register_generator_state(stream.generator), void()) {
+  graph.register_generator_state(stream.generator);
 }
 template <class G>
-void register_region(G& graph, const RngRegion& region, long) {
-  graph.register_generator_state(region.state);
+void register_stream(G& graph, const RngStream& stream, long) {
+  graph.register_generator_state(stream.state);
+}
+
+RngStream make_stream(c10::DeviceIndex device) {
+  RngStream stream;
+  stream.state = c10::make_intrusive<at::CUDAGeneratorState>();
+  stream.generator = at::make_generator<at::CUDAGeneratorImpl>(device, stream.state);
+  return stream;
+}
+
+// Both of a region's streams start where eager mode would be at its start.
+void seed_region(RngRegion& region, uint64_t seed, uint64_t base) {
+  for (RngStream* stream : {&region.drawn, &region.again}) {
+    stream->generator.set_current_seed(seed);
+    stream->generator.set_offset(base + region.entry_offset);
+  }
 }
 
 // A CPU byte tensor that stands for `generator` until capture ends.
@@ -79,8 +98,8 @@ std::vector<RngRegion> make_regions(c10::DeviceIndex device,
   std::vector<RngRegion> regions;
   for (const uint64_t offset : entry_offsets) {
     RngRegion region;
-    region.state = c10::make_intrusive<at::CUDAGeneratorState>();
-    region.generator = at::make_generator<at::CUDAGeneratorImpl>(device, region.state);
+    region.drawn = make_stream(device);
+    region.again = make_stream(device);
     region.entry_offset = offset;
     regions.push_back(std::move(region));
   }
@@ -131,6 +150,11 @@ void EngineRng::warmup_end() {
   forward_increment_ = default_generator(device_).get_offset() - r.warmup_start;
 }
 
+void EngineRng::warmed_up_elsewhere(std::vector<uint64_t> entry_offsets, uint64_t increment) {
+  setup_->entry_offsets = std::move(entry_offsets);
+  forward_increment_ = increment;
+}
+
 void EngineRng::check_regions_entered() const {
   const RngSetup& r = *setup_;
   if (r.entered != r.entry_offsets.size()) {
@@ -148,8 +172,10 @@ void EngineRng::capture_begin(Graph& graph, cg_pass pass) {
   if (pass == CG_FORWARD && regions_.size() != r.entry_offsets.size()) {
     regions_ = make_regions(device_, r.entry_offsets);
   }
-  for (const RngRegion& region : regions_) {
-    register_region(graph, region, 0);
+  for (RngRegion& region : regions_) {
+    register_stream(graph, region.drawn, 0);
+    register_stream(graph, region.again, 0);
+    region.set_back = false;
   }
   r.host_before = host_snapshot();
   r.default_state = default_generator(device_).graphsafe_get_state();
@@ -185,8 +211,7 @@ void EngineRng::before_forward_replay() {
   seed_ = gen.current_seed();
   base_ = gen.get_offset();
   for (RngRegion& region : regions_) {
-    region.generator.set_current_seed(seed_);
-    region.generator.set_offset(base_ + region.entry_offset);
+    seed_region(region, seed_, base_);
   }
 }
 
@@ -198,8 +223,7 @@ void EngineRng::after_forward_replay() {
 
 void EngineRng::before_backward_replay() {
   for (RngRegion& region : regions_) {
-    region.generator.set_current_seed(seed_);
-    region.generator.set_offset(base_ + region.entry_offset);
+    seed_region(region, seed_, base_);
   }
 }
 
@@ -219,14 +243,33 @@ std::optional<at::Tensor> rng_get_state(c10::DeviceIndex device) {
         throw Refusal(CG_FAILURE_RNG_REGIONS, "cgraph: the callable asked for the CUDA RNG "
                       "state more often during capture than during warm-up.");
       }
-      default_generator(device).graphsafe_set_state(e->regions_[k].generator);
-      return issue_token(r, e->regions_[k].generator);
+      default_generator(device).graphsafe_set_state(e->regions_[k].drawn.generator);
+      return issue_token(r, e->regions_[k].drawn.generator);
     }
     case RngPhase::Backward:
       return issue_token(r, default_generator(device).graphsafe_get_state());
     default:
       return std::nullopt;
   }
+}
+
+// A forward capture setting back a state its region drew from: the region's
+// `again` stream, which starts where the region did (Note [RNG inside a
+// graphed step]).  Once per region and capture: a second set-back would
+// start where the first one's draws went on.  Other states stay as they are.
+at::Generator EngineRng::set_back(const at::Generator& generator) {
+  for (RngRegion& region : regions_) {
+    if (region.drawn.generator.unsafeGetGeneratorImpl() != generator.unsafeGetGeneratorImpl()) {
+      continue;
+    }
+    if (region.set_back) {
+      throw Refusal(CG_FAILURE_RNG_REGIONS, "cgraph: the callable set the CUDA RNG state back "
+                    "to one it took twice within one capture, which a graph cannot replay.");
+    }
+    region.set_back = true;
+    return region.again.generator;
+  }
+  return generator;
 }
 
 bool rng_set_state(const at::Tensor& state, c10::DeviceIndex device) {
@@ -240,7 +283,8 @@ bool rng_set_state(const at::Tensor& state, c10::DeviceIndex device) {
   }
   for (const auto& [token, generator] : r.tokens) {
     if (token.unsafeGetTensorImpl() == state.unsafeGetTensorImpl()) {
-      default_generator(device).graphsafe_set_state(generator);
+      default_generator(device).graphsafe_set_state(
+          r.phase == RngPhase::Forward ? e->set_back(generator) : generator);
       return true;
     }
   }

@@ -89,6 +89,11 @@ Engine::Engine(const cg_engine_config& config)
   }
   setup->set_aside_grad_accumulators(params);
   setup->save_buffers(unpack_tensors(config.buffers, "buffer"));
+  if (config.rng_warmed) {
+    rng.warmed_up_elsewhere(std::vector<uint64_t>(
+                                config.rng_offsets, config.rng_offsets + config.rng_offsets_count),
+                            config.rng_increment);
+  }
 }
 
 // Note [Grad accumulators during capture]

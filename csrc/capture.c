@@ -446,11 +446,21 @@ session_make_engines(session *s)
             .kept_outputs = (cg_kept_outputs)s->kept_outputs,
             .keep_activations = s->keep_activations,
         };
+        unsigned long long *offsets = NULL;
         s->targets[i] = cg_spec_forward(spec);
         if (s->targets[i] == NULL) {
             return -1;
         }
+        if (spec->rng_warmup != Py_None) {
+            if (cg_spec_rng_warmup(spec, &offsets, &config.rng_offsets_count,
+                                   &config.rng_increment) < 0) {
+                return -1;
+            }
+            config.rng_warmed = 1;
+            config.rng_offsets = offsets;
+        }
         s->engines[i] = cg_engine_new(&config);
+        PyMem_Free(offsets);
         if (s->engines[i] == NULL) {
             return -1;
         }

@@ -140,6 +140,14 @@ typedef struct {
     int keep_activations;    /* the forward capture's activations stay allocated
                                 until its backward has replayed: Note [Layers
                                 captured one by one into one pool] (aten_pool.cpp) */
+    /* Where an eager run outside cgraph (a training step's last warm-up)
+     * asked for the CUDA RNG state, from its start, and how far it moved the
+     * stream: what cgraph's own warm-up would note (Note [RNG in checkpointed
+     * regions], aten_rng.cpp).  rng_warmed 0: none given. */
+    int rng_warmed;
+    const unsigned long long *rng_offsets;
+    Py_ssize_t rng_offsets_count;
+    unsigned long long rng_increment;
 } cg_engine_config;
 
 /* Returns NULL with an exception set on failure. */

@@ -122,6 +122,12 @@ typedef struct {
                                 pass again (position -1: keyword only) */
     PyObject *verify;        /* verify(module) raises if parameters were
                                 replaced since capture; None for a function */
+    PyObject *rng_warmup;    /* None, or (entry offsets: tuple of int, increment:
+                                int): where an eager run outside cgraph (a
+                                training step's last warm-up) asked for the CUDA
+                                RNG state, and how far it moved it, in place of
+                                cgraph's own warm-up: Note [RNG inside a graphed
+                                step] in cgraph/_step.py */
     int device;              /* the CUDA device the graphs run on */
 } cg_spec;
 
@@ -133,6 +139,12 @@ enum { CG_DEFAULT_NAME = 0, CG_DEFAULT_POSITION = 1, CG_DEFAULT_VALUE = 2,
        CG_DEFAULT_BY_KEYWORD = 3 };
 
 extern PyType_Spec cg_spec_type_spec;
+
+/* Reads spec->rng_warmup (not None): *offsets (a PyMem_Malloc'ed array the
+ * caller frees, of *count entries) and *increment; with offsets NULL, only
+ * checks its types.  0, or -1 with a TypeError set. */
+int cg_spec_rng_warmup(const cg_spec *spec, unsigned long long **offsets, Py_ssize_t *count,
+                       unsigned long long *increment);
 
 /* What to call for warm-up and capture: the function, or the module the
  * weakref points to.  Returns a NEW reference, or NULL with an exception. */

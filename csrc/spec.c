@@ -13,7 +13,8 @@
  *         params: tuple[Tensor, ...]; buffers: tuple[Tensor, ...]
  *         flat: bool; in_spec: TreeSpec | None
  *         constants: tuple[Constant, ...]; defaults: tuple[Default, ...]
- *         verify: Callable | None; device: int
+ *         verify: Callable | None
+ *         rng_warmup: tuple[tuple[int, ...], int] | None; device: int
  *
  * Each field is documented once, on cg_spec in module.h; the member table
  * below drives both the constructor and the attributes Python reads.
@@ -49,6 +50,8 @@ static PyMemberDef spec_members[] = {
     SPEC_OBJECT(constants, "(position, name, value) per constant leaf, in leaf order"),
     SPEC_OBJECT(defaults, "(name, position, value, by_keyword) per parameter left out"),
     SPEC_OBJECT(verify, "verify(module) raises if parameters were replaced"),
+    SPEC_OBJECT(rng_warmup, "(entry offsets, increment) of an eager warm-up run outside "
+                "cgraph, or None"),
     {"device", T_INT, offsetof(cg_spec, device), READONLY, "the CUDA device"},
     {NULL, 0, 0, 0, NULL},
 };
@@ -113,6 +116,9 @@ check_types(cg_spec *spec)
                          Py_TYPE(value)->tp_name);
             return -1;
         }
+    }
+    if (spec->rng_warmup != Py_None && cg_spec_rng_warmup(spec, NULL, NULL, NULL) < 0) {
+        return -1;
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec->constants); i++) {
         PyObject *entry = PyTuple_GET_ITEM(spec->constants, i);
@@ -242,6 +248,62 @@ cg_spec_forward(const cg_spec *spec)
     forward = PyMethod_New(spec->eager, module);
     Py_DECREF(module);
     return forward;
+}
+
+static int
+rng_warmup_type_error(void)
+{
+    PyErr_SetString(PyExc_TypeError, "CallableSpec.rng_warmup must be None or a tuple "
+                    "(entry offsets: tuple of int >= 0, increment: int >= 0)");
+    return -1;
+}
+
+int
+cg_spec_rng_warmup(const cg_spec *spec, unsigned long long **offsets, Py_ssize_t *count,
+                   unsigned long long *increment)
+{
+    PyObject *entries, *moved;
+    unsigned long long *out = NULL;
+    Py_ssize_t n;
+
+    if (!PyTuple_Check(spec->rng_warmup) || PyTuple_GET_SIZE(spec->rng_warmup) != 2) {
+        return rng_warmup_type_error();
+    }
+    entries = PyTuple_GET_ITEM(spec->rng_warmup, 0);
+    moved = PyTuple_GET_ITEM(spec->rng_warmup, 1);
+    if (!PyTuple_Check(entries) || !PyLong_Check(moved)) {
+        return rng_warmup_type_error();
+    }
+    n = PyTuple_GET_SIZE(entries);
+    if (offsets != NULL && (out = PyMem_Malloc(sizeof(*out) * (size_t)(n ? n : 1))) == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *entry = PyTuple_GET_ITEM(entries, i);
+        unsigned long long value =
+            PyLong_Check(entry) ? PyLong_AsUnsignedLongLong(entry) : (unsigned long long)-1;
+        if (value == (unsigned long long)-1) {
+            PyErr_Clear();
+            PyMem_Free(out);
+            return rng_warmup_type_error();
+        }
+        if (out != NULL) {
+            out[i] = value;
+        }
+    }
+    if (offsets == NULL) {
+        return 0;
+    }
+    *increment = PyLong_AsUnsignedLongLong(moved);
+    if (*increment == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyMem_Free(out);
+        return rng_warmup_type_error();
+    }
+    *offsets = out;
+    *count = n;
+    return 0;
 }
 
 PyDoc_STRVAR(Spec_doc,
