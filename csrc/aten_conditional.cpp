@@ -136,17 +136,8 @@ cudaGraph_t add_if_node(cudaStream_t stream, cudaGraphConditionalHandle handle) 
 // A conditional handle of the graph `stream` captures, set from *flag by a
 // kernel the stream records now.
 cudaGraphConditionalHandle condition_from(const at::Tensor& flag, cudaStream_t stream) {
-  cudaStreamCaptureStatus status;
-  cudaGraph_t graph = nullptr;
-#if CUDART_VERSION >= 13000
-  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, nullptr, nullptr,
-                                          nullptr));
-#else
-  C10_CUDA_CHECK(cudaStreamGetCaptureInfo_v3(stream, &status, nullptr, &graph, nullptr,
-                                             nullptr, nullptr));
-#endif
   cudaGraphConditionalHandle handle{};
-  C10_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, graph, 0, 0));
+  C10_CUDA_CHECK(cudaGraphConditionalHandleCreate(&handle, capturing_graph(stream), 0, 0));
   C10_CUDA_CHECK(cg_set_condition(handle, flag.const_data_ptr<bool>(), stream));
   return handle;
 }

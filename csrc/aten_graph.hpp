@@ -166,6 +166,10 @@ class Graph : public at::cuda::CUDAGraph {
   }
 };
 
+// The graph `stream` is capturing into; throws if it captures none
+// (aten_graph_nodes.cpp).
+cudaGraph_t capturing_graph(cudaStream_t stream);
+
 // Whether captures can record conditional nodes: cgraph built with CUDA 12.4
 // or later, and a driver as new (aten_conditional.cpp).
 bool conditional_nodes_supported();

@@ -59,6 +59,21 @@
 #include <mutex>
 
 namespace cgraph {
+
+cudaGraph_t capturing_graph(cudaStream_t stream) {
+  cudaStreamCaptureStatus status;
+  cudaGraph_t graph = nullptr;
+#if CUDART_VERSION >= 13000
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, nullptr, nullptr,
+                                          nullptr));
+#else
+  C10_CUDA_CHECK(cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, &graph, nullptr, nullptr));
+#endif
+  TORCH_CHECK(status == cudaStreamCaptureStatusActive && graph != nullptr,
+              "cgraph: internal error: no capture is active on the current stream.");
+  return graph;
+}
+
 namespace {
 
 // The node the capture recorded last on `stream`: the one that the next
@@ -78,16 +93,7 @@ cudaGraphNode_t last_captured_node(cudaStream_t stream) {
 
 // The nodes recorded so far into the graph `stream` is capturing.
 std::vector<cudaGraphNode_t> captured_nodes(cudaStream_t stream) {
-  cudaStreamCaptureStatus status;
-  cudaGraph_t graph = nullptr;
-#if CUDART_VERSION >= 13000
-  C10_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, nullptr, nullptr,
-                                          nullptr));
-#else
-  C10_CUDA_CHECK(cudaStreamGetCaptureInfo_v2(stream, &status, nullptr, &graph, nullptr, nullptr));
-#endif
-  TORCH_CHECK(status == cudaStreamCaptureStatusActive && graph != nullptr,
-              "cgraph: internal error: no capture is active on the current stream.");
+  cudaGraph_t graph = capturing_graph(stream);
   size_t count = 0;
   C10_CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &count));
   std::vector<cudaGraphNode_t> nodes(count);

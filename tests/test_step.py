@@ -338,16 +338,6 @@ class CheckpointedBlocks(nn.Module):
         return self.head(nn.functional.dropout(x, 0.1))
 
 
-def plain_sgd_step(model, opt):
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-    return step
-
-
 def train_both(make_model, steps=6, num_warmup_iters=2, wrap=lambda m: m):
     """The same model trained by a graphed step and eagerly, from one CUDA
     random state, each called through wrap(model); returns (graphed step,
@@ -358,12 +348,12 @@ def train_both(make_model, steps=6, num_warmup_iters=2, wrap=lambda m: m):
     batches = [(torch.randn(16, 32, device=CUDA), torch.randint(0, 10, (16,), device=CUDA))
                for _ in range(steps)]
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
-    graphed = cgraph.make_graphed_step(plain_sgd_step(wrap(model), opts[0]), batches[0],
+    graphed = cgraph.make_graphed_step(make_step(wrap(model), opts[0]), batches[0],
                                        num_warmup_iters=num_warmup_iters)
     generator = torch.cuda.default_generators[torch.device(CUDA).index or 0]
     losses = run(graphed, batches)
     offset = generator.get_offset()
-    losses_e = run(plain_sgd_step(wrap(eager), opts[1]), batches)
+    losses_e = run(make_step(wrap(eager), opts[1]), batches)
     assert offset == generator.get_offset(), "the CUDA generator's offset after the steps"
     return graphed, losses, losses_e, (model, eager)
 
@@ -435,7 +425,7 @@ def test_a_reduce_overhead_model_in_the_step_is_refused_naming_why():
     model, batches = model_and_data(dropout=0.0)
     compiled = torch.compile(model, mode="reduce-overhead")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    graphed = cgraph.make_graphed_step(plain_sgd_step(compiled, opt), batches[0],
+    graphed = cgraph.make_graphed_step(make_step(compiled, opt), batches[0],
                                        num_warmup_iters=2)
     for x, y in batches[:2]:
         graphed(x, y)
