@@ -584,25 +584,25 @@ def _scaler_steps_on_the_device():
 
 
 @contextlib.contextmanager
-def _warm_up_as_captured(device: int | None, noted: list):
+def _warm_up_as_captured(step_device: int | None, noted: list):
     """A warm-up call of the step, under what its capture will change
     (Note [RNG inside a graphed step]): torch.cuda.get_rng_state noted as
     cgraph's own warm-up notes it, into ``noted[0]``; autocast's cache and
     donated buffers off, as while captured (Note [Patches during capture]
     items 4 and 6), so compiled code guarded on them compiles now, not at
     capture.  Without CUDA (a test's CPU stand-in), nothing is noted."""
-    if device is None:
+    if step_device is None:
         with _autocast_cache_off(), _donated_buffers_off():
             yield
         return
-    generator = torch.cuda.default_generators[device]
+    generator = torch.cuda.default_generators[step_device]
     torch_get = torch.cuda.get_rng_state
     start, offsets = generator.get_offset(), []
 
-    def get_rng_state(device_="cuda"):
-        if _cuda_index(device_) == device and not asked_by_the_compiler():
+    def get_rng_state(device="cuda"):
+        if _cuda_index(device) == step_device and not asked_by_the_compiler():
             offsets.append(generator.get_offset() - start)
-        return torch_get(device_)
+        return torch_get(device)
 
     with patched({(torch.cuda, "get_rng_state"): get_rng_state}), _autocast_cache_off(), \
             _donated_buffers_off():

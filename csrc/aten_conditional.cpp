@@ -27,13 +27,22 @@
 //    the first region of a capture re-routes the pool once, to a filter that
 //    also takes every region's id (takes_allocations_of).  Re-routing takes a
 //    second reference to the pool (beginAllocateToPool does), which is
-//    released at once: the capture holds its own, as before.
+//    released at once: the capture holds its own, as before.  (torch 2.14
+//    routes a capture's pinned host allocations by capture id too; those of
+//    a body are not re-routed: a body is meant for device work, an
+//    optimizer's step.)
 // Q: What may the body hold?
 // A: What CUDA allows in a conditional body: kernels, memcpys and memsets,
 //    no event nodes (work on another stream joined back), no host nodes.
-//    Anything else fails the capture with CUDA's error, naming the region.
-//    Random numbers drawn in the body stay unique: the generator reserves
-//    their offsets at capture whether a replay runs the body or not.
+//    Anything else fails the capture with CUDA's error.  Random numbers: on
+//    torch 2.11 a draw in the body reserves its offsets at capture whether a
+//    replay runs the body or not, so draws stay unique; torch 2.12 and later
+//    key a generator's capture state by capture id and do not know the
+//    body's, so a random op there fails with torch's error (as torch's own
+//    conditional nodes refuse it).  Never silently wrong either way.
+//    A GEMM in the body takes a cuBLAS workspace for the region's stream
+//    from the pool: dropped when the region ends, as a temporary of the
+//    capture (Note [One cuBLAS workspace per stream], aten_workspace.cpp).
 #include "aten_graph.hpp"
 #include "condition.h"
 
@@ -201,9 +210,11 @@ void Graph::route_regions_to_pool() {
 
 void Graph::begin_if(const at::Tensor& flag) {
 #if CG_HAS_CONDITIONAL_NODES
-  TORCH_CHECK(flag.is_cuda() && flag.numel() == 1 && flag.scalar_type() == at::kBool,
-              "cgraph: a conditional region's flag is one bool on the device; got ",
-              flag.numel(), " ", flag.scalar_type(), " on ", flag.device(), ".");
+  TORCH_CHECK(flag.is_cuda() && flag.device().index() == capture_dev_ && flag.numel() == 1 &&
+                  flag.scalar_type() == at::kBool,
+              "cgraph: a conditional region's flag is one bool on the capture's device (cuda:",
+              static_cast<int>(capture_dev_), "); got ", flag.numel(), " ", flag.scalar_type(),
+              " on ", flag.device(), ".");
   TORCH_CHECK(conditional_nodes_supported(), "cgraph: this CUDA driver has no conditional "
               "graph nodes (12.4 or later has them).");
   const c10::cuda::CUDAStream outer = c10::cuda::getCurrentCUDAStream();
@@ -228,7 +239,10 @@ void Graph::begin_if(const at::Tensor& flag) {
 }
 
 void Graph::end_if(bool completed) {
-  TORCH_CHECK(!regions_.empty(), "cgraph: internal error: end_if() outside a region.");
+  if (regions_.empty()) {
+    TORCH_CHECK(!completed, "cgraph: internal error: end_if() outside a region.");
+    return;
+  }
   const IfRegion region = regions_.back();
   regions_.pop_back();
   const bool on_body = c10::cuda::getCurrentCUDAStream() == region.body;
@@ -236,6 +250,13 @@ void Graph::end_if(bool completed) {
   unregister_capture(region.capture_id);
   cudaGraph_t ended = nullptr;
   const cudaError_t err = cudaStreamEndCapture(region.body.stream(), &ended);
+  try {
+    drop_foreign_blas_workspaces(region.body.stream());
+  } catch (const std::exception&) {
+    if (completed) {
+      throw;
+    }
+  }
   if (!completed) {
     (void)cudaGetLastError();
     return;

@@ -252,7 +252,10 @@ cg_if_region* cg_if_begin(PyObject* flag) {
 int cg_if_end(cg_if_region* region, int completed) {
   std::unique_ptr<cg_if_region> owned(region);
   if (!completed) {
-    owned->graph->end_if(false);
+    try {
+      owned->graph->end_if(false);
+    } catch (...) {  // never raises: the caller's exception is the one reported
+    }
     return 0;
   }
   HANDLE_TH_ERRORS

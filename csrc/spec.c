@@ -292,15 +292,16 @@ cg_spec_rng_warmup(const cg_spec *spec, unsigned long long **offsets, Py_ssize_t
             out[i] = value;
         }
     }
-    if (offsets == NULL) {
-        return 0;
-    }
-    *increment = PyLong_AsUnsignedLongLong(moved);
-    if (*increment == (unsigned long long)-1 && PyErr_Occurred()) {
+    unsigned long long moved_by = PyLong_AsUnsignedLongLong(moved);
+    if (moved_by == (unsigned long long)-1 && PyErr_Occurred()) {
         PyErr_Clear();
         PyMem_Free(out);
         return rng_warmup_type_error();
     }
+    if (offsets == NULL) {
+        return 0;
+    }
+    *increment = moved_by;
     *offsets = out;
     *count = n;
     return 0;

@@ -109,6 +109,11 @@ def test_callable_spec_refuses_missing_unknown_and_mistyped_fields():
         cgraph._C.CallableSpec(**dict(fields, tensors=[torch.zeros(1)]))
     with pytest.raises(TypeError, match="keyword arguments only"):
         cgraph._C.CallableSpec(1)
+    for bad in ((), ((1, -2), 3), ((1, 2), -1), ([1], 3), ((1,), 2.0)):
+        with pytest.raises(TypeError, match="rng_warmup must be None or a tuple"):
+            cgraph._C.CallableSpec(**dict(fields, rng_warmup=bad))
+    spec = cgraph._C.CallableSpec(**dict(fields, rng_warmup=((0, 8), 16)))
+    assert spec.rng_warmup == ((0, 8), 16)
 
 
 def test_samples_sharing_memory_get_their_own_static_buffers():
