@@ -322,14 +322,12 @@ def test_unused_parameter_needs_allow_unused_input():
 
 def test_a_second_forward_before_the_first_backward_runs_eagerly():
     """Note [Calls before their backwards]: the first call's backward still
-    reads the graph's activations, so with one graph (max_graphs=1, torch's
-    rule) the second call runs eagerly and both backwards give eager's
-    grads (torch's would be wrong).  By default it gets a graph of its own:
-    test_drop_in.py."""
+    reads the graph's activations, so the second call runs eagerly and both
+    backwards give eager's grads (torch's would be wrong)."""
     torch.manual_seed(20)
     model, make_input = mlp()
     eager = copy.deepcopy(model)
-    model = cgraph.make_graphed_callables(model, (make_input(),), max_graphs=1)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
     x1, x2 = make_input(), make_input()
     first_loss, second_loss = model(x1).square().sum(), model(x2).sum()
     first_loss.backward()
