@@ -72,6 +72,9 @@ VARIANTS = (
     "cgraph-whole-shapes",
     "cgraph-layer",
     "cgraph-step",
+    "cgraph-compiled-step",
+    "cgraph-step-amp",
+    "cgraph-step-amp-fused",
     "floor",
     "floor-copies",
     "floor-eager-opt",
@@ -85,11 +88,19 @@ VARIANTS = (
 _WHOLE_SCALING = ("eager", "torch-mgc-whole", "cgraph-whole", "cgraph-whole-unguarded",
                   "cgraph-whole-shapes", "floor")
 _LAYER_SCALING = ("eager", "torch-mgc-layer", "cgraph-layer", "floor")
+# cgraph-compiled-step: each transformer block (gpt) or the whole model (mlp)
+# torch.compile'd (default mode) inside the graphed step.  cgraph-step-amp:
+# float16 autocast, a GradScaler and SGD with momentum as most AMP scripts
+# build it (not fused: the scaler's skip is a conditional node, Note
+# [GradScaler with any optimizer] in cgraph/_step.py); cgraph-step-amp-fused:
+# the same with SGD(fused=True), whose kernels take found_inf themselves.
+_STEP_VARIANTS = ("cgraph-step", "cgraph-compiled-step", "cgraph-step-amp",
+                  "cgraph-step-amp-fused")
 # The eager-part floors need a loss and an optimizer step, which the overhead
 # step has not.
 _NO_OPTIMIZER = tuple(v for v in VARIANTS
                       if v not in ("floor-copies", "floor-eager-opt", "floor-eager-loss",
-                                   "cgraph-step"))
+                                   *_STEP_VARIANTS))
 
 # torch.compile compiles (and reduce-overhead records its graphs) during the
 # first steps; setup time covers this many.
@@ -120,7 +131,9 @@ WORKLOADS = {
         Workload("overhead-128", "overhead", 128, _WHOLE_SCALING),
         Workload("mlp", "mlp", 8, VARIANTS),
         Workload("gpt-6", "gpt", 6, VARIANTS),
-        Workload("gpt-24", "gpt", 24, _LAYER_SCALING, torch_ref="torch-mgc-layer"),
+        Workload("gpt-24", "gpt", 24, (*_LAYER_SCALING, "compile-reduce-overhead",
+                                       "cgraph-step", "cgraph-compiled-step"),
+                 torch_ref="torch-mgc-layer"),
     )
 }
 
@@ -268,8 +281,9 @@ def prepare(problem: Problem, variant: str) -> Callable[[], object]:
         return _floor_eager_optimizer(problem)
     if variant == "floor-eager-loss":
         return _floor_eager_loss(problem)
-    if variant == "cgraph-step":
-        return _cgraph_step(problem)
+    if variant in _STEP_VARIANTS:
+        return _cgraph_step(problem, compiled=variant == "cgraph-compiled-step",
+                            amp=variant.removeprefix("cgraph-step-") if "amp" in variant else None)
     step = _train_step(problem, _forward(problem, variant))
     if variant.startswith("compile-"):
         for _ in range(COMPILE_STEPS):
@@ -329,26 +343,65 @@ def _train_step(problem: Problem, forward: Callable) -> Callable[[], None]:
     return step
 
 
-def _cgraph_step(problem: Problem) -> Callable[[], object]:
+def _cgraph_step(problem: Problem, compiled: bool = False,
+                 amp: str | None = None) -> Callable[[], object]:
     """The mlp and gpt step, unchanged, through ``cgraph.make_graphed_step``;
     set-up runs its eager warm-up steps and the capture (the capturing call
-    is a step too, as the floor's set-up runs its warm-up)."""
+    is a step too, as the floor's set-up runs its warm-up).  ``compiled``:
+    the blocks (gpt) or the model (mlp) compiled inside; ``amp`` ("amp" or
+    "amp-fused"): the float16 GradScaler step with SGD, unfused or fused."""
     import cgraph  # not built: this variant fails alone, as an error row
 
     model, x, y = problem.model, problem.x, problem.y
-    opt = problem.optimizer(model.parameters())
+    forward = _compiled_blocks(problem) if compiled else model
+    if amp is None:
+        opt = problem.optimizer(model.parameters())
+        train_step = _plain_step(forward, opt)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9,
+                              fused=amp == "amp-fused")
+        train_step = _scaled_step(forward, opt, torch.amp.GradScaler("cuda"))
+    warmup = FLOOR_WARMUP_ITERS + (COMPILE_STEPS if compiled else 0)
+    step = cgraph.make_graphed_step(train_step, (x, y), num_warmup_iters=warmup)
+    for _ in range(warmup + 1):
+        step(x, y)
+    return functools.partial(step, x, y)
 
+
+def _plain_step(forward: Callable, opt: torch.optim.Optimizer) -> Callable:
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
-        loss = _loss(model(x), y)
+        loss = _loss(forward(x), y)
         loss.backward()
         opt.step()
         return loss
 
-    step = cgraph.make_graphed_step(train_step, (x, y), num_warmup_iters=FLOOR_WARMUP_ITERS)
-    for _ in range(FLOOR_WARMUP_ITERS + 1):
-        step(x, y)
-    return functools.partial(step, x, y)
+    return train_step
+
+
+def _scaled_step(forward: Callable, opt: torch.optim.Optimizer,
+                 scaler: torch.amp.GradScaler) -> Callable:
+    def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = _loss(forward(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+
+    return train_step
+
+
+def _compiled_blocks(problem: Problem) -> Callable:
+    """The model with each gpt block compiled in place (default mode), or
+    the whole mlp compiled."""
+    model = problem.model
+    if isinstance(model, GPT):
+        for block in model.blocks:
+            block.compile()
+        return model
+    return torch.compile(model)
 
 
 class _Replay:
