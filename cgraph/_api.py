@@ -89,7 +89,7 @@ def make_graphed_callables(
     sample_kwargs=None,
     kept_outputs: str = "copy",
     guard_outputs: bool | None = None,
-    max_graphs: int | None = None,
+    max_graphs: int | None = _MAX_GRAPHS,
 ):
     """Drop-in for :func:`torch.cuda.make_graphed_callables`.
 
@@ -123,12 +123,21 @@ def make_graphed_callables(
     * ``param.grad`` accumulates across backward passes exactly as in eager
       (torch hands out a buffer the next replay overwrites).
     * Outputs of earlier calls keep their values (``kept_outputs``).
+    * A call of another shape (a short last batch), or another constant or
+      keyword, captures a graph for it on the spot and replays it from then
+      on, as :func:`make_graphed` does (``max_graphs``, keyword-only: 8 by
+      default; past that, calls run eagerly, logged once).  torch raises on
+      such a call, or computes the wrong thing where the shape broadcasts.
+      Callables graphed together capture their later graphs each in a pool
+      of its own.  ``max_graphs=1`` (or ``None``) keeps torch's rule: one
+      graph, and another shape raises ``ValueError``.
     * A call made before the backward of the previous call ran (a siamese
-      model, several micro-batch forwards) runs eagerly, so every backward
-      is right; torch overwrites the activations that backward needs.
-      ``stats["eager_pending"]`` counts them.
-    * An argument of another shape or device raises ``ValueError``; one of
-      another floating dtype is cast into the static input, as torch does.
+      model, several micro-batch forwards) gets a graph instance of its own
+      (with ``max_graphs=1``: runs eagerly, counted in
+      ``stats["eager_pending"]``), so every backward is right; torch
+      overwrites the activations that backward needs.
+    * An argument on another device raises ``ValueError``; one of another
+      floating dtype is cast into the static input, as torch does.
     * Leaves that require grad but are neither arguments nor parameters (a
       tensor in a closure) get their grads; torch drops them silently.
     * Warm-up leaves module buffers (BatchNorm running stats) as they were.
@@ -173,12 +182,13 @@ def make_graphed_callables(
         _fsdp.refuse_in_drop_in(i, target)
     options = _options(num_warmup_iters, allow_unused_input, capture_error_mode,
                        _kept_outputs(kept_outputs, guard_outputs))
+    limit = 1 if max_graphs is None else _max_graphs(max_graphs)
     described = [Target.of(i, fn) for i, fn in enumerate(targets)]
     pool_id = _pool_id(pool)
     graphed = _graph(described, sample_args, sample_kwargs, pool_id, options)
-    if max_graphs is not None:
+    if limit > 1:
         shares_pool = len(described) > 1 or pool_id is not None
-        graphed = [regraphing(target, options, _max_graphs(max_graphs), first=g,
+        graphed = [regraphing(target, options, limit, first=g,
                               shared_pool=g.pool if shares_pool else None)
                    for target, g in zip(described, graphed)]
         _live.update(graphed)

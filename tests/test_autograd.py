@@ -322,12 +322,14 @@ def test_unused_parameter_needs_allow_unused_input():
 
 def test_a_second_forward_before_the_first_backward_runs_eagerly():
     """Note [Calls before their backwards]: the first call's backward still
-    reads the graph's activations, so the second call runs eagerly and both
-    backwards give eager's grads (torch's would be wrong)."""
+    reads the graph's activations, so with one graph (max_graphs=1, torch's
+    rule) the second call runs eagerly and both backwards give eager's
+    grads (torch's would be wrong).  By default it gets a graph of its own:
+    test_drop_in.py."""
     torch.manual_seed(20)
     model, make_input = mlp()
     eager = copy.deepcopy(model)
-    model = cgraph.make_graphed_callables(model, (make_input(),))
+    model = cgraph.make_graphed_callables(model, (make_input(),), max_graphs=1)
     x1, x2 = make_input(), make_input()
     first_loss, second_loss = model(x1).square().sum(), model(x2).sum()
     first_loss.backward()
@@ -340,12 +342,15 @@ def test_a_second_forward_before_the_first_backward_runs_eagerly():
 
 
 def test_input_requiring_grad_unlike_its_sample_is_accepted_until_a_backward_needs_it():
-    """As torch: the call replays; only a backward that needs that input's
-    grad raises, saying what to do."""
+    """With torch's rule of one graph (max_graphs=1), as torch: the call
+    replays; only a backward that needs that input's grad raises, saying
+    what to do.  (By default such a call captures a graph of its own, as
+    make_graphed's does: test_shapes.py.)"""
     torch.manual_seed(21)
     model, _ = mlp()
     eager = copy.deepcopy(model)
-    model = cgraph.make_graphed_callables(model, (torch.randn(8, 32, device=CUDA),))
+    model = cgraph.make_graphed_callables(model, (torch.randn(8, 32, device=CUDA),),
+                                          max_graphs=1)
     x = torch.randn(8, 32, device=CUDA, requires_grad=True)
     out = model(x)
     assert out.requires_grad

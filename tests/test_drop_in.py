@@ -1,7 +1,7 @@
 """What replacing torch.cuda.make_graphed_callables with cgraph's must not
 break, and what it fixes: outputs kept across calls keep their values,
 several calls before their backwards give eager's grads (eagerly, or in any
-order), arguments equal to the callable's own defaults replay, an input of
+order), a short last batch captures a graph of its own, arguments equal to the callable's own defaults replay, an input of
 another floating dtype is cast as torch casts it, and a graphed training
 script prints nothing.  Comparisons are bitwise against eager PyTorch."""
 
@@ -134,6 +134,42 @@ def test_two_forwards_before_one_backward_match_eager(max_graphs):
     else:
         assert stats["eager_pending"] == 0 and stats["graphs"] == 2
         assert stats["forward"] == 6 and stats["backward"] == 6
+
+
+def test_the_drop_in_captures_a_short_last_batch_logged_and_counted(caplog):
+    """The drop-in's default (max_graphs=8): a batch of another size
+    captures a graph for it, as make_graphed does, with make_graphed's log
+    line and stats; training equals eager's.  torch raises here."""
+    torch.manual_seed(34)
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    caplog.set_level(logging.INFO, logger="cgraph")
+    for rows in (None, 3, None, 3):
+        x = make_input() if rows is None else torch.randn(rows, 32, device=CUDA,
+                                                         requires_grad=True)
+        xe = twin(x)
+        assert_equal(model(x), eager(xe), f"output ({rows or 'sample'} rows)")
+        # A dense upstream grad: sum()'s is stride-0, which eager hands cuBLAS
+        # as is and a graph as a dense buffer, one ulp apart by design
+        # (test_autograd.py, Note [Incoming grads] in csrc/aten_backward.cpp).
+        upstream = torch.randn(x.shape[0], 16, device=CUDA)
+        (model(x) * upstream).sum().backward()
+        (eager(xe) * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"input grad ({rows or 'sample'} rows)")
+        assert_grads_equal(model, eager, rows)
+    stats = model.forward.stats
+    assert stats["graphs"] == 2 and stats["eager_past_limit"] == 0, stats
+    assert any("captured graph 2" in r.getMessage() and "(3, 32)" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_the_drop_in_with_max_graphs_1_keeps_torchs_rule():
+    model, make_input = mlp()
+    model = cgraph.make_graphed_callables(model, (make_input(),), max_graphs=1)
+    with pytest.raises(ValueError, match=r"captured with shape"):
+        model(torch.randn(3, 32, device=CUDA))
+    assert model.forward.stats["graphs"] == 1
 
 
 def test_micro_batches_forwards_first_then_backwards_in_any_order():
