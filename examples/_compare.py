@@ -1,6 +1,9 @@
 """What the trainer examples (hf_trainer.py, lightning_callback.py,
 accelerate_loop.py) print: whether the run with cgraph ended where the run
-without it did, and the time per optimizer step of each."""
+without it did, and the time per optimizer step of each; under torchrun, each
+rank prints its own, prefixed with its rank."""
+
+import os
 
 import torch
 
@@ -14,7 +17,8 @@ def report(eager, graphed, steps: int) -> None:
         same = same and (torch.equal(losses, eager_losses) if torch.is_tensor(losses)
                          else losses == eager_losses)
     what = "parameters" if eager_losses is None else "losses and parameters"
-    print(f"{what} equal to eager's after {steps} steps: {same}")
-    print(f"ms per step: eager {eager_ms:.1f}, cgraph {ms:.1f} ({ms / eager_ms:.2f}x)")
+    rank = f"rank {os.environ['RANK']} " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+    print(f"{rank}{what} equal to eager's after {steps} steps: {same}")
+    print(f"{rank}ms per step: eager {eager_ms:.1f}, cgraph {ms:.1f} ({ms / eager_ms:.2f}x)")
     if not same:
         raise SystemExit("the graphed run differs from eager's")

@@ -10,7 +10,10 @@ decoder layers, hidden 256: the host bounds its step), trained for 40
 optimizer steps with ``mixed_precision="bf16"`` and 2-step gradient
 accumulation (``accelerator.accumulate``).  Checks that both runs end with
 the same losses and parameters (eager attention, no dropout: bitwise) and
-prints the median time per optimizer step of each.
+prints the median time per optimizer step of each.  Under torchrun
+(``torchrun --nproc_per_node=2 examples/accelerate_loop.py``) Accelerate
+wraps the graphed model in DDP and gives each rank its share of the
+batches; each rank checks its own runs.
 """
 
 import statistics

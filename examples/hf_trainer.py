@@ -10,7 +10,9 @@ autocast and 2-step gradient accumulation, once as is and once with
 ``callbacks=[CUDAGraphsCallback()]``, which graphs every decoder layer when
 training starts.  Checks that both runs end with the same losses and
 parameters (eager attention, no dropout: bitwise) and prints the median
-time per optimizer step of each.
+time per optimizer step of each.  Under torchrun (``torchrun
+--nproc_per_node=2 examples/hf_trainer.py``) the Trainer trains with DDP,
+inside which the callback graphs the layers; each rank checks its own runs.
 """
 
 import statistics

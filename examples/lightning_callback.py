@@ -10,9 +10,12 @@ the host bounds its step), trained for 40 steps on synthetic tokens with
 validation and a validation pass, once as is and once with ``callbacks=[CUDAGraphs()]``, which graphs
 every block when training starts.  Checks that both runs end with the same
 parameters (no dropout: bitwise) and prints the median time per optimizer
-step of each.
+step of each.  Under torchrun (``torchrun --nproc_per_node=2
+examples/lightning_callback.py``), each process is one rank of Lightning's
+DDP strategy, and each rank checks its own runs.
 """
 
+import os
 import statistics
 import time
 
@@ -95,7 +98,9 @@ def train(callbacks):
     train_data = torch.utils.data.DataLoader(data, batch_size=4)
     val_data = torch.utils.data.DataLoader(data[:16], batch_size=4)
     timer = StepTimes()
-    trainer = lightning.Trainer(accelerator="gpu", devices=1, precision="bf16-mixed",
+    devices = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
+    trainer = lightning.Trainer(accelerator="gpu", devices=devices,
+                                strategy="ddp" if devices > 1 else "auto", precision="bf16-mixed",
                                 max_steps=STEPS, accumulate_grad_batches=2, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, val_check_interval=STEPS, callbacks=[timer, *callbacks])

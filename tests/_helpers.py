@@ -2,13 +2,33 @@
 eager PyTorch (outputs, parameter grads, an eager twin of an input), the
 probe of a graph pool's memory, and the models more than one file builds
 (with a seeded forward-and-backward step for the checkpointed one).  A
-helper that one file alone uses lives in that file."""
+helper that one file alone uses lives in that file; torchrun runs the
+examples that several test files launch on several GPUs."""
+
+import os
+import subprocess
+import sys
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 CUDA = "cuda"
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(example, nproc, timeout=300):
+    """Runs examples/<example> under torchrun with `nproc` processes from the
+    repository root; returns its stdout, failing with its output's tail if
+    it exits non-zero."""
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={nproc}", os.path.join(ROOT, "examples", example)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONPATH": ROOT})
+    print(run.stdout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
 
 
 def assert_equal(actual, expected, what):

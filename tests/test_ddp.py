@@ -8,9 +8,6 @@ refusal of find_unused_parameters, and that DDP's hooks survive the move of
 its grad accumulators."""
 
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,21 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgraph
-from _helpers import assert_equal
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def torchrun(example, nproc):
-    run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={nproc}", os.path.join(ROOT, "examples", example)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": ROOT})
-    print(run.stdout)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return run.stdout
-
+from _helpers import assert_equal, torchrun
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

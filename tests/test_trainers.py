@@ -4,10 +4,13 @@ Face Trainer (cgraph.transformers.CUDAGraphsCallback) and Lightning
 counts its calls and runs the block's own (graphs need a GPU), so these
 check the wiring: the blocks are graphed when training starts, the
 trainer's own loop then calls them (training and evaluation), and a second
-fit leaves them as they are.  Training equal to eager is checked on a GPU in
-tests/test_transformers.py."""
+fit leaves them as they are.  On GPUs, the tests below train each framework
+with and without cgraph and compare (the examples, on one GPU and on two
+under torchrun); tests/test_transformers.py checks graph_layers on real
+Hugging Face models."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from _helpers import StandIn
+from _helpers import StandIn, torchrun
 
 
 def tiny_llama(transformers):
@@ -138,10 +141,12 @@ def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, setting):
         assert torch.equal(g, e), f"parameter {i}"
 
 
+EXAMPLES = [("hf_trainer", ("transformers", "accelerate")), ("lightning_callback", ("lightning",)),
+            ("accelerate_loop", ("accelerate", "transformers"))]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("example, needs", [
-    ("hf_trainer", ("transformers", "accelerate")), ("lightning_callback", ("lightning",)),
-    ("accelerate_loop", ("accelerate", "transformers"))])
+@pytest.mark.parametrize("example, needs", EXAMPLES)
 def test_trainer_examples_train_as_eager(example, needs):
     """Each example trains its model with and without cgraph and exits
     non-zero unless losses and parameters are equal; the timings it prints
@@ -187,3 +192,18 @@ def test_lightning_callback_refuses_a_module_compiled_whole(stand_in):
     with pytest.raises(ValueError, match=r"compiled whole.*torch.compile\(block.forward\)"):
         CUDAGraphs().on_train_start(None, module)
     assert stand_in == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("example, needs", EXAMPLES)
+def test_trainer_examples_train_as_eager_on_two_gpus(example, needs):
+    """Each example under torchrun on two GPUs: DDP as each framework sets it
+    up (Lightning's ddp strategy, the HF Trainer's and Accelerate's DDP),
+    with the layers graphed inside it; every rank's graphed run ends where
+    its eager run did."""
+    for package in needs:
+        pytest.importorskip(package)
+    out = torchrun(f"{example}.py", 2, timeout=600)
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} .*equal to eager's after \d+ steps: True", out), out
