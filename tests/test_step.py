@@ -403,12 +403,19 @@ def compiled_blocks(model):
     return model
 
 
-@pytest.mark.parametrize("wrap", [compiled_model, compiled_blocks])
+def autotuned_model(model):
+    return torch.compile(model, mode="max-autotune-no-cudagraphs")
+
+
+@pytest.mark.parametrize("wrap", [compiled_model, compiled_blocks, autotuned_model])
 def test_a_compiled_model_with_dropout_in_the_step_trains_as_compiled_eager(wrap):
-    """torch.compile (default mode) of the whole model or of a block in
-    place, dropout inside the compiled code: graphed steps equal the same
-    compiled model stepped eagerly, bitwise (the same kernels; their seeds
-    come from the default generator's graph-safe state)."""
+    """torch.compile of the whole model (default mode, and
+    max-autotune-no-cudagraphs) or of a block in place, dropout inside the
+    compiled code: graphed steps equal the same compiled model stepped
+    eagerly, bitwise in default mode (the same kernels; their seeds come
+    from the default generator's graph-safe state).  max-autotune compiles
+    the two copies separately and may pick GEMM kernels that reduce in
+    another order for each (tests/test_integration.py): float32 tolerance."""
     torch._dynamo.reset()
 
     def make():
@@ -417,7 +424,7 @@ def test_a_compiled_model_with_dropout_in_the_step_trains_as_compiled_eager(wrap
 
     graphed, losses, losses_e, (model, eager) = train_both(make, wrap=wrap)
     assert graphed.stats["captures"] == 1, graphed.stats
-    assert_same_training(model, eager, losses, losses_e)
+    assert_same_training(model, eager, losses, losses_e, exact=wrap is not autotuned_model)
 
 
 def test_a_reduce_overhead_model_in_the_step_is_refused_naming_why():
