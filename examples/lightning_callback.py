@@ -90,7 +90,7 @@ class StepTimes(lightning.Callback):
             self.times.append(time.perf_counter() - self.started)
 
 
-def train(callbacks):
+def train(callbacks, precision="bf16-mixed"):
     lightning.seed_everything(0, verbose=False)
     module = GPT()
     tokens = torch.Generator().manual_seed(0)
@@ -100,7 +100,7 @@ def train(callbacks):
     timer = StepTimes()
     devices = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
     trainer = lightning.Trainer(accelerator="gpu", devices=devices,
-                                strategy="ddp" if devices > 1 else "auto", precision="bf16-mixed",
+                                strategy="ddp" if devices > 1 else "auto", precision=precision,
                                 max_steps=STEPS, accumulate_grad_batches=2, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False,
                                 enable_model_summary=False, val_check_interval=STEPS, callbacks=[timer, *callbacks])

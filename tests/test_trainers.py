@@ -207,3 +207,19 @@ def test_trainer_examples_train_as_eager_on_two_gpus(example, needs):
     out = torchrun(f"{example}.py", 2, timeout=600)
     for rank in (0, 1):
         assert re.search(rf"rank {rank} .*equal to eager's after \d+ steps: True", out), out
+
+
+@pytest.mark.gpu
+def test_lightning_callback_with_16_mixed_precision_trains_as_without_it(monkeypatch):
+    """precision="16-mixed": Lightning's GradScaler around graphed blocks,
+    with accumulate_grad_batches=2 and validation (examples/lightning_callback.py's
+    run), ends with eager's parameters, bitwise."""
+    pytest.importorskip("lightning")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    monkeypatch.syspath_prepend(root)
+    from cgraph.lightning import CUDAGraphs
+    from examples import lightning_callback
+    eager_params, _ = lightning_callback.train([], precision="16-mixed")
+    graphed_params, _ = lightning_callback.train([CUDAGraphs()], precision="16-mixed")
+    for i, (g, e) in enumerate(zip(graphed_params, eager_params)):
+        assert torch.equal(g, e), f"parameter {i}"
