@@ -332,44 +332,11 @@ def graphed_in_place(module: nn.Module, **make_graphed_kwargs) -> nn.Module:
     module itself comes back, its ``forward`` the graphed callable, as the
     drop-in returns modules, so every name in the model (state_dict keys,
     named_parameters, optimizer and distributed checkpoints) stays as it
-    was.  Its graphs are ``module.forward`` (stats, num_graphs, reset).
-    Copies of it run eagerly: Note [Copies of a block graphed in place]."""
-    own_forward = module.__dict__.get("forward")
+    was.  Its graphs are ``module.forward`` (stats, num_graphs, reset)."""
     wrapper = make_graphed(module, **make_graphed_kwargs)
     if not _has_hooks(module):  # with hooks make_graphed did this already
         module.forward = wrapper.forward
-    module.__getstate__ = _StateWithoutGraphs(module, own_forward)
     return module
-
-
-class _StateWithoutGraphs:
-    """Note [Copies of a block graphed in place]
-    Q: What do copy.deepcopy(model) (an EMA model, Lightning's SWA) and
-       torch.save(model) make of a block graphed in place?
-    A: Both take the block's state from ``__getstate__`` (pickle's protocol,
-       which deepcopy follows for modules).  The block's state holds its
-       graphed forward, which cannot be copied, and a copy that shared it
-       would replay the graphs over the original's parameters.  So the block
-       gets this as its own ``__getstate__``: its state without the graphed
-       forward (and without this), with the forward it had before graphing,
-       if it had one of its own.  A copy then runs eagerly, on its own
-       parameters; graph it again if it trains.  The block is held weakly:
-       its ``__dict__`` holds this."""
-
-    def __init__(self, module: nn.Module, own_forward):
-        self.module = weakref.ref(module)
-        self.own_forward = own_forward
-
-    def __call__(self):
-        module = self.module()
-        own = getattr(type(module), "__getstate__", None)  # the class's, if it has one
-        state = own(module) if own is not None else module.__dict__
-        if not isinstance(state, dict):
-            return state
-        state = {k: v for k, v in state.items() if k not in ("forward", "__getstate__")}
-        if self.own_forward is not None:
-            state["forward"] = self.own_forward
-        return state
 
 
 def is_graphed(module: nn.Module) -> bool:

@@ -93,7 +93,6 @@ def _graph_each(blocks: nn.Module, pool, make_graphed_kwargs: dict) -> None:
         for block, (cls, forward) in zip(blocks, before):
             block.__class__ = cls
             block.__dict__.pop("forward", None)
-            block.__dict__.pop("__getstate__", None)
             if forward is not None:
                 block.forward = forward
         raise

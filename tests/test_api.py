@@ -1,7 +1,6 @@
 """CPU tests: import, torch parity of the public signature, argument checks.
 They run in CI (no GPU); argument checks happen before any CUDA call."""
 
-import functools
 import inspect
 
 import pytest
@@ -422,43 +421,3 @@ def test_stats_counters_are_declared_once_and_each_documented():
     doc = cgraph.Graphed.stats.__doc__
     for name in STATS:
         assert f"\n  {name}: " in doc, (name, doc)
-
-
-def test_copies_of_a_block_graphed_in_place_drop_its_graphs():
-    """Note [Copies of a block graphed in place], on the CPU: a forward that
-    cannot be copied stands in for the graphed one; deepcopy and
-    torch.save of the model give blocks with the forward they had before."""
-    import copy
-    import io
-
-    from cgraph._api import _StateWithoutGraphs
-
-    class Uncopyable:
-        def __reduce__(self):
-            raise TypeError("a graphed forward cannot be copied")
-
-        def __call__(self, x):
-            return x * 0
-
-    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    # A block with a forward of its own before graphing (picklable, as torch.save needs).
-    model[1].forward = functools.partial(_shifted_linear, model[1])
-    before = model[1].forward
-    for block, own_forward in ((model[0], None), (model[1], before)):
-        block.forward = Uncopyable()
-        block.__getstate__ = _StateWithoutGraphs(block, own_forward)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    x = torch.randn(2, 4)
-    for copied in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
-        assert "__getstate__" not in copied[0].__dict__ and "forward" not in copied[0].__dict__
-        assert copied[0].weight is not model[0].weight
-        h = torch.nn.functional.linear(x, model[0].weight, model[0].bias)
-        expected = torch.nn.functional.linear(h, model[1].weight, model[1].bias) + 1
-        torch.testing.assert_close(copied(x), expected)
-    assert isinstance(model[0].forward, Uncopyable)  # the original keeps its forward
-
-
-def _shifted_linear(block, x):
-    return torch.nn.functional.linear(x, block.weight, block.bias) + 1

@@ -207,37 +207,3 @@ def test_graph_layers_finds_berts_encoder_layers():
     cgraph.graph_layers(model)
     assert all(isinstance(layer.forward, cgraph.Graphed) for layer in model.encoder.layer)
     assert_training_equal(train(model, bert_step, 1000), train(eager, bert_step, 1000))
-
-
-def test_copies_of_a_model_with_graphed_layers_run_eagerly_on_their_own_parameters():
-    """Note [Copies of a block graphed in place]: copy.deepcopy (an EMA model)
-    and torch.save(model) of a model after graph_layers give a model whose
-    layers run eagerly on their own parameters; the original stays graphed.
-    Compared in eval mode (no dropout)."""
-    import io
-
-    def graphed(m):
-        return isinstance(m.__dict__.get("forward"), cgraph.Graphed)
-
-    model = small_bert(56)
-    cgraph.graph_layers(model)
-    ids = torch.randint(0, 128, (2, 16), device=CUDA)
-    model(input_ids=ids).last_hidden_state.sum().backward()  # the layers capture
-    ema = copy.deepcopy(model)
-    buffer = io.BytesIO()
-    torch.save(model, buffer)
-    buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
-    model.eval()
-    expected = model(input_ids=ids).last_hidden_state
-    for twin_ in (ema, loaded):
-        twin_.eval()
-        assert not any(graphed(m) for m in twin_.modules())
-        assert all(p.data_ptr() != q.data_ptr()
-                   for p, q in zip(twin_.parameters(), model.parameters()))
-        torch.testing.assert_close(twin_(input_ids=ids).last_hidden_state, expected)
-    with torch.no_grad():
-        for p in ema.parameters():
-            p.mul_(0.5)  # the copy's own parameters: the original's output is unchanged
-    assert all(graphed(layer) for layer in model.encoder.layer)
-    assert_equal(model(input_ids=ids).last_hidden_state, expected, "the original's output")
