@@ -217,9 +217,22 @@ def test_lightning_callback_with_16_mixed_precision_trains_as_without_it(monkeyp
     pytest.importorskip("lightning")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     monkeypatch.syspath_prepend(root)
+    import lightning
+
+    import cgraph
     from cgraph.lightning import CUDAGraphs
     from examples import lightning_callback
+
+    class Seen(lightning.Callback):
+        def on_train_end(self, trainer, module):
+            self.module = module
+
+    seen = Seen()
     eager_params, _ = lightning_callback.train([], precision="16-mixed")
-    graphed_params, _ = lightning_callback.train([CUDAGraphs()], precision="16-mixed")
+    graphed_params, _ = lightning_callback.train([CUDAGraphs(), seen], precision="16-mixed")
     for i, (g, e) in enumerate(zip(graphed_params, eager_params)):
         assert torch.equal(g, e), f"parameter {i}"
+    for block in seen.module.blocks:  # graphed, and every training call replayed
+        graphed = block.__dict__.get("forward")
+        assert isinstance(graphed, cgraph.Graphed), block
+        assert graphed.num_graphs >= 1 and graphed.stats["eager_past_limit"] == 0, graphed.stats
