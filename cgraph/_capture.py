@@ -205,13 +205,13 @@ def _rng_hooks():
     return patched(patches)
 
 
-def asked_by_the_compiler(depth: int = 2) -> bool:
-    """Whether the caller of the function asking this (``depth`` frames up)
-    is torch.compile's own bookkeeping: dynamo and inductor save the CUDA RNG
+def asked_by_the_compiler() -> bool:
+    """Whether the caller of the function asking this is torch.compile's own
+    bookkeeping: dynamo and inductor save the CUDA RNG
     state around every compile and put it back, which is no region of the
     callable's (a compile in one warm-up call and not in the next must not
     change where the regions are), so torch answers it."""
-    caller = sys._getframe(depth).f_globals.get("__name__", "")
+    caller = sys._getframe(2).f_globals.get("__name__", "")
     return caller.startswith(("torch._dynamo.", "torch._inductor.", "torch._functorch."))
 
 

@@ -47,8 +47,9 @@ A: While the step is captured, the scaler's host test is replaced by a CUDA
    into the body of an "if found_inf is zero" node (cgraph records it
    itself, Note [Conditional regions] in csrc/aten_conditional.cpp; torch's
    begin_capture_to_if_node is 2.12+ only), so a replay runs it, or skips
-   all of it (state, step counts and parameters untouched), as eager would.  The scale itself is updated
-   on the device by ``scaler.update()``, as before.  Cost per step when no
+   all of it (state, step counts and parameters untouched), as eager would.
+   The scale itself is updated on the device by ``scaler.update()``, as
+   before.  Cost per step when no
    inf occurs: a sum and a compare of one-element tensors, the kernel
    setting the node's condition, and the conditional node's launch of its
    body graph, a few microseconds of GPU time, none of host time.
@@ -241,7 +242,8 @@ class GraphedStep:
         self.groups: list[_Group] = []
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
         self._waited = False  # logged that warm-up waits for a scaler's first step
-        self.rng: list = [None]  # the last warm-up's rng_warmup: Note [RNG inside a graphed step]
+        # The last warm-up call's CallableSpec.rng_warmup: Note [RNG inside a graphed step].
+        self.rng_warmup: tuple | None = None
 
     def __call__(self, *args, **kwargs):
         graphed = self.graphed
@@ -280,7 +282,7 @@ class GraphedStep:
 
         torch.amp.GradScaler.step = noted_scaler_step
         try:
-            with self.ddp.watch(), _warm_up_as_captured(_device(args, kwargs), self.rng):
+            with self.ddp.watch(), self._warm_up_as_captured(_device(args, kwargs)):
                 out = self.fn(*args, **kwargs)
         finally:
             torch.amp.GradScaler.step = scaler_step
@@ -293,6 +295,33 @@ class GraphedStep:
         # would keep this step's autograd graph, whose AccumulateGrad nodes
         # (on this stream) the capture would then reuse from its own stream.
         return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+    @contextlib.contextmanager
+    def _warm_up_as_captured(self, step_device: int | None):
+        """A warm-up call of the step, under what its capture will change
+        (Note [RNG inside a graphed step]): torch.cuda.get_rng_state noted as
+        cgraph's own warm-up notes it, into ``self.rng_warmup`` when the call
+        returns; autocast's cache and donated buffers off, as while captured
+        (Note [Patches during capture] items 1 and 6), so compiled code
+        guarded on them compiles now, not at capture.  Without CUDA (a
+        test's CPU stand-in), nothing is noted."""
+        if step_device is None:
+            with _autocast_cache_off(), _donated_buffers_off():
+                yield
+            return
+        generator = torch.cuda.default_generators[step_device]
+        torch_get = torch.cuda.get_rng_state
+        start, offsets = generator.get_offset(), []
+
+        def get_rng_state(device="cuda"):
+            if _cuda_index(device) == step_device and not asked_by_the_compiler():
+                offsets.append(generator.get_offset() - start)
+            return torch_get(device)
+
+        with patched({(torch.cuda, "get_rng_state"): get_rng_state}), _autocast_cache_off(), \
+                _donated_buffers_off():
+            yield
+        self.rng_warmup = (tuple(offsets), generator.get_offset() - start)
 
     def _found(self, optimizer, args, kwargs):
         self.optimizers.add(optimizer)
@@ -349,7 +378,7 @@ class GraphedStep:
         args, kwargs = pytree.tree_unflatten(static, spec)
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
-        drafted.fields["rng_warmup"] = self.rng[0]  # Note [RNG inside a graphed step]
+        drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
         _require_cuda()
         failure = None
         try:
@@ -581,33 +610,6 @@ def _scaler_steps_on_the_device():
         return _C.call_if((found_inf == 0).reshape(()), optimizer.step, args, kwargs)
 
     return patched({(torch.amp.GradScaler, "_maybe_opt_step"): maybe_step})
-
-
-@contextlib.contextmanager
-def _warm_up_as_captured(step_device: int | None, noted: list):
-    """A warm-up call of the step, under what its capture will change
-    (Note [RNG inside a graphed step]): torch.cuda.get_rng_state noted as
-    cgraph's own warm-up notes it, into ``noted[0]``; autocast's cache and
-    donated buffers off, as while captured (Note [Patches during capture]
-    items 4 and 6), so compiled code guarded on them compiles now, not at
-    capture.  Without CUDA (a test's CPU stand-in), nothing is noted."""
-    if step_device is None:
-        with _autocast_cache_off(), _donated_buffers_off():
-            yield
-        return
-    generator = torch.cuda.default_generators[step_device]
-    torch_get = torch.cuda.get_rng_state
-    start, offsets = generator.get_offset(), []
-
-    def get_rng_state(device="cuda"):
-        if _cuda_index(device) == step_device and not asked_by_the_compiler():
-            offsets.append(generator.get_offset() - start)
-        return torch_get(device)
-
-    with patched({(torch.cuda, "get_rng_state"): get_rng_state}), _autocast_cache_off(), \
-            _donated_buffers_off():
-        yield
-    noted[0] = (tuple(offsets), generator.get_offset() - start)
 
 
 def _device(args: tuple, kwargs: dict) -> int | None:
