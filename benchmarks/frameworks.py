@@ -1,6 +1,7 @@
 """The frameworks workload: the same kind of small, host-bound model trained
 through the Hugging Face Trainer, Lightning and an Accelerate loop, each
-without cgraph and with its layers graphed (the examples' own runs:
+without cgraph and with its layers graphed, and Lightning's with its whole
+step graphed too (the examples' own runs:
 examples/hf_trainer.py, examples/lightning_callback.py,
 examples/accelerate_loop.py), alternating in one process.  On one GPU, from
 the repository root after a build::
@@ -25,37 +26,44 @@ import torch
 FRAMEWORKS = ("hf_trainer", "lightning_callback", "accelerate_loop")
 
 
-def runs(name: str):
-    """(eager run, graphed run) of the example `name`, each returning
-    (losses or None, parameters, ms per step)."""
+def runs(name: str) -> dict:
+    """The runs of the example `name`, by variant ("eager" first), each
+    returning (losses or None, parameters, ms per step)."""
     if name not in FRAMEWORKS:
         raise SystemExit(f"unknown framework {name!r}: choose from {', '.join(FRAMEWORKS)}")
     if name == "hf_trainer":
         from cgraph.transformers import CUDAGraphsCallback
         from examples import hf_trainer
-        return (lambda: hf_trainer.train([]),
-                lambda: hf_trainer.train([CUDAGraphsCallback()]))
+        return {"eager": lambda: hf_trainer.train([]),
+                "cgraph-layers": lambda: hf_trainer.train([CUDAGraphsCallback()])}
     if name == "lightning_callback":
         from cgraph.lightning import CUDAGraphs
         from examples import lightning_callback
-        return (lambda: (None, *lightning_callback.train([])),
-                lambda: (None, *lightning_callback.train([CUDAGraphs()])))
+        return {"eager": lambda: (None, *lightning_callback.train([])),
+                "cgraph-layers": lambda: (None, *lightning_callback.train([CUDAGraphs()])),
+                "cgraph-step": lambda: (None, *lightning_callback.train(
+                    [CUDAGraphs(scope="step")]))}
     from examples import accelerate_loop
-    return (lambda: accelerate_loop.train(graphed=False),
-            lambda: accelerate_loop.train(graphed=True))
+    return {"eager": lambda: accelerate_loop.train(graphed=False),
+            "cgraph-layers": lambda: accelerate_loop.train(graphed=True)}
 
 
 def measure(name: str, repeats: int) -> dict[str, list[float]]:
-    eager, graphed = runs(name)
-    times: dict[str, list[float]] = {"eager": [], "cgraph-layers": []}
+    """ms per step of each variant, `repeats` times, alternating; each
+    graphed run checked equal to the eager run before it."""
+    variants = runs(name)
+    times: dict[str, list[float]] = {variant: [] for variant in variants}
     for _ in range(repeats):
-        expected = _collected(eager)
-        actual = _collected(graphed)
-        if not _same(actual, expected):
-            raise SystemExit(f"{name}: the graphed run's losses or parameters differ from "
-                             "eager's")
+        expected = _collected(variants["eager"])
         times["eager"].append(expected[2])
-        times["cgraph-layers"].append(actual[2])
+        for variant, run in variants.items():
+            if variant == "eager":
+                continue
+            actual = _collected(run)
+            if not _same(actual, expected):
+                raise SystemExit(f"{name}: the {variant} run's losses or parameters differ "
+                                 "from eager's")
+            times[variant].append(actual[2])
     return times
 
 

@@ -1,37 +1,129 @@
 """cgraph for Lightning: one callback.
 
     from cgraph.lightning import CUDAGraphs
-    trainer = lightning.Trainer(callbacks=[CUDAGraphs()])
+    trainer = lightning.Trainer(callbacks=[CUDAGraphs()])              # each block
+    trainer = lightning.Trainer(callbacks=[CUDAGraphs(scope="step")])  # the whole step
 
 Needs ``lightning`` (``pip install cgraph[lightning]``).
+
+Note [Lightning's step graphed whole]
+Q: scope="step" graphs what Lightning's automatic optimization does for one
+   training batch (_AutomaticOptimization.run: zero_grad, training_step,
+   backward, clipping, the precision plugin's GradScaler, optimizer.step)
+   as a make_graphed_step.  A replay runs none of the Python inside.  Which
+   of Lightning's host work there must still happen on every batch, and how?
+A: Four things, kept by the callback's wrapper of run (_GraphedRun):
+   1. Progress counters.  run counts zero_grads and optimizer steps in
+      optim_progress, which trainer.global_step (max_steps, checkpointing,
+      logging intervals) reads.  The captured call moved them once; each
+      replay moves them by as much (their state_dict's difference across
+      the captured call).
+   2. self.log.  Inside the step (its eager warm-up calls and its capture),
+      the module's log is recorded, not done: each logged tensor becomes an
+      output of the step, and after every call, replay or not, the wrapper
+      logs it from there as Lightning would have (under the same hook name,
+      with the same arguments), so on_step and on_epoch values, the progress
+      bar and the loggers see each batch's value.  A Python number logged
+      there would be the capture's value at every replay: the callback falls
+      back to graphing the layers instead, logged.
+   3. One graphed step per phase.  With accumulate_grad_batches=k, run zeroes
+      the grads at the first micro-batch of k and steps the optimizer at the
+      last one (and at an epoch's last batch): up to four programs, each its
+      own graphed step, warmed up and captured when first met.  All of them
+      must read and write the same grads, so with k > 1 optimizer.zero_grad
+      zeroes them in place inside the steps (set_to_none=False): the grads
+      are made by the first backward and never move (0 + g is g, bitwise),
+      at the cost of a memset and of an add per parameter.  With k = 1 the
+      one graph zeroes as the module asks.  A batch of another shape than
+      its phase's graph took (a short last batch) runs eagerly, zeroing in
+      place too, so the grads stay the ones the graphs use.
+   4. The grads stay the graphs'.  Lightning sets them to None before each
+      validation (on_validation_model_zero_grad), and so may a user's hook;
+      a graph would then write grads nobody holds, into memory that may
+      have been handed out again.  The wrapper holds the grads as the last
+      capture left them and puts back any that was replaced before each
+      call (a pointer compare per parameter).
+   Python in training_step and in the hooks that run inside run runs once,
+   at capture, as in any graphed step.  So a module or another callback
+   that overrides such a hook (optimizer_step, on_after_backward, ...), or
+   a module that optimizes manually, a strategy other than one device or
+   DDP, or a precision plugin other than autocast, half or full precision,
+   is graphed by layers instead, with the reason logged; so is a step whose
+   capture fails (logged as a warning, with the error).
 """
 
 from __future__ import annotations
 
-from lightning.pytorch.callbacks import Callback
+import contextlib
+import dataclasses
+import logging
+from collections import OrderedDict
+from typing import NamedTuple
 
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.utils import _pytree as pytree
+
+from ._capture import patched
+from ._describe import CONSTANT_TYPES
 from ._layers import graph_layers_once
+from ._step import GraphedStep, make_graphed_step
 
 __all__ = ["CUDAGraphs"]
 
+log = logging.getLogger("cgraph")
+
+SCOPES = ("layers", "step")
+
+# Hooks that Lightning's run calls inside the step (Note [Lightning's step
+# graphed whole]): overridden, their Python would run once, at capture.
+_MODULE_HOOKS_INSIDE = ("backward", "on_before_backward", "on_after_backward",
+                        "on_before_optimizer_step", "optimizer_step", "optimizer_zero_grad",
+                        "on_before_zero_grad", "configure_gradient_clipping")
+_CALLBACK_HOOKS_INSIDE = ("on_before_backward", "on_after_backward", "on_before_optimizer_step",
+                          "on_before_zero_grad")
+
 
 class CUDAGraphs(Callback):
-    """Graphs the LightningModule's repeated blocks
-    (:func:`cgraph.graph_layers`) when training starts: after the strategy
-    has set the module up (DDP wraps it then) and after the sanity-check
-    validation, which runs under ``torch.inference_mode``, where torch up to
-    2.11 must not capture a process's first graph (pytorch#172706).
+    """Graphs the LightningModule's training when training starts (after
+    the strategy has set the module up, DDP wrapping it, and after the
+    sanity-check validation, which runs under ``torch.inference_mode``,
+    where torch up to 2.11 must not capture a process's first graph,
+    pytorch#172706).
 
-    Each block captures on its first call, one graph per shape, train and
-    eval mode, and autocast state: ``precision="16-mixed"`` or
-    ``"bf16-mixed"``, ``accumulate_grad_batches`` and the validation loop
-    keep working, and ``self.log`` of the loss is untouched.
-
+    ``scope="layers"`` (the default) graphs the repeated blocks
+    (:func:`cgraph.graph_layers`): each captures on its first call, one graph
+    per shape, train and eval mode, and autocast state.
+    ``precision="16-mixed"`` or ``"bf16-mixed"``, ``accumulate_grad_batches``
+    and the validation loop keep working, and ``self.log`` is untouched.
     Keywords go to :func:`cgraph.graph_layers` (``layers=``, ``pool=``,
-    ``buckets=``, ``max_graphs=``...)."""
+    ``buckets=``, ``max_graphs=``...).
 
-    def __init__(self, **graph_layers_kwargs):
+    ``scope="step"`` graphs the whole automatic-optimization step of each
+    training batch (zero_grad, ``training_step``, backward, clipping, the
+    precision plugin's GradScaler, the optimizer) with
+    :func:`cgraph.make_graphed_step`, after three eager steps; LR
+    schedulers, ``self.log`` of tensors, ``accumulate_grad_batches``, both
+    mixed precisions and DDP keep working, validation runs eagerly (Note
+    [Lightning's step graphed whole] in cgraph/lightning.py).  Python in
+    ``training_step`` runs once, at capture, as in any graphed step.  Where
+    the loop cannot be graphed whole (manual optimization, a hook overridden
+    inside the step, another strategy), it graphs the layers instead and
+    logs why; the keywords then go to :func:`cgraph.graph_layers`."""
+
+    def __init__(self, scope: str = "layers", **graph_layers_kwargs):
+        if scope not in SCOPES:
+            raise ValueError(f"cgraph: CUDAGraphs: scope must be one of {SCOPES}, got {scope!r}.")
+        self.scope = scope
         self.graph_layers_kwargs = graph_layers_kwargs
+        self._run: _GraphedRun | None = None
+        # scope="step": the graphed steps' counts ("eager", "captures",
+        # "replays", "phases") when the last fit ended or fell back.
+        self.stats: dict | None = None
 
     def on_train_start(self, trainer, pl_module) -> None:
         if getattr(pl_module, "_compiler_ctx", None):  # trainer.fit(torch.compile(module))
@@ -40,4 +132,310 @@ class CUDAGraphs(Callback):
                 "around the blocks the callback would graph. Fit the module uncompiled; to "
                 "compile as well, compile each block's forward (block.forward = "
                 "torch.compile(block.forward)): cgraph graphs compiled forwards.")
+        if self.scope == "step":
+            why = _why_not_the_step(trainer, pl_module, self)
+            if why is None:
+                self._run = _GraphedRun(trainer, pl_module, self._fall_back)
+                return
+            log.info("cgraph: CUDAGraphs(scope='step'): %s; graphing the layers instead.", why)
         graph_layers_once(pl_module, "CUDAGraphs", **self.graph_layers_kwargs)
+
+    def _fall_back(self, trainer, pl_module) -> None:
+        """The step cannot be graphed after all (_GraphedRun found why):
+        from the next batch on, the layers are."""
+        self._remove_run()
+        graph_layers_once(pl_module, "CUDAGraphs", **self.graph_layers_kwargs)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._remove_run()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._remove_run()
+
+    def _remove_run(self) -> None:
+        if self._run is not None:
+            self.stats = self._run.remove()
+            self._run = None
+
+
+def _why_not_the_step(trainer, module, callback) -> str | None:
+    """Why Lightning's loop for this fit cannot be graphed whole, or None."""
+    if not module.automatic_optimization:
+        return ("the module optimizes manually (automatic_optimization=False), with its own "
+                "Python between the kernels")
+    strategy, precision = trainer.strategy, trainer.precision_plugin
+    if type(strategy) not in (SingleDeviceStrategy, DDPStrategy):
+        return f"the step graphs one device or DDP, not the {type(strategy).__name__} strategy"
+    if strategy.handles_gradient_accumulation:
+        return f"the {type(strategy).__name__} strategy accumulates gradients itself"
+    if type(precision) not in (Precision, MixedPrecision, HalfPrecision):
+        return (f"the step graphs autocast, half or full precision, not the "
+                f"{type(precision).__name__} plugin")
+    for hook in _MODULE_HOOKS_INSIDE:
+        if is_overridden(hook, module, LightningModule):
+            return (f"{type(module).__name__}.{hook} is overridden, and its Python would run "
+                    "only once, at capture")
+    for other in trainer.callbacks:
+        for hook in _CALLBACK_HOOKS_INSIDE:
+            if other is not callback and is_overridden(hook, other, Callback):
+                return (f"the {type(other).__name__} callback's {hook} would run only once, "
+                        "at capture")
+    return None
+
+
+class _Phase(NamedTuple):
+    """Which program Lightning's run is for a batch: Note [Lightning's step
+    graphed whole] item 3."""
+
+    zero_grad: bool
+    optimizer_steps: bool
+
+
+@dataclasses.dataclass
+class _Logged:
+    """One ``self.log`` call inside the step; its value is an output of the
+    step (Note [Lightning's step graphed whole] item 2)."""
+
+    fx: str  # the hook it was called from (Lightning validates on_step/on_epoch by it)
+    name: str
+    args: tuple
+    kwargs: dict
+
+
+@dataclasses.dataclass
+class _PhaseStep:
+    """The graphed step of one phase."""
+
+    step: GraphedStep
+    batch: tuple  # the batch's signature its graph takes: _signature
+    logged: list  # the _Logged of its last call inside cgraph
+    moved: dict | None = None  # the progress its captured call moved; None: not captured
+
+
+class _Call(NamedTuple):
+    """One call of Lightning's run, as the step's body needs it."""
+
+    optimizer: torch.optim.Optimizer
+    batch_idx: int
+    kwargs: OrderedDict
+    entry: _PhaseStep
+    captures: bool  # this call captures its phase's step
+
+
+class _GraphedRun:
+    """Lightning's automatic-optimization run of one training batch, graphed:
+    it replaces ``run`` on the fit loop's _AutomaticOptimization for the fit
+    (Note [Lightning's step graphed whole])."""
+
+    def __init__(self, trainer, module, fall_back):
+        self.trainer, self.module, self.fall_back = trainer, module, fall_back
+        self.loop = trainer.fit_loop.epoch_loop.automatic_optimization
+        self.lightning_run = self.loop.run  # Lightning's own, bound
+        self.phases: dict[_Phase, _PhaseStep] = {}
+        self.call: _Call | None = None  # what the step's body runs, for this call
+        self.refused: str | None = None  # why the step cannot be graphed, found inside it
+        self.eager_shapes = False  # logged that a batch of another shape ran eagerly
+        # (parameter, its grad) as the last capture left them: item 4.
+        self.grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.loop.run = self
+
+    def remove(self) -> dict:
+        """Lightning's run back, every graph freed; returns the steps' stats
+        summed over the phases (logged)."""
+        self.loop.__dict__.pop("run", None)
+        stats = {"phases": len(self.phases), "eager": 0, "captures": 0, "replays": 0}
+        for phase in self.phases.values():
+            for key, value in phase.step.stats.items():
+                stats[key] += value
+            phase.step.reset()
+        self.phases.clear()
+        log.info("cgraph: CUDAGraphs(scope='step'): %(replays)d step(s) replayed, %(eager)d "
+                 "eager, %(captures)d capture(s) of %(phases)d phase(s).", stats)
+        return stats
+
+    def __call__(self, optimizer, batch_idx: int, kwargs: OrderedDict):
+        if "batch" not in kwargs:  # training_step(dataloader_iter)
+            return self._refuse("training_step takes the dataloader's iterator, whose batches "
+                                "the step cannot copy in", optimizer, batch_idx, kwargs)
+        batch = kwargs["batch"]
+        phase = self._phase(batch_idx)
+        signature = _signature(batch)
+        if signature is None:
+            return self._refuse(f"the batch is a {type(batch).__name__}, whose parts are not "
+                                "all tensors or constants", optimizer, batch_idx, kwargs)
+        entry = self.phases.get(phase)
+        if entry is None:
+            entry = self.phases[phase] = _PhaseStep(
+                make_graphed_step(self._body), signature, [])
+        if entry.batch != signature:
+            return self._eagerly(optimizer, batch_idx, kwargs)
+        self._grads_back()
+        step, progress = entry.step, self.loop.optim_progress
+        ran, captures_before = step.stats["eager"] + step.stats["captures"], step.stats["captures"]
+        captures = step.graphed is None and step.stats["eager"] >= step.num_warmup_iters
+        self.call = _Call(optimizer, batch_idx, kwargs, entry, captures)
+        before = progress.state_dict()
+        try:
+            out, values = step(batch)
+        except Exception as exc:
+            if not captures:
+                raise
+            log.warning("cgraph: CUDAGraphs(scope='step'): the step's capture failed (%s: %s); "
+                        "graphing the layers instead.", type(exc).__name__, exc)
+            self._undo_capture(before)
+            return self._refuse(None, optimizer, batch_idx, kwargs)
+        finally:
+            self.call = None
+        if step.stats["eager"] + step.stats["captures"] == ran:  # a replay: item 1
+            progress.load_state_dict(_moved_by(progress.state_dict(), entry.moved))
+        elif step.stats["captures"] > captures_before:  # item 4
+            self.grads = [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
+        self._log(entry.logged, values)
+        if self.refused is not None:
+            self._refuse(self.refused, None, batch_idx, kwargs)
+        return out
+
+    def _phase(self, batch_idx: int) -> _Phase:
+        """What run will do for this batch, decided as run decides it."""
+        trainer = self.trainer
+        zero = (not self.loop._skip_backward
+                and batch_idx % trainer.accumulate_grad_batches == 0)
+        steps = (trainer.strategy.handles_gradient_accumulation
+                 or not trainer.fit_loop._should_accumulate())
+        return _Phase(zero, steps)
+
+    def _body(self, batch):
+        """The step make_graphed_step warms up and captures: Lightning's run
+        for this call's batch, logs recorded, progress moved noted."""
+        call = self.call
+        kwargs = OrderedDict(call.kwargs)
+        kwargs["batch"] = batch
+        before = self.loop.optim_progress.state_dict()
+        logged: list = []
+        with self._recording(logged), self._zeroing_in_place(call.optimizer):
+            out = self.lightning_run(call.optimizer, call.batch_idx, kwargs)
+        entry = call.entry
+        if call.captures:
+            entry.moved = _difference(self.loop.optim_progress.state_dict(), before)
+        entry.logged = [record for record, _ in logged]
+        return out, tuple(value for _, value in logged)
+
+    @contextlib.contextmanager
+    def _recording(self, logged: list):
+        """self.log records its value into `logged` (Note [Lightning's step
+        graphed whole] item 2); a value that is not a tensor refuses the
+        step from the next batch on."""
+        module, run = self.module, self
+
+        def record(name, value, *args, **kwargs):
+            if isinstance(value, torch.Tensor):
+                value = value.detach()
+            elif run.refused is None:
+                run.refused = (f"self.log({name!r}, ...) in {module._current_fx_name} logs a "
+                               f"{type(value).__name__}, which every replay would log again "
+                               "as it was at capture (log a tensor to graph the step)")
+            logged.append((_Logged(module._current_fx_name, name, args, kwargs), value))
+
+        with patched({(module, "log"): record}):
+            yield
+
+    def _zeroing_in_place(self, optimizer):
+        """Note [Lightning's step graphed whole] item 3: zero_grad zeroes in
+        place when several phases share the grads, or once a graph holds
+        them and this call runs eagerly."""
+        if self.trainer.accumulate_grad_batches == 1 and not self._graphed():
+            return contextlib.nullcontext()
+        zero_grad = optimizer.zero_grad
+
+        def in_place(set_to_none: bool = True):
+            zero_grad(set_to_none=False)
+
+        return patched({(optimizer, "zero_grad"): in_place})
+
+    def _grads_back(self) -> None:
+        """The grads the graphs read and write, back on their parameters
+        where something set them to None (Note [Lightning's step graphed
+        whole] item 4)."""
+        for param, grad in self.grads:
+            if param.grad is not grad:
+                param.grad = grad
+
+    def _graphed(self) -> bool:
+        return any(entry.moved is not None for entry in self.phases.values())
+
+    def _log(self, logged: list, values: tuple) -> None:
+        """self.log of each recorded value, as Lightning's run would have."""
+        module = self.module
+        fx = module._current_fx_name
+        try:
+            for record, value in zip(logged, values):
+                module._current_fx_name = record.fx
+                module.log(record.name, value, *record.args, **record.kwargs)
+        finally:
+            module._current_fx_name = fx
+
+    def _eagerly(self, optimizer, batch_idx: int, kwargs: OrderedDict):
+        """Lightning's run, eagerly: a batch of another shape than its
+        phase's graph takes (Note [Lightning's step graphed whole] item 3)."""
+        if not self.eager_shapes:
+            self.eager_shapes = True
+            log.info("cgraph: CUDAGraphs(scope='step'): batch %d differs from the batches the "
+                     "step was graphed with (%s); such batches run eagerly.", batch_idx,
+                     _describe(kwargs.get("batch")))
+        return self._run_eagerly(optimizer, batch_idx, kwargs)
+
+    def _run_eagerly(self, optimizer, batch_idx: int, kwargs: OrderedDict):
+        self._grads_back()
+        with self._zeroing_in_place(optimizer):
+            return self.lightning_run(optimizer, batch_idx, kwargs)
+
+    def _undo_capture(self, progress: dict) -> None:
+        """Lightning's host state as before a capture that failed (a capture
+        runs no kernel): the progress counters it moved, the GradScaler's
+        record of unscale_ (a defaultdict: cleared, its states are fresh)."""
+        self.loop.optim_progress.load_state_dict(progress)
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        if scaler is not None:
+            scaler._per_optimizer_states.clear()
+
+    def _refuse(self, why: str | None, optimizer, batch_idx: int, kwargs: OrderedDict):
+        """Graph the layers from the next batch on; this batch's run, if
+        `optimizer` is given, eagerly now."""
+        if why is not None:
+            log.info("cgraph: CUDAGraphs(scope='step'): %s; graphing the layers instead.", why)
+        out = None if optimizer is None else self._run_eagerly(optimizer, batch_idx, kwargs)
+        self.fall_back(self.trainer, self.module)
+        return out
+
+
+def _signature(batch) -> tuple | None:
+    """What a graph of the batch fixes: each tensor's shape, dtype, device
+    and strides, each constant's value; None if a part is neither."""
+    leaves, spec = pytree.tree_flatten(batch)
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            parts.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.stride()))
+        elif isinstance(leaf, CONSTANT_TYPES):
+            parts.append((type(leaf), leaf))
+        else:
+            return None
+    return (spec, tuple(parts))
+
+
+def _describe(batch) -> str:
+    shapes = [tuple(x.shape) for x in pytree.tree_leaves(batch) if isinstance(x, torch.Tensor)]
+    return "tensors of shapes " + ", ".join(map(str, shapes))
+
+
+def _difference(after: dict, before: dict) -> dict:
+    """after - before, for nested dicts of counters."""
+    return {key: _difference(value, before[key]) if isinstance(value, dict)
+            else value - before[key] for key, value in after.items()}
+
+
+def _moved_by(state: dict, moved: dict) -> dict:
+    """state + moved, for nested dicts of counters."""
+    return {key: _moved_by(value, moved[key]) if isinstance(value, dict)
+            else value + moved[key] for key, value in state.items()}
+

@@ -8,9 +8,10 @@ import os
 import torch
 
 
-def report(eager, graphed, steps: int) -> None:
+def report(eager, graphed, steps: int, label: str = "cgraph") -> None:
     """`eager` and `graphed`: (losses or None, parameters, ms per step) of
-    each run.  Exits non-zero if the runs differ."""
+    each run; `label` names the graphed run.  Exits non-zero if the runs
+    differ."""
     (eager_losses, eager_params, eager_ms), (losses, params, ms) = eager, graphed
     same = all(torch.equal(p, q) for p, q in zip(params, eager_params))
     if eager_losses is not None:
@@ -18,7 +19,7 @@ def report(eager, graphed, steps: int) -> None:
                          else losses == eager_losses)
     what = "parameters" if eager_losses is None else "losses and parameters"
     rank = f"rank {os.environ['RANK']} " if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-    print(f"{rank}{what} equal to eager's after {steps} steps: {same}")
-    print(f"{rank}ms per step: eager {eager_ms:.1f}, cgraph {ms:.1f} ({ms / eager_ms:.2f}x)")
+    print(f"{rank}{label}: {what} equal to eager's after {steps} steps: {same}")
+    print(f"{rank}ms per step: eager {eager_ms:.1f}, {label} {ms:.1f} ({ms / eager_ms:.2f}x)")
     if not same:
         raise SystemExit("the graphed run differs from eager's")

@@ -7,10 +7,11 @@ builds in place):
 A LightningModule around a small GPT-style model (6 blocks of width 256:
 the host bounds its step), trained for 40 steps on synthetic tokens with
 ``precision="bf16-mixed"``, ``accumulate_grad_batches=2``, the sanity-check
-validation and a validation pass, once as is and once with ``callbacks=[CUDAGraphs()]``, which graphs
-every block when training starts.  Checks that both runs end with the same
-parameters (no dropout: bitwise) and prints the median time per optimizer
-step of each.  Under torchrun (``torchrun --nproc_per_node=2
+validation and a validation pass: once as is, once with ``callbacks=[CUDAGraphs()]``, which
+graphs every block when training starts, and once with
+``CUDAGraphs(scope="step")``, which graphs each whole training step.  Checks
+that each graphed run ends with the eager run's parameters (no dropout:
+bitwise) and prints the median time per optimizer step of each.  Under torchrun (``torchrun --nproc_per_node=2
 examples/lightning_callback.py``), each process is one rank of Lightning's
 DDP strategy, and each rank checks its own runs.
 """
@@ -70,7 +71,9 @@ class GPT(lightning.LightningModule):
         self.log("val_loss", self.loss(ids))
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        # fused: what a graphed step runs as is (an unfused AdamW is made
+        # capturable there, equal to eager's to float32 rounding, not bitwise).
+        return torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
 
 
 class StepTimes(lightning.Callback):
@@ -110,7 +113,9 @@ def train(callbacks, precision="bf16-mixed"):
 
 
 def main():
-    report((None, *train([])), (None, *train([CUDAGraphs()])), STEPS)
+    eager = (None, *train([]))
+    report(eager, (None, *train([CUDAGraphs()])), STEPS, "cgraph layers")
+    report(eager, (None, *train([CUDAGraphs(scope="step")])), STEPS, "cgraph step")
 
 
 if __name__ == "__main__":

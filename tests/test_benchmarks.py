@@ -435,15 +435,18 @@ def test_frameworks_workload_checks_each_graphed_run_against_eager(monkeypatch):
     torch = pytest.importorskip("torch")
     from benchmarks import frameworks
     same, other = [torch.zeros(2)], [torch.ones(2)]
-    monkeypatch.setattr(frameworks, "runs", lambda name: (lambda: (None, same, 10.0),
-                                                          lambda: (None, same, 4.0)))
-    assert frameworks.measure("hf_trainer", 2) == {"eager": [10.0, 10.0],
-                                                   "cgraph-layers": [4.0, 4.0]}
-    monkeypatch.setattr(frameworks, "runs", lambda name: (lambda: (None, same, 10.0),
-                                                          lambda: (None, other, 4.0)))
-    with pytest.raises(SystemExit, match="differ from eager"):
+
+    def variants(eager, *graphed):
+        runs = {"eager": lambda: eager}
+        runs.update({f"graphed-{i}": (lambda run=run: run) for i, run in enumerate(graphed)})
+        monkeypatch.setattr(frameworks, "runs", lambda name: runs)
+
+    variants((None, same, 10.0), (None, same, 4.0), (None, same, 2.0))
+    assert frameworks.measure("hf_trainer", 2) == {"eager": [10.0, 10.0], "graphed-0": [4.0, 4.0],
+                                                   "graphed-1": [2.0, 2.0]}
+    variants((None, same, 10.0), (None, same, 4.0), (None, other, 2.0))
+    with pytest.raises(SystemExit, match="graphed-1 run's losses or parameters differ"):
         frameworks.measure("hf_trainer", 1)
-    monkeypatch.setattr(frameworks, "runs", lambda name: (lambda: ([1.0], same, 10.0),
-                                                          lambda: ([2.0], same, 4.0)))
+    variants(([1.0], same, 10.0), ([2.0], same, 4.0))
     with pytest.raises(SystemExit, match="differ from eager"):
         frameworks.measure("hf_trainer", 1)

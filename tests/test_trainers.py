@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -236,3 +237,199 @@ def test_lightning_callback_with_16_mixed_precision_trains_as_without_it(monkeyp
         graphed = block.__dict__.get("forward")
         assert isinstance(graphed, cgraph.Graphed), block
         assert graphed.num_graphs >= 1 and graphed.stats["eager_past_limit"] == 0, graphed.stats
+
+
+# ---- Lightning, scope="step": the whole training step graphed ----------------
+
+
+def lightning_run(lightning, callbacks, *, accelerator="cpu", precision="32-true",
+                  optimizer="sgd", accumulate=1, max_steps=8, module_class=None):
+    """Fits a small LightningModule (dropout on, self.log of the loss on
+    step and on epoch, a validation loop, 13 samples in batches of 2: a
+    short last batch) and returns (parameters, what its logger got, global
+    step, the head's grad after each batch)."""
+
+    class Recorder(lightning.pytorch.loggers.Logger):
+        def __init__(self):
+            super().__init__()
+            self.metrics = []
+
+        name = property(lambda self: "recorder")
+        version = property(lambda self: 0)
+
+        def log_hyperparams(self, *args, **kwargs):
+            pass
+
+        def log_metrics(self, metrics, step=None):
+            self.metrics.append((step, dict(metrics)))
+
+    class Grads(lightning.Callback):
+        """The head's grad after each training batch (None if unset)."""
+
+        def __init__(self):
+            self.seen = []
+
+        def on_train_batch_end(self, trainer, module, outputs, batch, i):
+            grad = module.head.weight.grad
+            self.seen.append(None if grad is None else grad.detach().cpu().clone())
+
+    torch.manual_seed(0)
+    module = (module_class or step_module(lightning))(optimizer)
+    recorder, grads = Recorder(), Grads()
+    data = torch.randint(0, 64, (13, 12), generator=torch.Generator().manual_seed(0))
+    trainer = lightning.Trainer(
+        accelerator=accelerator, devices=1, precision=precision, max_steps=max_steps,
+        accumulate_grad_batches=accumulate, logger=recorder, log_every_n_steps=1,
+        limit_val_batches=2, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[*callbacks, grads])
+    loader = torch.utils.data.DataLoader(data, batch_size=2)
+    trainer.fit(module, loader, loader)
+    return ([p.detach().cpu() for p in module.parameters()], recorder.metrics, trainer.global_step,
+            grads.seen)
+
+
+def step_module(lightning):
+    class Module(lightning.LightningModule):
+        def __init__(self, optimizer):
+            super().__init__()
+            self.optimizer = optimizer
+            self.embed = nn.Embedding(64, 16)
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU(),
+                                                      nn.Dropout(0.1)) for _ in range(3))
+            self.head = nn.Linear(16, 64)
+
+        def forward(self, ids):
+            h = self.embed(ids)
+            for block in self.blocks:
+                h = h + block(h)
+            return self.head(h)
+
+        def loss(self, ids):
+            return nn.functional.cross_entropy(self(ids).flatten(0, 1).float(), ids.flatten())
+
+        def training_step(self, batch, i):
+            loss = self.loss(batch)
+            self.log("loss", loss)
+            self.log("epoch_loss", loss, on_step=False, on_epoch=True)
+            return loss
+
+        def validation_step(self, batch, i):
+            self.log("val", self.loss(batch))
+
+        def configure_optimizers(self):
+            if self.optimizer == "sgd":  # lr baked into the graph: no scheduler
+                return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+            opt = (torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=True)
+                   if self.optimizer == "sgd-fused"
+                   else torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True))
+            schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    return Module
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_lightning_step_scope_keeps_lightning_s_books_then_falls_back(stand_in, caplog,
+                                                                        accumulate):
+    """On the CPU the step's warm-up calls run (Lightning's run inside
+    make_graphed_step, self.log recorded and logged after each call, grads
+    zeroed in place when accumulating), then its capture fails (no GPU):
+    logged, that batch runs eagerly and the layers are graphed instead.  The
+    run ends where the run without the callback does: parameters, every
+    logged value, global_step."""
+    lightning = pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+    eager = lightning_run(lightning, [], accumulate=accumulate)
+    callback = CUDAGraphs(scope="step")
+    with caplog.at_level("INFO", logger="cgraph"):
+        graphed = lightning_run(lightning, [callback], accumulate=accumulate)
+    assert graphed[1] == eager[1] and graphed[2] == eager[2] == 8
+    for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
+        assert torch.equal(g, e), f"parameter {i}"
+    # No GPU here; or, on a GPU machine, a module on the CPU.
+    assert re.search(r"the step's capture failed \((RuntimeError: cgraph: no CUDA device"
+                     r"|ValueError: cgraph: argument 'batch' is on cpu)", caplog.text)
+    # Warm-up calls until the first phase's capture: 3 batches; accumulating,
+    # the zero-and-accumulate phase's fourth batch is the next epoch's first.
+    assert callback.stats == {"phases": 1 if accumulate == 1 else 3, "eager": 3 if accumulate == 1
+                              else 7, "captures": 0, "replays": 0}
+    assert len(stand_in) == 3  # the layers, graphed instead
+
+
+def test_lightning_step_scope_falls_back_on_a_logged_number(stand_in, caplog):
+    """A number logged inside the step would replay as captured: after the
+    first batch (logged as it is), the layers are graphed instead."""
+    lightning = pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+
+    class Module(step_module(lightning)):
+        def training_step(self, batch, i):
+            self.log("lr", self.trainer.optimizers[0].param_groups[0]["lr"])
+            return super().training_step(batch, i)
+
+    eager = lightning_run(lightning, [], module_class=Module, optimizer="adamw")
+    with caplog.at_level("INFO", logger="cgraph"):
+        graphed = lightning_run(lightning, [CUDAGraphs(scope="step")], module_class=Module,
+                                optimizer="adamw")
+    assert graphed[1] == eager[1]
+    assert "self.log('lr', ...) in training_step logs a float" in caplog.text
+    assert len(stand_in) == 3
+
+
+@pytest.mark.parametrize("override, why", [
+    ("automatic_optimization", "optimizes manually"),
+    ("on_after_backward", "Module.on_after_backward is overridden")])
+def test_lightning_step_scope_graphs_layers_where_the_loop_has_host_logic(stand_in, caplog,
+                                                                          override, why):
+    lightning = pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+
+    class Module(step_module(lightning)):
+        def on_after_backward(self):
+            pass
+
+    module = (Module if override == "on_after_backward" else step_module(lightning))("sgd")
+    module.automatic_optimization = override != "automatic_optimization"
+    trainer = lightning.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    with caplog.at_level("INFO", logger="cgraph"):
+        CUDAGraphs(scope="step").on_train_start(trainer, module)
+    assert why in caplog.text and "graphing the layers instead" in caplog.text
+    assert len(stand_in) == 3
+
+
+def test_lightning_callback_refuses_an_unknown_scope():
+    pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+    with pytest.raises(ValueError, match=r"scope must be one of \('layers', 'step'\)"):
+        CUDAGraphs(scope="model")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, optimizer, accumulate", [
+    ("32-true", "adamw-fused", 1), ("32-true", "sgd-fused", 2), ("16-mixed", "sgd", 1),
+    ("bf16-mixed", "adamw-fused", 2)])
+def test_lightning_step_scope_trains_as_eager(precision, optimizer, accumulate):
+    """The whole step graphed, against the same fit without the callback:
+    parameters bitwise, every logged value, global_step.  Dropout draws
+    eager's masks; the LR schedule steps the device lr; with accumulation
+    three phases are graphed (zero and accumulate, accumulate and step, and
+    the epoch's last batch); the grads after each batch are eager's, also
+    after each epoch's validation has set them to None; the short last batch of 1 runs eagerly where
+    its phase was graphed with batches of 2; 16-mixed's GradScaler skips
+    through a conditional node with SGD unfused."""
+    lightning = pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+    kwargs = dict(accelerator="gpu", precision=precision, optimizer=optimizer,
+                  accumulate=accumulate, max_steps=16)
+    eager = lightning_run(lightning, [], **kwargs)
+    callback = CUDAGraphs(scope="step")
+    graphed = lightning_run(lightning, [callback], **kwargs)
+    assert graphed[2] == eager[2] == 16
+    for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
+        assert torch.equal(g, e), f"parameter {i}"
+    assert graphed[1] == eager[1]
+    # Each batch's grads, also after each validation (which sets them to None).
+    assert len(graphed[3]) == len(eager[3])
+    for i, (g, e) in enumerate(zip(graphed[3], eager[3])):
+        assert (g is None and e is None) or torch.equal(g, e), f"grad after batch {i}"
+    assert callback.stats["captures"] >= 1 and callback.stats["replays"] >= 8, callback.stats
