@@ -75,6 +75,8 @@ VARIANTS = (
     "cgraph-compiled-step",
     "cgraph-step-amp",
     "cgraph-step-amp-fused",
+    "cgraph-step-sgd",
+    "cgraph-step-sgd-fused",
     "floor",
     "floor-copies",
     "floor-eager-opt",
@@ -94,8 +96,12 @@ _LAYER_SCALING = ("eager", "torch-mgc-layer", "cgraph-layer", "floor")
 # build it (not fused: the scaler's skip is a conditional node, Note
 # [GradScaler with any optimizer] in cgraph/_step.py); cgraph-step-amp-fused:
 # the same with SGD(fused=True), whose kernels take found_inf themselves.
-_STEP_VARIANTS = ("cgraph-step", "cgraph-compiled-step", "cgraph-step-amp",
-                  "cgraph-step-amp-fused")
+# cgraph-step-sgd and -sgd-fused: the same two optimizers in float32 without
+# a scaler, to tell what the unfused optimizer costs from what the scaler's
+# skip costs.
+_SGD_STEPS = ("amp", "amp-fused", "sgd", "sgd-fused")
+_STEP_VARIANTS = ("cgraph-step", "cgraph-compiled-step",
+                  *(f"cgraph-step-{kind}" for kind in _SGD_STEPS))
 # The eager-part floors need a loss and an optimizer step, which the overhead
 # step has not.
 _NO_OPTIMIZER = tuple(v for v in VARIANTS
@@ -282,8 +288,9 @@ def prepare(problem: Problem, variant: str) -> Callable[[], object]:
     if variant == "floor-eager-loss":
         return _floor_eager_loss(problem)
     if variant in _STEP_VARIANTS:
+        suffix = variant.removeprefix("cgraph-step-")
         return _cgraph_step(problem, compiled=variant == "cgraph-compiled-step",
-                            amp=variant.removeprefix("cgraph-step-") if "amp" in variant else None)
+                            sgd=suffix if suffix in _SGD_STEPS else None)
     step = _train_step(problem, _forward(problem, variant))
     if variant.startswith("compile-"):
         for _ in range(COMPILE_STEPS):
@@ -344,23 +351,26 @@ def _train_step(problem: Problem, forward: Callable) -> Callable[[], None]:
 
 
 def _cgraph_step(problem: Problem, compiled: bool = False,
-                 amp: str | None = None) -> Callable[[], object]:
+                 sgd: str | None = None) -> Callable[[], object]:
     """The mlp and gpt step, unchanged, through ``cgraph.make_graphed_step``;
     set-up runs its eager warm-up steps and the capture (the capturing call
     is a step too, as the floor's set-up runs its warm-up).  ``compiled``:
-    the blocks (gpt) or the model (mlp) compiled inside; ``amp`` ("amp" or
-    "amp-fused"): the float16 GradScaler step with SGD, unfused or fused."""
+    the blocks (gpt) or the model (mlp) compiled inside; ``sgd`` ("amp",
+    "amp-fused", "sgd", "sgd-fused"): SGD with momentum, unfused or fused,
+    in the float16 GradScaler step ("amp") or in float32 instead of the
+    workload's optimizer."""
     import cgraph  # not built: this variant fails alone, as an error row
 
     model, x, y = problem.model, problem.x, problem.y
     forward = _compiled_blocks(problem) if compiled else model
-    if amp is None:
+    if sgd is None:
         opt = problem.optimizer(model.parameters())
         train_step = _plain_step(forward, opt)
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9,
-                              fused=amp == "amp-fused")
-        train_step = _scaled_step(forward, opt, torch.amp.GradScaler("cuda"))
+                              fused=sgd.endswith("-fused"))
+        train_step = (_scaled_step(forward, opt, torch.amp.GradScaler("cuda"))
+                      if sgd.startswith("amp") else _plain_step(forward, opt))
     warmup = FLOOR_WARMUP_ITERS + (COMPILE_STEPS if compiled else 0)
     step = cgraph.make_graphed_step(train_step, (x, y), num_warmup_iters=warmup)
     for _ in range(warmup + 1):

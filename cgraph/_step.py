@@ -364,6 +364,7 @@ class GraphedStep:
     def _capture(self, leaves: list, spec) -> None:
         """Captures the step, called with copies of this call's tensors
         (they become the static inputs), by the native capture session."""
+        _require_cuda()
         started = time.perf_counter()
         recapture = self.graphed is not None
         self._free()
@@ -373,13 +374,13 @@ class GraphedStep:
         for opt in list(self.optimizers):
             _check_capturable(opt, opt in self.scaled)
         self.ddp.before_capture()
+        put_back = _as_they_are(list(self.optimizers))
         self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
                        for g in opt.param_groups]
         args, kwargs = pytree.tree_unflatten(static, spec)
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
         drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
-        _require_cuda()
         failure = None
         try:
             with self._device_lrs(), _scaler_steps_on_the_device(), \
@@ -392,8 +393,11 @@ class GraphedStep:
                 failure.__cause__ = exc.__cause__
         except Exception as exc:  # noqa: BLE001 -- every rank hears of it, then it is raised
             failure = exc
-        # Note [A capture that fails on one rank] (cgraph/_ranks.py)
-        _ranks.agree(failure, "the training step's capture")
+        try:  # Note [A capture that fails on one rank] (cgraph/_ranks.py)
+            _ranks.agree(failure, "the training step's capture")
+        except BaseException:
+            put_back()  # a caller going on eagerly steps as before
+            raise
         self.outputs = returned[0]
         _live.add(self.graphed)
         self.stats["captures"] += 1
@@ -561,6 +565,25 @@ def _reads_lr_on_the_host(optimizer, group: dict) -> bool:
         from torch.optim.optimizer import _default_to_fused_or_foreach
         foreach = _default_to_fused_or_foreach(group["params"], differentiable, False)[1]
     return not foreach or differentiable
+
+
+def _as_they_are(optimizers: list) -> Callable[[], None]:
+    """What _capturable changes in `optimizers` (capturable flags, one-element
+    state moved to the device), as a function that puts it back: after a
+    capture that failed, the optimizers step eagerly as they did before."""
+    flags = [(g, g["capturable"]) for opt in optimizers for g in opt.param_groups
+             if "capturable" in g]
+    scalars = [(state, key, value) for opt in optimizers for state in opt.state.values()
+               for key, value in state.items()
+               if isinstance(value, torch.Tensor) and value.dim() == 0]
+
+    def put_back() -> None:
+        for group, flag in flags:
+            group["capturable"] = flag
+        for state, key, value in scalars:
+            state[key] = value
+
+    return put_back
 
 
 def _state_to_device(state: dict, device: torch.device) -> None:

@@ -24,12 +24,13 @@ A: Four things, kept by the callback's wrapper of run (_GraphedRun):
       logs it from there as Lightning would have (under the same hook name,
       with the same arguments), so on_step and on_epoch values, the progress
       bar and the loggers see each batch's value.  A Python number logged
-      there would be the capture's value at every replay: the callback falls
-      back to graphing the layers instead, logged.
+      there (or a tensor on the host) would be the capture's value at every
+      replay: the callback falls back to graphing the layers instead, logged.
    3. One graphed step per phase.  With accumulate_grad_batches=k, run zeroes
       the grads at the first micro-batch of k and steps the optimizer at the
       last one (and at an epoch's last batch): up to four programs, each its
-      own graphed step, warmed up and captured when first met.  All of them
+      own graphed step, warmed up and captured when first met (keyed also by
+      k, which divides the loss, and by whether backward runs).  All of them
       must read and write the same grads, so with k > 1 optimizer.zero_grad
       zeroes them in place inside the steps (set_to_none=False): the grads
       are made by the first backward and never move (0 + g is g, bitwise),
@@ -43,13 +44,17 @@ A: Four things, kept by the callback's wrapper of run (_GraphedRun):
       have been handed out again.  The wrapper holds the grads as the last
       capture left them and puts back any that was replaced before each
       call (a pointer compare per parameter).
+   What the graphs fixed at capture beyond that, which parameters train and
+   the optimizer's param groups, is compared before each call: a change (a
+   fine-tuning callback unfreezing a backbone) graphs every phase again.
    Python in training_step and in the hooks that run inside run runs once,
    at capture, as in any graphed step.  So a module or another callback
-   that overrides such a hook (optimizer_step, on_after_backward, ...), or
-   a module that optimizes manually, a strategy other than one device or
-   DDP, or a precision plugin other than autocast, half or full precision,
-   is graphed by layers instead, with the reason logged; so is a step whose
-   capture fails (logged as a warning, with the error).
+   that overrides such a hook (optimizer_step, on_after_backward, ...), a
+   module that optimizes manually, a strategy other than one device or DDP
+   (or DDP with a communication hook or model averaging, which count
+   iterations on the host), or a precision plugin other than autocast, half
+   or full precision is graphed by layers instead, with the reason logged;
+   so is a step whose capture fails (logged as a warning, with the error).
 """
 
 from __future__ import annotations
@@ -83,7 +88,7 @@ SCOPES = ("layers", "step")
 # graphed whole]): overridden, their Python would run once, at capture.
 _MODULE_HOOKS_INSIDE = ("backward", "on_before_backward", "on_after_backward",
                         "on_before_optimizer_step", "optimizer_step", "optimizer_zero_grad",
-                        "on_before_zero_grad", "configure_gradient_clipping")
+                        "on_before_zero_grad", "configure_gradient_clipping", "clip_gradients")
 _CALLBACK_HOOKS_INSIDE = ("on_before_backward", "on_after_backward", "on_before_optimizer_step",
                           "on_before_zero_grad")
 
@@ -166,6 +171,10 @@ def _why_not_the_step(trainer, module, callback) -> str | None:
     strategy, precision = trainer.strategy, trainer.precision_plugin
     if type(strategy) not in (SingleDeviceStrategy, DDPStrategy):
         return f"the step graphs one device or DDP, not the {type(strategy).__name__} strategy"
+    if (getattr(strategy, "_ddp_comm_hook", None) is not None
+            or getattr(strategy, "_model_averager", None) is not None):
+        return ("DDP's communication hook or model averaging keeps host-side state (its "
+                "iteration count), which a replay would not move")
     if strategy.handles_gradient_accumulation:
         return f"the {type(strategy).__name__} strategy accumulates gradients itself"
     if type(precision) not in (Precision, MixedPrecision, HalfPrecision):
@@ -189,6 +198,8 @@ class _Phase(NamedTuple):
 
     zero_grad: bool
     optimizer_steps: bool
+    accumulate: int  # the loss is divided by it (GradientAccumulationScheduler changes it)
+    backward: bool  # not skipped (Lightning skips it in SWA's BatchNorm epoch)
 
 
 @dataclasses.dataclass
@@ -237,6 +248,8 @@ class _GraphedRun:
         self.eager_shapes = False  # logged that a batch of another shape ran eagerly
         # (parameter, its grad) as the last capture left them: item 4.
         self.grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        self.params = list(module.parameters())
+        self.layout: tuple | None = None  # _check_layout
         self.loop.run = self
 
     def remove(self) -> dict:
@@ -258,6 +271,7 @@ class _GraphedRun:
             return self._refuse("training_step takes the dataloader's iterator, whose batches "
                                 "the step cannot copy in", optimizer, batch_idx, kwargs)
         batch = kwargs["batch"]
+        self._check_layout(optimizer)
         phase = self._phase(batch_idx)
         signature = _signature(batch)
         if signature is None:
@@ -297,12 +311,11 @@ class _GraphedRun:
 
     def _phase(self, batch_idx: int) -> _Phase:
         """What run will do for this batch, decided as run decides it."""
-        trainer = self.trainer
-        zero = (not self.loop._skip_backward
-                and batch_idx % trainer.accumulate_grad_batches == 0)
+        trainer, backward = self.trainer, not self.loop._skip_backward
+        zero = backward and batch_idx % trainer.accumulate_grad_batches == 0
         steps = (trainer.strategy.handles_gradient_accumulation
                  or not trainer.fit_loop._should_accumulate())
-        return _Phase(zero, steps)
+        return _Phase(zero, steps, trainer.accumulate_grad_batches, backward)
 
     def _body(self, batch):
         """The step make_graphed_step warms up and captures: Lightning's run
@@ -328,12 +341,14 @@ class _GraphedRun:
         module, run = self.module, self
 
         def record(name, value, *args, **kwargs):
-            if isinstance(value, torch.Tensor):
-                value = value.detach()
+            if isinstance(value, torch.Tensor) and value.device == module.device:
+                value = value.detach().clone()  # its value now, as Lightning's log copies it
             elif run.refused is None:
+                what = (f"tensor on {value.device}" if isinstance(value, torch.Tensor)
+                        else type(value).__name__)
                 run.refused = (f"self.log({name!r}, ...) in {module._current_fx_name} logs a "
-                               f"{type(value).__name__}, which every replay would log again "
-                               "as it was at capture (log a tensor to graph the step)")
+                               f"{what}, which every replay would log again as it was at "
+                               f"capture (log a tensor on {module.device} to graph the step)")
             logged.append((_Logged(module._current_fx_name, name, args, kwargs), value))
 
         with patched({(module, "log"): record}):
@@ -351,6 +366,24 @@ class _GraphedRun:
             zero_grad(set_to_none=False)
 
         return patched({(optimizer, "zero_grad"): in_place})
+
+    def _check_layout(self, optimizer) -> None:
+        """What the graphs fixed at capture: which parameters train and the
+        optimizer's param groups.  A fine-tuning callback that unfreezes a
+        backbone or adds a param group changes it: every phase is then
+        warmed up and captured again (logged)."""
+        layout = (tuple(p.requires_grad for p in self.params),
+                  tuple(len(group["params"]) for group in optimizer.param_groups))
+        if layout == self.layout:
+            return
+        if self.phases:
+            log.info("cgraph: CUDAGraphs(scope='step'): the parameters that train or the "
+                     "optimizer's param groups changed; the step is graphed again.")
+            for entry in self.phases.values():
+                entry.step.reset()
+            self.phases.clear()
+            self.grads = []
+        self.layout = layout
 
     def _grads_back(self) -> None:
         """The grads the graphs read and write, back on their parameters

@@ -115,7 +115,10 @@ def train(callbacks, precision="bf16-mixed"):
 def main():
     eager = (None, *train([]))
     report(eager, (None, *train([CUDAGraphs()])), STEPS, "cgraph layers")
-    report(eager, (None, *train([CUDAGraphs(scope="step")])), STEPS, "cgraph step")
+    step = CUDAGraphs(scope="step")
+    report(eager, (None, *train([step])), STEPS, "cgraph step")
+    if not (step.stats and step.stats["replays"]):  # not fallen back to layers
+        raise SystemExit(f"the step was not graphed: {step.stats}")
 
 
 if __name__ == "__main__":

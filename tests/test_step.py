@@ -318,6 +318,40 @@ def test_a_host_sync_or_cpu_draw_in_the_step_is_refused_with_the_fix(body, match
     assert info.value.kind == kind
 
 
+def test_an_optimizer_steps_as_before_after_a_capture_that_failed():
+    """A capture that fails leaves the optimizer as it found it (capturable
+    off, step counts on the host): a caller going on eagerly (Lightning's
+    scope="step" falls back so) steps as eager does, bitwise."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, eager)]
+
+    def make_step(net, opt, sync):
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x), y)
+            if sync:
+                loss.item()
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    graphed = cgraph.make_graphed_step(make_step(model, opts[0], True), batches[0],
+                                       num_warmup_iters=1)
+    graphed(*batches[0])
+    with pytest.raises(cgraph.CaptureError):
+        graphed(*batches[1])
+    group, state = opts[0].param_groups[0], opts[0].state[next(model.parameters())]
+    assert group["capturable"] is False and state["step"].device.type == "cpu"
+    for x, y in batches[1:]:
+        make_step(model, opts[0], False)(x, y)
+    for x, y in batches:
+        make_step(eager, opts[1], False)(x, y)
+    for i, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+        assert torch.equal(p, q), f"parameter {i}"
+
+
 class CheckpointedBlocks(nn.Module):
     """Two blocks with dropout, each checkpointed: the recompute must redraw
     the forward's masks (preserve_rng_state=True) or the grads are wrong."""

@@ -63,33 +63,8 @@ def test_lightning_callback_graphs_the_blocks_when_training_starts(stand_in):
     lightning = pytest.importorskip("lightning")
     from cgraph.lightning import CUDAGraphs
 
-    class Module(lightning.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.embed = nn.Embedding(64, 16)
-            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU())
-                                        for _ in range(3))
-            self.head = nn.Linear(16, 64)
-
-        def forward(self, ids):
-            h = self.embed(ids)
-            for block in self.blocks:
-                h = h + block(h)
-            return self.head(h)
-
-        def training_step(self, batch, i):
-            loss = nn.functional.cross_entropy(self(batch).flatten(0, 1), batch.flatten())
-            self.log("loss", loss)
-            return loss
-
-        def validation_step(self, batch, i):
-            self.log("val", self(batch).mean())
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
-
     data = torch.utils.data.DataLoader(torch.randint(0, 64, (8, 12)), batch_size=2)
-    module = Module()
+    module = step_module(lightning)("sgd")
     trainer = lightning.Trainer(accelerator="cpu", max_steps=2, accumulate_grad_batches=2,
                                 limit_val_batches=1, val_check_interval=2, logger=False,
                                 enable_checkpointing=False, enable_progress_bar=False,
@@ -169,8 +144,6 @@ def test_trainer_examples_train_as_eager(example, needs):
     ({"n_gpu": 2}, "torchrun --nproc_per_node"), ({"torch_compile": True}, "torch_compile=False")])
 def test_hf_callback_refuses_what_it_cannot_graph(setting, match, stand_in):
     pytest.importorskip("transformers")
-    from types import SimpleNamespace
-
     from cgraph.transformers import CUDAGraphsCallback
     args = SimpleNamespace(**{"n_gpu": 1, "torch_compile": False, **setting})
     with pytest.raises(ValueError, match=match):
@@ -328,9 +301,9 @@ def step_module(lightning):
     return Module
 
 
-@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize("accumulate, optimizer", [(1, "sgd"), (2, "adamw")])
 def test_lightning_step_scope_keeps_lightning_s_books_then_falls_back(stand_in, caplog,
-                                                                        accumulate):
+                                                                        accumulate, optimizer):
     """On the CPU the step's warm-up calls run (Lightning's run inside
     make_graphed_step, self.log recorded and logged after each call, grads
     zeroed in place when accumulating), then its capture fails (no GPU):
@@ -339,10 +312,11 @@ def test_lightning_step_scope_keeps_lightning_s_books_then_falls_back(stand_in, 
     logged value, global_step."""
     lightning = pytest.importorskip("lightning")
     from cgraph.lightning import CUDAGraphs
-    eager = lightning_run(lightning, [], accumulate=accumulate)
+    eager = lightning_run(lightning, [], accumulate=accumulate, optimizer=optimizer)
     callback = CUDAGraphs(scope="step")
     with caplog.at_level("INFO", logger="cgraph"):
-        graphed = lightning_run(lightning, [callback], accumulate=accumulate)
+        graphed = lightning_run(lightning, [callback], accumulate=accumulate,
+                                optimizer=optimizer)
     assert graphed[1] == eager[1] and graphed[2] == eager[2] == 8
     for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
         assert torch.equal(g, e), f"parameter {i}"
@@ -433,3 +407,38 @@ def test_lightning_step_scope_trains_as_eager(precision, optimizer, accumulate):
     for i, (g, e) in enumerate(zip(graphed[3], eager[3])):
         assert (g is None and e is None) or torch.equal(g, e), f"grad after batch {i}"
     assert callback.stats["captures"] >= 1 and callback.stats["replays"] >= 8, callback.stats
+
+
+@pytest.mark.gpu
+def test_lightning_step_scope_follows_an_accumulation_schedule_and_an_unfreezing():
+    """Lightning's GradientAccumulationScheduler (1 batch per step, then 2
+    from epoch 1: the loss's divisor changes) and a callback unfreezing the
+    first block at epoch 1 (the graphs' backward and optimizer step must
+    cover it from then on): the step is graphed again for each, and the fit
+    ends where eager's does."""
+    lightning = pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+
+    class Frozen(step_module(lightning)):
+        def __init__(self, optimizer):
+            super().__init__(optimizer)
+            self.blocks[0].requires_grad_(False)
+
+    class Unfreeze(lightning.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            if trainer.current_epoch == 1:
+                module.blocks[0].requires_grad_(True)
+
+    def fit(callbacks):
+        schedule = lightning.pytorch.callbacks.GradientAccumulationScheduler({0: 1, 1: 2})
+        return lightning_run(lightning, [*callbacks, Unfreeze(), schedule], accelerator="gpu",
+                             optimizer="adamw-fused", max_steps=16, module_class=Frozen)
+
+    eager = fit([])
+    callback = CUDAGraphs(scope="step")
+    graphed = fit([callback])
+    assert graphed[2] == eager[2] == 16
+    for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
+        assert torch.equal(g, e), f"parameter {i}"
+    assert graphed[1] == eager[1]
+    assert callback.stats["captures"] >= 2 and callback.stats["replays"] >= 2, callback.stats
