@@ -364,7 +364,6 @@ class GraphedStep:
     def _capture(self, leaves: list, spec) -> None:
         """Captures the step, called with copies of this call's tensors
         (they become the static inputs), by the native capture session."""
-        _require_cuda()
         started = time.perf_counter()
         recapture = self.graphed is not None
         self._free()
@@ -374,6 +373,7 @@ class GraphedStep:
         for opt in list(self.optimizers):
             _check_capturable(opt, opt in self.scaled)
         self.ddp.before_capture()
+        _require_cuda()  # before the optimizers change: a CPU caller goes on as before
         put_back = _as_they_are(list(self.optimizers))
         self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
                        for g in opt.param_groups]
