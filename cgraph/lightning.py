@@ -143,13 +143,25 @@ class CUDAGraphs(Callback):
                 self._run = _GraphedRun(trainer, pl_module, self._fall_back)
                 return
             log.info("cgraph: CUDAGraphs(scope='step'): %s; graphing the layers instead.", why)
+            self._graph_layers_instead(pl_module)
+            return
         graph_layers_once(pl_module, "CUDAGraphs", **self.graph_layers_kwargs)
 
     def _fall_back(self, trainer, pl_module) -> None:
         """The step cannot be graphed after all (_GraphedRun found why):
         from the next batch on, the layers are."""
         self._remove_run()
-        graph_layers_once(pl_module, "CUDAGraphs", **self.graph_layers_kwargs)
+        self._graph_layers_instead(pl_module)
+
+    def _graph_layers_instead(self, pl_module) -> None:
+        """scope="step" could not graph the step: the layers then, or, where
+        graph_layers finds none it can graph, nothing (training goes on
+        eagerly, logged) rather than an error in the middle of a fit."""
+        try:
+            graph_layers_once(pl_module, "CUDAGraphs", **self.graph_layers_kwargs)
+        except (ValueError, TypeError) as exc:
+            log.warning("cgraph: CUDAGraphs(scope='step'): the layers cannot be graphed "
+                        "either (%s); training runs eagerly.", exc)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._remove_run()

@@ -371,6 +371,46 @@ def test_lightning_step_scope_graphs_layers_where_the_loop_has_host_logic(stand_
     assert len(stand_in) == 3
 
 
+def test_lightning_step_scope_trains_eagerly_where_no_layers_can_be_graphed_either(caplog):
+    """Manual optimization in a module without repeated blocks: neither the
+    step nor the layers can be graphed; the fit goes on eagerly, logged, and
+    ends where it does without the callback."""
+    lightning = pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+
+    class Manual(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+            self.net = nn.Linear(12, 12)
+
+        def training_step(self, batch, i):
+            opt = self.optimizers()
+            opt.zero_grad()
+            self.manual_backward(self.net(batch.float()).square().mean())
+            opt.step()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def fit(callbacks):
+        torch.manual_seed(0)
+        module = Manual()
+        trainer = lightning.Trainer(accelerator="cpu", max_steps=3, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False, callbacks=callbacks)
+        trainer.fit(module, torch.utils.data.DataLoader(torch.randn(6, 12), batch_size=2))
+        return module.net.weight.detach().clone()
+
+    eager = fit([])
+    with caplog.at_level("INFO", logger="cgraph"):
+        graphed = fit([CUDAGraphs(scope="step")])
+    assert torch.equal(graphed, eager)
+    assert "optimizes manually" in caplog.text
+    assert "the layers cannot be graphed either" in caplog.text
+    assert "training runs eagerly" in caplog.text
+
+
 def test_lightning_callback_refuses_an_unknown_scope():
     pytest.importorskip("lightning")
     from cgraph.lightning import CUDAGraphs
