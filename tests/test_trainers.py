@@ -352,19 +352,39 @@ def test_lightning_step_scope_falls_back_on_a_logged_number(stand_in, caplog):
 
 @pytest.mark.parametrize("override, why", [
     ("automatic_optimization", "optimizes manually"),
-    ("on_after_backward", "Module.on_after_backward is overridden")])
+    ("on_after_backward", "Module.on_after_backward is overridden"),
+    ("clip_gradients", "Clipping.clip_gradients is overridden"),
+    ("ddp_comm_hook", "DDP's communication hook or model averaging"),
+    ("callback", "the Probe callback's on_before_optimizer_step")])
 def test_lightning_step_scope_graphs_layers_where_the_loop_has_host_logic(stand_in, caplog,
                                                                           override, why):
+    """Python that would run inside the step, once at capture: the layers
+    are graphed instead, naming it."""
     lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.strategies import DDPStrategy
+
     from cgraph.lightning import CUDAGraphs
 
     class Module(step_module(lightning)):
         def on_after_backward(self):
             pass
 
-    module = (Module if override == "on_after_backward" else step_module(lightning))("sgd")
+    class Clipping(step_module(lightning)):
+        def clip_gradients(self, *args, **kwargs):
+            pass
+
+    class Probe(lightning.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            pass
+
+    module = {"on_after_backward": Module, "clip_gradients": Clipping}.get(
+        override, step_module(lightning))("sgd")
     module.automatic_optimization = override != "automatic_optimization"
-    trainer = lightning.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False)
+    kwargs = {"callbacks": [Probe()]} if override == "callback" else {}
+    if override == "ddp_comm_hook":
+        kwargs["strategy"] = DDPStrategy(ddp_comm_hook=lambda state, bucket: None)
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False,
+                                enable_checkpointing=False, **kwargs)
     with caplog.at_level("INFO", logger="cgraph"):
         CUDAGraphs(scope="step").on_train_start(trainer, module)
     assert why in caplog.text and "graphing the layers instead" in caplog.text
