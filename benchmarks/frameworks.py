@@ -26,32 +26,34 @@ import torch
 FRAMEWORKS = ("hf_trainer", "lightning_callback", "accelerate_loop")
 
 
-def runs(name: str) -> dict:
-    """The runs of the example `name`, by variant ("eager" first), each
-    returning (losses or None, parameters, ms per step)."""
+def runs(name: str, size: str = "small") -> dict:
+    """The runs of the example `name` at `size` (examples/_compare.py's
+    SIZES), by variant ("eager" first), each returning (losses or None,
+    parameters, ms per step)."""
     if name not in FRAMEWORKS:
         raise SystemExit(f"unknown framework {name!r}: choose from {', '.join(FRAMEWORKS)}")
     if name == "hf_trainer":
         from cgraph.transformers import CUDAGraphsCallback
         from examples import hf_trainer
-        return {"eager": lambda: hf_trainer.train([]),
-                "cgraph-layers": lambda: hf_trainer.train([CUDAGraphsCallback()])}
+        return {"eager": lambda: hf_trainer.train([], size=size),
+                "cgraph-layers": lambda: hf_trainer.train([CUDAGraphsCallback()], size=size)}
     if name == "lightning_callback":
         from cgraph.lightning import CUDAGraphs
         from examples import lightning_callback
-        return {"eager": lambda: (None, *lightning_callback.train([])),
-                "cgraph-layers": lambda: (None, *lightning_callback.train([CUDAGraphs()])),
+        return {"eager": lambda: (None, *lightning_callback.train([], size=size)),
+                "cgraph-layers": lambda: (None, *lightning_callback.train(
+                    [CUDAGraphs()], size=size)),
                 "cgraph-step": lambda: (None, *lightning_callback.train(
-                    [CUDAGraphs(scope="step")]))}
+                    [CUDAGraphs(scope="step")], size=size))}
     from examples import accelerate_loop
-    return {"eager": lambda: accelerate_loop.train(graphed=False),
-            "cgraph-layers": lambda: accelerate_loop.train(graphed=True)}
+    return {"eager": lambda: accelerate_loop.train(graphed=False, size=size),
+            "cgraph-layers": lambda: accelerate_loop.train(graphed=True, size=size)}
 
 
-def measure(name: str, repeats: int) -> dict[str, list[float]]:
+def measure(name: str, repeats: int, size: str = "small") -> dict[str, list[float]]:
     """ms per step of each variant, `repeats` times, alternating; each
     graphed run checked equal to the eager run before it."""
-    variants = runs(name)
+    variants = runs(name, size)
     times: dict[str, list[float]] = {variant: [] for variant in variants}
     for _ in range(repeats):
         expected = _collected(variants["eager"])
@@ -90,13 +92,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--size", choices=("small", "large"), default="small",
+                        help="small: a host-bound step (the examples' own); large: a "
+                        "GPU-bound one (examples/_compare.py's SIZES)")
     args = parser.parse_args()
     print(f"frameworks, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"{args.repeats} repeats")
+          f"{args.repeats} repeats, size {args.size}")
     print("| framework | variant | ms per step (spread) | / eager | steps/s |")
     print("|---|---|---|---|---|")
     for name in args.frameworks.split(","):
-        times = measure(name, args.repeats)
+        times = measure(name, args.repeats, args.size)
         eager_ms = statistics.median(times["eager"])
         for variant, ms_list in times.items():
             ms = statistics.median(ms_list)

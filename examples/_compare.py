@@ -4,8 +4,24 @@ without it did, and the time per optimizer step of each; under torchrun, each
 rank prints its own, prefixed with its rank."""
 
 import os
+from typing import NamedTuple
 
 import torch
+
+
+class Size(NamedTuple):
+    """A model and batch size of the trainer examples."""
+
+    width: int  # hidden size
+    batch: int  # sequences per micro-batch
+    tokens: int  # tokens per sequence
+
+
+# "small": the examples' own, a step the host bounds (cgraph's case: 3-8x
+# faster); "large": one the GPU bounds, where graphs can only match eager
+# (benchmarks/frameworks.py --size large).
+SIZES = {"small": Size(width=256, batch=4, tokens=128),
+         "large": Size(width=1024, batch=8, tokens=1024)}
 
 
 def report(eager, graphed, steps: int, label: str = "cgraph") -> None:

@@ -24,22 +24,27 @@ import torch
 import transformers
 
 import cgraph
-from examples._compare import report
+from examples._compare import SIZES, report
 
 STEPS, ACCUMULATE = 40, 2
 
 
-def batches():
+def batches(size):
     tokens = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 1024, (4 * STEPS * ACCUMULATE, 128), generator=tokens)
-    return torch.utils.data.DataLoader(data, batch_size=4)
+    data = torch.randint(0, 1024, (size.batch * STEPS * ACCUMULATE, size.tokens),
+                         generator=tokens)
+    return torch.utils.data.DataLoader(data, batch_size=size.batch)
 
 
-def train(graphed: bool):
+def train(graphed: bool, size="small"):
+    """One run: (losses, parameters, median ms per optimizer step).  `size`:
+    a key of examples/_compare.py's SIZES."""
+    size = SIZES[size]
     accelerator = accelerate.Accelerator(mixed_precision="bf16",
                                          gradient_accumulation_steps=ACCUMULATE)
     accelerate.utils.set_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=size.width,
+                                      intermediate_size=2 * size.width,
                                       num_hidden_layers=4, num_attention_heads=4,
                                       num_key_value_heads=4, attn_implementation="eager",
                                       use_cache=False)
@@ -47,7 +52,7 @@ def train(graphed: bool):
     if graphed:
         model = cgraph.graph_layers(model.to(accelerator.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model, optimizer, data = accelerator.prepare(model, optimizer, batches())
+    model, optimizer, data = accelerator.prepare(model, optimizer, batches(size))
     losses, times, started = [], [], None
     for i, ids in enumerate(data):
         if i % ACCUMULATE == 0:

@@ -24,17 +24,21 @@ import transformers
 from transformers.trainer_utils import set_seed
 
 from cgraph.transformers import CUDAGraphsCallback
-from examples._compare import report
+from examples._compare import SIZES, report
 
 STEPS = 40
 
 
 class Tokens(torch.utils.data.Dataset):
+    def __init__(self, size):
+        self.size = size
+
     def __len__(self):
-        return 4 * STEPS * 2
+        return self.size.batch * STEPS * 2
 
     def __getitem__(self, i):
-        ids = torch.randint(0, 1024, (128,), generator=torch.Generator().manual_seed(i))
+        ids = torch.randint(0, 1024, (self.size.tokens,),
+                            generator=torch.Generator().manual_seed(i))
         return {"input_ids": ids, "labels": ids}
 
 
@@ -53,9 +57,13 @@ class StepTimes(transformers.TrainerCallback):
         self.times.append(time.perf_counter() - self.started)
 
 
-def train(callbacks):
+def train(callbacks, size="small"):
+    """One run: (losses, parameters, median ms per optimizer step).  `size`:
+    a key of examples/_compare.py's SIZES."""
+    size = SIZES[size]
     set_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=512,
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=size.width,
+                                      intermediate_size=2 * size.width,
                                       num_hidden_layers=4, num_attention_heads=4,
                                       num_key_value_heads=4, attn_implementation="eager",
                                       use_cache=False)
@@ -63,10 +71,10 @@ def train(callbacks):
     timer = StepTimes()
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
-            output_dir=out, max_steps=STEPS, per_device_train_batch_size=4,
+            output_dir=out, max_steps=STEPS, per_device_train_batch_size=size.batch,
             gradient_accumulation_steps=2, bf16=True, report_to=[], save_strategy="no",
             logging_steps=1, seed=0, data_seed=0, disable_tqdm=True)
-        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(size),
                                        callbacks=[timer, *callbacks])
         trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from cgraph.lightning import CUDAGraphs
-from examples._compare import report
+from examples._compare import SIZES, report
 
 STEPS = 40
 
@@ -93,13 +93,16 @@ class StepTimes(lightning.Callback):
             self.times.append(time.perf_counter() - self.started)
 
 
-def train(callbacks, precision="bf16-mixed"):
+def train(callbacks, precision="bf16-mixed", size="small"):
+    """One run: (parameters, median ms per optimizer step).  `size`: a key
+    of examples/_compare.py's SIZES."""
+    size = SIZES[size]
     lightning.seed_everything(0, verbose=False)
-    module = GPT()
+    module = GPT(width=size.width)
     tokens = torch.Generator().manual_seed(0)
-    data = torch.randint(0, 1024, (4 * STEPS * 2, 129), generator=tokens)
-    train_data = torch.utils.data.DataLoader(data, batch_size=4)
-    val_data = torch.utils.data.DataLoader(data[:16], batch_size=4)
+    data = torch.randint(0, 1024, (size.batch * STEPS * 2, size.tokens + 1), generator=tokens)
+    train_data = torch.utils.data.DataLoader(data, batch_size=size.batch)
+    val_data = torch.utils.data.DataLoader(data[:4 * size.batch], batch_size=size.batch)
     timer = StepTimes()
     devices = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's processes
     trainer = lightning.Trainer(accelerator="gpu", devices=devices,

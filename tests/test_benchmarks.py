@@ -439,7 +439,7 @@ def test_frameworks_workload_checks_each_graphed_run_against_eager(monkeypatch):
     def variants(eager, *graphed):
         runs = {"eager": lambda: eager}
         runs.update({f"graphed-{i}": (lambda run=run: run) for i, run in enumerate(graphed)})
-        monkeypatch.setattr(frameworks, "runs", lambda name: runs)
+        monkeypatch.setattr(frameworks, "runs", lambda name, size: runs)
 
     variants((None, same, 10.0), (None, same, 4.0), (None, same, 2.0))
     assert frameworks.measure("hf_trainer", 2) == {"eager": [10.0, 10.0], "graphed-0": [4.0, 4.0],
