@@ -295,6 +295,13 @@ class _GraphedRun:
                 make_graphed_step(self._body), signature, [])
         if entry.batch != signature:
             return self._eagerly(optimizer, batch_idx, kwargs)
+        return self._through_the_step(entry, optimizer, batch_idx, kwargs)
+
+    def _through_the_step(self, entry: _PhaseStep, optimizer, batch_idx: int,
+                          kwargs: OrderedDict):
+        """This batch's run through its phase's graphed step (a warm-up, the
+        capture, or a replay), with Lightning's books kept: Note
+        [Lightning's step graphed whole] items 1, 2 and 4."""
         self._grads_back()
         step, progress = entry.step, self.loop.optim_progress
         ran, captures_before = step.stats["eager"] + step.stats["captures"], step.stats["captures"]
@@ -302,7 +309,7 @@ class _GraphedRun:
         self.call = _Call(optimizer, batch_idx, kwargs, entry, captures)
         before = progress.state_dict()
         try:
-            out, values = step(batch)
+            out, values = step(kwargs["batch"])
         except Exception as exc:
             if not captures:
                 raise
