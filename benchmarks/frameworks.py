@@ -6,7 +6,8 @@ examples/hf_trainer.py, examples/lightning_callback.py,
 examples/accelerate_loop.py), alternating in one process.  On one GPU, from
 the repository root after a build::
 
-    python3 -m benchmarks.frameworks --repeats 3
+    python3 -m benchmarks.frameworks --repeats 3               # host-bound
+    python3 -m benchmarks.frameworks --repeats 3 --size large  # GPU-bound
 
 Prints, per framework and variant, the median time per optimizer step over
 the repeats (each repeat's own median over its steps after the fifth), the

@@ -135,6 +135,10 @@ def _find(root: nn.Module, layers) -> Blocks:
     return Blocks(path, blocks)
 
 
+class NoBlocks(ValueError):
+    """graph_layers found no list of repeated blocks to graph."""
+
+
 def _guess(root: nn.Module) -> nn.Module:
     candidates = [m for _, m in root.named_modules()
                   if m is not root and isinstance(m, (nn.ModuleList, nn.Sequential))
@@ -142,7 +146,7 @@ def _guess(root: nn.Module) -> nn.Module:
                   and len({type(child) for child in m}) == 1]
     candidates = [m for m in candidates if _parameter_count(m) > 0]
     if not candidates:
-        raise ValueError(
+        raise NoBlocks(
             f"cgraph: graph_layers found no list of repeated blocks in {type(root).__name__} "
             "(an nn.ModuleList or nn.Sequential of two or more modules of one type, with "
             "parameters). Name them with layers='path.to.blocks', or graph the model whole "

@@ -375,14 +375,14 @@ class GraphedStep:
         self.ddp.before_capture()
         _require_cuda()  # before the optimizers change: a CPU caller goes on as before
         put_back = _as_they_are(list(self.optimizers))
-        self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
-                       for g in opt.param_groups]
-        args, kwargs = pytree.tree_unflatten(static, spec)
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
-        drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
-        drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
         failure = None
         try:
+            self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
+                           for g in opt.param_groups]
+            args, kwargs = pytree.tree_unflatten(static, spec)
+            drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
+            drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
             with self._device_lrs(), _scaler_steps_on_the_device(), \
                     _optim.device_resident_steps():
                 (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
@@ -396,7 +396,11 @@ class GraphedStep:
         try:  # Note [A capture that fails on one rank] (cgraph/_ranks.py)
             _ranks.agree(failure, "the training step's capture")
         except BaseException:
-            put_back()  # a caller going on eagerly steps as before
+            # This rank's graph too, if it has one (another rank failed): a
+            # caller going on replays nothing the others do not, and its
+            # optimizers step eagerly as before.
+            self._free()
+            put_back()
             raise
         self.outputs = returned[0]
         _live.add(self.graphed)

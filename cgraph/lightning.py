@@ -75,7 +75,7 @@ from torch.utils import _pytree as pytree
 
 from ._capture import patched
 from ._describe import CONSTANT_TYPES
-from ._layers import graph_layers_once
+from ._layers import NoBlocks, graph_layers_once
 from ._step import GraphedStep, make_graphed_step
 
 __all__ = ["CUDAGraphs"]
@@ -155,11 +155,12 @@ class CUDAGraphs(Callback):
 
     def _graph_layers_instead(self, pl_module) -> None:
         """scope="step" could not graph the step: the layers then, or, where
-        graph_layers finds none it can graph, nothing (training goes on
-        eagerly, logged) rather than an error in the middle of a fit."""
+        the model has no repeated blocks, nothing (training goes on eagerly,
+        logged) rather than an error in the middle of a fit.  Any other
+        refusal of graph_layers (a wrong keyword or path) is raised."""
         try:
             graph_layers_once(pl_module, "CUDAGraphs", **self.graph_layers_kwargs)
-        except (ValueError, TypeError) as exc:
+        except NoBlocks as exc:
             log.warning("cgraph: CUDAGraphs(scope='step'): the layers cannot be graphed "
                         "either (%s); training runs eagerly.", exc)
 

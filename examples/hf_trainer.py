@@ -64,8 +64,8 @@ def train(callbacks, size="small"):
     set_seed(0)
     config = transformers.LlamaConfig(vocab_size=1024, hidden_size=size.width,
                                       intermediate_size=2 * size.width,
-                                      num_hidden_layers=4, num_attention_heads=4,
-                                      num_key_value_heads=4, attn_implementation="eager",
+                                      num_hidden_layers=4, num_attention_heads=size.width // 64,
+                                      num_key_value_heads=size.width // 64, attn_implementation="eager",
                                       use_cache=False)
     model = transformers.LlamaForCausalLM(config)
     timer = StepTimes()

@@ -34,7 +34,7 @@ class Block(nn.Module):
     def __init__(self, width):
         super().__init__()
         self.norm = nn.LayerNorm(width)
-        self.attn = nn.MultiheadAttention(width, 4, batch_first=True)
+        self.attn = nn.MultiheadAttention(width, width // 64, batch_first=True)
         self.mlp = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, 4 * width), nn.GELU(),
                                  nn.Linear(4 * width, width))
 

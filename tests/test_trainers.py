@@ -429,6 +429,9 @@ def test_lightning_step_scope_trains_eagerly_where_no_layers_can_be_graphed_eith
     assert "optimizes manually" in caplog.text
     assert "the layers cannot be graphed either" in caplog.text
     assert "training runs eagerly" in caplog.text
+    # A mistake of the user's is not swallowed: a layers= path that is not there.
+    with pytest.raises(ValueError, match="Name the list of blocks by its path"):
+        fit([CUDAGraphs(scope="step", layers="missing")])
 
 
 def test_lightning_callback_refuses_an_unknown_scope():
