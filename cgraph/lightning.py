@@ -243,7 +243,10 @@ class _Call(NamedTuple):
     batch_idx: int
     kwargs: OrderedDict
     entry: _PhaseStep
-    captures: bool  # this call captures its phase's step
+    # The progress counters before this call, where it captures its phase's
+    # step (None: a warm-up call or a replay): what the capture moved them by
+    # (item 1), and what a failed capture puts back.
+    progress: dict | None
 
 
 class _GraphedRun:
@@ -307,8 +310,8 @@ class _GraphedRun:
         step, progress = entry.step, self.loop.optim_progress
         ran, captures_before = step.stats["eager"] + step.stats["captures"], step.stats["captures"]
         captures = step.graphed is None and step.stats["eager"] >= step.num_warmup_iters
-        self.call = _Call(optimizer, batch_idx, kwargs, entry, captures)
-        before = progress.state_dict()
+        before = progress.state_dict() if captures else None
+        self.call = _Call(optimizer, batch_idx, kwargs, entry, before)
         try:
             out, values = step(kwargs["batch"])
         except Exception as exc:
@@ -323,7 +326,7 @@ class _GraphedRun:
         if step.stats["eager"] + step.stats["captures"] == ran:  # a replay: item 1
             progress.load_state_dict(_moved_by(progress.state_dict(), entry.moved))
         elif step.stats["captures"] > captures_before:  # item 4
-            self.grads = [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
+            self.grads = [(p, p.grad) for p in self.params if p.grad is not None]
         self._log(entry.logged, values)
         if self.refused is not None:
             self._refuse(self.refused, None, batch_idx, kwargs)
@@ -343,13 +346,12 @@ class _GraphedRun:
         call = self.call
         kwargs = OrderedDict(call.kwargs)
         kwargs["batch"] = batch
-        before = self.loop.optim_progress.state_dict()
         logged: list = []
         with self._recording(logged), self._zeroing_in_place(call.optimizer):
             out = self.lightning_run(call.optimizer, call.batch_idx, kwargs)
         entry = call.entry
-        if call.captures:
-            entry.moved = _difference(self.loop.optim_progress.state_dict(), before)
+        if call.progress is not None:
+            entry.moved = _difference(self.loop.optim_progress.state_dict(), call.progress)
         entry.logged = [record for record, _ in logged]
         return out, tuple(value for _, value in logged)
 

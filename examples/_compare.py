@@ -24,6 +24,19 @@ SIZES = {"small": Size(width=256, batch=4, tokens=128),
          "large": Size(width=1024, batch=8, tokens=1024)}
 
 
+def llama(size: Size):
+    """The random-init Llama of examples/hf_trainer.py and
+    examples/accelerate_loop.py at `size`: 4 decoder layers, eager attention,
+    no dropout, no cache (runs compare bitwise).  Seed first."""
+    import transformers  # not needed by the Lightning example
+    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=size.width,
+                                      intermediate_size=2 * size.width, num_hidden_layers=4,
+                                      num_attention_heads=size.width // 64,
+                                      num_key_value_heads=size.width // 64,
+                                      attn_implementation="eager", use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
 def report(eager, graphed, steps: int, label: str = "cgraph") -> None:
     """`eager` and `graphed`: (losses or None, parameters, ms per step) of
     each run; `label` names the graphed run.  Exits non-zero if the runs

@@ -21,10 +21,9 @@ import time
 
 import accelerate
 import torch
-import transformers
 
 import cgraph
-from examples._compare import SIZES, report
+from examples._compare import SIZES, llama, report
 
 STEPS, ACCUMULATE = 40, 2
 
@@ -43,12 +42,7 @@ def train(graphed: bool, size="small"):
     accelerator = accelerate.Accelerator(mixed_precision="bf16",
                                          gradient_accumulation_steps=ACCUMULATE)
     accelerate.utils.set_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=size.width,
-                                      intermediate_size=2 * size.width,
-                                      num_hidden_layers=4, num_attention_heads=size.width // 64,
-                                      num_key_value_heads=size.width // 64, attn_implementation="eager",
-                                      use_cache=False)
-    model = transformers.LlamaForCausalLM(config)
+    model = llama(size)
     if graphed:
         model = cgraph.graph_layers(model.to(accelerator.device))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -24,7 +24,7 @@ import transformers
 from transformers.trainer_utils import set_seed
 
 from cgraph.transformers import CUDAGraphsCallback
-from examples._compare import SIZES, report
+from examples._compare import SIZES, llama, report
 
 STEPS = 40
 
@@ -62,12 +62,7 @@ def train(callbacks, size="small"):
     a key of examples/_compare.py's SIZES."""
     size = SIZES[size]
     set_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1024, hidden_size=size.width,
-                                      intermediate_size=2 * size.width,
-                                      num_hidden_layers=4, num_attention_heads=size.width // 64,
-                                      num_key_value_heads=size.width // 64, attn_implementation="eager",
-                                      use_cache=False)
-    model = transformers.LlamaForCausalLM(config)
+    model = llama(size)
     timer = StepTimes()
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(
