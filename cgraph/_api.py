@@ -128,8 +128,9 @@ def make_graphed_callables(
       on, as :func:`make_graphed` does (``max_graphs``, keyword-only: 8 by
       default; past that, calls run eagerly, logged once).  torch raises on
       such a call, or computes the wrong thing where the shape broadcasts.
-      Callables graphed together capture their later graphs each in a pool
-      of its own.  ``max_graphs=1`` (or ``None``) keeps torch's rule: one
+      Callables graphed together capture a new shape as they captured the
+      first: into their one pool, forwards in the order they run, backwards
+      in reverse.  ``max_graphs=1`` (or ``None``) keeps torch's rule: one
       graph, and another shape raises ``ValueError``.
     * A call made before the backward of the previous call ran (a siamese
       model, several micro-batch forwards) gets a graph instance of its own
@@ -187,9 +188,8 @@ def make_graphed_callables(
     pool_id = _pool_id(pool)
     graphed = _graph(described, sample_args, sample_kwargs, pool_id, options)
     if limit > 1:
-        shares_pool = len(described) > 1 or pool_id is not None
-        graphed = [regraphing(target, options, limit, first=g,
-                              shared_pool=g.pool if shares_pool else None)
+        graphed = [_capturing_later(target, g, options, limit, together=len(described) > 1,
+                                    pool_given=pool_id is not None)
                    for target, g in zip(described, graphed)]
         _live.update(graphed)
     out = []
@@ -503,6 +503,24 @@ def _max_graphs(max_graphs) -> int:
             f"rules), got {max_graphs!r}."
         )
     return min(max_graphs, sys.maxsize)  # as many as a C Py_ssize_t holds: no limit
+
+
+def _capturing_later(target: Target, first: _C.Graphed, options: CaptureOptions, limit: int,
+                     *, together: bool, pool_given: bool) -> _C.Graphed:
+    """The drop-in's callable with its first graph, capturing the calls that
+    graph does not take (up to ``limit`` graphs).  Callables graphed together
+    capture a new shape as they captured the first: into their one pool,
+    forwards in the order they run and backwards in reverse, as layers
+    graphed one by one do (Note [One pool for separately graphed callables]
+    in _group.py), so a short last batch costs one pool's growth, not a pool
+    per callable; where the pool may not take a capture (a second pass), it
+    goes to a pool of its own.  A callable graphed alone keeps its later
+    graphs out of a ``pool=`` it was given: that pool may hold graphs cgraph
+    does not know of."""
+    if together:
+        return _group.graphed_layer(target, first.pool, options, limit, first=first)
+    return regraphing(target, options, limit, first=first,
+                      shared_pool=first.pool if pool_given else None)
 
 
 def _graph(targets, sample_args, sample_kwargs, pool_id, options):

@@ -90,7 +90,7 @@ class Member(Regraph):
 
 
 def graphed_layer(target: Target, pool: tuple[int, int], options: CaptureOptions,
-                  max_graphs: int) -> _C.Graphed:
+                  max_graphs: int, first: _C.Graphed | None = None) -> _C.Graphed:
     """A callable graphed without samples with this pool=: it captures on
     its first call, and on each call its graphs do not take, up to
     ``max_graphs``, into the pool while it may (else into a pool of its own,
@@ -100,6 +100,8 @@ def graphed_layer(target: Target, pool: tuple[int, int], options: CaptureOptions
     the capture stream.  A tensor the warm-up leaves there (state made on a
     first call with new shapes) is moved out; memory that cannot be moved
     makes the call raise, and every later capture of this layer, since the
-    graphs captured before it would overwrite it."""
-    return _C.new_graphed(Member(target, pool, options), max_graphs, shared_pool=pool,
-                          layer=True, eager=target.run_eagerly)
+    graphs captured before it would overwrite it.  ``first``: its first
+    graph, captured with others into ``pool`` (the drop-in's callables
+    graphed together); without it, the first call captures."""
+    return _C.new_graphed(Member(target, pool, options), max_graphs, first=first,
+                          shared_pool=pool, layer=True, eager=target.run_eagerly)

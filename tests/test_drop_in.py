@@ -164,6 +164,37 @@ def test_the_drop_in_captures_a_short_last_batch_logged_and_counted(caplog):
                for r in caplog.records), [r.getMessage() for r in caplog.records]
 
 
+def test_callables_graphed_together_capture_a_short_batch_in_their_one_pool():
+    """A tuple of callables (two blocks and a head) graphed together: a short
+    last batch captures each one's graph for it in the group's pool, in the
+    order they run, as the first graphs were (not a pool per callable), and
+    training equals eager's, batch after batch of either size."""
+    torch.manual_seed(35)
+    blocks = [stack(width=64, depth=2) for _ in range(2)]
+    head = nn.Linear(64, 16).to(CUDA)
+    eager = [copy.deepcopy(m) for m in (*blocks, head)]
+    x = torch.randn(8, 64, device=CUDA, requires_grad=True)
+    h = torch.randn(8, 64, device=CUDA, requires_grad=True)
+    graphed = cgraph.make_graphed_callables((*blocks, head), ((x,), (h,), (h,)))
+    for step, rows in enumerate((8, 3, 8, 3, 3)):
+        x = torch.randn(rows, 64, device=CUDA, requires_grad=True)
+        xe = twin(x)
+        out = graphed[2](graphed[1](graphed[0](x)))
+        out_e = eager[2](eager[1](eager[0](xe)))
+        assert_equal(out, out_e, f"step {step} ({rows} rows): output")
+        upstream = torch.randn(rows, 16, device=CUDA)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        for k, (g, e) in enumerate(zip(graphed, eager)):
+            assert_grads_equal(g, e, f"{step}, callable {k}")
+    pool = graphed[0].forward.pool
+    for k, g in enumerate(graphed):
+        assert g.forward.num_graphs == 2, (k, g.forward.stats)
+        assert g.forward.pools == [pool], (k, g.forward.pools, pool)
+        assert g.forward.stats["eager_pending"] == g.forward.stats["eager_on_miss"] == 0
+
+
 def test_the_drop_in_with_max_graphs_1_keeps_torchs_rule():
     model, make_input = mlp()
     model = cgraph.make_graphed_callables(model, (make_input(),), max_graphs=1)
