@@ -5,6 +5,7 @@ probe of a graph pool's memory, and the models more than one file builds
 helper that one file alone uses lives in that file; torchrun runs the
 examples that several test files launch on several GPUs."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -120,3 +121,17 @@ class StandIn:
     def __call__(self, *args, **kwargs):
         self.calls += 1
         return self.forward(*args, **kwargs)
+
+
+def inductor_deterministic(on=True):
+    """Inductor without on-device benchmarking (torch._inductor.config.
+    deterministic): it picks some reduction kernels' configs by timing them,
+    and a compiled reference and its graphed twin, compiled separately, can
+    pick two that sum in another order on a busy GPU (1 ulp, seen when the
+    GPU was shared with other test processes).  Not for max-autotune, whose
+    template benchmarking this mode refuses.  A no-op on a torch without it."""
+    import torch._inductor.config as inductor
+
+    if not on or not hasattr(inductor, "deterministic"):
+        return contextlib.nullcontext()
+    return inductor.patch(deterministic=True)
