@@ -3,7 +3,8 @@ through the Hugging Face Trainer, Lightning and an Accelerate loop, each
 without cgraph and with its layers graphed, and Lightning's with its whole
 step graphed too (the examples' own runs:
 examples/hf_trainer.py, examples/lightning_callback.py,
-examples/accelerate_loop.py), alternating in one process.  On one GPU, from
+examples/accelerate_loop.py), alternating in one process; Lightning's also
+with the mlp configuration (lightning_mlp), whose step the host bounds most.  On one GPU, from
 the repository root after a build::
 
     python3 -m benchmarks.frameworks --repeats 3               # host-bound
@@ -24,7 +25,9 @@ import statistics
 
 import torch
 
-FRAMEWORKS = ("hf_trainer", "lightning_callback", "accelerate_loop")
+# lightning_mlp: Lightning's example with the mlp configuration of
+# benchmarks/workloads.py (MLP there), the most host-bound step.
+FRAMEWORKS = ("hf_trainer", "lightning_callback", "lightning_mlp", "accelerate_loop")
 
 
 def runs(name: str, size: str = "small") -> dict:
@@ -38,14 +41,17 @@ def runs(name: str, size: str = "small") -> dict:
         from examples import hf_trainer
         return {"eager": lambda: hf_trainer.train([], size=size),
                 "cgraph-layers": lambda: hf_trainer.train([CUDAGraphsCallback()], size=size)}
-    if name == "lightning_callback":
+    if name in ("lightning_callback", "lightning_mlp"):
         from cgraph.lightning import CUDAGraphs
         from examples import lightning_callback
-        return {"eager": lambda: (None, *lightning_callback.train([], size=size)),
-                "cgraph-layers": lambda: (None, *lightning_callback.train(
-                    [CUDAGraphs()], size=size)),
-                "cgraph-step": lambda: (None, *lightning_callback.train(
-                    [CUDAGraphs(scope="step")], size=size))}
+        model = "mlp" if name == "lightning_mlp" else "gpt"
+
+        def run(*callbacks):
+            return lambda: (None, *lightning_callback.train(list(callbacks), size=size,
+                                                           model=model))
+
+        return {"eager": run(), "cgraph-layers": run(CUDAGraphs()),
+                "cgraph-step": run(CUDAGraphs(scope="step"))}
     from examples import accelerate_loop
     return {"eager": lambda: accelerate_loop.train(graphed=False, size=size),
             "cgraph-layers": lambda: accelerate_loop.train(graphed=True, size=size)}
@@ -91,7 +97,9 @@ def _same(actual, expected) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--frameworks", default=",".join(FRAMEWORKS))
+    parser.add_argument("--frameworks", default=None,
+                        help=f"comma-separated, of {', '.join(FRAMEWORKS)} (default: all; "
+                        "with --size large, all but lightning_mlp, which has one size)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--size", choices=("small", "large"), default="small",
                         help="small: a host-bound step (the examples' own); large: a "
@@ -101,7 +109,9 @@ def main() -> None:
           f"{args.repeats} repeats, size {args.size}")
     print("| framework | variant | ms per step (spread) | / eager | steps/s |")
     print("|---|---|---|---|---|")
-    for name in args.frameworks.split(","):
+    names = (args.frameworks.split(",") if args.frameworks else
+             [n for n in FRAMEWORKS if args.size == "small" or n != "lightning_mlp"])
+    for name in names:
         times = measure(name, args.repeats, args.size)
         eager_ms = statistics.median(times["eager"])
         for variant, ms_list in times.items():
