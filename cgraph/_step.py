@@ -383,8 +383,9 @@ class GraphedStep:
             args, kwargs = pytree.tree_unflatten(static, spec)
             drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
             drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
-            with self._device_lrs(), _scaler_steps_on_the_device(), \
-                    _optim.device_resident_steps():
+            # The SGD check of device_resident_steps runs kernels: first, eagerly.
+            with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
+                    _scaler_steps_on_the_device():
                 (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
         except _C.CaptureError as exc:
             failure = exc

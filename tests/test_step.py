@@ -108,6 +108,42 @@ def test_n_calls_are_n_eager_steps(name):
             assert_equal(p[key].to(q[key].device).to(q[key].dtype), q[key], f"state {key}")
 
 
+@pytest.mark.parametrize("hyper", [dict(momentum=0.9), dict(),
+                                   dict(momentum=0.9, nesterov=True, weight_decay=1e-4)],
+                         ids=["momentum", "plain", "nesterov-weight-decay"])
+def test_an_unfused_sgd_is_replayed_as_the_fused_kernel_with_eagers_bits(hyper, monkeypatch):
+    """Note [An unfused SGD stepped by the fused kernel]: the foreach SGD of
+    a graphed step (float32, and float16 autocast under a GradScaler) is
+    captured as torch's fused kernel, and n graphed steps still equal n
+    eager foreach steps bit for bit: parameters, grads, momentum buffers."""
+    fused_calls = []
+    from torch.optim import sgd as torch_sgd  # the module (torch.optim.sgd is not an attribute)
+    fused_sgd = torch_sgd._fused_sgd
+
+    def counting(params, *args, **kwargs):
+        fused_calls.append(any(p is q for p in params for q in model.parameters()))
+        return fused_sgd(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch_sgd, "_fused_sgd", counting)
+    for dtype in (None, torch.float16):
+        fused_calls.clear()
+        model, batches = model_and_data(dropout=0.0)
+        eager = copy.deepcopy(model)
+        opt, opt_e = (torch.optim.SGD(m.parameters(), lr=0.1, **hyper) for m in (model, eager))
+        scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**10) if dtype else None
+                   for _ in range(2)]
+        step = cgraph.make_graphed_step(make_step(model, opt, scalers[0], dtype=dtype),
+                                        batches[0], num_warmup_iters=2)
+        losses = run(step, batches)
+        losses_e = run(make_step(eager, opt_e, scalers[1], dtype=dtype), batches)
+        assert_same_training(model, eager, losses, losses_e)
+        for p, q in zip(opt.state.values(), opt_e.state.values()):
+            if "momentum_buffer" in q and q["momentum_buffer"] is not None:
+                assert_equal(p["momentum_buffer"], q["momentum_buffer"], "momentum buffer")
+        assert step.stats["captures"] == 1 and step.stats["replays"] == 6, step.stats
+        assert any(fused_calls), f"{dtype}: the captured step did not run the fused kernel"
+
+
 def _every_optimizer():
     """torch.optim's optimizers (LBFGS and SparseAdam aside; Adafactor and
     Muon, in newer torch, have no capturable form), at their defaults (SGD
