@@ -14,7 +14,9 @@ Prints, per framework and variant, the median time per optimizer step over
 the repeats (each repeat's own median over its steps after the fifth), the
 spread of the repeats, and the ratio to the framework's eager time.  Every
 graphed run is also checked equal to its eager twin (losses and
-parameters), as the examples do.
+parameters), as the examples do; where eager itself is not deterministic
+(two eager runs end apart: the GPT's attention backward at the large size),
+no further from it than ten times that distance, printed.
 """
 
 from __future__ import annotations
@@ -59,21 +61,37 @@ def runs(name: str, size: str = "small") -> dict:
 
 def measure(name: str, repeats: int, size: str = "small") -> dict[str, list[float]]:
     """ms per step of each variant, `repeats` times, alternating; each
-    graphed run checked equal to the eager run before it."""
+    graphed run checked equal to the eager run before it, or, where two
+    eager runs differ (a nondeterministic kernel: the GPT's attention
+    backward at the large size), no further from it than _NEAR times as far
+    as they are from each other."""
     variants = runs(name, size)
     times: dict[str, list[float]] = {variant: [] for variant in variants}
+    spread = None  # how far apart two eager runs end: 0.0 where bitwise
     for _ in range(repeats):
         expected = _collected(variants["eager"])
         times["eager"].append(expected[2])
+        if spread is None:
+            spread = _distance(_collected(variants["eager"]), expected)
+            if spread:
+                print(f"{name}: two eager runs differ (max |diff| {spread:.3g}): graphed runs "
+                      f"are checked within {_NEAR}x that", flush=True)
         for variant, run in variants.items():
             if variant == "eager":
                 continue
             actual = _collected(run)
-            if not _same(actual, expected):
+            distance = _distance(actual, expected)
+            if distance > _NEAR * spread:
                 raise SystemExit(f"{name}: the {variant} run's losses or parameters differ "
-                                 "from eager's")
+                                 f"from eager's (max |diff| {distance:.3g}, two eager runs "
+                                 f"{spread:.3g})")
             times[variant].append(actual[2])
     return times
+
+
+# How much further from eager than eager from itself a graphed run may end,
+# where eager is not deterministic.
+_NEAR = 10
 
 
 def _collected(run):
@@ -84,15 +102,23 @@ def _collected(run):
     return run()
 
 
-def _same(actual, expected) -> bool:
+def _distance(actual, expected) -> float:
+    """The largest difference between two runs' parameters and losses: 0.0
+    where they are bitwise equal, inf where they cannot be compared."""
     (losses, params, _), (losses_e, params_e, _) = actual, expected
     if len(params) != len(params_e) or not params:
-        return False
-    if not all(torch.equal(p, q) for p, q in zip(params, params_e)):
-        return False
-    if losses_e is None:
-        return True
-    return torch.equal(losses, losses_e) if torch.is_tensor(losses_e) else losses == losses_e
+        return float("inf")
+    pairs = list(zip(params, params_e))
+    if losses_e is not None:
+        pairs.append((torch.as_tensor(losses), torch.as_tensor(losses_e)))
+    distance = 0.0
+    for a, b in pairs:
+        if a.shape != b.shape:
+            return float("inf")
+        if not torch.equal(a, b):
+            diff = (a.double() - b.double()).abs().max().item()
+            distance = max(distance, diff if diff == diff else float("inf"))  # NaN: apart
+    return distance
 
 
 def main() -> None:

@@ -450,3 +450,25 @@ def test_frameworks_workload_checks_each_graphed_run_against_eager(monkeypatch):
     variants(([1.0], same, 10.0), ([2.0], same, 4.0))
     with pytest.raises(SystemExit, match="differ from eager"):
         frameworks.measure("hf_trainer", 1)
+
+
+def test_frameworks_workload_where_eager_is_not_deterministic(monkeypatch, capsys):
+    """Where two eager runs end apart (a nondeterministic kernel), a graphed
+    run passes within ten times that distance, and fails beyond it."""
+    torch = pytest.importorskip("torch")
+    from benchmarks import frameworks
+    eager_ends = iter([[torch.zeros(2)], [torch.full((2,), 1e-3)]] * 2)
+
+    def variants(graphed_end):
+        monkeypatch.setattr(frameworks, "runs", lambda name, size: {
+            "eager": lambda: (None, next(eager_ends), 10.0),
+            "graphed": lambda: (None, [torch.full((2,), graphed_end)], 4.0)})
+
+    variants(5e-3)
+    assert frameworks.measure("lightning_callback", 1) == {"eager": [10.0], "graphed": [4.0]}
+    assert "two eager runs differ (max |diff| 0.001)" in capsys.readouterr().out
+    variants(0.1)
+    with pytest.raises(SystemExit, match=r"max \|diff\| 0.1, two eager runs 0.001"):
+        frameworks.measure("lightning_callback", 1)
+    assert frameworks._distance((None, [torch.tensor([float("nan")])], 0.0),
+                                (None, [torch.tensor([0.0])], 0.0)) == float("inf")
