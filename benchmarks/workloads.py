@@ -367,8 +367,10 @@ def _cgraph_step(problem: Problem, compiled: bool = False,
         opt = problem.optimizer(model.parameters())
         train_step = _plain_step(forward, opt)
     else:
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9,
-                              fused=sgd.endswith("-fused"))
+        # Unfused: as constructed by default (foreach on CUDA); fused=False
+        # would pick the single-tensor step.
+        fused = {"fused": True} if sgd.endswith("-fused") else {}
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, **fused)
         train_step = (_scaled_step(forward, opt, torch.amp.GradScaler("cuda"))
                       if sgd.startswith("amp") else _plain_step(forward, opt))
     warmup = FLOOR_WARMUP_ITERS + (COMPILE_STEPS if compiled else 0)

@@ -20,23 +20,26 @@ A: While the step is captured, torch's two Adagrad implementations (foreach
 
 Note [An unfused SGD stepped by the fused kernel]
 Q: SGD's foreach step launches several kernels per chunk of parameters
-   (momentum, weight decay, update); its fused twin one.  In a graphed mlp
-   step that is 17% of the step's time, in float32 or under a GradScaler.
-   Must a graph replay torch's foreach kernels?
+   (momentum, weight decay, update), its single-tensor step (foreach=False,
+   or fused=False passed) several per parameter, its fused twin one per
+   chunk.  In a graphed mlp step the single-tensor step cost 16% of the
+   step's time, in float32 or under a GradScaler.  Must a graph replay
+   torch's unfused kernels?
 A: No, where the fused kernel computes the same bits: the replay then
-   launches one kernel, as the fused optimizer's does.  While the step is
-   captured, torch's ``_multi_tensor_sgd`` is replaced by a function that
-   calls ``_fused_sgd`` for a call whose hyperparameters were checked equal
-   on this device before the capture (fused_sgd_matches: both kernels run
-   three steps, the first creating the momentum buffers, on random float32
-   tensors with those hyperparameters, and must agree bit for bit; measured
-   equal on H200s with torch 2.11 for momentum 0 and 0.9, Nesterov and
-   weight decay), and whose tensors the fused kernel takes as foreach does:
-   plain float32 CUDA tensors, dense, grads of the params' dtype, no scaler
+   launches what the fused optimizer's does.  While the step is captured,
+   torch's ``_multi_tensor_sgd`` and ``_single_tensor_sgd`` are replaced by
+   functions that call ``_fused_sgd`` for a call whose hyperparameters were
+   checked equal to that step's on this device before the capture
+   (fused_sgd_matches: both run three steps, the first creating the
+   momentum buffers, on random float32 tensors with those hyperparameters,
+   and must agree bit for bit; fused and foreach measured equal on H200s
+   with torch 2.11 for momentum 0 and 0.9, Nesterov and weight decay), and
+   whose tensors the fused kernel takes as the unfused step does: plain
+   float32 CUDA tensors, dense, grads of the params' dtype, no scaler
    arguments (an unfused SGD never gets them), momentum buffers all made or
-   none.  Anything else, and a device where the check disagrees, steps with
-   torch's foreach kernels as before.  lr stays a number baked into the
-   graph (a change recaptures), as for the foreach step; eager steps
+   none.  Anything else, and a device where the check disagrees, steps
+   with torch's unfused kernels as before.  lr stays a number baked into
+   the graph (a change recaptures), as for the unfused step; eager steps
    (warm-up, a step outside the graph) are torch's own.
 """
 
@@ -52,23 +55,30 @@ from ._capture import patched
 
 __all__ = ["device_resident_steps"]
 
-_TORCH_MULTI_TENSOR_SGD = getattr(sgd, "_multi_tensor_sgd", None)
+# torch's unfused SGD steps, by the name sgd() calls them by: foreach (the
+# default on CUDA) and single-tensor (foreach=False, or fused=False passed).
+_TORCH_SGD_STEPS = {name: getattr(sgd, name) for name in ("_multi_tensor_sgd",
+                                                          "_single_tensor_sgd")
+                    if hasattr(sgd, name)}
 
 
 def device_resident_steps(optimizers=()):
     """While a step is captured: Adagrad's implementations, replaced by
-    those of Note [Optimizers without a capturable form], and SGD's foreach
-    step by the fused kernel where `optimizers`' SGD groups check equal
+    those of Note [Optimizers without a capturable form], and SGD's unfused
+    steps by the fused kernel where `optimizers`' SGD groups check equal
     (Note [An unfused SGD stepped by the fused kernel])."""
     patches = {}
     if hasattr(adagrad, "_multi_tensor_adagrad"):
         patches.update({(adagrad, "_multi_tensor_adagrad"): _multi_tensor_adagrad,
                         (adagrad, "_single_tensor_adagrad"): _single_tensor_adagrad})
-    if _TORCH_MULTI_TENSOR_SGD is not None and hasattr(sgd, "_fused_sgd"):
-        checked = {_sgd_key(g): fused_sgd_matches(**_sgd_key(g)._asdict())
-                   for opt in optimizers if isinstance(opt, torch.optim.SGD)
-                   for g in opt.param_groups if _fusable_group(g)}
-        patches[(sgd, "_multi_tensor_sgd")] = _sgd_stepped_fused_where(checked)
+    if not hasattr(sgd, "_fused_sgd"):
+        return patched(patches)
+    groups = [g for opt in optimizers if isinstance(opt, torch.optim.SGD)
+              for g in opt.param_groups if _fusable_group(g)]
+    for name in _TORCH_SGD_STEPS:
+        checked = {_sgd_key(name, g): fused_sgd_matches(**_sgd_key(name, g)._asdict())
+                   for g in groups}
+        patches[(sgd, name)] = _sgd_stepped_fused_where(name, checked)
     return patched(patches)
 
 
@@ -76,8 +86,10 @@ def device_resident_steps(optimizers=()):
 
 
 class _SGDKey(NamedTuple):
-    """What the fused kernel's bits may depend on, besides the values."""
+    """What the fused kernel's bits may depend on, besides the values, and
+    the unfused step they must equal (a name in _TORCH_SGD_STEPS)."""
 
+    step: str
     device: int
     lr: float
     momentum: float
@@ -85,14 +97,14 @@ class _SGDKey(NamedTuple):
     nesterov: bool
 
 
-def _sgd_key(group: dict) -> _SGDKey:
-    return _SGDKey(group["params"][0].device.index, float(group["lr"]),
+def _sgd_key(step: str, group: dict) -> _SGDKey:
+    return _SGDKey(step, group["params"][0].device.index, float(group["lr"]),
                    float(group["momentum"]), float(group["weight_decay"]),
                    bool(group["nesterov"]))
 
 
 def _fusable_group(group: dict) -> bool:
-    """A group the foreach step would run (neither fused nor differentiable),
+    """A group an unfused step would run (neither fused nor differentiable),
     with hyperparameters the check covers."""
     params = group["params"]
     return (bool(params) and not group.get("fused") and not group.get("differentiable")
@@ -115,19 +127,23 @@ def _fusable_tensors(params: list, grads: list, buffers: list) -> bool:
                for t in [*params, *grads, *(b for b in buffers if b is not None)])
 
 
-def _sgd_stepped_fused_where(checked: dict):
-    """torch.optim.sgd._multi_tensor_sgd, calling _fused_sgd for a call
+def _sgd_stepped_fused_where(name: str, checked: dict):
+    """torch.optim.sgd's unfused step `name`, calling _fused_sgd for a call
     whose hyperparameters `checked` found equal and whose tensors it takes."""
+    unfused = _TORCH_SGD_STEPS[name]
 
-    def _multi_tensor_sgd(params, grads, momentum_buffer_list, grad_scale, found_inf,
-                          **hyper):
+    def unfused_or_fused(params, grads, momentum_buffer_list, grad_scale, found_inf,
+                         **hyper):
+        # Grad mode on: a differentiable=True group (its step records
+        # autograd history), which the check does not cover.
         fused = (params and grad_scale is None and found_inf is None
-                 and _checked_hyperparameters(params[0].device.index, hyper, checked)
+                 and not torch.is_grad_enabled()
+                 and _checked_hyperparameters(name, params[0].device.index, hyper, checked)
                  and _fusable_tensors(params, grads, momentum_buffer_list))
-        step = sgd._fused_sgd if fused else _TORCH_MULTI_TENSOR_SGD
+        step = sgd._fused_sgd if fused else unfused
         step(params, grads, momentum_buffer_list, grad_scale, found_inf, **hyper)
 
-    return _multi_tensor_sgd
+    return unfused_or_fused
 
 
 # The keywords torch's _multi_tensor_sgd and _fused_sgd take, at the values
@@ -137,11 +153,11 @@ _SGD_KEYWORDS = {"weight_decay", "momentum", "lr", "dampening", "nesterov", "max
                  "has_sparse_grad"}
 
 
-def _checked_hyperparameters(device: int, hyper: dict, checked: dict) -> bool:
+def _checked_hyperparameters(step: str, device: int, hyper: dict, checked: dict) -> bool:
     if set(hyper) != _SGD_KEYWORDS or hyper["maximize"] or hyper["has_sparse_grad"] \
             or hyper["dampening"] != 0 or not _a_number(hyper["lr"]):
         return False
-    key = _SGDKey(device, float(hyper["lr"]), float(hyper["momentum"]),
+    key = _SGDKey(step, device, float(hyper["lr"]), float(hyper["momentum"]),
                   float(hyper["weight_decay"]), bool(hyper["nesterov"]))
     return checked.get(key, False)
 
@@ -149,14 +165,15 @@ def _checked_hyperparameters(device: int, hyper: dict, checked: dict) -> bool:
 _MATCHES: dict[_SGDKey, bool] = {}
 
 
-def fused_sgd_matches(device: int, lr: float, momentum: float, weight_decay: float,
+def fused_sgd_matches(step: str, device: int, lr: float, momentum: float, weight_decay: float,
                       nesterov: bool) -> bool:
     """Whether torch's fused SGD kernel steps float32 tensors on `device` to
-    the same bits as its foreach step with these hyperparameters: three
+    the same bits as its unfused `step` (a name in _TORCH_SGD_STEPS) with
+    these hyperparameters: three
     steps each (the first makes the momentum buffers) from the same random
     values, sizes with ragged tails.  Runs eagerly (not inside a capture);
     remembered per process."""
-    key = _SGDKey(device, lr, momentum, weight_decay, nesterov)
+    key = _SGDKey(step, device, lr, momentum, weight_decay, nesterov)
     if key not in _MATCHES:
         generator = torch.Generator(device=f"cuda:{device}").manual_seed(0)
 
@@ -171,8 +188,8 @@ def fused_sgd_matches(device: int, lr: float, momentum: float, weight_decay: flo
                      nesterov=nesterov, maximize=False, has_sparse_grad=False)
         for _ in range(3):
             grads = [randn(s) for s in shapes]
-            _TORCH_MULTI_TENSOR_SGD(params, [g.clone() for g in grads], buffers, None, None,
-                                    **hyper)
+            _TORCH_SGD_STEPS[step](params, [g.clone() for g in grads], buffers, None, None,
+                                   **hyper)
             sgd._fused_sgd(twins, grads, twin_buffers, None, None, **hyper)
         _MATCHES[key] = all(torch.equal(a, b) for a, b in zip(params, twins)) and (
             momentum == 0 or all(torch.equal(a, b) for a, b in zip(buffers, twin_buffers)))

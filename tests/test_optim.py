@@ -1,8 +1,10 @@
 """cgraph's device-resident Adagrad (Note [Optimizers without a capturable
 form] in cgraph/_optim.py), on the CPU: the same steps as torch's Adagrad,
-bitwise with the default lr_decay=0, to float32 rounding with another.  Its
+bitwise with the default lr_decay=0, to float32 rounding with another; and
+the bounds of Note [An unfused SGD stepped by the fused kernel] there.  Their
 use inside a graphed step is tested on a GPU in tests/test_step.py."""
 
+import contextlib
 import copy
 
 import pytest
@@ -91,3 +93,46 @@ def test_one_element_state_moves_to_the_parameters_device():
     assert state["step"].device.type == "meta" and state["step"].dtype == torch.float32
     assert state["mu_product"].device.type == "meta"
     assert state["sum"].device.type == "cpu" and state["momentum_buffer"] is None
+
+
+# ---- SGD: Note [An unfused SGD stepped by the fused kernel] -----------------
+
+
+@pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "single-tensor"])
+def test_sgd_steps_it_was_not_checked_for_are_torchs_own(foreach, monkeypatch):
+    """Inside device_resident_steps, an SGD call the check did not cover
+    (CPU tensors here: nothing is checked) steps with torch's own unfused
+    step, bit for bit, and the fused kernel is never called."""
+    from torch.optim import sgd as torch_sgd
+    monkeypatch.setattr(torch_sgd, "_fused_sgd", no_host_reads)
+    torch.manual_seed(2)
+    model = nn.Linear(8, 4)
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, foreach=foreach)
+            for m in (model, twin)]
+    for step in range(3):
+        for m, opt, patched in ((model, opts[0], True), (twin, opts[1], False)):
+            opt.zero_grad()
+            m(torch.ones(2, 8) * step).square().mean().backward()
+            with _optim.device_resident_steps(opts[:1]) if patched else contextlib.nullcontext():
+                opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_sgd_hyperparameters_outside_the_check_step_unfused():
+    """The hyperparameters the fused kernel is used for: the checked ones
+    only, for the step they were checked against; maximize, dampening, a
+    tensor lr, another lr or a keyword a newer torch adds keep torch's
+    unfused step."""
+    base = dict(weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False,
+                maximize=False, has_sparse_grad=False)
+    key = _optim._SGDKey("_multi_tensor_sgd", 0, 0.1, 0.9, 0.0, False)
+    checked = {key: True}
+    assert _optim._checked_hyperparameters("_multi_tensor_sgd", 0, base, checked)
+    assert not _optim._checked_hyperparameters("_single_tensor_sgd", 0, base, checked)
+    assert not _optim._checked_hyperparameters("_multi_tensor_sgd", 1, base, checked)
+    for change in ({"maximize": True}, {"dampening": 0.1}, {"lr": torch.tensor(0.1)},
+                   {"lr": 0.2}, {"newer_keyword": 1}):
+        assert not _optim._checked_hyperparameters("_multi_tensor_sgd", 0,
+                                                   {**base, **change}, checked), change

@@ -109,13 +109,15 @@ def test_n_calls_are_n_eager_steps(name):
 
 
 @pytest.mark.parametrize("hyper", [dict(momentum=0.9), dict(),
-                                   dict(momentum=0.9, nesterov=True, weight_decay=1e-4)],
-                         ids=["momentum", "plain", "nesterov-weight-decay"])
+                                   dict(momentum=0.9, nesterov=True, weight_decay=1e-4),
+                                   dict(momentum=0.9, foreach=False)],
+                         ids=["momentum", "plain", "nesterov-weight-decay", "single-tensor"])
 def test_an_unfused_sgd_is_replayed_as_the_fused_kernel_with_eagers_bits(hyper, monkeypatch):
-    """Note [An unfused SGD stepped by the fused kernel]: the foreach SGD of
-    a graphed step (float32, and float16 autocast under a GradScaler) is
-    captured as torch's fused kernel, and n graphed steps still equal n
-    eager foreach steps bit for bit: parameters, grads, momentum buffers."""
+    """Note [An unfused SGD stepped by the fused kernel]: the foreach (or
+    single-tensor) SGD of a graphed step (float32, and float16 autocast
+    under a GradScaler) is captured as torch's fused kernel, and n graphed
+    steps still equal n eager unfused steps bit for bit: parameters, grads,
+    momentum buffers."""
     fused_calls = []
     from torch.optim import sgd as torch_sgd  # the module (torch.optim.sgd is not an attribute)
     fused_sgd = torch_sgd._fused_sgd
