@@ -38,6 +38,9 @@ def runs(name: str, size: str = "small") -> dict:
     parameters, ms per step)."""
     if name not in FRAMEWORKS:
         raise SystemExit(f"unknown framework {name!r}: choose from {', '.join(FRAMEWORKS)}")
+    if name == "lightning_mlp" and size != "small":
+        raise SystemExit("lightning_mlp has one size (the mlp configuration): drop --size "
+                         "or leave lightning_mlp out")
     if name == "hf_trainer":
         from cgraph.transformers import CUDAGraphsCallback
         from examples import hf_trainer
@@ -73,6 +76,9 @@ def measure(name: str, repeats: int, size: str = "small") -> dict[str, list[floa
         times["eager"].append(expected[2])
         if spread is None:
             spread = _distance(_collected(variants["eager"]), expected)
+            if spread == float("inf"):
+                raise SystemExit(f"{name}: two eager runs cannot be compared (NaN in one, "
+                                 "or other shapes): nothing to check graphed runs against")
             if spread:
                 print(f"{name}: two eager runs differ (max |diff| {spread:.3g}): graphed runs "
                       f"are checked within {_NEAR}x that", flush=True)
@@ -116,8 +122,9 @@ def _distance(actual, expected) -> float:
         if a.shape != b.shape:
             return float("inf")
         if not torch.equal(a, b):
-            diff = (a.double() - b.double()).abs().max().item()
-            distance = max(distance, diff if diff == diff else float("inf"))  # NaN: apart
+            both_nan = a.isnan() & b.isnan()  # the same NaN in both: no distance
+            diff = (a.double() - b.double()).abs().masked_fill(both_nan, 0).max().item()
+            distance = max(distance, diff if diff == diff else float("inf"))  # NaN on one side
     return distance
 
 

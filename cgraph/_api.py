@@ -128,9 +128,9 @@ def make_graphed_callables(
       on, as :func:`make_graphed` does (``max_graphs``, keyword-only: 8 by
       default; past that, calls run eagerly, logged once).  torch raises on
       such a call, or computes the wrong thing where the shape broadcasts.
-      Callables graphed together capture a new shape as they captured the
-      first: into their one pool, forwards in the order they run, backwards
-      in reverse.  ``max_graphs=1`` (or ``None``) keeps torch's rule: one
+      Callables graphed together (without ``pool=``) capture a new shape as
+      they captured the first: into their one pool, forwards in the order
+      they run, backwards in reverse.  ``max_graphs=1`` (or ``None``) keeps torch's rule: one
       graph, and another shape raises ``ValueError``.
     * A call made before the backward of the previous call ran (a siamese
       model, several micro-batch forwards) gets a graph instance of its own
@@ -514,10 +514,11 @@ def _capturing_later(target: Target, first: _C.Graphed, options: CaptureOptions,
     graphed one by one do (Note [One pool for separately graphed callables]
     in _group.py), so a short last batch costs one pool's growth, not a pool
     per callable; where the pool may not take a capture (a second pass), it
-    goes to a pool of its own.  A callable graphed alone keeps its later
-    graphs out of a ``pool=`` it was given: that pool may hold graphs cgraph
-    does not know of."""
-    if together:
+    goes to a pool of its own.  Later graphs stay out of a ``pool=`` the
+    caller gave (alone or together): that pool may hold graphs cgraph does
+    not know of, whose replays would overwrite what a pending backward
+    needs."""
+    if together and not pool_given:
         return _group.graphed_layer(target, first.pool, options, limit, first=first)
     return regraphing(target, options, limit, first=first,
                       shared_pool=first.pool if pool_given else None)

@@ -79,10 +79,12 @@ class GPT(lightning.LightningModule):
 
 
 class MLP(lightning.LightningModule):
-    """The mlp configuration of benchmarks/workloads.py: 8 blocks of
+    """The model of benchmarks/workloads.py's mlp configuration: 8 blocks of
     Linear, ReLU and dropout (784 -> 512 -> ... -> 10), a batch of 64, fused
-    Adam; the host bounds its step even more than the GPT's.  Dropout is on:
-    a graphed step draws the eager run's masks."""
+    Adam; trained as the GPT is here (bf16-mixed, two micro-batches per
+    step), where that workload steps float32 once.  The host bounds its step
+    even more than the GPT's.  Dropout is on: a graphed step draws the eager
+    run's masks."""
 
     def __init__(self, depth=8):
         super().__init__()

@@ -454,9 +454,13 @@ def test_frameworks_workload_checks_each_graphed_run_against_eager(monkeypatch):
 
 def test_frameworks_workload_where_eager_is_not_deterministic(monkeypatch, capsys):
     """Where two eager runs end apart (a nondeterministic kernel), a graphed
-    run passes within ten times that distance, and fails beyond it."""
+    run passes within ten times that distance, and fails beyond it; eager
+    runs that cannot be compared (a NaN in one) stop the run; lightning_mlp
+    refuses a size it does not have."""
     torch = pytest.importorskip("torch")
     from benchmarks import frameworks
+    with pytest.raises(SystemExit, match="lightning_mlp has one size"):
+        frameworks.runs("lightning_mlp", "large")
     eager_ends = iter([[torch.zeros(2)], [torch.full((2,), 1e-3)]] * 2)
 
     def variants(graphed_end):
@@ -470,5 +474,9 @@ def test_frameworks_workload_where_eager_is_not_deterministic(monkeypatch, capsy
     variants(0.1)
     with pytest.raises(SystemExit, match=r"max \|diff\| 0.1, two eager runs 0.001"):
         frameworks.measure("lightning_callback", 1)
-    assert frameworks._distance((None, [torch.tensor([float("nan")])], 0.0),
-                                (None, [torch.tensor([0.0])], 0.0)) == float("inf")
+    nan, zero = torch.tensor([float("nan"), 1.0]), torch.tensor([0.0, 1.0])
+    assert frameworks._distance((None, [nan], 0.0), (None, [zero], 0.0)) == float("inf")
+    assert frameworks._distance((None, [nan], 0.0), (None, [nan.clone()], 0.0)) == 0.0
+    eager_ends = iter([[nan], [zero]])
+    with pytest.raises(SystemExit, match="two eager runs cannot be compared"):
+        frameworks.measure("lightning_callback", 1)

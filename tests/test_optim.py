@@ -98,13 +98,17 @@ def test_one_element_state_moves_to_the_parameters_device():
 # ---- SGD: Note [An unfused SGD stepped by the fused kernel] -----------------
 
 
+def fused_never_called(*args, **kwargs):
+    raise AssertionError("an SGD step the check did not cover ran the fused kernel")
+
+
 @pytest.mark.parametrize("foreach", [True, False], ids=["foreach", "single-tensor"])
 def test_sgd_steps_it_was_not_checked_for_are_torchs_own(foreach, monkeypatch):
     """Inside device_resident_steps, an SGD call the check did not cover
     (CPU tensors here: nothing is checked) steps with torch's own unfused
     step, bit for bit, and the fused kernel is never called."""
     from torch.optim import sgd as torch_sgd
-    monkeypatch.setattr(torch_sgd, "_fused_sgd", no_host_reads)
+    monkeypatch.setattr(torch_sgd, "_fused_sgd", fused_never_called)
     torch.manual_seed(2)
     model = nn.Linear(8, 4)
     twin = copy.deepcopy(model)
@@ -122,9 +126,9 @@ def test_sgd_steps_it_was_not_checked_for_are_torchs_own(foreach, monkeypatch):
 
 def test_sgd_hyperparameters_outside_the_check_step_unfused():
     """The hyperparameters the fused kernel is used for: the checked ones
-    only, for the step they were checked against; maximize, dampening, a
-    tensor lr, another lr or a keyword a newer torch adds keep torch's
-    unfused step."""
+    only, for the step they were checked against; Nesterov, maximize,
+    dampening, a tensor lr or weight decay, another lr or a keyword a newer
+    torch adds keep torch's unfused step."""
     base = dict(weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False,
                 maximize=False, has_sparse_grad=False)
     key = _optim._SGDKey("_multi_tensor_sgd", 0, 0.1, 0.9, 0.0, False)
@@ -132,7 +136,8 @@ def test_sgd_hyperparameters_outside_the_check_step_unfused():
     assert _optim._checked_hyperparameters("_multi_tensor_sgd", 0, base, checked)
     assert not _optim._checked_hyperparameters("_single_tensor_sgd", 0, base, checked)
     assert not _optim._checked_hyperparameters("_multi_tensor_sgd", 1, base, checked)
-    for change in ({"maximize": True}, {"dampening": 0.1}, {"lr": torch.tensor(0.1)},
+    for change in ({"nesterov": True}, {"maximize": True}, {"dampening": 0.1},
+                   {"lr": torch.tensor(0.1)}, {"weight_decay": torch.tensor(0.0)},
                    {"lr": 0.2}, {"newer_keyword": 1}):
         assert not _optim._checked_hyperparameters("_multi_tensor_sgd", 0,
                                                    {**base, **change}, checked), change
