@@ -158,7 +158,7 @@ def _sgd_stepped_fused_where(name: str, checked: dict):
 
 # The keywords torch's _multi_tensor_sgd and _fused_sgd take, at the values
 # the check covers where they are not in _SGDKey.  Another keyword (a newer
-# torch) steps with foreach.
+# torch) steps unfused.
 _SGD_KEYWORDS = {"weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
                  "has_sparse_grad"}
 
