@@ -130,8 +130,8 @@ def make_graphed_callables(
       such a call, or computes the wrong thing where the shape broadcasts.
       Callables graphed together (without ``pool=``) capture a new shape as
       they captured the first: into their one pool, forwards in the order
-      they run, backwards in reverse.  ``max_graphs=1`` (or ``None``) keeps torch's rule: one
-      graph, and another shape raises ``ValueError``.
+      they run, backwards in reverse.  ``max_graphs=1`` (or ``None``) keeps
+      torch's rule: one graph, and another shape raises ``ValueError``.
     * A call made before the backward of the previous call ran (a siamese
       model, several micro-batch forwards) gets a graph instance of its own
       (with ``max_graphs=1``: runs eagerly, counted in

@@ -84,8 +84,8 @@ def device_resident_steps(optimizers=()):
     groups = [g for opt in optimizers if isinstance(opt, torch.optim.SGD)
               for g in opt.param_groups if _fusable_group(g)]
     for name in _TORCH_SGD_STEPS:
-        checked = {_sgd_key(name, g): fused_sgd_matches(**_sgd_key(name, g)._asdict())
-                   for g in groups}
+        keys = {_sgd_key(name, g["params"][0].device.index, g) for g in groups}
+        checked = {key: fused_sgd_matches(*key) for key in keys}
         patches[(sgd, name)] = _sgd_stepped_fused_where(name, checked)
     return patched(patches)
 
@@ -102,24 +102,30 @@ class _SGDKey(NamedTuple):
     lr: float
     momentum: float
     weight_decay: float
-    nesterov: bool
 
 
-def _sgd_key(step: str, group: dict) -> _SGDKey:
-    return _SGDKey(step, group["params"][0].device.index, float(group["lr"]),
-                   float(group["momentum"]), float(group["weight_decay"]),
-                   bool(group["nesterov"]))
+def _covered(hyper) -> bool:
+    """Whether the check covers these SGD settings (a param group, or the
+    keywords of a step call): numbers for lr, momentum and weight decay, no
+    dampening, maximize or Nesterov (torch's foreach Nesterov adds the
+    momentum into the grads themselves, p.grad changes; the fused kernel
+    does not)."""
+    return (not hyper.get("maximize") and hyper.get("dampening", 0) == 0
+            and not hyper.get("nesterov")
+            and all(_a_number(hyper[k]) for k in ("lr", "momentum", "weight_decay")))
+
+
+def _sgd_key(step: str, device: int, hyper) -> _SGDKey:
+    return _SGDKey(step, device, float(hyper["lr"]), float(hyper["momentum"]),
+                   float(hyper["weight_decay"]))
 
 
 def _fusable_group(group: dict) -> bool:
     """A group an unfused step would run (neither fused nor differentiable),
-    with hyperparameters the check covers."""
+    with settings the check covers."""
     params = group["params"]
     return (bool(params) and not group.get("fused") and not group.get("differentiable")
-            and not group.get("maximize") and group.get("dampening", 0) == 0
-            and not group.get("nesterov")
-            and all(_a_number(group[k]) for k in ("lr", "momentum", "weight_decay"))
-            and params[0].is_cuda)
+            and params[0].is_cuda and _covered(group))
 
 
 def _a_number(x) -> bool:
@@ -156,30 +162,23 @@ def _sgd_stepped_fused_where(name: str, checked: dict):
     return unfused_or_fused
 
 
-# The keywords torch's _multi_tensor_sgd and _fused_sgd take, at the values
-# the check covers where they are not in _SGDKey.  Another keyword (a newer
-# torch) steps unfused.
+# The keywords torch's _multi_tensor_sgd and _fused_sgd take.  Another keyword
+# (a newer torch) steps unfused.
 _SGD_KEYWORDS = {"weight_decay", "momentum", "lr", "dampening", "nesterov", "maximize",
                  "has_sparse_grad"}
 
 
 def _checked_hyperparameters(step: str, device: int, hyper: dict, checked: dict) -> bool:
-    """Nesterov is left out: torch's foreach step adds the momentum into the
-    grads themselves (p.grad changes), which the fused kernel does not."""
-    if set(hyper) != _SGD_KEYWORDS or hyper["maximize"] or hyper["has_sparse_grad"] \
-            or hyper["dampening"] != 0 or hyper["nesterov"] \
-            or not all(_a_number(hyper[k]) for k in ("lr", "momentum", "weight_decay")):
+    if set(hyper) != _SGD_KEYWORDS or hyper["has_sparse_grad"] or not _covered(hyper):
         return False
-    key = _SGDKey(step, device, float(hyper["lr"]), float(hyper["momentum"]),
-                  float(hyper["weight_decay"]), bool(hyper["nesterov"]))
-    return checked.get(key, False)
+    return checked.get(_sgd_key(step, device, hyper), False)
 
 
 _MATCHES: dict[_SGDKey, bool] = {}
 
 
-def fused_sgd_matches(step: str, device: int, lr: float, momentum: float, weight_decay: float,
-                      nesterov: bool) -> bool:
+def fused_sgd_matches(step: str, device: int, lr: float, momentum: float,
+                      weight_decay: float) -> bool:
     """Whether torch's fused SGD kernel steps float32 tensors on `device` to
     the same bits as its unfused `step` (a name in _TORCH_SGD_STEPS) with
     these hyperparameters, leaving the grads as the unfused step leaves
@@ -188,7 +187,7 @@ def fused_sgd_matches(step: str, device: int, lr: float, momentum: float, weight
     differ first where an update is tiny or huge against its parameter),
     sizes with ragged tails.  Runs eagerly (not inside a capture);
     remembered per process."""
-    key = _SGDKey(step, device, lr, momentum, weight_decay, nesterov)
+    key = _SGDKey(step, device, lr, momentum, weight_decay)
     if key not in _MATCHES:
         generator = torch.Generator(device=f"cuda:{device}").manual_seed(0)
 
@@ -204,7 +203,7 @@ def fused_sgd_matches(step: str, device: int, lr: float, momentum: float, weight
         twins = [p.clone() for p in params]
         buffers, twin_buffers = [None] * len(shapes), [None] * len(shapes)
         hyper = dict(weight_decay=weight_decay, momentum=momentum, lr=lr, dampening=0.0,
-                     nesterov=nesterov, maximize=False, has_sparse_grad=False)
+                     nesterov=False, maximize=False, has_sparse_grad=False)
         same = True
         for _ in range(3):
             grads = [randn(s) for s in shapes]

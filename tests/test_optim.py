@@ -131,7 +131,7 @@ def test_sgd_hyperparameters_outside_the_check_step_unfused():
     torch adds keep torch's unfused step."""
     base = dict(weight_decay=0.0, momentum=0.9, lr=0.1, dampening=0.0, nesterov=False,
                 maximize=False, has_sparse_grad=False)
-    key = _optim._SGDKey("_multi_tensor_sgd", 0, 0.1, 0.9, 0.0, False)
+    key = _optim._SGDKey("_multi_tensor_sgd", 0, 0.1, 0.9, 0.0)
     checked = {key: True}
     assert _optim._checked_hyperparameters("_multi_tensor_sgd", 0, base, checked)
     assert not _optim._checked_hyperparameters("_single_tensor_sgd", 0, base, checked)
