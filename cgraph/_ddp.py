@@ -42,8 +42,13 @@ A: Three things, each from torch's source:
       also rebuilds its buckets at the 2nd (a broadcast and a host copy).  So
       the step stays eager for as many calls as DDP_WARMUP_FORWARDS
       grad-syncing forwards of each DDP model take (logged), counted in the
-      first call by a global module forward pre-hook (a step does the same
-      every call: its graph replays it).  And before capture the models'
+      first call through DistributedDataParallel._pre_forward, patched for
+      that call (a step does the same every call: its graph replays it).
+      Not a global module hook: torch.compile traces a module compiled in
+      that call with the hook in it, and its graph, recompiled for the
+      calls after, differed from the one eager compiles: a compiled model's
+      first step 1 ulp off eager's, on H100s with a fresh Inductor cache.
+      And before capture the models'
       runtime-stats sampling is turned off (the sample rate set to
       2**31 - 1): a recapture (a changed hyperparameter) runs the forward
       again, and every 100th would sync.  Stats of a replayed step would
@@ -68,14 +73,15 @@ A: Three things, each from torch's source:
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any, Callable
 
 import torch
-from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _C, _log
+from ._capture import patched
 
 __all__ = ["DDPInStep", "DDP_WARMUP_FORWARDS"]
 
@@ -95,28 +101,27 @@ class DDPInStep:
 
     # -- warm-up ---------------------------------------------------------------
 
-    @contextlib.contextmanager
     def watch(self):
-        """Around an eager step: in the first one only, a global module
-        forward pre-hook notes each DDP model called and counts its
-        grad-syncing forwards.  A step is the same every call (its graph
-        replays it), and the hook is best gone before torch.compile
-        compiles a module of the step again: its traces see global hooks."""
+        """Around an eager step: in the first one only, DDP's _pre_forward
+        notes each DDP model called and counts its grad-syncing forwards (a
+        step is the same every call: its graph replays it).  Patched on the
+        class, not a global module hook, which torch.compile would trace
+        into the modules it compiles in this call (Note [DDP inside a
+        graphed step], 2)."""
         if self.watched:
-            yield
-            return
+            return contextlib.nullcontext()
         self.watched = True
-        handle = register_module_forward_pre_hook(self._forward)
-        try:
-            yield
-        finally:
-            handle.remove()
+        pre_forward = DistributedDataParallel._pre_forward
+        pace = self.pace
 
-    def _forward(self, module, args) -> None:
-        # As DDP's _pre_forward: only these forwards count an iteration.
-        if (isinstance(module, DistributedDataParallel) and torch.is_grad_enabled()
-                and module.require_backward_grad_sync):
-            self.pace[module] = self.pace.get(module, 0) + 1
+        @functools.wraps(pre_forward)
+        def counted(module, *inputs, **kwargs):
+            # As DDP's _pre_forward: only these forwards count an iteration.
+            if torch.is_grad_enabled() and module.require_backward_grad_sync:
+                pace[module] = pace.get(module, 0) + 1
+            return pre_forward(module, *inputs, **kwargs)
+
+        return patched({(DistributedDataParallel, "_pre_forward"): counted})
 
     def warmup_iters(self, step) -> int:
         """The step's num_warmup_iters after an eager step: raised (and

@@ -122,6 +122,29 @@ def test_a_step_without_ddp_keeps_its_warmup(gloo):
     assert step.num_warmup_iters == 2 and not step.ddp.models()
 
 
+def test_a_steps_first_call_counts_ddp_forwards_without_a_global_hook(gloo):
+    """Note [DDP inside a graphed step], 2: the first call counts DDP's
+    forwards through DDP's _pre_forward, not a global module hook, which
+    torch.compile would trace into a module it compiles in that call (whose
+    graph then differed from eager's by an ulp); the patch goes after it."""
+    from torch.nn.modules import module as torch_module
+    model = DDP(cpu_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = ddp_step(model, opt)
+    hooks = []
+
+    def step(x, y):
+        hooks.append(len(torch_module._global_forward_pre_hooks)
+                     + len(torch_module._global_forward_hooks))
+        return train(x, y)
+
+    graphed = cgraph.make_graphed_step(step, batches(1)[0])
+    graphed(*batches(1)[0])
+    assert hooks == [0] and graphed.ddp.pace[model] == 1
+    assert DDP._pre_forward is vars(DDP)["_pre_forward"] and not hasattr(
+        DDP._pre_forward, "__wrapped__"), "the patch outlived the first call"
+
+
 def test_find_unused_parameters_is_refused_at_capture_with_the_fix(gloo):
     model = DDP(cpu_model(), find_unused_parameters=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
