@@ -123,6 +123,25 @@ class StandIn:
         return self.forward(*args, **kwargs)
 
 
+@contextlib.contextmanager
+def state_as_captured():
+    """The global state cgraph warms up and captures a callable under, as
+    far as torch.compile guards on it: autocast's weight cache off (Note
+    [Autocast's weight cache] in cgraph/_capture.py).  A compiled reference
+    called under it runs the code compiled in cgraph's warm-up.  Called
+    outside it, dynamo recompiles, and the second compile's kernels may
+    pick other configs than the first's by timing them (1 ulp apart, on
+    H100s and H200s shared with other test processes).  A recompile raises
+    here, so such a reference is never a second compile."""
+    enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            yield
+    finally:
+        torch.set_autocast_cache_enabled(enabled)
+
+
 def inductor_deterministic(on=True):
     """Inductor without on-device benchmarking (torch._inductor.config.
     deterministic): it picks some reduction kernels' configs by timing them,
