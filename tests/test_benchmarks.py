@@ -480,3 +480,12 @@ def test_frameworks_workload_where_eager_is_not_deterministic(monkeypatch, capsy
     eager_ends = iter([[nan], [zero]])
     with pytest.raises(SystemExit, match="two eager runs cannot be compared"):
         frameworks.measure("lightning_callback", 1)
+
+
+def test_sharded_memory_measures_variants_of_the_sharded_workload():
+    """benchmarks/sharded_memory.py splits the peaks of benchmarks/sharded.py's
+    variants (a '+zeroed' suffix drops the grads before each set-up call)."""
+    from benchmarks import sharded, sharded_memory
+    names = {v.partition("+")[0] for v in sharded_memory.VARIANTS}
+    assert names <= set(sharded.VARIANTS), names - set(sharded.VARIANTS)
+    assert any(v.endswith("+zeroed") for v in sharded_memory.VARIANTS)

@@ -1,0 +1,99 @@
+"""Where the sharded workload's memory sits: for each variant, rank 0's peak
+reserved and allocated memory during set-up (the eager steps, compiles and
+captures before the step is timed) and over five steps after it, and the
+reserved bytes of each memory pool at the end (pool (0, 0) is the caching
+allocator's default; a graph's private pool is another).  The model, regimes
+and variants are benchmarks/sharded.py's, FSDP2 layout.  Run with torchrun,
+from the repository root after a build::
+
+    python3 -m torch.distributed.run --standalone --nproc_per_node=2 \\
+        -m benchmarks.sharded_memory --regimes small,large
+
+It splits what benchmarks.sharded reports as one peak: a graphed step whose
+set-up peak is above eager's but whose steady peak is not holds memory only
+while it captures (benchmarks/README.md, "sharded").  A variant name ending
+in ``+zeroed`` sets the model's grads to None before each set-up call, as
+the step's own first line does: the capture then does not hold the last
+warm-up step's grads in the default pool beside its own in the graph's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import os
+
+import torch
+import torch.distributed as dist
+
+import cgraph
+from benchmarks import sharded
+
+GIB = 2**30
+VARIANTS = ("eager", "cgraph-step", "cgraph-step+zeroed", "cgraph-layer")
+
+
+def by_pool() -> dict:
+    """Reserved GiB of each memory pool on this device."""
+    pools: collections.Counter = collections.Counter()
+    for segment in torch.cuda.memory_snapshot():
+        pools[tuple(segment.get("segment_pool_id", (0, 0)))] += segment["total_size"]
+    return {pool: round(size / GIB, 2) for pool, size in pools.items()}
+
+
+def peaks(since: tuple[int, int]) -> tuple[float, float]:
+    """(reserved, allocated) peak GiB above `since`, then resets the peaks."""
+    out = ((torch.cuda.max_memory_reserved() - since[0]) / GIB,
+           (torch.cuda.max_memory_allocated() - since[1]) / GIB)
+    torch.cuda.reset_peak_memory_stats()
+    return out
+
+
+def measure(variant: str, meshes, ids) -> str:
+    gc.collect()  # the last variant's FSDP2 model: its hooks make reference cycles
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = (torch.cuda.memory_reserved(), torch.cuda.memory_allocated())
+    model = sharded.build("fsdp", meshes)
+    name, _, zeroed = variant.partition("+")
+    step = sharded.prepare(name, model, ids)
+    for _ in range(sharded.SETUP_STEPS + 1):
+        if zeroed:
+            model.zero_grad(set_to_none=True)
+        step(ids)
+    setup = peaks(base)
+    for _ in range(5):
+        step(ids)
+    torch.cuda.synchronize()
+    steady = peaks(base)
+    line = (f"{variant}: set-up peak reserved {setup[0]:.2f} GiB (allocated {setup[1]:.2f}), "
+            f"steady peak reserved {steady[0]:.2f} (allocated {steady[1]:.2f}); "
+            f"reserved by pool {by_pool()}")
+    cgraph.reset_all()
+    del model, step
+    return line
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--regimes", default="small")
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    from torch.distributed.device_mesh import init_device_mesh
+    meshes = (init_device_mesh("cuda", (dist.get_world_size(),)), None)
+    for regime in args.regimes.split(","):
+        batch, seq = sharded.REGIMES[regime]
+        ids = torch.randint(0, sharded.CONFIG["vocab_size"], (batch, seq), device="cuda")
+        for variant in args.variants.split(","):
+            line = measure(variant, meshes, ids)
+            if dist.get_rank() == 0:
+                print(f"{regime} {line}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
