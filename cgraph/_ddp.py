@@ -45,14 +45,14 @@ A: Three things, each from torch's source:
       first call through DistributedDataParallel._pre_forward, patched for
       that call (a step does the same every call: its graph replays it).
       Not a global module hook: torch.compile traces a module compiled in
-      that call with the hook in it, and its graph, recompiled for the
-      calls after, differed from the one eager compiles: a compiled model's
-      first step 1 ulp off eager's, on H100s with a fresh Inductor cache.
-      And before capture the models'
-      runtime-stats sampling is turned off (the sample rate set to
-      2**31 - 1): a recapture (a changed hyperparameter) runs the forward
-      again, and every 100th would sync.  Stats of a replayed step would
-      measure nothing anyway: its forward ran once, at capture.
+      that call with the hook in it (and recompiles once it is gone), and
+      with it a compiled model's steps came out 1 ulp off the same model
+      compiled and stepped eagerly (H100s, a fresh Inductor cache); without
+      it, bitwise.  And before capture the models' runtime-stats sampling is
+      turned off (the sample rate set to 2**31 - 1): a recapture (a changed
+      hyperparameter) runs the forward again, and every 100th would sync.
+      Stats of a replayed step would measure nothing anyway: its forward ran
+      once, at capture.
    3. Nothing for NCCL's error handling.  The guide disables it because
       ProcessGroupNCCL's watchdog thread queried CUDA events, which a capture
       in global mode on another thread forbids.  torch no longer needs that:
