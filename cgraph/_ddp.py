@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -81,7 +82,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _C, _log
-from ._capture import patched
 
 __all__ = ["DDPInStep", "DDP_WARMUP_FORWARDS"]
 
@@ -89,6 +89,45 @@ __all__ = ["DDPInStep", "DDP_WARMUP_FORWARDS"]
 DDP_WARMUP_FORWARDS = 11
 # The largest sample rate DDP's C++ takes (an int): never reached.
 _NEVER = 2**31 - 1
+
+
+# ---- counting DDP's forwards in a step's first call -------------------------
+# DDP's _pre_forward is replaced while any step's first call runs, in any
+# thread, and put back when the last one ends, in whatever order they end;
+# each call counts into the paces of the first calls running on its thread.
+_patch_lock = threading.Lock()
+_patch_users = 0
+_unpatched: Callable | None = None  # DDP's _pre_forward as it was before
+_running = threading.local()  # .paces: this thread's first calls' pace dicts
+
+
+def _counted_pre_forward(module, *inputs, **kwargs):
+    # As DDP's _pre_forward: only these forwards count an iteration.
+    if torch.is_grad_enabled() and module.require_backward_grad_sync:
+        for pace in getattr(_running, "paces", ()):
+            pace[module] = pace.get(module, 0) + 1
+    return _unpatched(module, *inputs, **kwargs)
+
+
+@contextlib.contextmanager
+def _counting_forwards(pace: weakref.WeakKeyDictionary):
+    global _patch_users, _unpatched
+    with _patch_lock:
+        if _patch_users == 0:
+            _unpatched = DistributedDataParallel._pre_forward
+            DistributedDataParallel._pre_forward = functools.wraps(_unpatched)(
+                _counted_pre_forward)
+        _patch_users += 1
+    paces = _running.__dict__.setdefault("paces", [])
+    paces.append(pace)
+    try:
+        yield
+    finally:
+        del paces[next(i for i, p in enumerate(paces) if p is pace)]
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                DistributedDataParallel._pre_forward = _unpatched
 
 
 class DDPInStep:
@@ -101,27 +140,25 @@ class DDPInStep:
 
     # -- warm-up ---------------------------------------------------------------
 
+    @contextlib.contextmanager
     def watch(self):
-        """Around an eager step: in the first one only, DDP's _pre_forward
-        notes each DDP model called and counts its grad-syncing forwards (a
-        step is the same every call: its graph replays it).  Patched on the
+        """Around an eager step: in the first one that returns, DDP's
+        _pre_forward notes each DDP model called and counts its grad-syncing
+        forwards (a step is the same every call: its graph replays it); a
+        call that raises is counted again in the next.  Patched on the
         class, not a global module hook, which torch.compile would trace
         into the modules it compiles in this call (Note [DDP inside a
         graphed step], 2)."""
         if self.watched:
-            return contextlib.nullcontext()
+            yield
+            return
+        try:
+            with _counting_forwards(self.pace):
+                yield
+        except BaseException:
+            self.pace.clear()
+            raise
         self.watched = True
-        pre_forward = DistributedDataParallel._pre_forward
-        pace = self.pace
-
-        @functools.wraps(pre_forward)
-        def counted(module, *inputs, **kwargs):
-            # As DDP's _pre_forward: only these forwards count an iteration.
-            if torch.is_grad_enabled() and module.require_backward_grad_sync:
-                pace[module] = pace.get(module, 0) + 1
-            return pre_forward(module, *inputs, **kwargs)
-
-        return patched({(DistributedDataParallel, "_pre_forward"): counted})
 
     def warmup_iters(self, step) -> int:
         """The step's num_warmup_iters after an eager step: raised (and

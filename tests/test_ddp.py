@@ -138,11 +138,51 @@ def test_a_steps_first_call_counts_ddp_forwards_without_a_global_hook(gloo):
                      + len(torch_module._global_forward_hooks))
         return train(x, y)
 
+    original = DDP._pre_forward
     graphed = cgraph.make_graphed_step(step, batches(1)[0])
     graphed(*batches(1)[0])
     assert hooks == [0] and graphed.ddp.pace[model] == 1
-    assert DDP._pre_forward is vars(DDP)["_pre_forward"] and not hasattr(
-        DDP._pre_forward, "__wrapped__"), "the patch outlived the first call"
+    assert DDP._pre_forward is original, "the patch outlived the first call"
+
+
+def test_first_calls_counting_ddp_forwards_may_end_in_any_order(gloo):
+    """Two steps' first calls (two threads) overlapping, ending in the order
+    they began: DDP's _pre_forward stays patched while either runs, each
+    counts its own forwards, and the original is back after both."""
+    from cgraph._ddp import DDPInStep
+    original = DDP._pre_forward
+    model = DDP(cpu_model())
+    first, second = DDPInStep(), DDPInStep()
+    outer, inner = first.watch(), second.watch()
+    outer.__enter__()
+    inner.__enter__()
+    model(batches(1)[0][0])
+    outer.__exit__(None, None, None)
+    assert DDP._pre_forward is not original
+    model(batches(1)[0][0])
+    inner.__exit__(None, None, None)
+    assert DDP._pre_forward is original
+    assert first.pace[model] == 1 and second.pace[model] == 2
+
+
+def test_a_first_call_that_raises_leaves_the_count_to_the_next(gloo):
+    """A first call that raises before its DDP forward counts nothing; the
+    next call counts, and the warm-up is raised as DDP needs."""
+    model = DDP(cpu_model())
+    train = ddp_step(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    calls = []
+
+    def step(x, y):
+        calls.append(x)
+        if len(calls) == 1:
+            raise RuntimeError("planted")
+        return train(x, y)
+
+    graphed = cgraph.make_graphed_step(step, batches(1)[0], num_warmup_iters=3)
+    with pytest.raises(RuntimeError, match="planted"):
+        graphed(*batches(1)[0])
+    graphed(*batches(1)[0])
+    assert graphed.ddp.pace[model] == 1 and graphed.num_warmup_iters == 11
 
 
 def test_find_unused_parameters_is_refused_at_capture_with_the_fix(gloo):
