@@ -12,9 +12,11 @@ from the repository root after a build::
 It splits what benchmarks.sharded reports as one peak: a graphed step whose
 set-up peak is above eager's but whose steady peak is not holds memory only
 while it captures (benchmarks/README.md, "sharded").  A variant name ending
-in ``+zeroed`` sets the model's grads to None before each set-up call, as
-the step's own first line does: the capture then does not hold the last
-warm-up step's grads in the default pool beside its own in the graph's.
+in ``+zeroed`` sets the model's grads to None before each call up to the
+capturing one, as the step's own first line does: the capture then does not
+hold the last warm-up step's grads in the default pool beside its own in
+the graph's.  Peaks are above what was reserved after the last variant was
+cleared away (printed as the base; about zero).
 """
 
 from __future__ import annotations
@@ -50,26 +52,41 @@ def peaks(since: tuple[int, int]) -> tuple[float, float]:
     return out
 
 
-def measure(variant: str, meshes, ids) -> str:
-    gc.collect()  # the last variant's FSDP2 model: its hooks make reference cycles
+def clear() -> tuple[int, int]:
+    """Frees what the last variant left (its FSDP2 model's reference cycles,
+    the cuBLAS workspaces torch keeps per stream, cached segments) and
+    returns (reserved, allocated) bytes now: the base the peaks are above."""
+    gc.collect()
+    if hasattr(torch._C, "_cuda_clearCublasWorkspaces"):
+        torch._C._cuda_clearCublasWorkspaces()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    base = (torch.cuda.memory_reserved(), torch.cuda.memory_allocated())
+    return torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+
+
+def measure(variant: str, meshes, ids) -> str:
+    name, _, suffix = variant.partition("+")
+    if name not in sharded.VARIANTS or suffix not in ("", "zeroed"):
+        raise ValueError(f"unknown variant {variant!r}: one of {sharded.VARIANTS}, "
+                         "optionally with '+zeroed'")
+    base = clear()
     model = sharded.build("fsdp", meshes)
-    name, _, zeroed = variant.partition("+")
     step = sharded.prepare(name, model, ids)
     for _ in range(sharded.SETUP_STEPS + 1):
-        if zeroed:
+        # Up to the capturing call: after it the grads are the graph's.
+        if suffix and getattr(step, "stats", {}).get("captures") == 0:
             model.zero_grad(set_to_none=True)
         step(ids)
     setup = peaks(base)
+    torch.cuda.empty_cache()  # the steady window starts from what the step holds
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(5):
         step(ids)
     torch.cuda.synchronize()
     steady = peaks(base)
-    line = (f"{variant}: set-up peak reserved {setup[0]:.2f} GiB (allocated {setup[1]:.2f}), "
-            f"steady peak reserved {steady[0]:.2f} (allocated {steady[1]:.2f}); "
-            f"reserved by pool {by_pool()}")
+    line = (f"{variant}: base {base[0] / GIB:.2f} GiB; set-up peak reserved {setup[0]:.2f} "
+            f"(allocated {setup[1]:.2f}), steady peak reserved {steady[0]:.2f} (allocated "
+            f"{steady[1]:.2f}); reserved by pool, absolute {by_pool()}")
     cgraph.reset_all()
     del model, step
     return line
