@@ -133,13 +133,9 @@ def state_as_captured():
     pick other configs than the first's by timing them (1 ulp apart, on
     H100s and H200s shared with other test processes).  A recompile raises
     here, so such a reference is never a second compile."""
-    enabled = torch.is_autocast_cache_enabled()
-    torch.set_autocast_cache_enabled(False)
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            yield
-    finally:
-        torch.set_autocast_cache_enabled(enabled)
+    from cgraph._capture import _autocast_cache_off  # cgraph's own, not a copy of it
+    with _autocast_cache_off(), torch._dynamo.config.patch(error_on_recompile=True):
+        yield
 
 
 def inductor_deterministic(on=True):
