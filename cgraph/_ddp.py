@@ -31,7 +31,10 @@ A: Three things, each from torch's source:
       csrc/aten_accumulators.cpp) and gives them their streams back after.
       DDP's hooks, its bucket copies, the allreduce (NCCL's stream joins the
       capture through ProcessGroupNCCL's event) and the copy back into the
-      grads then run on the capture stream and are captured.
+      grads then run on the capture stream and are captured.  Warm-up steps
+      run on the capture stream too (Note [A step's warm-up in its pool] in
+      csrc/aten_setup.cpp), so every one after the first, which finds the
+      models, moves them the same way.
    2. Eleven eager forwards first.  At each grad-syncing forward DDP's logger
       first reads the previous iteration's CUDA timing events
       (Logger::set_runtime_stats_and_log -> CudaTimer::measureDifference ->
@@ -194,13 +197,14 @@ class DDPInStep:
             model._set_ddp_runtime_logging_sample_rate(_NEVER)
 
     def call(self, fn: Callable[..., Any], args: tuple, kwargs: dict):
-        """fn(*args, **kwargs), the captured call: with DDP's grad
-        accumulators on the current (capture) stream meanwhile."""
+        """fn(*args, **kwargs), the captured call or a warm-up step after the
+        first: with DDP's grad accumulators on the current (capture) stream
+        meanwhile."""
         models = self.models()
         if not models:
             return fn(*args, **kwargs)
         params = [p for model in models for p in model.parameters() if p.requires_grad]
         out, moved = _C.call_with_accumulators_here(params, fn, args, kwargs)
-        _log.log.debug("capture: %d grad accumulators of %d DDP model(s) on the capture "
+        _log.log.debug("cgraph: %d grad accumulators of %d DDP model(s) on the capture "
                        "stream.", moved, len(models))
         return out

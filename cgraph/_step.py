@@ -8,7 +8,10 @@ order of the code below:
 1. Warm-up: the first ``num_warmup_iters`` calls run the function eagerly.
    They are real steps (the docstring says so): n calls of the graphed step
    are n training steps, warm-up or not.  The optimizers the step uses are
-   found there, through torch's global optimizer step hook.
+   found there, through torch's global optimizer step hook.  They run where
+   the capture will, allocating from the pool it takes, so the capture
+   reuses their memory (Note [A step's warm-up in its pool] in
+   csrc/aten_setup.cpp).
 2. Capture, on the next call: each optimizer is made capturable (Note
    [Capturable optimizers]), the call's arguments are copied into static
    inputs, and the function is captured on a side stream.  The capture
@@ -90,6 +93,7 @@ import contextlib
 import dataclasses
 import functools
 import time
+import warnings
 import weakref
 from typing import Any, Callable, NamedTuple
 
@@ -105,6 +109,10 @@ from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
 
 __all__ = ["make_graphed_step", "GraphedStep"]
+
+# torch's warning that a grad accumulator runs on another stream than its
+# grad's producer (autograd/input_buffer.cpp).
+_ACCUMULATOR_ON_ANOTHER_STREAM = "The AccumulateGrad node's stream does not match"
 
 # CaptureError.kind of an RNG state asked for unlike in warm-up, as the native
 # core names it (CG_FAILURE_KINDS in csrc/cgraph.h, the one list of kinds).
@@ -191,6 +199,21 @@ class _Static(NamedTuple):
     spec: Any
 
 
+class _WarmPool(NamedTuple):
+    """The step's own pool while it warms up: Note [A step's warm-up in its
+    pool] (csrc/aten_setup.cpp).  ``hold`` is the reference that keeps it,
+    and what warm-up left there, until the capture holds the pool itself."""
+
+    device: int
+    id: tuple[int, int]
+    hold: object
+
+    @classmethod
+    def new(cls, device: int) -> "_WarmPool":
+        pool = _C.new_pool()
+        return cls(device, pool, _C.hold_pool(device, pool))
+
+
 @dataclasses.dataclass
 class _Group:
     """One param group as the graph captured it."""
@@ -244,6 +267,8 @@ class GraphedStep:
         self._waited = False  # logged that warm-up waits for a scaler's first step
         # The last warm-up call's CallableSpec.rng_warmup: Note [RNG inside a graphed step].
         self.rng_warmup: tuple | None = None
+        # Where warm-up steps allocate until the first capture takes it.
+        self.warm_pool: _WarmPool | None = None
 
     def __call__(self, *args, **kwargs):
         graphed = self.graphed
@@ -282,8 +307,9 @@ class GraphedStep:
 
         torch.amp.GradScaler.step = noted_scaler_step
         try:
-            with self.ddp.watch(), self._warm_up_as_captured(_device(args, kwargs)):
-                out = self.fn(*args, **kwargs)
+            device = _device(args, kwargs)
+            with self.ddp.watch(), self._warm_up_as_captured(device):
+                out = self._in_its_pool(device, args, kwargs)
         finally:
             torch.amp.GradScaler.step = scaler_step
             handle.remove()
@@ -295,6 +321,23 @@ class GraphedStep:
         # would keep this step's autograd graph, whose AccumulateGrad nodes
         # (on this stream) the capture would then reuse from its own stream.
         return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
+
+    def _in_its_pool(self, device: int | None, args: tuple, kwargs: dict):
+        """The step's eager call, on the capture stream, allocating from the
+        pool its capture will take (Note [A step's warm-up in its pool] in
+        csrc/aten_setup.cpp).  As called where that pool is not the step's
+        own (pool= given: graphs may already live there) or without CUDA."""
+        if device is None or self.pool is not None:
+            return self.fn(*args, **kwargs)
+        if self.warm_pool is None or self.warm_pool.device != device:
+            self.warm_pool = _WarmPool.new(device)
+        with warnings.catch_warnings():
+            # A DDP model's grad accumulators run on the caller's stream until
+            # the step's first call has found the model (then ddp.call moves
+            # them): autograd orders the two streams, and torch warns of it.
+            warnings.filterwarnings("ignore", _ACCUMULATOR_ON_ANOTHER_STREAM, UserWarning)
+            return _C.call_in_pool(device, self.warm_pool.id, self.ddp.call,
+                                   (self.fn, args, kwargs), {})
 
     @contextlib.contextmanager
     def _warm_up_as_captured(self, step_device: int | None):
@@ -377,6 +420,9 @@ class GraphedStep:
         put_back = _as_they_are(list(self.optimizers))
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         failure = None
+        # Held until the capture holds the pool itself: Note [A step's warm-up in its pool].
+        warm, self.warm_pool = self.warm_pool, None
+        pool = self.pool if warm is None else warm.id
         try:
             self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
                            for g in opt.param_groups]
@@ -386,7 +432,7 @@ class GraphedStep:
             # The SGD check of device_resident_steps runs kernels: first, eagerly.
             with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
                     _scaler_steps_on_the_device():
-                (self.graphed,) = graph([drafted], self.pool, _OPTIONS, step=True)
+                (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
         except _C.CaptureError as exc:
             failure = exc
             if exc.kind == _RNG_REGIONS:
@@ -394,6 +440,7 @@ class GraphedStep:
                 failure.__cause__ = exc.__cause__
         except Exception as exc:  # noqa: BLE001 -- every rank hears of it, then it is raised
             failure = exc
+        warm = None  # the graph holds its pool now, if it was captured
         try:  # Note [A capture that fails on one rank] (cgraph/_ranks.py)
             _ranks.agree(failure, "the training step's capture")
         except BaseException:

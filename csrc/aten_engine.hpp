@@ -707,6 +707,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
 cg_setup* open_setup(c10::DeviceIndex device);
 void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool);
 bool release_warmup_memory(cg_setup& setup);
+// Note [A step's warm-up in its pool] (aten_setup.cpp).
+void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool);
+void hold_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool);
+void release_held_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) noexcept;
 void close_setup(cg_setup* setup) noexcept;
 
 // A block of the caching allocator: its address and size, ordered by both.

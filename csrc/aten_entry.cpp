@@ -92,6 +92,24 @@ void cg_setup_end(cg_setup* setup) {
   cgraph::close_setup(setup);
 }
 
+int cg_setup_allocate_all_from(cg_setup* setup, cg_pool pool) {
+  HANDLE_TH_ERRORS
+  cgraph::allocate_all_from(*setup, to_mempool(pool));
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_pool_hold(int device, cg_pool pool) {
+  HANDLE_TH_ERRORS
+  cgraph::hold_pool(static_cast<c10::DeviceIndex>(device), to_mempool(pool));
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+void cg_pool_release(int device, cg_pool pool) {
+  cgraph::release_held_pool(static_cast<c10::DeviceIndex>(device), to_mempool(pool));
+}
+
 cg_engine* cg_engine_new(const cg_engine_config* config) {
   HANDLE_TH_ERRORS
   return new cg_engine{std::make_shared<Engine>(*config)};

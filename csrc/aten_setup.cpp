@@ -311,6 +311,60 @@ void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
   setup.routing = true;
 }
 
+// Note [A step's warm-up in its pool]
+// Q: A training step graphed whole (cgraph/_step.py) warms up with real eager steps.  Why do
+//    they run on the capture stream, every allocation of the device going to the pool the
+//    step's capture then takes?
+// A: So that the capture reuses their memory.  A step that zeroes its grads with
+//    set_to_none=True before its backward drops, inside the capture, the grads its last
+//    warm-up step left; the capture allocates the new ones meanwhile.  The caching allocator
+//    gives a capture only free blocks of its pool and of the stream asking, so grads left in
+//    the device's cache (or on the caller's stream) sat beside the capture's own: the set-up
+//    peaked at 1.12-1.17x eager FSDP2's reserved memory (benchmarks/sharded_memory.py),
+//    against 0.96-1.02x once captured.  Warmed up where the capture runs, the dropped grads
+//    are free blocks of the pool on the streams that allocate them again (autograd's on the
+//    capture stream, FSDP2's on its reduce-scatter stream), as are the warm-up's
+//    activations; torch's CUDAGraph Trees warm up in their pool for the same reason.  Every
+//    stream's allocations are routed, as a capture routes every stream it joins, because
+//    FSDP2 allocates on streams of its own; all but the caller's: no capture allocates
+//    there, so its blocks would lie in the pool for good, where the device's cache gives
+//    them back (DDP's grads in a first step, before cgraph knows the model: its grad
+//    accumulators, made at construction, run on the caller's stream; later warm-up steps
+//    run them on the capture stream, as its capture does: Note [DDP inside a graphed
+//    step] in cgraph/_ddp.py).  Safe only because:
+//    - The pool is the step's own and fresh (no pool= given): no graph's memory lies there,
+//      so what a warm-up keeps (optimizer state, grads, a loss the caller holds) is memory
+//      no graph writes, and a capture takes only blocks freed before it asks.
+//    - The pool lives from the first warm-up to the capture though no graph holds it yet:
+//      the step holds a reference (hold_pool; the allocator refuses to route to a pool whose
+//      references all went), given back once the capture holds its own.
+//    - The session (open_setup, close_setup) orders the warm-up after the caller's work and
+//      the caller's after it, by synchronizing the device; tensors made on the capture stream
+//      and freed later are reused only inside later sessions.
+//    Costs: a device synchronization and an emptied cache per warm-up step.  Another thread's
+//    allocations on the device during a warm-up step go to the pool too, as during a capture
+//    in the global mode.  With pool= the warm-up runs on the caller's stream, as before.
+void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool) {
+  // Takes a reference to the pool, held to the session's end (close_setup).
+  const cudaStream_t caller = setup.caller.stream();
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(
+      setup.device, pool, [caller](cudaStream_t stream) { return stream != caller; });
+  setup.warm_pool = pool;
+  setup.routing = true;
+}
+
+void hold_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) {
+  c10::cuda::CUDACachingAllocator::createOrIncrefPool(device, pool);
+}
+
+void release_held_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) noexcept {
+  try {
+    c10::cuda::CUDACachingAllocator::releasePool(device, pool);
+  } catch (const std::exception& e) {
+    TORCH_WARN("cgraph: could not release a training step's pool: ", e.what());
+  }
+}
+
 namespace {
 
 void end_warm_up_in_pool(cg_setup& setup) {

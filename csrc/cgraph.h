@@ -112,6 +112,22 @@ int cg_setup_warm_up_in(cg_setup *setup, cg_pool pool);
  * write it, 0 if not, -1 with an exception set. */
 int cg_setup_release_warmup_memory(cg_setup *setup);
 
+/* For a training step's eager call (cgraph/_step.py), after
+ * cg_setup_begin: every allocation on the device, on any stream but the
+ * caller's, comes from `pool` until cg_setup_end; the session holds a reference to the pool until
+ * then (Note [A step's warm-up in its pool] in aten_setup.cpp).  0, or -1
+ * with an exception set. */
+int cg_setup_allocate_all_from(cg_setup *setup, cg_pool pool);
+
+/* Takes a reference to `pool` on `device`, making the pool if it is new: it
+ * lives, with the memory allocated from it, until cg_pool_release, though
+ * no graph holds it yet.  0, or -1 with an exception set. */
+int cg_pool_hold(int device, cg_pool pool);
+
+/* Gives back a reference cg_pool_hold took.  Never raises (a failure is
+ * reported as a warning). */
+void cg_pool_release(int device, cg_pool pool);
+
 /* Restores the caller's stream and waits for the side stream.  Never raises
  * (a failure is reported as a warning); frees `setup`; NULL is allowed. */
 void cg_setup_end(cg_setup *setup);

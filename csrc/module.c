@@ -29,6 +29,10 @@
  *     def call_with_accumulators_here(params, fn, args, kwargs) -> tuple[object, int]:
  *         ...  # fn(*args, **kwargs), the grad accumulators of params on the
  *              # current stream meanwhile: aten_accumulators.cpp
+ *     def hold_pool(device, pool) -> object: ...  # a reference to the pool, given
+ *         # back when the object goes: Note [A step's warm-up in its pool]
+ *     def call_in_pool(device, pool, fn, args, kwargs) -> object: ...  # fn(*args,
+ *         # **kwargs) on the capture stream, allocating from pool: same Note
  *     def lend_memory(tensors, homes) -> None: ...  # each storage pointed at its
  *                                     # home's memory: aten_lend.cpp
  *     def conditional_nodes() -> bool: ...  # aten_conditional.cpp
@@ -308,6 +312,89 @@ cgm_call_with_accumulators_here(PyObject *module, PyObject *args)
     return Py_BuildValue("(Nn)", result, count);
 }
 
+/* The reference hold_pool took, for the capsule that owns it. */
+typedef struct {
+    int device;
+    cg_pool pool;
+} pool_hold;
+
+static const char pool_hold_name[] = "cgraph._C.pool_hold";
+
+/* The capsule's destructor: gives the reference back. */
+static void
+release_pool_hold(PyObject *capsule)
+{
+    pool_hold *hold = PyCapsule_GetPointer(capsule, pool_hold_name);
+    if (hold != NULL) {
+        cg_pool_release(hold->device, hold->pool);
+        PyMem_Free(hold);
+    }
+}
+
+PyDoc_STRVAR(cgm_hold_pool_doc,
+"hold_pool(device, pool) -> object\n\n"
+"Takes a reference to the graph memory pool `pool` on `device`, making it if\n"
+"it is new: the pool and what is allocated from it live, though no graph\n"
+"holds the pool yet, until the returned object goes.  Note [A step's warm-up\n"
+"in its pool] in aten_setup.cpp says why.  Not a public API.");
+
+/* Returns a NEW reference (a capsule), or NULL with an exception set. */
+static PyObject *
+cgm_hold_pool(PyObject *module, PyObject *args)
+{
+    pool_hold *hold = PyMem_Malloc(sizeof *hold);
+    PyObject *capsule;
+
+    if (hold == NULL) {
+        return PyErr_NoMemory();
+    }
+    if (!PyArg_ParseTuple(args, "i(KK):hold_pool", &hold->device, &hold->pool.first,
+                          &hold->pool.second) ||
+        cg_pool_hold(hold->device, hold->pool) < 0) {
+        PyMem_Free(hold);
+        return NULL;
+    }
+    capsule = PyCapsule_New(hold, pool_hold_name, release_pool_hold);
+    if (capsule == NULL) {
+        cg_pool_release(hold->device, hold->pool);
+        PyMem_Free(hold);
+    }
+    return capsule;
+}
+
+PyDoc_STRVAR(cgm_call_in_pool_doc,
+"call_in_pool(device, pool, fn, args, kwargs) -> object\n\n"
+"fn(*args, **kwargs) as a capture would run it, without capturing: after the\n"
+"device's work, on the capture stream, every allocation on the device but the\n"
+"caller stream's coming from `pool` (which must be held: hold_pool), and the\n"
+"caller's stream back\n"
+"after the device's work.  For a training step's warm-up: Note [A step's\n"
+"warm-up in its pool] in aten_setup.cpp.  Not a public API.");
+
+/* Returns a NEW reference (fn's result), or NULL with an exception set. */
+static PyObject *
+cgm_call_in_pool(PyObject *module, PyObject *args)
+{
+    PyObject *fn, *call_args, *call_kwargs, *result = NULL;
+    cg_pool pool;
+    cg_setup *setup;
+    int device;
+
+    if (!PyArg_ParseTuple(args, "i(KK)OO!O!:call_in_pool", &device, &pool.first, &pool.second,
+                          &fn, &PyTuple_Type, &call_args, &PyDict_Type, &call_kwargs)) {
+        return NULL;
+    }
+    setup = cg_setup_begin(device);
+    if (setup == NULL) {
+        return NULL;
+    }
+    if (cg_setup_allocate_all_from(setup, pool) == 0) {
+        result = PyObject_Call(fn, call_args, call_kwargs);
+    }
+    cg_setup_end(setup);
+    return result;
+}
+
 PyDoc_STRVAR(cgm_lend_memory_doc,
 "lend_memory(tensors, homes) -> None\n\n"
 "Points the storage of each tensor at the memory of its home (same\n"
@@ -388,6 +475,8 @@ static PyMethodDef cgm_methods[] = {
      cgm_debug_doc},
     {"call_with_accumulators_here", cgm_call_with_accumulators_here, METH_VARARGS,
      cgm_call_with_accumulators_here_doc},
+    {"hold_pool", cgm_hold_pool, METH_VARARGS, cgm_hold_pool_doc},
+    {"call_in_pool", cgm_call_in_pool, METH_VARARGS, cgm_call_in_pool_doc},
     {"lend_memory", cgm_lend_memory, METH_VARARGS, cgm_lend_memory_doc},
     {"conditional_nodes", cgm_conditional_nodes, METH_NOARGS, cgm_conditional_nodes_doc},
     {"call_if", cgm_call_if, METH_VARARGS, cgm_call_if_doc},
