@@ -326,8 +326,11 @@ class GraphedStep:
         """The step's eager call, on the capture stream, allocating from the
         pool its capture will take (Note [A step's warm-up in its pool] in
         csrc/aten_setup.cpp).  As called where that pool is not the step's
-        own (pool= given: graphs may already live there) or without CUDA."""
-        if device is None or self.pool is not None:
+        own (pool= given: graphs may already live there), where the
+        allocator has no private pools to route to (cudaMallocAsync) or
+        without CUDA."""
+        if device is None or self.pool is not None or \
+                torch.cuda.get_allocator_backend() != "native":
             return self.fn(*args, **kwargs)
         if self.warm_pool is None or self.warm_pool.device != device:
             self.warm_pool = _WarmPool.new(device)
