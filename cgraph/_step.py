@@ -110,10 +110,6 @@ from ._describe import CONSTANT_TYPES, Target, draft
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
-# torch's warning that a grad accumulator runs on another stream than its
-# grad's producer (autograd/input_buffer.cpp).
-_ACCUMULATOR_ON_ANOTHER_STREAM = "The AccumulateGrad node's stream does not match"
-
 # CaptureError.kind of an RNG state asked for unlike in warm-up, as the native
 # core names it (CG_FAILURE_KINDS in csrc/cgraph.h, the one list of kinds).
 _RNG_REGIONS = _C.FAILURE_KINDS[_C.FAILURE_RNG_REGIONS]
@@ -327,18 +323,13 @@ class GraphedStep:
         pool its capture will take (Note [A step's warm-up in its pool] in
         csrc/aten_setup.cpp).  As called where that pool is not the step's
         own (pool= given: graphs may already live there), where the
-        allocator has no private pools to route to (cudaMallocAsync) or
-        without CUDA."""
-        if device is None or self.pool is not None or \
-                torch.cuda.get_allocator_backend() != "native":
+        allocator cannot route there safely (cudaMallocAsync, expandable
+        segments) or without CUDA."""
+        if device is None or self.pool is not None or not _C.can_call_in_pool():
             return self.fn(*args, **kwargs)
         if self.warm_pool is None or self.warm_pool.device != device:
             self.warm_pool = _WarmPool.new(device)
-        with warnings.catch_warnings():
-            # A DDP model's grad accumulators run on the caller's stream until
-            # the step's first call has found the model (then ddp.call moves
-            # them): autograd orders the two streams, and torch warns of it.
-            warnings.filterwarnings("ignore", _ACCUMULATOR_ON_ANOTHER_STREAM, UserWarning)
+        with _accumulator_stream_unwarned(first=self.stats["eager"] == 0):
             return _C.call_in_pool(device, self.warm_pool.id, self.ddp.call,
                                    (self.fn, args, kwargs), {})
 
@@ -688,6 +679,31 @@ def _scaler_steps_on_the_device():
         return _C.call_if((found_inf == 0).reshape(()), optimizer.step, args, kwargs)
 
     return patched({(torch.amp.GradScaler, "_maybe_opt_step"): maybe_step})
+
+
+@contextlib.contextmanager
+def _accumulator_stream_unwarned(first: bool):
+    """In a step's first warm-up call, which runs on the capture stream
+    before cgraph has found its DDP models, their grad accumulators (made
+    with DDP) run on the caller's stream: autograd orders the two streams,
+    and torch would warn of it (once per process, autograd/input_buffer.cpp).
+    Later calls move them (DDPInStep.call).  torch's switch where it can be
+    read back; else a filter, which spends that one warning."""
+    get = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", None)
+    if not first:
+        yield
+    elif get is not None:
+        was = get()
+        torch._C._set_warn_on_accumulate_grad_stream_mismatch(False)
+        try:
+            yield
+        finally:
+            torch._C._set_warn_on_accumulate_grad_stream_mismatch(was)
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The AccumulateGrad node's stream does not match",
+                                    UserWarning)
+            yield
 
 
 def _device(args: tuple, kwargs: dict) -> int | None:

@@ -708,6 +708,7 @@ cg_setup* open_setup(c10::DeviceIndex device);
 void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool);
 bool release_warmup_memory(cg_setup& setup);
 // Note [A step's warm-up in its pool] (aten_setup.cpp).
+bool can_allocate_all_from_a_pool();
 void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool);
 void hold_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool);
 void release_held_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) noexcept;
@@ -823,6 +824,9 @@ struct cg_setup {
   // the session's end; `routing` while warm-up allocates there.
   std::optional<at::cuda::MempoolId_t> warm_pool = std::nullopt;
   bool routing = false;
+  // Every stream routed, for a step's eager call: Note [A step's warm-up in
+  // its pool].
+  bool every_stream = false;
   cgraph::PoolBlocks pool_before;  // what the warm pool held when warm-up began
   // Note [One cuBLAS workspace per stream] (aten_workspace.cpp), and eager
   // mode's own workspaces it replaced, freed when the session ends.

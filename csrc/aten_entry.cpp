@@ -92,6 +92,13 @@ void cg_setup_end(cg_setup* setup) {
   cgraph::close_setup(setup);
 }
 
+int cg_can_allocate_all_from_a_pool(int* out) {
+  HANDLE_TH_ERRORS
+  *out = cgraph::can_allocate_all_from_a_pool() ? 1 : 0;
+  return 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
 int cg_setup_allocate_all_from(cg_setup* setup, cg_pool pool) {
   HANDLE_TH_ERRORS
   cgraph::allocate_all_from(*setup, to_mempool(pool));

@@ -3,6 +3,7 @@
 // the state only set-up needs, freed when capture completes.
 #include "aten_engine.hpp"
 
+#include <c10/cuda/CUDAAllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -326,31 +327,51 @@ void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
 //    capture stream, FSDP2's on its reduce-scatter stream), as are the warm-up's
 //    activations; torch's CUDAGraph Trees warm up in their pool for the same reason.  Every
 //    stream's allocations are routed, as a capture routes every stream it joins, because
-//    FSDP2 allocates on streams of its own; all but the caller's: no capture allocates
-//    there, so its blocks would lie in the pool for good, where the device's cache gives
-//    them back (DDP's grads in a first step, before cgraph knows the model: its grad
-//    accumulators, made at construction, run on the caller's stream; later warm-up steps
-//    run them on the capture stream, as its capture does: Note [DDP inside a graphed
-//    step] in cgraph/_ddp.py).  Safe only because:
+//    FSDP2 allocates on streams of its own; all but the caller's and the legacy default
+//    stream: no capture allocates there, so their blocks would lie in the pool for good,
+//    where the device's cache gives them back (DDP's grads in a first step, before cgraph
+//    knows the model: its grad accumulators, made at construction, run on the stream
+//    current then; later warm-up steps run them on the capture stream, as its capture
+//    does: Note [DDP inside a graphed step] in cgraph/_ddp.py).  Safe only because:
 //    - The pool is the step's own and fresh (no pool= given): no graph's memory lies there,
 //      so what a warm-up keeps (optimizer state, grads, a loss the caller holds) is memory
 //      no graph writes, and a capture takes only blocks freed before it asks.
 //    - The pool lives from the first warm-up to the capture though no graph holds it yet:
 //      the step holds a reference (hold_pool; the allocator refuses to route to a pool whose
 //      references all went), given back once the capture holds its own.
-//    - The session (open_setup, close_setup) orders the warm-up after the caller's work and
-//      the caller's after it, by synchronizing the device; tensors made on the capture stream
+//    - The session orders the warm-up after the device's earlier work (open_setup
+//      synchronizes the device) and the device's later work after it: close_setup
+//      synchronizes the device before routing ends, because the allocator, which takes a
+//      routed call for a capture, then forgets the stream uses recorded meanwhile
+//      (record_stream), as a capture's would be done.  Tensors made on the capture stream
 //      and freed later are reused only inside later sessions.
-//    Costs: a device synchronization and an emptied cache per warm-up step.  Another thread's
-//    allocations on the device during a warm-up step go to the pool too, as during a capture
-//    in the global mode.  With pool= the warm-up runs on the caller's stream, as before.
+//    - Not with the cudaMallocAsync backend (no private pools) nor with expandable
+//      segments (can_allocate_all_from_a_pool): there torch's allocator counts a segment's
+//      growths and unmaps apart, and a released pool can be erased while blocks in it are
+//      still allocated; the warm-up's state (optimizer moments) would outlive the step's
+//      graph in such a pool.  The step then warms up on the caller's stream, as before.
+//    Costs: two device synchronizations and an emptied cache per warm-up step.  While a
+//    warm-up step runs, the allocator acts as during a capture: memory freed into the
+//    device's cache is not given back to satisfy the pool, so a step whose first warm-up
+//    drops grads made by eager steps before it peaks by their size there (once).  Between
+//    warm-up steps the pool's free memory serves no other eager work.  Another thread's
+//    allocations on the device during a warm-up step go to the pool too, as during a
+//    capture in the global mode.  With pool= the warm-up runs on the caller's stream.
+bool can_allocate_all_from_a_pool() {
+  return c10::cuda::CUDACachingAllocator::get()->name() == "native" &&
+         !c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments();
+}
+
 void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool) {
   // Takes a reference to the pool, held to the session's end (close_setup).
   const cudaStream_t caller = setup.caller.stream();
+  const cudaStream_t legacy = c10::cuda::getDefaultCUDAStream(setup.device).stream();
   c10::cuda::CUDACachingAllocator::beginAllocateToPool(
-      setup.device, pool, [caller](cudaStream_t stream) { return stream != caller; });
+      setup.device, pool,
+      [caller, legacy](cudaStream_t stream) { return stream != caller && stream != legacy; });
   setup.warm_pool = pool;
   setup.routing = true;
+  setup.every_stream = true;
 }
 
 void hold_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) {
@@ -434,6 +455,14 @@ bool release_warmup_memory(cg_setup& setup) {
 void close_setup(cg_setup* setup) noexcept {
   if (setup == nullptr) {
     return;
+  }
+  if (setup->routing && setup->every_stream) {
+    try {  // Note [A step's warm-up in its pool]: before routing ends
+      GilRelease nogil;
+      c10::cuda::device_synchronize();
+    } catch (const std::exception& e) {
+      TORCH_WARN("cgraph: could not wait for a warm-up step: ", e.what());
+    }
   }
   try {
     // Whatever failed before: allocations stop going to the warm pool, and

@@ -112,6 +112,11 @@ int cg_setup_warm_up_in(cg_setup *setup, cg_pool pool);
  * write it, 0 if not, -1 with an exception set. */
 int cg_setup_release_warmup_memory(cg_setup *setup);
 
+/* Into *out: 1 if cg_setup_allocate_all_from may be used (the native
+ * allocator, without expandable segments: Note [A step's warm-up in its
+ * pool] in aten_setup.cpp), else 0.  0, or -1 with an exception set. */
+int cg_can_allocate_all_from_a_pool(int *out);
+
 /* For a training step's eager call (cgraph/_step.py), after
  * cg_setup_begin: every allocation on the device, on any stream but the
  * caller's, comes from `pool` until cg_setup_end; the session holds a reference to the pool until

@@ -31,6 +31,7 @@
  *              # current stream meanwhile: aten_accumulators.cpp
  *     def hold_pool(device, pool) -> object: ...  # a reference to the pool, given
  *         # back when the object goes: Note [A step's warm-up in its pool]
+ *     def can_call_in_pool() -> bool: ...  # whether call_in_pool may be used
  *     def call_in_pool(device, pool, fn, args, kwargs) -> object: ...  # fn(*args,
  *         # **kwargs) on the capture stream, allocating from pool: same Note
  *     def lend_memory(tensors, homes) -> None: ...  # each storage pointed at its
@@ -362,6 +363,23 @@ cgm_hold_pool(PyObject *module, PyObject *args)
     return capsule;
 }
 
+PyDoc_STRVAR(cgm_can_call_in_pool_doc,
+"can_call_in_pool() -> bool\n\n"
+"Whether call_in_pool may be used: torch's native allocator, without\n"
+"expandable segments (Note [A step's warm-up in its pool] in\n"
+"aten_setup.cpp says why).  Not a public API.");
+
+/* Returns a NEW reference to a bool, or NULL with an exception set. */
+static PyObject *
+cgm_can_call_in_pool(PyObject *module, PyObject *unused)
+{
+    int can = 0;
+    if (cg_can_allocate_all_from_a_pool(&can) < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(can);
+}
+
 PyDoc_STRVAR(cgm_call_in_pool_doc,
 "call_in_pool(device, pool, fn, args, kwargs) -> object\n\n"
 "fn(*args, **kwargs) as a capture would run it, without capturing: after the\n"
@@ -476,6 +494,7 @@ static PyMethodDef cgm_methods[] = {
     {"call_with_accumulators_here", cgm_call_with_accumulators_here, METH_VARARGS,
      cgm_call_with_accumulators_here_doc},
     {"hold_pool", cgm_hold_pool, METH_VARARGS, cgm_hold_pool_doc},
+    {"can_call_in_pool", cgm_can_call_in_pool, METH_NOARGS, cgm_can_call_in_pool_doc},
     {"call_in_pool", cgm_call_in_pool, METH_VARARGS, cgm_call_in_pool_doc},
     {"lend_memory", cgm_lend_memory, METH_VARARGS, cgm_lend_memory_doc},
     {"conditional_nodes", cgm_conditional_nodes, METH_NOARGS, cgm_conditional_nodes_doc},

@@ -670,3 +670,26 @@ def test_a_grad_scaler_with_an_unfused_optimizer_is_refused_without_conditional_
     with pytest.raises(ValueError,
                        match=r"conditional graph nodes.*AdamW\(\.\.\., fused=True\)"):
         step(*batches[1])
+
+
+def test_a_step_reset_or_dropped_after_warming_up_in_its_pool_trains_on_as_eager():
+    """Note [A step's warm-up in its pool] (csrc/aten_setup.cpp): the AdamW
+    moments the warm-up steps made in the step's pool outlive the graph that
+    pool went to.  After step.reset() the next call captures again (into a
+    pool of its own), and after the step is dropped the optimizer steps
+    eagerly: losses, parameters and grads stay eager's, bitwise."""
+    import gc
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
+    step = cgraph.make_graphed_step(make_step(model, opts[0]), batches[0])
+    losses = run(step, batches[:5])
+    step.reset()
+    losses += run(step, batches[5:7])
+    assert step.stats == {"eager": 3, "captures": 2, "replays": 4}, step.stats
+    del step
+    gc.collect()
+    torch.cuda.empty_cache()  # the released pools' free memory goes; the moments stay
+    losses += run(make_step(model, opts[0]), batches[7:])
+    losses_e = run(make_step(eager, opts[1]), batches)
+    assert_same_training(model, eager, losses, losses_e)
