@@ -690,7 +690,7 @@ def _accumulator_stream_unwarned(first: bool):
     Later calls move them (DDPInStep.call).  torch's switch where it can be
     read back; else a filter, which spends that one warning."""
     get = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", None)
-    if not first:
+    if not first:  # DDPInStep.call moves them
         yield
     elif get is not None:
         was = get()

@@ -38,3 +38,26 @@ def test_warm_up_goes_on_until_a_grad_scaler_has_let_the_optimizer_step(caplog):
     assert scaler.get_scale() == 2.0**8
     waits = [r for r in caplog.records if "skipped every step of SGD" in r.getMessage()]
     assert len(waits) == 1, caplog.text
+
+
+def test_the_first_warm_up_call_leaves_torch_s_accumulator_warning_as_it_was():
+    """The first warm-up call turns off torch's warning of a grad accumulator
+    on another stream (DDP's, before cgraph has found the model: Note [A
+    step's warm-up in its pool] in csrc/aten_setup.cpp) and puts the switch
+    back as the user had it; later calls leave it alone."""
+    import pytest
+    from cgraph._step import _accumulator_stream_unwarned
+    get = getattr(torch._C, "_warn_on_accumulate_grad_stream_mismatch", None)
+    if get is None:
+        pytest.skip("this torch cannot read the switch back (cgraph filters the warning)")
+    was = get()
+    try:
+        for user_setting in (True, False):
+            torch._C._set_warn_on_accumulate_grad_stream_mismatch(user_setting)
+            with _accumulator_stream_unwarned(first=True):
+                assert get() is False
+            assert get() is user_setting
+            with _accumulator_stream_unwarned(first=False):
+                assert get() is user_setting
+    finally:
+        torch._C._set_warn_on_accumulate_grad_stream_mismatch(was)
