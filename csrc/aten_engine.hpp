@@ -257,9 +257,9 @@ struct Param {
 };
 
 // The grad store other graphs made for `param`, read on `stream`, if one
-// is alive (aten_capture_backward.cpp).
+// is alive: a regular one, or one in a pool (aten_capture_backward.cpp).
 std::shared_ptr<GradStore> grad_store_for(const at::Tensor& param,
-                                          const c10::cuda::CUDAStream& stream);
+                                          const c10::cuda::CUDAStream& stream, bool regular);
 // Makes `store` the one later graphs of `param` on `stream` share.
 void share_grad_store(const at::Tensor& param, const c10::cuda::CUDAStream& stream,
                       const std::shared_ptr<GradStore>& store);
@@ -520,6 +520,11 @@ class PoolMember {
   // capture number `at`): Note [Static memory freed once its pass is over].
   bool freed_statics() const { return statics_freed_at_ != UINT64_MAX; }
   bool freed_statics_before(uint64_t at) const { return statics_freed_at_ < at; }
+  // Whether its input grads were freed for later captures (before capture
+  // number `at`): at its backward capture (Note [Input grads freed at their
+  // capture]), or with the rest once its pass was over.
+  bool freed_grads() const { return grads_freed_at() != UINT64_MAX; }
+  bool freed_grads_before(uint64_t at) const { return grads_freed_at() < at; }
 
   // At each capture's start: numbers it, and enters `engine` in the ledger
   // of `pool` at its forward capture.
@@ -533,6 +538,8 @@ class PoolMember {
   // Static memory of the engine was freed as capture number `at` (under the
   // ledger's mutex).
   void note_statics_freed(uint64_t at);
+  // Its input grads are freed now, numbered as a capture of the pool.
+  void note_input_grads_freed();
   // At reset: the kept history goes, the ledger stays (it numbers the pool).
   void forget_history() noexcept;
 
@@ -543,7 +550,10 @@ class PoolMember {
   // at the backward capture, or, with keep_activations, once released.
   uint64_t released_at_ = 0;
   std::vector<at::Tensor> kept_history_;  // with keep_activations, until released
+  uint64_t grads_freed_at() const { return std::min(statics_freed_at_, input_grads_freed_at_); }
+
   uint64_t statics_freed_at_ = UINT64_MAX;
+  uint64_t input_grads_freed_at_ = UINT64_MAX;
   bool keep_activations_;
 };
 
@@ -687,8 +697,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
 
  private:
   bool alive_ = true;  // written by reset() alone (aten_reset.cpp)
-  // aten_pool.cpp: release_later_outputs's moves.
+  // aten_pool.cpp: release_later_outputs's moves; Note [Input grads freed
+  // at their capture].
   void move_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed);
+  void free_input_grads();
   // aten_capture_backward.cpp
   std::vector<at::Tensor> differentiable_outputs() const;
   void record_backward(const std::vector<at::Tensor>& diff);
@@ -789,6 +801,9 @@ void restore_accumulators(cg_moved_accumulators* moved) noexcept;
 // (aten_lend.cpp, Note [FSDP2's unsharded parameters in per-layer graphs] in
 // cgraph/_fsdp.py).
 void lend_memory(const at::Tensor& t, const at::Tensor& home);
+// Where in a home `t`'s storage is lent, or nullptr where it is not lent
+// (aten_lend.cpp).
+const void* lent_from_home(const at::Tensor& t);
 
 // Unpacks a Python sequence of tensors.  `what` names the items in errors
 // (aten_setup.cpp).

@@ -39,4 +39,11 @@ void lend_memory(const at::Tensor& t, const at::Tensor& home) {
   storage.set_nbytes(nbytes);
 }
 
+const void* lent_from_home(const at::Tensor& t) {
+  if (!t.has_storage() || t.storage().data_ptr().get_deleter() != &release_home) {
+    return nullptr;
+  }
+  return t.const_data_ptr();
+}
+
 }  // namespace cgraph

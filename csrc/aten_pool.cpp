@@ -104,6 +104,25 @@ namespace cgraph {
 //    whose memory free_statics frees, always; a capture reading freed memory in place is
 //    refused (note_inputs_in_place); with CGRAPH_DEBUG=1, held_where_written() and
 //    reads_in_place_from_owner() at replay.
+//
+// Note [Input grads freed at their capture]
+// Q: A layer captured one by one into a shared pool kept the grads its backward graph computes
+//    for its inputs allocated from its capture until its pass was over, so every layer's at
+//    once: the sharded benchmark's twelve decoder layers held 0.75 GiB of them at a large
+//    batch, where eager frees each once the layer below has read it.  Must they stay?
+// A: No: once the backward capture ends they are temporaries of its graph (free_input_grads),
+//    whose blocks later captures (the next layer's forward first) may take; the graph keeps the
+//    addresses.  A replay hands each out as before (Input::handed, Note [Grads handed to
+//    autograd] in aten_replay.cpp), and the layer below reads it as its backward starts, right
+//    after, before any graph captured later replays.  Exact because the only graphs that may
+//    now write a block besides those captured before it (which Note [Captures that share a
+//    pool] covers already) are those captured after the free, and before one of them replays a
+//    handed grad still held moves out (freed_grads_before, in move_later_outputs), as for
+//    memory freed once a pass is over; so before a warm-up in the pool (move_held_out_of_freed)
+//    and when the engine goes (borrows_memory).  Only a grad whose memory nothing else refers
+//    to is freed (not a view of a buffer that another input's grad shares), and not with
+//    kept_outputs='alias', which hands the buffers out untracked.  Checked with CGRAPH_DEBUG=1:
+//    held_where_written() at each replay.
 struct PoolLedger {
   std::mutex mutex;  // backward replays check it from autograd's threads
   uint64_t captures = 0;
@@ -113,8 +132,8 @@ struct PoolLedger {
   // move, and skips the mutex.
   std::atomic<uint64_t> latest_forward{0};
   std::atomic<uint64_t> latest_backward{0};
-  // The earliest capture number its engines' statics were freed at: a replay of a graph
-  // captured before it has no freed memory to look after either.
+  // The earliest capture number its engines' statics or input grads were freed at: a replay
+  // of a graph captured before it has no freed memory to look after either.
   std::atomic<uint64_t> earliest_statics_freed{UINT64_MAX};
   // The pool stores of parameter grads whose first engine is gone while
   // later graphs share them (while it lives, it releases them itself):
@@ -215,6 +234,13 @@ std::vector<at::Tensor> PoolMember::release_kept(uint64_t at) {
 
 void PoolMember::note_statics_freed(uint64_t at) {
   statics_freed_at_ = std::min(statics_freed_at_, at);
+}
+
+void PoolMember::note_input_grads_freed() {
+  std::lock_guard<std::mutex> hold(ledger_->mutex);
+  input_grads_freed_at_ = ++ledger_->captures;  // later captures may take them
+  ledger_->earliest_statics_freed.store(
+      std::min(ledger_->earliest_statics_freed.load(), input_grads_freed_at_));
 }
 
 void PoolMember::forget_history() noexcept {
@@ -343,7 +369,9 @@ void Engine::move_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed)
     if ((h->member.captured_at(CG_FORWARD) > at || freed_before) && h->handed.has_outputs()) {
       outputs_of.push_back(h);
     }
-    if (h.get() != this && (h->member.captured_at(CG_BACKWARD) > at || freed_before) &&
+    // Note [Input grads freed at their capture]
+    if (h.get() != this &&
+        (h->member.captured_at(CG_BACKWARD) > at || h->member.freed_grads_before(at)) &&
         h->may_hold_grads()) {
       grads_of.push_back(h);
     }
@@ -372,8 +400,9 @@ bool Engine::held_where_written(cg_pass pass, at::ArrayRef<at::Tensor> consumed)
     const bool freed_before = h->member.freed_statics_before(at);
     held = held || ((h->member.captured_at(CG_FORWARD) > at || freed_before) &&
                     h->holds_outputs_in_place());
-    held = held || ((h->member.captured_at(CG_BACKWARD) > at || freed_before) &&
-                    h->holds_grads_in_place(consumed));
+    held = held ||
+           ((h->member.captured_at(CG_BACKWARD) > at || h->member.freed_grads_before(at)) &&
+            h->holds_grads_in_place(consumed));
   });
   for (const auto& store : orphans_after(*ledger, at)) {
     held = held || store->held_by_others();
@@ -615,18 +644,47 @@ void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> 
   }
 }
 
+// Note [Input grads freed at their capture]: after the backward capture of
+// a layer captured one by one into a shared pool.
+void Engine::free_input_grads() {
+  if (!member.keeps_activations() || kept_outputs == CG_KEEP_ALIAS || !member.ledger()) {
+    return;
+  }
+  c10::SmallVector<Input*, 4> freeable;
+  for (Input& in : inputs) {
+    if (in.grad.defined() && in.grad.has_storage() && !is_non_owning_view(in.grad) &&
+        in.grad.storage().use_count() == 1 && held_at_most(in.grad, 1)) {
+      freeable.push_back(&in);
+    }
+  }
+  if (freeable.empty()) {
+    return;
+  }
+  member.note_input_grads_freed();  // before the memory is free
+  std::vector<at::Tensor> dropped;  // after every replacement
+  dropped.reserve(freeable.size());
+  for (Input* in : freeable) {
+    dropped.push_back(std::exchange(in->grad, non_owning_view(in->grad)));
+  }
+}
+
 void move_held_out_of_freed(at::cuda::MempoolId_t pool) {
   const std::shared_ptr<PoolLedger> ledger = ledger_of(pool, /*make=*/false);
-  c10::SmallVector<std::shared_ptr<Engine>, 8> freed;
+  c10::SmallVector<std::shared_ptr<Engine>, 8> freed, grads_freed;
   if (ledger) {
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
       if (h->member.freed_statics()) {
         freed.push_back(h);
+      } else if (h->member.freed_grads()) {  // its outputs stay allocated: the next layer's
+        grads_freed.push_back(h);            // warm-up is called with one
       }
     });
   }
   for (const auto& h : freed) {  // outside the mutex: this allocates
     h->release_earlier_outputs();
+    h->release_handed_input_grads({});
+  }
+  for (const auto& h : grads_freed) {
     h->release_handed_input_grads({});
   }
 }

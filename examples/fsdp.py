@@ -39,6 +39,7 @@ reads them):
    dist.destroy_process_group() returns.
 """
 
+import contextlib
 import gc
 import os
 import time
@@ -131,6 +132,34 @@ def home_of(layer):
     return homes.pop()
 
 
+@contextlib.contextmanager
+def reduced_grads_seen(seen):
+    """Records, by FSDPParam, where the unsharded grads lie that FSDP's
+    post-backward hands to its reduce-scatter."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as groups
+    reduce = groups.foreach_reduce
+
+    def recording(fsdp_params, unsharded_grads, *args, **kwargs):
+        for p, g in zip(fsdp_params, unsharded_grads):
+            seen.setdefault(id(p), set()).add(g.data_ptr())
+        return reduce(fsdp_params, unsharded_grads, *args, **kwargs)
+
+    groups.foreach_reduce = recording
+    try:
+        yield
+    finally:
+        groups.foreach_reduce = reduce
+
+
+def grad_places(layers, seen):
+    """How many places the unsharded grads of each parameter of a layer lay
+    in, over every layer and step: one where the layers' graphs share a grad
+    store per parameter (Note [One grad store per parameter] in
+    csrc/aten_capture_backward.cpp), a layer's each where they do not."""
+    params = [layer.module._get_fsdp_state()._fsdp_param_group.fsdp_params for layer in layers]
+    return [len(set().union(*(seen[id(ps[j])] for ps in params))) for j in range(len(params[0]))]
+
+
 def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False):
     """Recipe 1: every layer graphed after sharding, trained beside an eager twin."""
     eager, model = sharded(reshard, mp), sharded(reshard, mp)
@@ -139,29 +168,28 @@ def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False):
     model.layers = nn.ModuleList(cgraph.make_graphed(layer, sample, pool=shared)
                                  for layer in model.layers)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, model)]
-    for step in range(STEPS):
-        tokens, targets = batch(step, rank)
-        losses = [loss_of(m, tokens, targets) for m in (eager, model)]
-        for loss in losses:
-            loss.backward()
-        same(losses[1], losses[0], f"step {step} loss", rank, name)
-        for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
-            same(p.grad, q.grad, f"step {step} grad {k}", rank, name)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+    seen = {}  # from the second step on: the first one's grads come from its captures
+    train_beside(eager, model, opts, rank, name, lambda step: reduced_grads_seen(seen)
+                 if step else contextlib.nullcontext())
     for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
         same(p, q, f"parameter {k}", rank, name)
+    one_home = reshard is not False and dist.get_world_size() > 1
     homes = {id(home) for home in map(home_of, model.layers)}
-    if len(homes) != (DEPTH if reshard is False or dist.get_world_size() == 1 else 1):
+    if len(homes) != (1 if one_home else DEPTH):
         raise SystemExit(f"rank {rank} {name}: {len(homes)} parameter homes for {DEPTH} layers")
+    # Layers captured one by one into one pool make regular grad stores,
+    # shared by the layers lent one home; others compute their grads in place.
+    places = grad_places(model.layers, seen)
+    if set(places) != {1 if one_home and pool and not samples else DEPTH}:
+        raise SystemExit(f"rank {rank} {name}: each parameter's unsharded grads lay in "
+                         f"{places} places over {DEPTH} layers")
     replays = [layer.stats["forward"] for layer in model.layers]
     if min(replays) < STEPS - 1:
         raise SystemExit(f"rank {rank} {name}: the layers replayed {replays} times in {STEPS} "
                          f"steps, stats {[layer.stats for layer in model.layers]}")
     print(f"rank {rank} {name}: losses, grads and parameters equal to eager FSDP2 over "
-          f"{STEPS} steps, layers replayed {replays}, {len(homes)} parameter home(s): OK",
-          flush=True)
+          f"{STEPS} steps, layers replayed {replays}, {len(homes)} parameter home(s), unsharded "
+          f"grads in {places[0]} place(s) per parameter after the first step: OK", flush=True)
     for layer in model.layers:
         layer.reset()  # FSDP allocates its unsharded parameters itself again
     lenders = [p for layer in model.layers
@@ -169,6 +197,23 @@ def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False):
                if "alloc_all_gather_outputs" in p.__dict__]
     if lenders:
         raise SystemExit(f"rank {rank} {name}: {len(lenders)} parameters still homed after reset")
+
+
+def train_beside(eager, model, opts, rank, name, around_backward):
+    """STEPS steps of both twins, losses and sharded grads compared bitwise;
+    around_backward(step): a context the backwards run in."""
+    for step in range(STEPS):
+        tokens, targets = batch(step, rank)
+        losses = [loss_of(m, tokens, targets) for m in (eager, model)]
+        with around_backward(step):
+            for loss in losses:
+                loss.backward()
+        same(losses[1], losses[0], f"step {step} loss", rank, name)
+        for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+            same(p.grad, q.grad, f"step {step} grad {k}", rank, name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
 
 
 def whole_step(rank):

@@ -512,6 +512,45 @@ def test_outputs_and_grads_kept_from_a_shape_whose_memory_was_freed_keep_their_v
 
 
 
+def test_layers_captured_one_by_one_hold_no_input_grads_between_passes():
+    """A layer's input grad is a temporary of its backward graph from its
+    capture on (Note [Input grads freed at their capture] in
+    csrc/aten_pool.cpp): after the first pass and its backward, each more
+    layer has added its activations and output to the pool (18 MiB here,
+    kept until a later capture), not its input grad too (2 MiB more)."""
+    rows, width, hidden = 8192, 64, 256
+
+    def pool_allocated(depth):
+        layers = blocks(83, depth)
+        pool = cgraph.graph_pool_handle()
+        graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+        x = torch.randn(rows, width, device=CUDA, requires_grad=True)
+        outs = chain_and_backward(graphed, x, torch.randn(rows, width, device=CUDA),
+                                  lambda g: None)
+        torch.cuda.synchronize()
+        assert [g.num_graphs for g in graphed] == [1] * depth, graphed
+        allocated = sum(s["allocated_size"] for s in pool_segments(pool))
+        del outs
+        for g in graphed:
+            g.reset()
+        return allocated
+
+    per_layer = (pool_allocated(6) - pool_allocated(3)) / 3
+    kept = rows * (2 * hidden + width) * 4  # GELU's and the second Linear's inputs, the output
+    input_grad = rows * width * 4
+    assert abs(per_layer - kept) < input_grad / 2, (per_layer / 2**20, kept / 2**20)
+
+
+def test_an_input_grad_kept_past_the_next_forward_keeps_its_value():
+    """The grad of the first layer's input that a hook kept lies in memory
+    the next layer's forward capture took (Note [Input grads freed at their
+    capture]): that forward's next replay moves it out first, and it keeps
+    its value, as does the first layer's output kept alongside."""
+    graphed, _ = two_shapes_in_turn(84, steps=3, keep=lambda step: True, rows=(8192,))
+    stats = graphed[0].stats
+    assert stats["input_grads_copied"] == 2, stats  # once a step after the first
+
+
 def test_held_outputs_and_grads_in_freed_memory_move_out_before_a_warm_up_there():
     """The first shape's output and input grad from its second pass, which
     replayed into memory freed once the first pass was over, kept across a
