@@ -34,6 +34,11 @@ A: cgraph gives them a fixed home.  FSDP copies the all-gathered
    kept unsharded from its forward to its backward
    (``reshard_after_forward=False``) has a home of its own: the unsharded
    parameters FSDP holds through the pass anyway, held between steps too.
+   The layers sharing a home and one ``pool=`` share their unsharded grads'
+   memory as well, one store per parameter of the layout (Note [One grad
+   store per parameter] in csrc/aten_capture_backward.cpp): FSDP copies a
+   layer's grads into its reduce-scatter and drops them before the next
+   layer's backward, as eager frees them.
    Checked, never silently stale: each replay checks that every parameter
    is where the graph reads it (csrc/aten_replay.cpp, check_params), so a
    copy-out that did not go to the home raises; a shared home lent to a
