@@ -207,6 +207,9 @@ void Engine::allocate_grad_stores() {
     }
     p.store = grad_store_for(p.tensor, caller_stream, /*regular=*/!in_place);
     p.owns_store = !p.store && in_place;
+    if (p.store && !p.store->in_pool()) {  // found by its place in a home: by itself too
+      share_grad_store(p.tensor, caller_stream, p.store);
+    }
     if (!p.store && !p.owns_store) {
       c10::cuda::CUDAStreamGuard on_caller(caller_stream);
       p.store = std::make_shared<GradStore>(
@@ -241,14 +244,18 @@ void Engine::allocate_grad_stores() {
 //    parameter lent the same place in it, a store per parameter of one layer
 //    in place of one per parameter of every layer (0.28 GiB of bf16 grads on
 //    the sharded benchmark's 220M-parameter Llama).  Exact for the same
-//    reason: FSDP's post-backward copies a layer's unsharded grads into its
-//    reduce-scatter input on the stream the graphs replay on, then sets
-//    .grad to None, so the next layer's copy tail finds the store unheld;
-//    where FSDP keeps them (accumulating without reduce-scatter, in the
-//    parameters' dtype) the next layer finds it held and takes the general
-//    path into fresh memory, as eager allocates.  Only regular stores: a pool
-//    store lies in its first layer's pool, which the other layers' backwards
-//    may write only once that layer's pass is over.
+//    reason: FSDP's post-backward, which runs as soon as a layer's backward
+//    has its input grads, sets .grad to None and copies the grads into its
+//    reduce-scatter input on the stream the graphs replay on, then drops
+//    them, so the next layer's copy tail finds the store unheld; where
+//    somebody still holds them (FSDP accumulating without reduce-scatter in
+//    the parameters' dtype, a post-backward deferred to the root's final
+//    callback) the next layer finds it held and takes the general path into
+//    fresh memory, as eager allocates.  Only regular stores are found so: a
+//    pool store lies in its first layer's pool, which the other layers'
+//    backwards may write only once that layer's pass is over.  A regular
+//    store is found by the parameter too, as any store is, by graphs of the
+//    layer that compute grads in place (a second pass's, captured elsewhere).
 namespace {
 
 // The registry of Note [One grad store per parameter]: a store per
@@ -278,10 +285,11 @@ GradStores& grad_stores() {
 }
 
 // A regular store of a parameter lent an FSDP home is found by its place in
-// the home; any other store by the parameter.
+// the home (an empty parameter has none of its own); any store by the
+// parameter.
 GradStores::Key key_of(const at::Tensor& param, const c10::cuda::CUDAStream& stream,
                        bool regular) {
-  const void* home = regular ? lent_from_home(param) : nullptr;
+  const void* home = regular && param.numel() > 0 ? lent_from_home(param) : nullptr;
   if (home != nullptr) {
     return {home, true, stream.id()};
   }
@@ -316,7 +324,10 @@ void share_grad_store(const at::Tensor& param, const c10::cuda::CUDAStream& stre
                       const std::shared_ptr<GradStore>& store) {
   GradStores& r = grad_stores();
   std::lock_guard<std::mutex> lock(r.mutex);
-  r.stores[key_of(param, stream, !store->in_pool())] = store;
+  r.stores[key_of(param, stream, /*regular=*/false)] = store;
+  if (!store->in_pool()) {
+    r.stores[key_of(param, stream, /*regular=*/true)] = store;
+  }
 }
 
 // During the backward capture, once it has the parameter grads: the two
@@ -358,9 +369,11 @@ void CapturedBackward::note_tails(SegmentId copy, SegmentId add, size_t num_grad
 // of the backward graph (Note [Incoming grads] in aten_backward.cpp).  The
 // graph keeps their addresses; the pool gets their blocks back, for later
 // captures.  An input's grad that is one of them (an output's grad passed
-// straight through) keeps its block allocated, as input grads do; a
-// parameter's grad there is a non-owning view, a temporary read only
-// within the replay and right after it, as it is elsewhere.
+// straight through) keeps its block allocated as input grads do (until
+// free_input_grads frees them all: Note [Input grads freed at their capture]
+// in aten_pool.cpp); a parameter's grad there is a non-owning view, a
+// temporary read only within the replay and right after it, as it is
+// elsewhere.
 void Engine::release_grad_in_buffers() {
   for (Output& o : outputs) {
     if (o.grad_in) {

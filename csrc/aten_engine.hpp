@@ -36,8 +36,8 @@
 // aten_capture_backward.cpp, aten_warmup.cpp) and, after capture, only by:
 // Input::handed and `generation` in aten_replay.cpp; latest_node in
 // aten_pool.cpp (under the ledger's mutex); the static tensors, swapped for
-// non-owning views once their pass is over and Input::owner set, in
-// aten_pool.cpp; everything, at reset, in aten_reset.cpp; `stats` by the
+// non-owning views once their pass is over (input grads at their capture)
+// and Input::owner set, in aten_pool.cpp; everything, at reset, in aten_reset.cpp; `stats` by the
 // path each counter counts.  The static tensors (Input, Param, Output) stay
 // the engine's, not a record's: capture makes them, the pool's rules swap
 // their memory, replays hand them out, so a record of their own would have
@@ -520,9 +520,10 @@ class PoolMember {
   // capture number `at`): Note [Static memory freed once its pass is over].
   bool freed_statics() const { return statics_freed_at_ != UINT64_MAX; }
   bool freed_statics_before(uint64_t at) const { return statics_freed_at_ < at; }
-  // Whether its input grads were freed for later captures (before capture
-  // number `at`): at its backward capture (Note [Input grads freed at their
-  // capture]), or with the rest once its pass was over.
+  // Whether its input grads may have been freed for later captures (before
+  // capture number `at`): at its backward capture (Note [Input grads freed
+  // at their capture]), or when any of its static memory was freed once its
+  // pass was over.
   bool freed_grads() const { return grads_freed_at() != UINT64_MAX; }
   bool freed_grads_before(uint64_t at) const { return grads_freed_at() < at; }
 

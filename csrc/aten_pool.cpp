@@ -74,9 +74,10 @@ namespace cgraph {
 //    over].  Checked with CGRAPH_DEBUG=1: reads_in_place_from_owner() at each forward replay.
 //
 // Note [Static memory freed once its pass is over]
-// Q: Layers captured one by one into one pool keep every graph's static outputs and input
-//    grads allocated while the graphs live, each new shape's beside the older shapes'
-//    (varlen's pool grew 24 MiB over three new shapes).  Must they stay allocated?
+// Q: Layers captured one by one into one pool keep every graph's static outputs (and input
+//    grads that were not freed at their capture) allocated while the graphs live, each new
+//    shape's beside the older shapes' (varlen's pool grew 24 MiB over three new shapes).  Must
+//    they stay allocated?
 // A: Only from a replay to the end of its pass, as the activations: then only a caller who
 //    kept one reads them, and the engine's next replay writes them afresh.  So
 //    release_kept_activations frees them too for engines whose pass is over (pass_finished,
@@ -134,7 +135,7 @@ struct PoolLedger {
   std::atomic<uint64_t> latest_backward{0};
   // The earliest capture number its engines' statics or input grads were freed at: a replay
   // of a graph captured before it has no freed memory to look after either.
-  std::atomic<uint64_t> earliest_statics_freed{UINT64_MAX};
+  std::atomic<uint64_t> earliest_freed{UINT64_MAX};
   // The pool stores of parameter grads whose first engine is gone while
   // later graphs share them (while it lives, it releases them itself):
   // Note [Parameter gradients].
@@ -239,8 +240,8 @@ void PoolMember::note_statics_freed(uint64_t at) {
 void PoolMember::note_input_grads_freed() {
   std::lock_guard<std::mutex> hold(ledger_->mutex);
   input_grads_freed_at_ = ++ledger_->captures;  // later captures may take them
-  ledger_->earliest_statics_freed.store(
-      std::min(ledger_->earliest_statics_freed.load(), input_grads_freed_at_));
+  ledger_->earliest_freed.store(
+      std::min(ledger_->earliest_freed.load(), input_grads_freed_at_));
 }
 
 void PoolMember::forget_history() noexcept {
@@ -359,7 +360,7 @@ void Engine::move_later_outputs(cg_pass pass, at::ArrayRef<at::Tensor> consumed)
   const uint64_t at = member.captured_at(pass);
   const auto& ledger = member.ledger();
   if (!ledger || (ledger->latest_forward.load() <= at && !later_backward_of_another(at) &&
-                  ledger->earliest_statics_freed.load() > at)) {
+                  ledger->earliest_freed.load() > at)) {
     return;
   }
   c10::SmallVector<std::shared_ptr<Engine>, 8> outputs_of, grads_of;
@@ -580,7 +581,7 @@ void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engi
     for (const StaticRef& r : freed) {  // before the memory is free
       r.engine->member.note_statics_freed(at);
     }
-    ledger.earliest_statics_freed.store(std::min(ledger.earliest_statics_freed.load(), at));
+    ledger.earliest_freed.store(std::min(ledger.earliest_freed.load(), at));
   }
   std::vector<at::Tensor> dropped;  // after every replacement: a destructor may run Python
   dropped.reserve(freed.size());

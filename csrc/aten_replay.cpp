@@ -487,8 +487,9 @@ void Engine::release_earlier_outputs() {
 //    (temporaries of its own forward capture and of earlier captures), so the engine's own
 //    replays may overwrite it, and so may graphs captured before that backward capture:
 //    within one backward when layers are captured one by one (Note [Layers captured one by
-//    one into one pool] in aten_pool.cpp), or once the buffer was freed (Note [Static memory
-//    freed once its pass is over]).  The node it flows to mostly reads it as it starts,
+//    one into one pool] in aten_pool.cpp), or once the buffer was freed, graphs captured after
+//    the free too (Notes [Input grads freed at their capture] and [Static memory freed once
+//    its pass is over]).  The node it flows to mostly reads it as it starts,
 //    nobody holding it then; but a hook may keep it, torch.autograd.grad return it, and
 //    autograd hold it in a node's input buffer until that node's other grads arrive (with
 //    h2 = B(h1) and C(h2 + h1), the grad C hands back waits for h1's node while B's backward
