@@ -37,11 +37,12 @@
 // Input::handed and `generation` in aten_replay.cpp; latest_node in
 // aten_pool.cpp (under the ledger's mutex); the static tensors, swapped for
 // non-owning views once their pass is over (input grads at their capture)
-// and Input::owner set, in aten_pool.cpp; everything, at reset, in aten_reset.cpp; `stats` by the
-// path each counter counts.  The static tensors (Input, Param, Output) stay
-// the engine's, not a record's: capture makes them, the pool's rules swap
-// their memory, replays hand them out, so a record of their own would have
-// to open its writes to those three files anyway.
+// and Input::owner set, in aten_pool.cpp; everything, at reset, in
+// aten_reset.cpp; `stats` by the path each counter counts.  The static
+// tensors (Input, Param, Output) stay the engine's, not a record's: capture
+// makes them, the pool's rules swap their memory, replays hand them out, so
+// a record of their own would have to open its writes to those three files
+// anyway.
 #pragma once
 
 #include <ATen/ATen.h>
