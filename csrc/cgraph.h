@@ -119,9 +119,10 @@ int cg_can_allocate_all_from_a_pool(int *out);
 
 /* For a training step's eager call (cgraph/_step.py), after
  * cg_setup_begin: every allocation on the device, on any stream but the
- * caller's, comes from `pool` until cg_setup_end; the session holds a reference to the pool until
- * then (Note [A step's warm-up in its pool] in aten_setup.cpp).  0, or -1
- * with an exception set. */
+ * caller's and the legacy default stream, comes from `pool` until
+ * cg_setup_end, which waits for the device first; the session holds a
+ * reference to the pool until then (Note [A step's warm-up in its pool] in
+ * aten_setup.cpp).  0, or -1 with an exception set. */
 int cg_setup_allocate_all_from(cg_setup *setup, cg_pool pool);
 
 /* Takes a reference to `pool` on `device`, making the pool if it is new: it

@@ -384,10 +384,10 @@ PyDoc_STRVAR(cgm_call_in_pool_doc,
 "call_in_pool(device, pool, fn, args, kwargs) -> object\n\n"
 "fn(*args, **kwargs) as a capture would run it, without capturing: after the\n"
 "device's work, on the capture stream, every allocation on the device but the\n"
-"caller stream's coming from `pool` (which must be held: hold_pool), and the\n"
-"caller's stream back\n"
-"after the device's work.  For a training step's warm-up: Note [A step's\n"
-"warm-up in its pool] in aten_setup.cpp.  Not a public API.");
+"caller's and the legacy stream's coming from `pool` (which must be held:\n"
+"hold_pool); the caller's stream is current again after the device's work.\n"
+"For a training step's warm-up: Note [A step's warm-up in its pool] in\n"
+"aten_setup.cpp.  Not a public API.");
 
 /* Returns a NEW reference (fn's result), or NULL with an exception set. */
 static PyObject *
