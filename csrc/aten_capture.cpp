@@ -5,6 +5,9 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/functions/utils.h>
+
+#include <algorithm>
 
 namespace cgraph {
 
@@ -85,6 +88,48 @@ void Engine::capture_end(cg_pass pass) {
 void Engine::abandon_capture(cg_pass pass) noexcept {
   rng.capture_end();  // first: abandon() may repair the default generator
   graph(pass).abandon();
+}
+
+namespace {
+
+// The node of a capture view (Engine::capture_inputs): the view's grad is
+// the sample's, passed on as it is.
+struct CaptureViewBackward final : torch::autograd::Node {
+  explicit CaptureViewBackward(torch::autograd::edge_list&& next) : Node(std::move(next)) {}
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    return std::move(grads);
+  }
+  std::string name() const override { return "cgraph::CaptureViewBackward"; }
+};
+
+}  // namespace
+
+// Note [An output freed once its reader has captured] (aten_pool.cpp): the
+// forward capture of a callable reading an input in place calls it with a
+// view of that memory made for this capture alone (a storage of its own, a
+// grad that flows on to the sample), held weakly by the engine, so that
+// whether anything kept the argument shows afterwards.  The warm-up calls
+// passed the sample itself; the spec keeps it.
+std::vector<at::Tensor> Engine::capture_inputs() {
+  std::vector<at::Tensor> args;
+  if (std::none_of(inputs.begin(), inputs.end(), [](const Input& in) { return in.in_place; })) {
+    return args;
+  }
+  for (Input& in : inputs) {
+    if (!in.in_place) {
+      args.push_back(in.buffer);
+      continue;
+    }
+    at::Tensor view = non_owning_view(in.buffer);
+    if (in.buffer.requires_grad()) {
+      const NodePtr node = make_node<CaptureViewBackward>(
+          torch::autograd::edge_list{torch::autograd::impl::gradient_edge(in.buffer)});
+      torch::autograd::set_history(view, node);
+    }
+    in.capture_view = view.storage().getWeakStorageImpl();
+    args.push_back(std::move(view));
+  }
+  return args;
 }
 
 void Engine::set_outputs(std::vector<at::Tensor> outs) {

@@ -403,10 +403,13 @@ GradIn Engine::capture_grad_in(const at::Tensor& buffer) {
 // warn (and sync) when a later call's backward reaches them.  With
 // keep_activations it is what holds the activations, until released (Note
 // [Layers captured one by one into one pool]); no static output has it.
+// The outputs' nodes hold it, not the outputs, whose memory may then go
+// back to the pool before the activations do (Note [An output freed once
+// its reader has captured], aten_pool.cpp).
 void Engine::forget_capture_autograd() {
   for (Output& o : outputs) {
-    if (member.keeps_activations() && backward.exists() && o.requires_grad) {
-      member.keep_history(o.buffer);
+    if (member.keeps_activations() && backward.exists() && o.requires_grad && o.buffer.grad_fn()) {
+      member.keep_history(o.buffer.grad_fn());
     }
     o.buffer = o.buffer.detach();
   }

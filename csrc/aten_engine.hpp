@@ -36,8 +36,9 @@
 // aten_capture_backward.cpp, aten_warmup.cpp) and, after capture, only by:
 // Input::handed and `generation` in aten_replay.cpp; latest_node in
 // aten_pool.cpp (under the ledger's mutex); the static tensors, swapped for
-// non-owning views once their pass is over (input grads at their capture)
-// and Input::owner set, in aten_pool.cpp; everything, at reset, in
+// non-owning views once nothing reads them (outputs once their readers have
+// captured, input grads at their capture, the rest once their pass is
+// over) and Input::owner set, in aten_pool.cpp; everything, at reset, in
 // aten_reset.cpp; `stats` by the path each counter counts.  The static
 // tensors (Input, Param, Output) stay the engine's, not a record's: capture
 // makes them, the pool's rules swap their memory, replays hand them out, so
@@ -179,9 +180,15 @@ struct Input {
   // Where the sample is a non-owning view of another graph's static output
   // (static_output_in: the spec keeps the sample, and must not keep the
   // memory), what keeps that output allocated from before the capture until
-  // it is freed with the output (Note [Static memory freed once its pass is
-  // over]).
+  // it is freed with the output (Notes [Static memory freed once its pass is
+  // over] and [An output freed once its reader has captured]).
   at::Tensor owner;
+  // For an input read in place: the storage of the view its forward capture
+  // passed the callable instead of the sample (Engine::capture_inputs), held
+  // weakly.  Alive after the capture only where something kept that view:
+  // Note [An output freed once its reader has captured] (aten_pool.cpp).
+  std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> capture_view;
+  bool kept_by_capture() const { return capture_view && !capture_view->expired(); }
 };
 
 // The captures into one memory pool and their engines: Note [Captures that
@@ -518,7 +525,8 @@ class PoolMember {
   bool released_kept() const { return released_at_ != 0 && released_at_ != UINT64_MAX; }
   bool holds_activations() const { return !kept_history_.empty(); }
   // Whether static memory of the engine was freed for later captures (before
-  // capture number `at`): Note [Static memory freed once its pass is over].
+  // capture number `at`): Notes [Static memory freed once its pass is over]
+  // and [An output freed once its reader has captured].
   bool freed_statics() const { return statics_freed_at_ != UINT64_MAX; }
   bool freed_statics_before(uint64_t at) const { return statics_freed_at_ < at; }
   // Whether its input grads may have been freed for later captures (before
@@ -533,10 +541,10 @@ class PoolMember {
   void note_capture(Engine& engine, at::cuda::MempoolId_t pool, cg_pass pass);
   // At the backward capture, with keep_activations: an output with its
   // autograd history, which holds the activations allocated until released.
-  void keep_history(at::Tensor output);
+  void keep_history(NodePtr node);
   // Releases the kept activations as capture number `at` (under the
   // ledger's mutex); the caller drops what it returns outside the mutex.
-  std::vector<at::Tensor> release_kept(uint64_t at);
+  std::vector<NodePtr> release_kept(uint64_t at);
   // Static memory of the engine was freed as capture number `at` (under the
   // ledger's mutex).
   void note_statics_freed(uint64_t at);
@@ -551,7 +559,7 @@ class PoolMember {
   // When the forward capture's activations became free for later captures:
   // at the backward capture, or, with keep_activations, once released.
   uint64_t released_at_ = 0;
-  std::vector<at::Tensor> kept_history_;  // with keep_activations, until released
+  std::vector<NodePtr> kept_history_;  // with keep_activations, until released
   uint64_t grads_freed_at() const { return std::min(statics_freed_at_, input_grads_freed_at_); }
 
   uint64_t statics_freed_at_ = UINT64_MAX;
@@ -681,6 +689,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
   void capture_begin(cg_pass pass, at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode);
   void capture_end(cg_pass pass);
   void abandon_capture(cg_pass pass) noexcept;
+  // After capture_begin(CG_FORWARD): what to call the callable with, where
+  // an input is read in place; empty where the samples serve as they are.
+  std::vector<at::Tensor> capture_inputs();
   void set_outputs(std::vector<at::Tensor> outs);
   void capture_backward(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode);
 

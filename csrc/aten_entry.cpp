@@ -206,6 +206,28 @@ void cg_engine_capture_abort(cg_engine* engine, cg_pass pass) {
   PyErr_Restore(type, value, traceback);
 }
 
+// A NEW reference (cgraph.h says to what), or nullptr with an exception set.
+PyObject* cg_engine_capture_inputs(cg_engine* engine) {
+  HANDLE_TH_ERRORS
+  std::vector<at::Tensor> inputs = engine->ptr->capture_inputs();
+  if (inputs.empty()) {
+    Py_RETURN_NONE;
+  }
+  THPObjectPtr tuple(PyTuple_New(static_cast<Py_ssize_t>(inputs.size())));
+  if (!tuple) {
+    throw python_error();
+  }
+  for (size_t k = 0; k < inputs.size(); ++k) {
+    PyObject* input = THPVariable_Wrap(std::move(inputs[k]));
+    if (!input) {
+      throw python_error();
+    }
+    PyTuple_SET_ITEM(tuple.get(), static_cast<Py_ssize_t>(k), input);
+  }
+  return tuple.release();
+  END_HANDLE_TH_ERRORS_RET(nullptr)
+}
+
 int cg_engine_set_outputs(cg_engine* engine, PyObject* outputs) {
   HANDLE_TH_ERRORS
   engine->ptr->set_outputs(cgraph::unpack_tensors(outputs, "output"));

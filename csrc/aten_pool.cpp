@@ -27,11 +27,11 @@ namespace cgraph {
 //    - What H handed out: its outputs, allocated at its forward capture, and its input grads
 //      and param.grad, at its backward capture (Note [Outputs of earlier calls] and Note
 //      [Grads handed to autograd] in aten_replay.cpp; Note [Parameter gradients] in
-//      aten_backward.cpp).  Kept allocated (until H's pass is over: Note [Static memory freed
-//      once its pass is over]), they are written only by H's replays and graphs captured
-//      before them, so before G replays, forward or backward (later engines may have replayed
-//      since G's forward), what was allocated after G's capture and is still held moves to
-//      memory of its own (release_later_outputs).
+//      aten_backward.cpp).  Kept allocated (until freed: Notes [Static memory freed once its
+//      pass is over] and [An output freed once its reader has captured]), they are written
+//      only by H's replays and graphs captured before them, so before G replays, forward or
+//      backward (later engines may have replayed since G's forward), what was allocated after
+//      G's capture and is still held moves to memory of its own (release_later_outputs).
 //    PoolLedger numbers the captures, lists the engines and keeps the parameter grads' stores
 //    gone engines left to others.  torch leaves both rules to the user ("replay in capture
 //    order"); cgraph runs a forward that may not replay (may_replay_forward) eagerly or
@@ -46,7 +46,7 @@ namespace cgraph {
 //    are still to run.  How can the next layer's capture share the pool without taking the
 //    memory of this layer's activations, which its backward will read?
 // A: These captures keep their activations (keep_activations): the backward capture retains
-//    the forward's autograd graph and the engine holds its outputs with their history
+//    the forward's autograd graph and the engine holds its outputs' autograd nodes
 //    (PoolMember::keep_history), so no later capture takes those blocks.  The next layer's
 //    may take this backward capture's temporaries: that layer is done with its activations
 //    and grad buffers when this backward replays (after its own), and its outputs and grads
@@ -81,7 +81,8 @@ namespace cgraph {
 // A: Only from a replay to the end of its pass, as the activations: then only a caller who
 //    kept one reads them, and the engine's next replay writes them afresh.  So
 //    release_kept_activations frees them too for engines whose pass is over (pass_finished,
-//    free_statics); the graphs keep the addresses (non-owning views), and later captures take
+//    free_statics; an output mostly went earlier: Note [An output freed once its reader has
+//    captured]); the graphs keep the addresses (non-owning views), and later captures take
 //    the blocks as they take temporaries.  Exact because:
 //    - Graphs captured after the free may write the blocks: before one replays, what the
 //      engine handed out and is still held moves out, as for an engine captured after it
@@ -92,19 +93,46 @@ namespace cgraph {
 //    - An output the next layer reads in place (Note [A layer reading the one before it in
 //      place]) is held by that layer's engine too from before its capture (Input::owner, set
 //      by claim_read_in_place, since the sample the spec keeps is a non-owning view), so it
-//      is freed only once that pass is over too.  No capture reads in place an output of an
-//      engine that freed memory (static_output_in), nor does an engine free any at the
-//      release of a capture about to read its output: that capture could take the very block
-//      it reads or, if later, move its own argument out as a freed engine's.
+//      is freed only once that layer is done with it too.  No capture reads in place an
+//      output of an engine that freed memory (static_output_in), nor does an engine free any
+//      at the release of a capture about to read its output: that capture could take the
+//      very block it reads or, if later, move its own argument out as a freed engine's.
 //    - An engine that freed memory moves out what the caller still holds of it as it goes
 //      (~Engine): nothing keeps that memory then, and the pool may go with the engine.
 //    A storage is freed only when the engines' own references are all it has: memory anybody
 //    else holds stays allocated (an output the caller kept, a module's buffer returned as an
 //    output, an input buffer, which may lie outside the pool), as does that of
-//    kept_outputs='alias', handed out untracked.  Checked: pass_finished() of every engine
+//    kept_outputs='alias', handed out untracked.  Checked: past_capture() of every engine
 //    whose memory free_statics frees, always; a capture reading freed memory in place is
 //    refused (note_inputs_in_place); with CGRAPH_DEBUG=1, held_where_written() and
 //    reads_in_place_from_owner() at replay.
+//
+// Note [An output freed once its reader has captured]
+// Q: Even so, a pass of layers captured one by one held every layer's output beside the next
+//    layers' activations (the sharded benchmark's twelve decoder layers: 0.75 GiB at a large
+//    batch), where eager frees each once the next layer has read it.  Must they stay so long?
+// A: Only while somebody may read them: the callers, the layer reading the output in place
+//    (its forward), and a backward that saved it.  So release_kept_activations frees an
+//    engine's outputs once its backward is captured (past_capture), nobody else holds them,
+//    and the layer reading one in place is done with it: captured too, and its capture kept
+//    nothing of it (Input::capture_view expired).  Exact because:
+//    - The kept activations are the outputs' autograd nodes, not the outputs
+//      (forget_capture_autograd): what the engine's own backward saved of an output holds
+//      its storage, so the output stays.
+//    - The reader's callable ran its forward capture on a view of its own (capture_inputs,
+//      aten_capture.cpp): a storage made for that capture alone, passing grads through to the
+//      sample.  Whatever its autograd saved, a module or a closure kept of the argument, or an
+//      output that is a view of it, keeps that storage alive; a weak reference tells.  (The
+//      sample itself cannot tell: the spec keeps it, and autograd's accumulator of its grad.)
+//    - Graphs captured after the free may write the blocks, in a pass after the reader's
+//      forward: before one replays, a held output moves out (freed_statics_before, as in
+//      Note [Static memory freed once its pass is over]); a caller keeping an output across
+//      them (a skip connection) passes the moved copy on, which misses the graph reading it
+//      in place and takes another.  The graphs captured before the free that write the block
+//      (the engine's forward) replay only while no later capture's backward is pending
+//      (may_replay_forward), as for any temporaries.
+//    Only the engine whose output it is counts as having freed memory: freeing the reader's
+//    Input::owner moves nothing of the reader's.  Checked as in the Note above.
 //
 // Note [Input grads freed at their capture]
 // Q: A layer captured one by one into a shared pool kept the grads its backward graph computes
@@ -223,12 +251,12 @@ void PoolMember::note_capture(Engine& engine, at::cuda::MempoolId_t pool, cg_pas
   }
 }
 
-void PoolMember::keep_history(at::Tensor output) {
+void PoolMember::keep_history(NodePtr node) {
   CG_INVARIANT(keep_activations_, "activations kept by an engine not captured to keep them.");
-  kept_history_.push_back(std::move(output));
+  kept_history_.push_back(std::move(node));
 }
 
-std::vector<at::Tensor> PoolMember::release_kept(uint64_t at) {
+std::vector<NodePtr> PoolMember::release_kept(uint64_t at) {
   released_at_ = at;  // later captures may take them
   return std::exchange(kept_history_, {});
 }
@@ -491,34 +519,48 @@ bool pass_finished(const Engine& e) {
          e.kept_outputs != CG_KEEP_ALIAS && e.member.released_kept() && !e.backward_pending();
 }
 
+// Whether engine `e` captured its backward keeping its activations: its
+// outputs need no longer stay allocated, only what its pending backward
+// reads (Note [An output freed once its reader has captured]).
+bool past_capture(const Engine& e) {
+  return e.alive() && e.backward.exists() && e.member.keeps_activations() &&
+         e.kept_outputs != CG_KEEP_ALIAS && e.member.captured_at(CG_BACKWARD) != 0;
+}
+
 // A reference an engine keeps to static memory, which freeing that memory
 // replaces with a non-owning view.
 struct StaticRef {
   c10::StorageImpl* storage;
   at::Tensor* tensor;
   Engine* engine;
-  bool freeable;  // an output, input grad or in-place input of a pass that is over
+  // An output of an engine past its capture, one read in place by an engine
+  // done with it, an input grad or in-place input of one whose pass is over.
+  bool freeable;
+  bool owner;  // Input::owner: the memory is another engine's output
 };
 
 // The references `e` keeps to memory that is still its own (not a
-// non-owning view already).
+// non-owning view already).  Its outputs stay while a capture about to read
+// them (`read_now`) could take their blocks.
 void collect_static_refs(Engine& e, bool read_now, std::vector<StaticRef>& refs) {
   const bool over = pass_finished(e) && !read_now;
-  const auto add = [&](at::Tensor& t, bool freeable) {
+  const bool captured = past_capture(e);
+  const auto add = [&](at::Tensor& t, bool freeable, bool owner) {
     if (t.defined() && t.has_storage() && !is_non_owning_view(t)) {
-      refs.push_back({t.storage().unsafeGetStorageImpl(), &t, &e, over && freeable});
+      refs.push_back({t.storage().unsafeGetStorageImpl(), &t, &e, freeable, owner});
     }
   };
   for (Output& o : e.outputs) {
-    add(o.buffer, true);
+    add(o.buffer, captured && !read_now, false);
   }
   for (Input& in : e.inputs) {
     if (over && !alias_may_be_held(in.handed)) {
       in.handed = at::Tensor();  // the engine's own alias keeps the grad's memory
     }
-    add(in.buffer, in.in_place);  // a copied-in buffer may lie outside the pool
-    add(in.owner, true);
-    add(in.grad, true);
+    add(in.buffer, over && in.in_place, false);  // a copied-in buffer may lie outside the pool
+    // Its forward replay reads it, its backward only where its capture kept the view.
+    add(in.owner, over || (captured && !in.kept_by_capture()), true);
+    add(in.grad, over, false);
   }
 }
 
@@ -547,10 +589,11 @@ bool only_freeable_refs(const StaticRef* first, const StaticRef* last) {
   return first->tensor->storage().use_count() == impls.size();
 }
 
-// Note [Static memory freed once its pass is over]: the memory of `engines`
-// that only their references hold, where every engine holding it has its
-// pass over, goes back to the pool; none of the engines in `read_now`, whose
-// outputs a capture is about to read in place.
+// Notes [Static memory freed once its pass is over] and [An output freed
+// once its reader has captured]: the memory of `engines` that only their
+// references hold, each of them freeable, goes back to the pool; not the
+// outputs of the engines in `read_now`, which a capture is about to read in
+// place.
 void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engines,
                   const std::vector<const Engine*>& read_now) {
   std::vector<StaticRef> refs, freed;
@@ -571,15 +614,17 @@ void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engi
     return;
   }
   for (const StaticRef& r : freed) {
-    CG_INVARIANT(pass_finished(*r.engine), "static memory freed of an engine whose pass is "
-                 "not over (Note [Static memory freed once its pass is over]).");
+    CG_INVARIANT(past_capture(*r.engine), "static memory freed of an engine whose backward "
+                 "was not captured (Note [An output freed once its reader has captured]).");
   }
   uint64_t at = 0;
   {
     std::lock_guard<std::mutex> hold(ledger.mutex);
     at = ++ledger.captures;  // later captures may take the memory
     for (const StaticRef& r : freed) {  // before the memory is free
-      r.engine->member.note_statics_freed(at);
+      if (!r.owner) {  // a reader's outputs stay where they are
+        r.engine->member.note_statics_freed(at);
+      }
     }
     ledger.earliest_freed.store(std::min(ledger.earliest_freed.load(), at));
   }
@@ -592,9 +637,9 @@ void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engi
 
 // Each input of `capturing` that static_output_in made, a non-owning view of
 // a static output of the pool, gets that output's memory as its owner: the
-// memory its capture reads stays allocated, and stays so until its pass is
-// over too (Note [Static memory freed once its pass is over]).  Returns the
-// engines whose outputs they read.
+// memory its capture reads stays allocated, and stays so until it is done
+// with it too (Note [An output freed once its reader has captured]).
+// Returns the engines whose outputs they read.
 std::vector<const Engine*> claim_read_in_place(PoolLedger& ledger,
                                                at::ArrayRef<Engine*> capturing) {
   std::vector<const Engine*> read;
@@ -618,12 +663,12 @@ std::vector<const Engine*> claim_read_in_place(PoolLedger& ledger,
 
 void release_kept_activations(at::cuda::MempoolId_t pool, at::ArrayRef<Engine*> capturing) {
   const std::shared_ptr<PoolLedger> ledger = ledger_of(pool, /*make=*/false);
-  std::vector<at::Tensor> released;
+  std::vector<NodePtr> released;
   c10::SmallVector<std::shared_ptr<Engine>, 8> engines;
   if (ledger) {
     for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
       if (h->member.holds_activations() && !h->backward_pending()) {
-        std::vector<at::Tensor> history = h->member.release_kept(++ledger->captures);
+        std::vector<NodePtr> history = h->member.release_kept(++ledger->captures);
         std::move(history.begin(), history.end(), std::back_inserter(released));
       }
       engines.push_back(h);

@@ -89,9 +89,11 @@ void Engine::tear_down() noexcept {
 // Held outputs and grads get memory of their own first where the ledger
 // would no longer move them out of the way of a pool that other graphs still
 // replay into, or where they do not keep their memory allocated: memory
-// freed once the pass was over, input grads freed at their capture, or read
-// in place and kept by Input::owner (Notes [Static memory freed once its
-// pass is over] and [Input grads freed at their capture], aten_pool.cpp).
+// freed once the pass was over or once the readers captured, input grads
+// freed at their capture, or read in place and kept by Input::owner (Notes
+// [Static memory freed once its pass is over], [An output freed once its
+// reader has captured] and [Input grads freed at their capture],
+// aten_pool.cpp).
 // Not at exit, where nothing replays.
 Engine::~Engine() {
   if (alive_ && !interpreter_finalizing() && (shares_pool_with_others() || borrows_memory())) {

@@ -24,7 +24,8 @@
  *                 if it still has: raise CaptureError("warmup_state")
  *             for s, e in zip(specs, engines):            # forwards 1..N
  *                 with e.capture(FORWARD, pool):
- *                     out = s.target()(*s.args, **s.kwargs)
+ *                     args, kwargs = e.capture_call(s)  # an input read in place:
+ *                     out = s.target()(*args, **kwargs)  # a view made for it
  *                 e.set_outputs(tree_leaves(out))
  *             for e in reversed(engines):                # backwards N..1
  *                 e.capture_backward(pool)
@@ -502,6 +503,80 @@ call_sample(const session *s, Py_ssize_t i)
                          PyDict_GET_SIZE(spec->kwargs) ? spec->kwargs : NULL);
 }
 
+/* The (args, kwargs) of a call of `spec` with `tensors` for its tensor
+ * leaves and its constants where they were.  Returns a NEW reference to a
+ * 2-tuple, or NULL with an exception set. */
+static PyObject *
+rebuild_call(const cg_state *state, const cg_spec *spec, PyObject *tensors)
+{
+    Py_ssize_t nt = PyTuple_GET_SIZE(tensors), nc = PyTuple_GET_SIZE(spec->constants);
+    Py_ssize_t t = 0, c = 0;
+    PyObject *leaves = PyList_New(nt + nc), *call;
+
+    for (Py_ssize_t k = 0; leaves != NULL && k < nt + nc; k++) {
+        /* (position, name, value), in leaf order */
+        PyObject *constant = c < nc ? PyTuple_GET_ITEM(spec->constants, c) : NULL;
+        PyObject *leaf;
+        if (constant != NULL && PyLong_AsSsize_t(PyTuple_GET_ITEM(constant, 0)) == k) {
+            leaf = PyTuple_GET_ITEM(constant, 2);
+            c++;
+        } else if (t < nt) {
+            leaf = PyTuple_GET_ITEM(tensors, t++);
+        } else {
+            Py_CLEAR(leaves);
+            PyErr_SetString(PyExc_RuntimeError, "cgraph: a spec's constants and tensors "
+                            "do not make its leaves");
+            break;
+        }
+        PyList_SET_ITEM(leaves, k, Py_NewRef(leaf));
+    }
+    if (leaves == NULL || PyErr_Occurred()) {
+        Py_XDECREF(leaves);
+        return NULL;
+    }
+    call = PyObject_CallFunctionObjArgs(state->tree_unflatten, leaves, spec->in_spec, NULL);
+    Py_DECREF(leaves);
+    if (call != NULL && !(PyTuple_Check(call) && PyTuple_GET_SIZE(call) == 2)) {
+        Py_CLEAR(call);
+        PyErr_SetString(PyExc_RuntimeError, "cgraph: a spec's in_spec is not (args, kwargs)");
+    }
+    return call;
+}
+
+/* Calls callable i for its forward capture: with its samples, but an input
+ * read in place passed as the view the engine made for the capture
+ * (cg_engine_capture_inputs).  Returns a NEW reference, or NULL with an
+ * exception set. */
+static PyObject *
+call_for_capture(const session *s, Py_ssize_t i)
+{
+    const cg_spec *spec = s->specs[i];
+    PyObject *tensors = cg_engine_capture_inputs(s->engines[i]), *call, *kwargs, *out;
+
+    if (tensors == NULL) {
+        return NULL;
+    }
+    if (tensors == Py_None) {
+        Py_DECREF(tensors);
+        return call_sample(s, i);
+    }
+    if (spec->flat) {
+        out = PyObject_Call(s->targets[i], tensors, NULL);
+        Py_DECREF(tensors);
+        return out;
+    }
+    call = rebuild_call(s->state, spec, tensors);
+    Py_DECREF(tensors);
+    if (call == NULL) {
+        return NULL;
+    }
+    kwargs = PyTuple_GET_ITEM(call, 1);
+    out = PyObject_Call(s->targets[i], PyTuple_GET_ITEM(call, 0),
+                        PyDict_Check(kwargs) && PyDict_GET_SIZE(kwargs) ? kwargs : NULL);
+    Py_DECREF(call);
+    return out;
+}
+
 /* One eager forward and backward of callable i: lazy initialization,
  * autotuning and allocator growth happen here, outside any capture.
  * 0 or -1. */
@@ -593,7 +668,7 @@ capture_forward(session *s, Py_ssize_t i)
     if (cg_engine_capture_begin(engine, CG_FORWARD, s->pool, s->mode, &failure) < 0) {
         return raise_capture_error(s, i, stages[CG_FORWARD], failure);
     }
-    out = call_sample(s, i);
+    out = call_for_capture(s, i);
     if (out == NULL) {
         cg_engine_capture_abort(engine, CG_FORWARD);
         return raise_capture_error(s, i, stages[CG_FORWARD], failure);

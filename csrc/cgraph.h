@@ -207,6 +207,14 @@ PyObject *cg_autograd_leaves(PyObject *tensors);
 int cg_engine_capture_begin(cg_engine *engine, cg_pass pass, cg_pool pool,
                             cg_capture_mode mode, cg_failure *failure);
 
+/* After cg_engine_capture_begin(CG_FORWARD): the tensors to call the
+ * callable with, where they are not the samples: a NEW reference to a tuple,
+ * a tensor per static input, each input read in place passed as a view made
+ * for this capture (Note [An output freed once its reader has captured] in
+ * aten_pool.cpp); a NEW reference to None where the samples serve as they
+ * are; NULL with an exception set. */
+PyObject *cg_engine_capture_inputs(cg_engine *engine);
+
 /* Ends the capture begun by cg_engine_capture_begin.  On failure the capture
  * is abandoned, its memory released and *failure set; among the failures:
  * the callable seeded a random generator or drew host-side random numbers

@@ -541,6 +541,110 @@ def test_layers_captured_one_by_one_hold_no_input_grads_between_passes():
     assert abs(per_layer - kept) < input_grad / 2, (per_layer / 2**20, kept / 2**20)
 
 
+class Doubled(nn.Module):
+    """x * 2: autograd saves nothing of x for it."""
+
+    def forward(self, x):
+        return x * 2
+
+
+def test_a_layer_output_nobody_holds_goes_back_to_the_pool_once_its_reader_captured():
+    """Layers whose own autograd saves nothing of their input (a decoder
+    layer's first op is a norm casting it up), called as a decoder loop does
+    (h = layer(h), each output dropped once the next layer has read it):
+    once the layer reading an output in place has captured, that output's
+    memory goes back to the pool (Note [An output freed once its reader has
+    captured] in csrc/aten_pool.cpp), so each more layer adds its activations
+    (18 MiB here) and not its output too (2 MiB more).  A step that keeps
+    every output then gets each freed one moved out before a later layer's
+    forward replays over it.  Outputs and grads stay eager's, bitwise."""
+    rows, width, hidden = 8192, 64, 256
+
+    def pool_allocated(depth):
+        torch.manual_seed(85)
+        layers = [nn.Sequential(Doubled(), block(width, hidden)) for _ in range(depth)]
+        eager = copy.deepcopy(layers)
+        pool = cgraph.graph_pool_handle()
+        graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+        for step in range(3):
+            x = torch.randn(rows, width, device=CUDA, requires_grad=True)
+            x_e, up = twin(x), torch.randn(rows, width, device=CUDA)
+            keep = step == 2  # the last step keeps every output, the others the last
+            outs, outs_e = [x], [x_e]
+            for g, e in zip(graphed, eager):
+                out, out_e = g(outs[-1]), e(outs_e[-1])
+                outs, outs_e = (outs + [out], outs_e + [out_e]) if keep else ([out], [out_e])
+            (outs[-1] * up).sum().backward()
+            (outs_e[-1] * up).sum().backward()
+            for k, (out, out_e) in enumerate(zip(outs, outs_e)):
+                assert_equal(out, out_e, f"step {step}: output {k}")
+            assert_equal(x.grad, x_e.grad, f"step {step}: the input's grad")
+            check_grads_and_clear(layers, eager, step)
+            del outs, outs_e, out, out_e
+            if step == 0:
+                torch.cuda.synchronize()
+                allocated = sum(s["allocated_size"] for s in pool_segments(pool))
+        assert [g.num_graphs for g in graphed] == [1] * depth, graphed
+        for g in graphed:
+            g.reset()
+        return allocated
+
+    per_layer = (pool_allocated(6) - pool_allocated(3)) / 3
+    kept = rows * (width + 2 * hidden) * 4  # what autograd saved: both Linears' inputs, GELU's
+    output = rows * width * 4
+    assert abs(per_layer - kept) < output / 2, (per_layer / 2**20, kept / 2**20)
+
+
+class _ScaleKeepingInput(torch.autograd.Function):
+    """x * w, its backward reading x from a ctx attribute, out of autograd's
+    sight (no save_for_backward), as some hand-written Functions do."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.x, ctx.w = x, w
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.w, (g * ctx.x).sum(0)
+
+
+class ScaledGelu(nn.Module):
+    def __init__(self, width):
+        super().__init__()
+        self.w = nn.Parameter(torch.rand(width, device=CUDA) + 0.5)
+
+    def forward(self, x):
+        return F.gelu(_ScaleKeepingInput.apply(x, self.w))
+
+
+def test_an_output_whose_reader_keeps_it_for_its_backward_stays_allocated():
+    """Layers whose backward reads their input through a ctx attribute,
+    chained with one pool=: each reads the output before it in place, and
+    its capture kept that argument, so the output stays allocated until the
+    pass is over (Note [An output freed once its reader has captured] in
+    csrc/aten_pool.cpp); freed, the next layers' captures would take its
+    memory and the backward would read their values.  Grads bitwise
+    eager's."""
+    torch.manual_seed(86)
+    layers = [ScaledGelu(64) for _ in range(5)]
+    eager = copy.deepcopy(layers)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+    for step in range(3):
+        x = torch.randn(512, 64, device=CUDA, requires_grad=True)
+        x_e, up = twin(x), torch.randn(512, 64, device=CUDA)
+        out, out_e = x, x_e
+        for g, e in zip(graphed, eager):
+            out, out_e = g(out), e(out_e)
+        (out * up).sum().backward()
+        (out_e * up).sum().backward()
+        assert_equal(out, out_e, f"step {step}: output")
+        assert_equal(x.grad, x_e.grad, f"step {step}: the input's grad")
+        check_grads_and_clear(layers, eager, step)
+    assert [g.num_graphs for g in graphed] == [1] * 5, graphed
+
+
 def test_an_input_grad_kept_past_the_next_forward_keeps_its_value():
     """The grad of the first layer's input that a hook kept lies in memory
     the next layer's forward capture took (Note [Input grads freed at their
