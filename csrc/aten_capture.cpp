@@ -132,6 +132,19 @@ std::vector<at::Tensor> Engine::capture_inputs() {
   return args;
 }
 
+// As the backward capture starts: whether the forward capture kept each
+// capture view.  Not later: a backward may drop what it read (a Function
+// clearing a ctx attribute), while its graph reads that memory at every
+// replay.
+void Engine::note_capture_views_kept() {
+  for (Input& in : inputs) {
+    if (in.capture_view) {
+      in.kept_by_capture = !in.capture_view->expired();
+      in.capture_view.reset();
+    }
+  }
+}
+
 void Engine::set_outputs(std::vector<at::Tensor> outs) {
   outputs.clear();
   for (size_t k = 0; k < outs.size(); ++k) {

@@ -116,6 +116,7 @@ std::vector<at::Tensor> Engine::differentiable_outputs() const {
 }
 
 void Engine::capture_backward(at::cuda::MempoolId_t pool_id, cudaStreamCaptureMode mode) {
+  note_capture_views_kept();
   const std::vector<at::Tensor> diff = differentiable_outputs();
   adopt_hidden_leaves(diff);
   backward.note_exists(!diff.empty() && !grad_targets().empty());
@@ -408,8 +409,9 @@ GradIn Engine::capture_grad_in(const at::Tensor& buffer) {
 // its reader has captured], aten_pool.cpp).
 void Engine::forget_capture_autograd() {
   for (Output& o : outputs) {
-    if (member.keeps_activations() && backward.exists() && o.requires_grad && o.buffer.grad_fn()) {
-      member.keep_history(o.buffer.grad_fn());
+    if (member.keeps_activations() && backward.exists() && o.requires_grad) {
+      // Its grad_fn, or a leaf's accumulator (the leaf is a parameter or an input).
+      member.keep_history(torch::autograd::impl::gradient_edge(o.buffer).function);
     }
     o.buffer = o.buffer.detach();
   }

@@ -185,10 +185,12 @@ struct Input {
   at::Tensor owner;
   // For an input read in place: the storage of the view its forward capture
   // passed the callable instead of the sample (Engine::capture_inputs), held
-  // weakly.  Alive after the capture only where something kept that view:
-  // Note [An output freed once its reader has captured] (aten_pool.cpp).
+  // weakly until the backward capture starts; and whether anything kept
+  // that view then (note_capture_views_kept), when all the backward will
+  // read is alive: Note [An output freed once its reader has captured]
+  // (aten_pool.cpp).
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> capture_view;
-  bool kept_by_capture() const { return capture_view && !capture_view->expired(); }
+  bool kept_by_capture = true;
 };
 
 // The captures into one memory pool and their engines: Note [Captures that
@@ -539,8 +541,8 @@ class PoolMember {
   // At each capture's start: numbers it, and enters `engine` in the ledger
   // of `pool` at its forward capture.
   void note_capture(Engine& engine, at::cuda::MempoolId_t pool, cg_pass pass);
-  // At the backward capture, with keep_activations: an output with its
-  // autograd history, which holds the activations allocated until released.
+  // At the backward capture, with keep_activations: an output's autograd
+  // node, which holds the activations allocated until released.
   void keep_history(NodePtr node);
   // Releases the kept activations as capture number `at` (under the
   // ledger's mutex); the caller drops what it returns outside the mutex.
@@ -692,6 +694,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // After capture_begin(CG_FORWARD): what to call the callable with, where
   // an input is read in place; empty where the samples serve as they are.
   std::vector<at::Tensor> capture_inputs();
+  void note_capture_views_kept();
   void set_outputs(std::vector<at::Tensor> outs);
   void capture_backward(at::cuda::MempoolId_t pool, cudaStreamCaptureMode mode);
 

@@ -69,9 +69,11 @@ namespace cgraph {
 //    captured before layer k (their temporaries may lie there) write that memory: before any
 //    of them replays, a held output of layer k moves out (a call passing it then passes other
 //    memory, misses, and gets a graph that copies), and none replays while layer k+1, whose
-//    backward reads it too, is pending (they lie outside its activations_span()).
-//    Input::owner keeps the memory allocated: Note [Static memory freed once its pass is
-//    over].  Checked with CGRAPH_DEBUG=1: reads_in_place_from_owner() at each forward replay.
+//    backward may read it too, is pending (they lie outside its activations_span()).
+//    Input::owner keeps the memory allocated: Notes [Static memory freed once its pass is
+//    over] and [An output freed once its reader has captured].  Not an output that is itself
+//    a view of another (a layer returning a view of its input): that one copies.  Checked with
+//    CGRAPH_DEBUG=1: reads_in_place_from_owner() at each forward replay.
 //
 // Note [Static memory freed once its pass is over]
 // Q: Layers captured one by one into one pool keep every graph's static outputs (and input
@@ -114,16 +116,18 @@ namespace cgraph {
 // A: Only while somebody may read them: the callers, the layer reading the output in place
 //    (its forward), and a backward that saved it.  So release_kept_activations frees an
 //    engine's outputs once its backward is captured (past_capture), nobody else holds them,
-//    and the layer reading one in place is done with it: captured too, and its capture kept
-//    nothing of it (Input::capture_view expired).  Exact because:
+//    and the layer reading one in place is done with it: captured too, and its forward capture
+//    kept nothing of it (Input::kept_by_capture).  Exact because:
 //    - The kept activations are the outputs' autograd nodes, not the outputs
 //      (forget_capture_autograd): what the engine's own backward saved of an output holds
 //      its storage, so the output stays.
 //    - The reader's callable ran its forward capture on a view of its own (capture_inputs,
 //      aten_capture.cpp): a storage made for that capture alone, passing grads through to the
-//      sample.  Whatever its autograd saved, a module or a closure kept of the argument, or an
-//      output that is a view of it, keeps that storage alive; a weak reference tells.  (The
-//      sample itself cannot tell: the spec keeps it, and autograd's accumulator of its grad.)
+//      sample.  Whatever its autograd saved, a module, a closure or a ctx attribute kept of
+//      the argument, or an output that is a view of it, keeps that storage alive as the
+//      backward capture starts, when all the backward graph will read is; a weak reference
+//      tells then (note_capture_views_kept), not later: a backward may drop what it read.
+//      (The sample cannot tell: the spec keeps it, and autograd's accumulator of its grad.)
 //    - Graphs captured after the free may write the blocks, in a pass after the reader's
 //      forward: before one replays, a held output moves out (freed_statics_before, as in
 //      Note [Static memory freed once its pass is over]); a caller keeping an output across
@@ -132,7 +136,9 @@ namespace cgraph {
 //      (the engine's forward) replay only while no later capture's backward is pending
 //      (may_replay_forward), as for any temporaries.
 //    Only the engine whose output it is counts as having freed memory: freeing the reader's
-//    Input::owner moves nothing of the reader's.  Checked as in the Note above.
+//    Input::owner so moves nothing of the reader's, since no output of the reader is a view
+//    of it (one would have kept the capture's view).  Freed once the reader's pass is over,
+//    it counts for the reader too, whose outputs may be.  Checked as in the Note above.
 //
 // Note [Input grads freed at their capture]
 // Q: A layer captured one by one into a shared pool kept the grads its backward graph computes
@@ -317,9 +323,10 @@ std::optional<at::Tensor> static_output_in(at::cuda::MempoolId_t pool, const at:
   for_each_engine(*ledger, [&](const std::shared_ptr<Engine>& h) {
     for (const Output& o : h->outputs) {
       // Not an engine that freed memory (Note [Static memory freed once its
-      // pass is over]).
+      // pass is over]), nor an output that is a view of another's memory,
+      // which no engine could keep allocated (claim_read_in_place).
       if (!found && h->alive() && !h->member.freed_statics() && where != nullptr &&
-          same_view(o.buffer, t)) {
+          !is_non_owning_view(o.buffer) && same_view(o.buffer, t)) {
         found = non_owning_view(o.buffer);  // the reader's Input::owner keeps it
       }
     }
@@ -536,7 +543,11 @@ struct StaticRef {
   // An output of an engine past its capture, one read in place by an engine
   // done with it, an input grad or in-place input of one whose pass is over.
   bool freeable;
-  bool owner;  // Input::owner: the memory is another engine's output
+  // Whether freeing it frees memory of the engine's: memory its outputs or
+  // grads may lie in, so that it counts as having freed (freed_statics).
+  // Not Input::owner freed once the reader's capture kept nothing of it,
+  // which no output of the reader can alias.
+  bool engines_memory;
 };
 
 // The references `e` keeps to memory that is still its own (not a
@@ -545,22 +556,23 @@ struct StaticRef {
 void collect_static_refs(Engine& e, bool read_now, std::vector<StaticRef>& refs) {
   const bool over = pass_finished(e) && !read_now;
   const bool captured = past_capture(e);
-  const auto add = [&](at::Tensor& t, bool freeable, bool owner) {
+  const auto add = [&](at::Tensor& t, bool freeable, bool engines_memory = true) {
     if (t.defined() && t.has_storage() && !is_non_owning_view(t)) {
-      refs.push_back({t.storage().unsafeGetStorageImpl(), &t, &e, freeable, owner});
+      refs.push_back({t.storage().unsafeGetStorageImpl(), &t, &e, freeable, engines_memory});
     }
   };
   for (Output& o : e.outputs) {
-    add(o.buffer, captured && !read_now, false);
+    add(o.buffer, captured && !read_now);
   }
   for (Input& in : e.inputs) {
     if (over && !alias_may_be_held(in.handed)) {
       in.handed = at::Tensor();  // the engine's own alias keeps the grad's memory
     }
-    add(in.buffer, over && in.in_place, false);  // a copied-in buffer may lie outside the pool
+    add(in.buffer, over && in.in_place);  // a copied-in buffer may lie outside the pool
     // Its forward replay reads it, its backward only where its capture kept the view.
-    add(in.owner, over || (captured && !in.kept_by_capture()), true);
-    add(in.grad, over, false);
+    const bool done_early = captured && !in.kept_by_capture;
+    add(in.owner, over || done_early, /*engines_memory=*/!done_early);
+    add(in.grad, over);
   }
 }
 
@@ -622,7 +634,7 @@ void free_statics(PoolLedger& ledger, at::ArrayRef<std::shared_ptr<Engine>> engi
     std::lock_guard<std::mutex> hold(ledger.mutex);
     at = ++ledger.captures;  // later captures may take the memory
     for (const StaticRef& r : freed) {  // before the memory is free
-      if (!r.owner) {  // a reader's outputs stay where they are
+      if (r.engines_memory) {
         r.engine->member.note_statics_freed(at);
       }
     }

@@ -23,9 +23,9 @@
  *                 move_kept_tensors(them)    # Python's tensors over them
  *                 if it still has: raise CaptureError("warmup_state")
  *             for s, e in zip(specs, engines):            # forwards 1..N
- *                 with e.capture(FORWARD, pool):
- *                     args, kwargs = e.capture_call(s)  # an input read in place:
- *                     out = s.target()(*args, **kwargs)  # a view made for it
+ *                 with e.capture(FORWARD, pool):  # an input read in place
+ *                     args, kwargs = unflatten(e.capture_inputs())  # as a view
+ *                     out = s.target()(*args, **kwargs)             # made for it
  *                 e.set_outputs(tree_leaves(out))
  *             for e in reversed(engines):                # backwards N..1
  *                 e.capture_backward(pool)
@@ -517,7 +517,12 @@ rebuild_call(const cg_state *state, const cg_spec *spec, PyObject *tensors)
         /* (position, name, value), in leaf order */
         PyObject *constant = c < nc ? PyTuple_GET_ITEM(spec->constants, c) : NULL;
         PyObject *leaf;
-        if (constant != NULL && PyLong_AsSsize_t(PyTuple_GET_ITEM(constant, 0)) == k) {
+        Py_ssize_t position = constant ? PyLong_AsSsize_t(PyTuple_GET_ITEM(constant, 0)) : -1;
+        if (position == -1 && PyErr_Occurred()) {
+            Py_CLEAR(leaves);
+            break;
+        }
+        if (position == k) {
             leaf = PyTuple_GET_ITEM(constant, 2);
             c++;
         } else if (t < nt) {
@@ -530,8 +535,7 @@ rebuild_call(const cg_state *state, const cg_spec *spec, PyObject *tensors)
         }
         PyList_SET_ITEM(leaves, k, Py_NewRef(leaf));
     }
-    if (leaves == NULL || PyErr_Occurred()) {
-        Py_XDECREF(leaves);
+    if (leaves == NULL) {
         return NULL;
     }
     call = PyObject_CallFunctionObjArgs(state->tree_unflatten, leaves, spec->in_spec, NULL);
@@ -607,9 +611,10 @@ warm_up_once(session *s, Py_ssize_t i)
 }
 
 /* Before the session, on the caller's stream: activations kept for
- * backwards that have run since, and static memory whose pass is over, are
- * free for this warm-up and capture; a warm-up in the pool, which writes
- * that memory, first moves out what is still held there.  0 or -1. */
+ * backwards that have run since, static memory whose pass is over and
+ * outputs whose readers have captured are free for this warm-up and
+ * capture; a warm-up in the pool, which writes that memory, first moves out
+ * what is still held there.  0 or -1. */
 static int
 release_pool(session *s)
 {

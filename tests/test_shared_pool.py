@@ -597,7 +597,8 @@ def test_a_layer_output_nobody_holds_goes_back_to_the_pool_once_its_reader_captu
 
 class _ScaleKeepingInput(torch.autograd.Function):
     """x * w, its backward reading x from a ctx attribute, out of autograd's
-    sight (no save_for_backward), as some hand-written Functions do."""
+    sight (no save_for_backward), as some hand-written Functions do, and
+    dropping it once read."""
 
     @staticmethod
     def forward(ctx, x, w):
@@ -606,7 +607,8 @@ class _ScaleKeepingInput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return g * ctx.w, (g * ctx.x).sum(0)
+        x, ctx.x = ctx.x, None
+        return g * ctx.w, (g * x).sum(0)
 
 
 class ScaledGelu(nn.Module):
@@ -623,9 +625,9 @@ def test_an_output_whose_reader_keeps_it_for_its_backward_stays_allocated():
     chained with one pool=: each reads the output before it in place, and
     its capture kept that argument, so the output stays allocated until the
     pass is over (Note [An output freed once its reader has captured] in
-    csrc/aten_pool.cpp); freed, the next layers' captures would take its
-    memory and the backward would read their values.  Grads bitwise
-    eager's."""
+    csrc/aten_pool.cpp), though the backward drops the attribute once read;
+    freed, the next layers' captures would take its memory and the backward
+    would read their values.  Grads bitwise eager's."""
     torch.manual_seed(86)
     layers = [ScaledGelu(64) for _ in range(5)]
     eager = copy.deepcopy(layers)
@@ -643,6 +645,49 @@ def test_an_output_whose_reader_keeps_it_for_its_backward_stays_allocated():
         assert_equal(x.grad, x_e.grad, f"step {step}: the input's grad")
         check_grads_and_clear(layers, eager, step)
     assert [g.num_graphs for g in graphed] == [1] * 5, graphed
+
+
+class LeftHalf(nn.Module):
+    """A view of its input: x[:, :width // 2]."""
+
+    def forward(self, x):
+        return x[:, : x.shape[1] // 2]
+
+
+def test_a_layer_returning_a_view_of_its_input_keeps_its_output_valid_in_a_shared_pool():
+    """A layer between two blocks that returns a view of the output before
+    it, all with one pool=: the layer after it copies that view (it is no
+    graph's own memory), and an output of it kept past the pass keeps its
+    value when a new shape's captures take the freed memory it lies in
+    (Note [An output freed once its reader has captured] in
+    csrc/aten_pool.cpp).  Bitwise as eager."""
+    torch.manual_seed(87)
+    layers = [block(64, 256), LeftHalf(), block(32, 128)]
+    eager = copy.deepcopy(layers)
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+
+    def step(rows, label):
+        x = torch.randn(rows, 64, device=CUDA, requires_grad=True)
+        x_e, up = twin(x), torch.randn(rows, 32, device=CUDA)
+        outs, outs_e = [x], [x_e]
+        for g, e in zip(graphed, eager):
+            outs.append(g(outs[-1]))
+            outs_e.append(e(outs_e[-1]))
+        (outs[-1] * up).sum().backward()
+        (outs_e[-1] * up).sum().backward()
+        assert_equal(outs[-1], outs_e[-1], f"{label}: output")
+        assert_equal(x.grad, x_e.grad, f"{label}: the input's grad")
+        check_grads_and_clear(layers, eager, label)
+        return outs[2]  # the view layer's output
+
+    for k in range(2):
+        step(512, f"step {k}")
+    kept = step(512, "step 2")
+    expected = kept.detach().clone()
+    step(1024, "a new shape")
+    assert_equal(kept, expected, "the view layer's output, kept past a new shape's captures")
+    assert [g.num_graphs for g in graphed] == [2, 2, 2], graphed
 
 
 def test_an_input_grad_kept_past_the_next_forward_keeps_its_value():
