@@ -108,8 +108,9 @@ struct CaptureViewBackward final : torch::autograd::Node {
 // forward capture of a callable reading an input in place calls it with a
 // view of that memory made for this capture alone (a storage of its own, a
 // grad that flows on to the sample), held weakly by the engine, so that
-// whether anything kept the argument shows afterwards.  The warm-up calls
-// passed the sample itself; the spec keeps it.
+// whether anything kept the argument shows as the backward capture starts
+// (note_capture_views_kept).  The warm-up calls passed the sample itself;
+// the spec keeps it.
 std::vector<at::Tensor> Engine::capture_inputs() {
   std::vector<at::Tensor> args;
   if (std::none_of(inputs.begin(), inputs.end(), [](const Input& in) { return in.in_place; })) {
