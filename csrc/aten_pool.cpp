@@ -127,7 +127,10 @@ namespace cgraph {
 //      the argument, or an output that is a view of it, keeps that storage alive as the
 //      backward capture starts, when all the backward graph will read is; a weak reference
 //      tells then (note_capture_views_kept), not later: a backward may drop what it read.
-//      (The sample cannot tell: the spec keeps it, and autograd's accumulator of its grad.)
+//      (The sample cannot tell: the spec keeps it, and autograd's accumulator of its grad.
+//      Warm-up calls pass the sample, so a callable that kept its warm-up argument and used
+//      that, not its argument, in the capture would pass unseen: state of that kind is
+//      outside what graphs replay anyway.)
 //    - Graphs captured after the free may write the blocks, in a pass after the reader's
 //      forward: before one replays, a held output moves out (freed_statics_before, as in
 //      Note [Static memory freed once its pass is over]); a caller keeping an output across
