@@ -21,9 +21,12 @@ A: The graphs read each DTensor parameter's local tensor, through a plain
    parameter holds, as AccumulateGrad would.  The hook makes the leaf's grad
    go through autograd (Note [Parameter gradients] in csrc/aten_backward.cpp):
    a copy of its grad per backward, one kernel per parameter.
-   DTensor arguments and outputs (SequenceParallel's sharded activations)
-   are refused, naming use_local_output=True; a step graphed whole
-   (make_graphed_step) takes DTensors anywhere.
+   DTensor arguments and outputs are refused, naming use_local_output=True
+   (sequence parallelism planned as torchtitan plans it passes plain shards
+   of the sequence between blocks, and DTensors only inside them; a norm's
+   weight grad then comes back reduced, of the weight's placement, through
+   from_local's backward, where eager leaves it Partial); a step graphed
+   whole (make_graphed_step) takes DTensors anywhere.
 """
 
 from __future__ import annotations

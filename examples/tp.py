@@ -20,12 +20,22 @@ them):
    bitwise equal to eager TP's.
 2. TP, the whole step graphed (make_graphed_step, fused AdamW stepping
    DTensor state inside the graph): losses and parameters bitwise equal.
-3. On four GPUs, FSDP2 x TP on a (2, 2) mesh as torchtitan lays it out (TP
+3. TP with sequence parallelism and a loss-parallel head, as torchtitan
+   plans a Llama (``SP_PLAN``: the norms ``SequenceParallel``, the
+   residual stream a shard of the sequence between them; the embedding
+   and the head sharded by vocabulary, the loss under ``loss_parallel()``):
+   per-layer graphs (the all-gathers and reduce-scatters of the sequence
+   inside each block's graphs) and the whole step, losses and parameters
+   bitwise equal to eager's.  A norm's weight grad is a DTensor of the
+   weight's placement (Replicate), reduced inside the backward graph, where
+   eager leaves it Partial for the optimizer to reduce: the same sums.
+4. On four GPUs, FSDP2 x TP on a (2, 2) mesh as torchtitan lays it out (TP
    inside a pair of GPUs, FSDP across pairs): per-layer graphs (FSDP's
    hooks around each graph, its unsharded parameters DTensors over the TP
    mesh at their homes) and the whole step, each bitwise equal to eager.
 """
 
+import contextlib
 import os
 
 import torch
@@ -34,7 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                               SequenceParallel, loss_parallel,
                                                parallelize_module)
 
 import cgraph
@@ -44,6 +56,16 @@ HEAD_DIM = DIM // HEADS
 PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(),
         "o": RowwiseParallel(), "gate": ColwiseParallel(), "up": ColwiseParallel(),
         "down": RowwiseParallel()}
+# Sequence parallel, torchtitan's way: between the norms the residual stream
+# is this rank's shard of the sequence (a plain tensor), the projections
+# gather it and scatter their sums back.
+SP_PLAN = {"attn_norm": SequenceParallel(), "mlp_norm": SequenceParallel(),
+           **{n: ColwiseParallel(input_layouts=Shard(1)) for n in ("q", "k", "v", "gate", "up")},
+           **{n: RowwiseParallel(output_layouts=Shard(1)) for n in ("o", "down")}}
+SP_TOP_PLAN = {"embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+               "norm": SequenceParallel(),
+               "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                       use_local_output=False)}  # logits sharded by vocabulary
 
 
 class Block(nn.Module):
@@ -57,10 +79,10 @@ class Block(nn.Module):
         self.down = nn.Linear(2 * DIM, DIM, bias=False)
 
     def forward(self, x):
-        b, s, _ = x.shape
         h = self.attn_norm(x)
-        q, k, v = (proj(h).view(b, s, -1, HEAD_DIM).transpose(1, 2)
-                   for proj in (self.q, self.k, self.v))  # this rank's heads
+        q, k, v = (proj(h) for proj in (self.q, self.k, self.v))
+        b, s = q.shape[:2]  # the whole sequence, also where x is a shard of it (SP)
+        q, k, v = (t.view(b, s, -1, HEAD_DIM).transpose(1, 2) for t in (q, k, v))  # this rank's heads
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
         h = self.mlp_norm(x)
@@ -81,13 +103,15 @@ class Toy(nn.Module):
         return self.head(self.norm(x))
 
 
-def parallel(tp_mesh, dp_mesh=None):
+def parallel(tp_mesh, dp_mesh=None, sp=False):
     torch.manual_seed(0)  # the same weights on every rank and in both twins
     model = Toy().cuda()
     for layer in model.layers:
-        parallelize_module(layer, tp_mesh, PLAN)
+        parallelize_module(layer, tp_mesh, SP_PLAN if sp else PLAN)
         if dp_mesh is not None:
             fully_shard(layer, mesh=dp_mesh)
+    if sp:
+        parallelize_module(model, tp_mesh, SP_TOP_PLAN)
     if dp_mesh is not None:
         fully_shard(model, mesh=dp_mesh)
     return model
@@ -109,8 +133,15 @@ def adamw(model, **options):
     return torch.optim.AdamW([{"params": ps} for ps in kinds.values()], lr=1e-3, **options)
 
 
-def loss_of(model, tokens, targets):
-    return F.cross_entropy(model(tokens).flatten(0, 1).float(), targets.flatten())
+def backward_of(model, tokens, targets):
+    """The mean cross entropy, its backward run; of logits sharded by
+    vocabulary (SP_TOP_PLAN) under loss_parallel(), which both need.
+    Returns this rank's loss, a plain tensor."""
+    logits = model(tokens)
+    with loss_parallel() if hasattr(logits, "placements") else contextlib.nullcontext():
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        loss.backward()
+    return local(loss).detach()
 
 
 def local(t):
@@ -129,18 +160,31 @@ def same(a, b, what, rank, name):
         raise SystemExit(f"rank {rank} {name}: {what} differs from eager (max |diff| {diff:.3g})")
 
 
-def per_layer(rank, name, meshes, dp_rank):
-    eager, model = parallel(*meshes), parallel(*meshes)
+def same_grad(p, q, what, rank, name):
+    """p.grad as eager's q.grad; where eager's is Partial (a sequence-parallel
+    norm's weight, reduced by the optimizer), p's is the sum it stands for,
+    of the parameter's placements (Note [DTensor parameters in per-layer
+    graphs] in cgraph/_dtensor.py)."""
+    a, b = p.grad, q.grad
+    if hasattr(b, "placements") and a.placements != b.placements and any(
+            x.is_partial() for x in b.placements):
+        if a.placements != p.placements:
+            raise SystemExit(f"rank {rank} {name}: {what} placements {a.placements}, not the "
+                             f"parameter's {p.placements}")
+        a, b = a.full_tensor(), b.full_tensor()
+    same(a, b, what, rank, name)
+
+
+def per_layer(rank, name, meshes, dp_rank, sp=False):
+    eager, model = parallel(*meshes, sp=sp), parallel(*meshes, sp=sp)
     model.layers = nn.ModuleList(cgraph.make_graphed(layer) for layer in model.layers)
     opts = [adamw(m) for m in (eager, model)]
     for step in range(STEPS):
         tokens, targets = batch(step, dp_rank)
-        losses = [loss_of(m, tokens, targets) for m in (eager, model)]
-        for loss in losses:
-            loss.backward()
+        losses = [backward_of(m, tokens, targets) for m in (eager, model)]
         same(losses[1], losses[0], f"step {step} loss", rank, name)
         for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
-            same(p.grad, q.grad, f"step {step} grad {k}", rank, name)
+            same_grad(p, q, f"step {step} grad {k}", rank, name)
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -154,15 +198,14 @@ def per_layer(rank, name, meshes, dp_rank):
     cgraph.reset_all()
 
 
-def whole_step(rank, name, meshes, dp_rank):
-    models = [parallel(*meshes), parallel(*meshes)]
+def whole_step(rank, name, meshes, dp_rank, sp=False):
+    models = [parallel(*meshes, sp=sp), parallel(*meshes, sp=sp)]
     opts = [adamw(m, fused=True) for m in models]
 
     def train_step(model, opt):
         def step(tokens, targets):
             opt.zero_grad()
-            loss = loss_of(model, tokens, targets)
-            loss.backward()
+            loss = backward_of(model, tokens, targets)
             opt.step()
             return loss
         return step
@@ -188,6 +231,8 @@ def main():
     tp = (init_device_mesh("cuda", (world,)), None)
     per_layer(rank, "TP per-layer graphs", tp, 0)
     whole_step(rank, "TP whole step", tp, 0)
+    per_layer(rank, "TP+SP per-layer graphs", tp, 0, sp=True)
+    whole_step(rank, "TP+SP whole step, loss-parallel head", tp, 0, sp=True)
     if world == 4:
         mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
         two_d = (mesh["tp"], mesh["dp"])

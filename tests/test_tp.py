@@ -1,6 +1,7 @@
 """Tensor parallelism (DTensor) with cgraph.  On GPUs, examples/tp.py runs
 under torchrun and the tests assert each rank's report: per-layer graphs
-and the whole step under TP on two GPUs, and FSDP2 x TP on four.  On the
+and the whole step under TP on two GPUs, with sequence parallelism and a
+loss-parallel head too, and FSDP2 x TP on four.  On the
 CPU, a one-process gloo group checks Note [DTensor parameters in per-layer
 graphs] without graphs: a module run on the leaves gives its DTensor
 parameters the grads eager gives them."""
@@ -18,7 +19,8 @@ from _helpers import assert_equal
 from test_ddp import torchrun
 from test_fsdp import assert_checks
 
-CHECKS = ("TP per-layer graphs", "TP whole step", "teardown:")
+CHECKS = ("TP per-layer graphs", "TP whole step", "TP+SP per-layer graphs", "TP+SP whole step",
+          "teardown:")
 
 
 @pytest.mark.gpu
