@@ -93,8 +93,7 @@ void Engine::tear_down() noexcept {
 // freed at their capture, or read in place and kept by Input::owner (Notes
 // [Static memory freed once its pass is over], [An output freed once its
 // reader has captured] and [Input grads freed at their capture],
-// aten_pool.cpp).
-// Not at exit, where nothing replays.
+// aten_pool.cpp).  Not at exit, where nothing replays.
 Engine::~Engine() {
   if (alive_ && !interpreter_finalizing() && (shares_pool_with_others() || borrows_memory())) {
     hand_back_held();
