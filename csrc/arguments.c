@@ -15,6 +15,10 @@
  *                 raise ValueError(...)
  *         return [leaf for i, leaf in enumerate(leaves) if i not in constant positions]
  *
+ *     def call_from_tensors(spec, tensors):    # the inverse, for captures
+ *         leaves = tensors with each constant's value put back at its position
+ *         return tree_unflatten(leaves, spec.in_spec)           # (args, kwargs)
+ *
  *     def strip_defaults(spec, args, kwargs):   # first, for any call but the fast one
  *         for position, name in extra positional and keyword arguments:
  *             default = spec.defaults[that parameter]    # else TypeError
@@ -302,4 +306,49 @@ done:
     Py_XDECREF(flat);
     Py_XDECREF(tree);
     return tensors;
+}
+
+/* A forward capture calls with views of the samples it made itself
+ * (capture.c, call_for_capture): their tensors put back in the structure
+ * the samples had. */
+PyObject *
+cg_call_from_tensors(const cg_state *state, const cg_spec *spec, PyObject *tensors)
+{
+    Py_ssize_t nt = PyTuple_GET_SIZE(tensors), nc = PyTuple_GET_SIZE(spec->constants);
+    Py_ssize_t t = 0, c = 0;
+    PyObject *leaves = PyList_New(nt + nc), *call;
+
+    for (Py_ssize_t k = 0; leaves != NULL && k < nt + nc; k++) {
+        /* constants are listed in leaf order */
+        PyObject *constant = c < nc ? PyTuple_GET_ITEM(spec->constants, c) : NULL;
+        PyObject *leaf;
+        Py_ssize_t position =
+            constant ? PyLong_AsSsize_t(PyTuple_GET_ITEM(constant, CG_CONSTANT_POSITION)) : -1;
+        if (position == -1 && PyErr_Occurred()) {
+            Py_CLEAR(leaves);
+            break;
+        }
+        if (position == k) {
+            leaf = PyTuple_GET_ITEM(constant, CG_CONSTANT_VALUE);
+            c++;
+        } else if (t < nt) {
+            leaf = PyTuple_GET_ITEM(tensors, t++);
+        } else {
+            Py_CLEAR(leaves);
+            PyErr_SetString(PyExc_RuntimeError, "cgraph: a spec's constants and tensors "
+                            "do not make its leaves");
+            break;
+        }
+        PyList_SET_ITEM(leaves, k, Py_NewRef(leaf));
+    }
+    if (leaves == NULL) {
+        return NULL;
+    }
+    call = PyObject_CallFunctionObjArgs(state->tree_unflatten, leaves, spec->in_spec, NULL);
+    Py_DECREF(leaves);
+    if (call != NULL && !(PyTuple_Check(call) && PyTuple_GET_SIZE(call) == 2)) {
+        Py_CLEAR(call);
+        PyErr_SetString(PyExc_RuntimeError, "cgraph: a spec's in_spec is not (args, kwargs)");
+    }
+    return call;
 }

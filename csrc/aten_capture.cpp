@@ -122,7 +122,7 @@ std::vector<at::Tensor> Engine::capture_inputs() {
       continue;
     }
     at::Tensor view = non_owning_view(in.buffer);
-    if (in.buffer.requires_grad()) {
+    if (in.buffer.requires_grad() && at::GradMode::is_enabled()) {  // else no grad flows
       const NodePtr node = make_node<CaptureViewBackward>(
           torch::autograd::edge_list{torch::autograd::impl::gradient_edge(in.buffer)});
       torch::autograd::set_history(view, node);

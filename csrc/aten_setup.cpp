@@ -12,11 +12,12 @@
 #include <torch/csrc/utils/object_ptr.h>
 
 #include <algorithm>
+#include <functional>
 #include <iterator>
-
 #include <memory>
 #include <mutex>
 #include <set>
+#include <utility>
 
 namespace cgraph {
 
@@ -301,15 +302,25 @@ cg_setup* open_setup(c10::DeviceIndex device) {
 //    host), paid only by a capture whose warm-up in a pool left a block behind (a first call
 //    with new shapes that made state), never by a replay; what it cannot reach is still
 //    caught by comparing the blocks again.
+namespace {
+
+// The device's allocations on the streams `takes` accepts go to `pool` until
+// end_warm_up_in_pool.  Takes a reference to the pool, held to the
+// session's end: a pool no graph holds yet must live on into the capture
+// (close_setup).
+void route_to(cg_setup& setup, at::cuda::MempoolId_t pool,
+              std::function<bool(cudaStream_t)> takes) {
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(setup.device, pool, std::move(takes));
+  setup.warm_pool = pool;
+  setup.routing = true;
+}
+
+}  // namespace
+
 void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
   setup.pool_before = pool_blocks(setup.device, pool);
   const cudaStream_t side = setup.side.stream();
-  // Takes a reference to the pool, held to the session's end: a pool no
-  // graph holds yet must live on into the capture (close_setup).
-  c10::cuda::CUDACachingAllocator::beginAllocateToPool(
-      setup.device, pool, [side](cudaStream_t stream) { return stream == side; });
-  setup.warm_pool = pool;
-  setup.routing = true;
+  route_to(setup, pool, [side](cudaStream_t stream) { return stream == side; });
 }
 
 // Note [A step's warm-up in its pool]
@@ -363,14 +374,10 @@ bool can_allocate_all_from_a_pool() {
 }
 
 void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool) {
-  // Takes a reference to the pool, held to the session's end (close_setup).
   const cudaStream_t caller = setup.caller.stream();
   const cudaStream_t legacy = c10::cuda::getDefaultCUDAStream(setup.device).stream();
-  c10::cuda::CUDACachingAllocator::beginAllocateToPool(
-      setup.device, pool,
-      [caller, legacy](cudaStream_t stream) { return stream != caller && stream != legacy; });
-  setup.warm_pool = pool;
-  setup.routing = true;
+  route_to(setup, pool,
+           [caller, legacy](cudaStream_t stream) { return stream != caller && stream != legacy; });
   setup.every_stream = true;
 }
 

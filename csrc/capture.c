@@ -503,50 +503,6 @@ call_sample(const session *s, Py_ssize_t i)
                          PyDict_GET_SIZE(spec->kwargs) ? spec->kwargs : NULL);
 }
 
-/* The (args, kwargs) of a call of `spec` with `tensors` for its tensor
- * leaves and its constants where they were.  Returns a NEW reference to a
- * 2-tuple, or NULL with an exception set. */
-static PyObject *
-rebuild_call(const cg_state *state, const cg_spec *spec, PyObject *tensors)
-{
-    Py_ssize_t nt = PyTuple_GET_SIZE(tensors), nc = PyTuple_GET_SIZE(spec->constants);
-    Py_ssize_t t = 0, c = 0;
-    PyObject *leaves = PyList_New(nt + nc), *call;
-
-    for (Py_ssize_t k = 0; leaves != NULL && k < nt + nc; k++) {
-        /* (position, name, value), in leaf order */
-        PyObject *constant = c < nc ? PyTuple_GET_ITEM(spec->constants, c) : NULL;
-        PyObject *leaf;
-        Py_ssize_t position = constant ? PyLong_AsSsize_t(PyTuple_GET_ITEM(constant, 0)) : -1;
-        if (position == -1 && PyErr_Occurred()) {
-            Py_CLEAR(leaves);
-            break;
-        }
-        if (position == k) {
-            leaf = PyTuple_GET_ITEM(constant, 2);
-            c++;
-        } else if (t < nt) {
-            leaf = PyTuple_GET_ITEM(tensors, t++);
-        } else {
-            Py_CLEAR(leaves);
-            PyErr_SetString(PyExc_RuntimeError, "cgraph: a spec's constants and tensors "
-                            "do not make its leaves");
-            break;
-        }
-        PyList_SET_ITEM(leaves, k, Py_NewRef(leaf));
-    }
-    if (leaves == NULL) {
-        return NULL;
-    }
-    call = PyObject_CallFunctionObjArgs(state->tree_unflatten, leaves, spec->in_spec, NULL);
-    Py_DECREF(leaves);
-    if (call != NULL && !(PyTuple_Check(call) && PyTuple_GET_SIZE(call) == 2)) {
-        Py_CLEAR(call);
-        PyErr_SetString(PyExc_RuntimeError, "cgraph: a spec's in_spec is not (args, kwargs)");
-    }
-    return call;
-}
-
 /* Calls callable i for its forward capture: with its samples, but an input
  * read in place passed as the view the engine made for the capture
  * (cg_engine_capture_inputs).  Returns a NEW reference, or NULL with an
@@ -569,7 +525,7 @@ call_for_capture(const session *s, Py_ssize_t i)
         Py_DECREF(tensors);
         return out;
     }
-    call = rebuild_call(s->state, spec, tensors);
+    call = cg_call_from_tensors(s->state, spec, tensors);
     Py_DECREF(tensors);
     if (call == NULL) {
         return NULL;

@@ -77,8 +77,9 @@ typedef struct {
     PyObject *str_error_code;   /* interned "error_code" (torch.AcceleratorError's) */
     PyObject *event_hook;       /* hook(event: str, graphed) or None: cgraph/_log.py
                                    logs what happened (an eager fallback, ...) */
-    /* Bumped whenever any module registers a parameter, buffer or submodule
-     * (torch's global registration hooks, installed by cgraph/_api.py).  A
+    /* Bumped whenever a module inside a graphed module registers a
+     * parameter, buffer or submodule (torch's global registration hooks,
+     * installed by cgraph/_describe.py, which filter by module).  A
      * graphed module re-checks its parameters only when this moved, so the
      * call path pays one comparison. */
     unsigned long long module_epoch;
@@ -216,6 +217,11 @@ int cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nar
  * exception set. */
 PyObject *cg_call_tensors(cg_state *state, const cg_spec *spec, PyObject *const *args,
                           Py_ssize_t nargs, PyObject *kwnames);
+
+/* The inverse: the (args, kwargs) of a call of `spec` with `tensors` (a
+ * tuple) for its tensor leaves and its constants where they were.  Returns
+ * a NEW reference to a 2-tuple, or NULL with an exception set. */
+PyObject *cg_call_from_tensors(const cg_state *state, const cg_spec *spec, PyObject *tensors);
 
 /* ---- capture.c ---------------------------------------------------------- */
 
