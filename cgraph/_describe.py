@@ -282,17 +282,20 @@ def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
 
 
 class StateCheck:
-    """verify(module), called by graphed.c after any module anywhere registered
-    a parameter, buffer or submodule: raises if this module's parameters or
-    buffers are no longer the tensors its graphs read."""
+    """verify(module), called by graphed.c after a module inside a graphed
+    module registered a parameter, buffer or submodule (see _watched):
+    raises if this module's parameters or buffers are no longer the tensors
+    its graphs read."""
 
     __slots__ = ("index", "captured")
 
     def __init__(self, index: int, module: nn.Module):
         self.index = index
         self.captured = dict(_named_state(module))
+        _watched.update(module.modules())
 
     def __call__(self, module: nn.Module) -> None:
+        _watched.update(module.modules())  # a submodule added since: its registrations too
         now = dict(_named_state(module))
         faces = _fsdp.faces(module)
         for name in [*self.captured, *(k for k in now if k not in self.captured)]:
@@ -316,12 +319,24 @@ def _named_state(module: nn.Module):
     yield from module.named_buffers()
 
 
-def _modules_changed(*_):
-    _C.modules_changed()
+# Every module inside a graphed module: a registration on one of these is
+# what can replace a tensor a graph reads.
+_watched: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-# Any parameter, buffer or submodule registered anywhere tells the native
-# core to re-check graphed modules on their next call (see StateCheck).
+def _modules_changed(module: nn.Module, *_):
+    # Registrations on other modules are common and harmless: Hugging Face
+    # models slice their ModuleList of layers on every forward
+    # (self.layers[:n] registers each layer in a new ModuleList), which
+    # would otherwise re-check every graphed layer on every call (a walk
+    # of its parameters in Python, ~100 us a layer).
+    if module in _watched:
+        _C.modules_changed()
+
+
+# A parameter, buffer or submodule registered on a module inside a graphed
+# module tells the native core to re-check graphed modules on their next call
+# (see StateCheck).
 for _register in (nn.modules.module.register_module_parameter_registration_hook,
                   nn.modules.module.register_module_buffer_registration_hook,
                   nn.modules.module.register_module_module_registration_hook):

@@ -390,8 +390,8 @@ call_eager(const cg_spec *spec, PyObject *module, PyObject *const *args, Py_ssiz
 
 /* For a graphed module: stores a NEW reference to it in *module and its
  * train/eval mode in *training; re-checks its parameters and buffers when
- * some module anywhere registered new ones (state->module_epoch moved):
- * load_state_dict(assign=True) or `module.weight = nn.Parameter(...)`
+ * a module inside a graphed one registered new ones (state->module_epoch
+ * moved): load_state_dict(assign=True) or `module.weight = nn.Parameter()`
  * would leave the graphs reading the old tensors.  0, or -1 with an
  * exception set. */
 static int

@@ -132,6 +132,30 @@ def test_samples_sharing_memory_get_their_own_static_buffers():
     assert torch.equal(a, x) and torch.equal(b, x[0])
 
 
+def test_only_registrations_inside_a_graphed_module_ask_for_a_re_check(monkeypatch):
+    """Hugging Face models slice their ModuleList of layers on every forward,
+    registering every layer in a new list: that must not re-check every
+    graphed layer on every call.  A registration on a module inside the
+    graphed one, or on a submodule added to it since, must."""
+    from cgraph import _describe
+    changes = []
+    monkeypatch.setattr(_describe._C, "modules_changed", lambda: changes.append(1))
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    check = _describe.StateCheck(0, block)
+    torch.nn.ModuleList([block, torch.nn.Linear(2, 2)])[:1]  # elsewhere, holding it
+    assert changes == []
+    block[0].bias = torch.nn.Parameter(torch.zeros(4))
+    assert len(changes) == 1
+    block.extra = torch.nn.Module()  # new, and empty: passes the check, is watched since
+    assert len(changes) == 2
+    check.captured = dict(_describe._named_state(block))
+    check(block)
+    block.extra.register_buffer("scale", torch.ones(1))
+    assert len(changes) == 3
+    with pytest.raises(RuntimeError, match=r"'extra\.scale' of graphed module 0"):
+        check(block)
+
+
 def test_sample_kwargs_must_be_dicts():
     with pytest.raises(TypeError, match="sample_kwargs of callable 0 must be a dict"):
         cgraph.make_graphed(torch.nn.Linear(4, 4), (torch.randn(2, 4),), sample_kwargs=[1])
