@@ -489,3 +489,18 @@ def test_sharded_memory_measures_variants_of_the_sharded_workload():
     names = {v.partition("+")[0] for v in sharded_memory.VARIANTS}
     assert names <= set(sharded.VARIANTS), names - set(sharded.VARIANTS)
     assert any(v.endswith("+zeroed") for v in sharded_memory.VARIANTS)
+
+
+def test_sharded_host_times_each_outermost_call_once_and_finds_fsdp2_hooks():
+    """benchmarks/sharded_host.py: a timed call inside another timed call is
+    not counted twice, and the FSDP2 methods it wraps exist in this torch
+    (else it would time nothing)."""
+    from benchmarks import sharded_host
+    for cls, names in sharded_host.HOOKS:
+        assert [n for n in names if not hasattr(cls, n)] == [], cls
+    sharded_host.spent.clear()
+    inner = sharded_host.timed("inner", lambda: 1)
+    outer = sharded_host.timed("outer", lambda x: inner() + x)
+    assert outer(1) == 2
+    assert set(sharded_host.spent) == {"outer"} and sharded_host.spent["outer"] > 0
+    sharded_host.spent.clear()
