@@ -2,7 +2,10 @@
 layout: the step split into forward, backward, optimizer step and the wait
 for the GPU at its end, and within it the time spent in FSDP2's hooks and
 in the decoder layers' forwards (eager compute, or the graphs' replays).
-The model, variants and regime are benchmarks/sharded.py's.  Run with
+The model and regime are benchmarks/sharded.py's, and so are the variants
+that run the step eagerly around their layers: ``eager`` and
+``cgraph-layer`` (``compile`` and ``cgraph-compiled-layer`` run too, but
+Dynamo traces the timing wrapper around a layer's forward).  Run with
 torchrun, from the repository root after a build::
 
     python3 -m torch.distributed.run --standalone --nproc_per_node=2 \\
@@ -13,9 +16,10 @@ FSDPParamGroup that its hooks call (before any model is built: the hooks
 hold bound methods), counting only the outermost call; a layer's forward by
 wrapping the ``forward`` FSDP's hooks run around.  Each figure is host time,
 milliseconds per step, the mean over --steps steps, rank 0's; every step
-starts on an idle GPU.  Per-layer graphs cannot take less host time than
-FSDP2's hooks, which they leave to run around every layer as eager does
-(cgraph/_fsdp.py).
+starts on an idle GPU; "forward" includes ``zero_grad()``, and the hooks'
+share of the step counts the wait for the GPU at its end in the step.
+Per-layer graphs cannot take less host time than FSDP2's hooks, which they
+leave to run around every layer as eager does (cgraph/_fsdp.py).
 """
 
 from __future__ import annotations
@@ -110,6 +114,10 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,cgraph-layer,eager,cgraph-layer")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
+    whole = [v for v in args.variants.split(",") if v.endswith("-step")]
+    if whole:
+        parser.error(f"{', '.join(whole)}: a graphed step has no phases or hooks on the host "
+                     "to time; use benchmarks.sharded for it")
     time_fsdp_hooks()
     dist.init_process_group("nccl")
     rank = dist.get_rank()

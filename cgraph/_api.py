@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _C, _fsdp, _group, _log
+from . import _C, _describe, _fsdp, _group, _log
 from ._buckets import Bucketed
 from ._buckets import normalize as normalize_buckets
 from ._capture import CaptureOptions, graph
@@ -361,7 +361,7 @@ class GraphedModule(nn.Module):
         modules are checked again on their next call (StateCheck), which
         refuses it, naming the recipe (shard first, then graph)."""
         if name == "__class__":
-            _C.modules_changed()
+            _describe.replaced_inside()
         super().__setattr__(name, value)
 
     def __init__(self, module: nn.Module, graphed: _C.Graphed, forward=None):

@@ -282,20 +282,24 @@ def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
 
 
 class StateCheck:
-    """verify(module), called by graphed.c after a module inside a graphed
-    module registered a parameter, buffer or submodule (see _watched):
-    raises if this module's parameters or buffers are no longer the tensors
-    its graphs read."""
+    """verify(module), called by graphed.c on a graphed module's first call
+    after any module registered a parameter, buffer or submodule: raises if
+    this module's parameters or buffers are no longer the tensors its graphs
+    read.  Walks them only when that could have happened (Note [Which
+    registrations re-check graphed modules])."""
 
-    __slots__ = ("index", "captured")
+    __slots__ = ("index", "captured", "cls", "walked")
 
     def __init__(self, index: int, module: nn.Module):
         self.index = index
         self.captured = dict(_named_state(module))
-        _watched.update(module.modules())
+        self.cls = type(module)  # fully_shard swaps it, registering nothing
+        self.walked = _replacing[0]
+        _watch(module)
 
     def __call__(self, module: nn.Module) -> None:
-        _watched.update(module.modules())  # a submodule added since: its registrations too
+        if type(module) is self.cls and self.walked == _replacing[0]:
+            return  # a submodule registered outside every graphed module
         now = dict(_named_state(module))
         faces = _fsdp.faces(module)
         for name in [*self.captured, *(k for k in now if k not in self.captured)]:
@@ -312,6 +316,9 @@ class StateCheck:
                 "shard a model, shard first (fully_shard every layer and the root), then "
                 "graph each layer: cgraph.make_graphed(layer)."
             )
+        # Only once it passed: a check that raised raises again on every call.
+        self.cls, self.walked = type(module), _replacing[0]
+        _watch(module)  # a submodule added since: its registrations too
 
 
 def _named_state(module: nn.Module):
@@ -319,25 +326,58 @@ def _named_state(module: nn.Module):
     yield from module.named_buffers()
 
 
-# Every module inside a graphed module: a registration on one of these is
-# what can replace a tensor a graph reads.
-_watched: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+# Note [Which registrations re-check graphed modules]
+# Q: A graph reads the tensors a module's parameters and buffers were at
+#    capture.  What tells cgraph that one was replaced, without a walk of
+#    every graphed module's parameters on every call?
+# A: torch's global registration hooks: any registration moves the native
+#    core's module_epoch, and a graphed module calls its StateCheck on its
+#    next call only when the epoch moved (graphed.c, resolve_module).  The
+#    check walks the parameters (about 100 us for a decoder layer, in
+#    Python) only after a registration that can replace a tensor a graph
+#    reads: a parameter or buffer registered on any module (one attached
+#    to a graphed module without a hook, by ModuleList.insert, is not
+#    watched), or a submodule registered on a module inside a graphed one.
+#    A submodule registered elsewhere replaces nothing inside a graphed
+#    module, and Hugging Face models do that on every forward
+#    (self.layers[:n] registers every layer in a new ModuleList); after
+#    one the check only compares the module's class with the captured one,
+#    which fully_shard swaps while it replaces the parameters without
+#    registering them.  Cost on the call path: a decoder layer's forward
+#    replay took 205-260 us of host time in the sharded per-layer step
+#    while every registration walked, 74-90 us now (benchmarks/README.md,
+#    sharded).  Modules are kept by id, weakly: a module's own __eq__ or
+#    __hash__ (a dataclass module's) is never asked.
+_watched: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+# How many registrations so far could have replaced a graphed tensor; a
+# StateCheck walks when this moved since its last walk.
+_replacing = [0]
 
 
-def _modules_changed(module: nn.Module, *_):
-    # Registrations on other modules are common and harmless: Hugging Face
-    # models slice their ModuleList of layers on every forward
-    # (self.layers[:n] registers each layer in a new ModuleList), which
-    # would otherwise re-check every graphed layer on every call (a walk
-    # of its parameters in Python, ~100 us a layer).
-    if module in _watched:
-        _C.modules_changed()
+def _watch(module: nn.Module) -> None:
+    for m in module.modules():
+        _watched[id(m)] = m
 
 
-# A parameter, buffer or submodule registered on a module inside a graphed
-# module tells the native core to re-check graphed modules on their next call
-# (see StateCheck).
-for _register in (nn.modules.module.register_module_parameter_registration_hook,
-                  nn.modules.module.register_module_buffer_registration_hook,
-                  nn.modules.module.register_module_module_registration_hook):
-    _register(_modules_changed)
+def replaced_inside() -> None:
+    """Something may have replaced tensors inside a graphed module (a
+    registration there, or fully_shard on a GraphedModule): every graphed
+    module walks its parameters on its next call."""
+    _replacing[0] += 1
+    _C.modules_changed()
+
+
+def _registered_tensor(module: nn.Module, *_) -> None:
+    replaced_inside()
+
+
+def _registered_module(module: nn.Module, *_) -> None:
+    if _watched.get(id(module)) is module:
+        replaced_inside()
+    else:
+        _C.modules_changed()  # the class check only
+
+
+nn.modules.module.register_module_parameter_registration_hook(_registered_tensor)
+nn.modules.module.register_module_buffer_registration_hook(_registered_tensor)
+nn.modules.module.register_module_module_registration_hook(_registered_module)

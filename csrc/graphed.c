@@ -389,11 +389,13 @@ call_eager(const cg_spec *spec, PyObject *module, PyObject *const *args, Py_ssiz
 }
 
 /* For a graphed module: stores a NEW reference to it in *module and its
- * train/eval mode in *training; re-checks its parameters and buffers when
- * a module inside a graphed one registered new ones (state->module_epoch
- * moved): load_state_dict(assign=True) or `module.weight = nn.Parameter()`
- * would leave the graphs reading the old tensors.  0, or -1 with an
- * exception set. */
+ * train/eval mode in *training; calls its check (spec->verify) when some
+ * module anywhere registered a parameter, buffer or submodule since the
+ * last one passed (state->module_epoch moved): load_state_dict(assign=True)
+ * or `module.weight = nn.Parameter(...)` would leave the graphs reading the
+ * old tensors.  The check decides how much to look at: Note [Which
+ * registrations re-check graphed modules] in cgraph/_describe.py.  0, or
+ * -1 with an exception set. */
 static int
 resolve_module(GraphedObject *self, const cg_spec *spec, PyObject **module, int *training)
 {

@@ -191,7 +191,8 @@ cgm_rng_set_state(PyObject *module, PyObject *args)
 PyDoc_STRVAR(cgm_modules_changed_doc,
 "modules_changed() -> None\n\n"
 "Called by torch's global module hooks whenever a parameter, buffer or\n"
-"submodule is registered anywhere: graphed modules re-check theirs.");
+"submodule is registered anywhere: graphed modules call their check on\n"
+"their next call (Note [Which registrations re-check graphed modules]).");
 
 /* Returns a NEW reference (None). */
 static PyObject *

@@ -77,11 +77,10 @@ typedef struct {
     PyObject *str_error_code;   /* interned "error_code" (torch.AcceleratorError's) */
     PyObject *event_hook;       /* hook(event: str, graphed) or None: cgraph/_log.py
                                    logs what happened (an eager fallback, ...) */
-    /* Bumped whenever a module inside a graphed module registers a
-     * parameter, buffer or submodule (torch's global registration hooks,
-     * installed by cgraph/_describe.py, which filter by module).  A
-     * graphed module re-checks its parameters only when this moved, so the
-     * call path pays one comparison. */
+    /* Bumped whenever any module registers a parameter, buffer or submodule
+     * (torch's global registration hooks, installed by cgraph/_describe.py).
+     * A graphed module calls its check only when this moved, so the call
+     * path pays one comparison. */
     unsigned long long module_epoch;
 } cg_state;
 

@@ -132,28 +132,73 @@ def test_samples_sharing_memory_get_their_own_static_buffers():
     assert torch.equal(a, x) and torch.equal(b, x[0])
 
 
-def test_only_registrations_inside_a_graphed_module_ask_for_a_re_check(monkeypatch):
-    """Hugging Face models slice their ModuleList of layers on every forward,
-    registering every layer in a new list: that must not re-check every
-    graphed layer on every call.  A registration on a module inside the
-    graphed one, or on a submodule added to it since, must."""
+def test_a_graphed_module_walks_its_parameters_only_when_one_may_have_been_replaced(
+        monkeypatch):
+    """Note [Which registrations re-check graphed modules]: a submodule
+    registered outside every graphed module (Hugging Face's layers[:n] on
+    every forward) costs a class comparison, no walk; a class swap
+    (fully_shard, which registers nothing), a parameter or buffer registered
+    anywhere, or a submodule registered inside, costs a walk, which raises
+    on a replaced tensor, and again on every later call."""
     from cgraph import _describe
-    changes = []
-    monkeypatch.setattr(_describe._C, "modules_changed", lambda: changes.append(1))
+    walks = []
+    real = _describe._named_state
+
+    def counting(module):
+        walks.append(module)
+        return real(module)
+
+    monkeypatch.setattr(_describe, "_named_state", counting)
     block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     check = _describe.StateCheck(0, block)
-    torch.nn.ModuleList([block, torch.nn.Linear(2, 2)])[:1]  # elsewhere, holding it
-    assert changes == []
-    block[0].bias = torch.nn.Parameter(torch.zeros(4))
-    assert len(changes) == 1
-    block.extra = torch.nn.Module()  # new, and empty: passes the check, is watched since
-    assert len(changes) == 2
-    check.captured = dict(_describe._named_state(block))
+    walks.clear()
+    torch.nn.ModuleList([block])[:1]  # elsewhere, holding it
     check(block)
-    block.extra.register_buffer("scale", torch.ones(1))
-    assert len(changes) == 3
-    with pytest.raises(RuntimeError, match=r"'extra\.scale' of graphed module 0"):
-        check(block)
+    assert walks == []
+    block.__class__ = type("Swapped", (torch.nn.Sequential,), {})  # nothing replaced
+    check(block)
+    check(block)
+    assert walks == [block]
+    torch.nn.Linear(2, 2)  # anywhere: might be attached without a hook (ModuleList.insert)
+    check(block)
+    assert len(walks) == 2
+    block.extra = torch.nn.Module()  # inside, and empty: passes, watched from then on
+    check(block)
+    assert len(walks) == 3
+    with torch.no_grad():  # a tensor registered on the new submodule
+        block.extra.register_buffer("scale", torch.ones(1))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"'extra\.scale' of graphed module 0"):
+            check(block)
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    check = _describe.StateCheck(1, fresh)
+    torch.nn.ModuleList([fresh])[:1]
+    fresh.__class__ = type("Sharded", (torch.nn.Sequential,), {})  # as fully_shard does
+    fresh[0]._parameters["weight"] = torch.nn.Parameter(torch.zeros(4, 4))  # no hook runs
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"'0\.weight' of graphed module 1"):
+            check(fresh)
+
+
+def test_modules_are_watched_by_identity():
+    """The registration hooks run for every module anywhere: one whose class
+    has a value __eq__ and so no __hash__ (a dataclass) is still built and
+    given submodules while cgraph is imported."""
+    import dataclasses
+
+    import cgraph._describe  # noqa: F401  (the hooks are installed)
+
+    @dataclasses.dataclass(eq=True)
+    class Scaled(torch.nn.Module):
+        factor: float = 2.0
+
+        def __post_init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(2, 2)
+
+    model = Scaled()
+    model.other = torch.nn.Linear(2, 2)
+    assert isinstance(model.other, torch.nn.Linear)
 
 
 def test_sample_kwargs_must_be_dicts():

@@ -171,8 +171,8 @@ def test_a_new_parameter_object_raises_but_unrelated_modules_do_not():
     model = stack()
     x = torch.randn(16, 64, device=CUDA)
     graphed = cgraph.make_graphed(model, (x,))
-    nn.Linear(4, 4)  # registering parameters elsewhere triggers no re-check
-    nn.ModuleList([model])[:1]  # nor does holding it in a new list (Hugging Face's layers[:n])
+    nn.Linear(4, 4)  # parameters registered elsewhere: a re-check, which passes
+    nn.ModuleList([model])[:1]  # held in a new list (Hugging Face's layers[:n]): a class check
     out = graphed(x)
     with torch.no_grad():
         assert_equal(out, model(x), "output after another module's parameters were made")
