@@ -335,19 +335,21 @@ def _named_state(module: nn.Module):
 #    next call only when the epoch moved (graphed.c, resolve_module).  The
 #    check walks the parameters (about 100 us for a decoder layer, in
 #    Python) only after a registration that can replace a tensor a graph
-#    reads: a parameter or buffer registered on any module (one attached
-#    to a graphed module without a hook, by ModuleList.insert, is not
-#    watched), or a submodule registered on a module inside a graphed one.
-#    A submodule registered elsewhere replaces nothing inside a graphed
-#    module, and Hugging Face models do that on every forward
-#    (self.layers[:n] registers every layer in a new ModuleList); after
-#    one the check only compares the module's class with the captured one,
-#    which fully_shard swaps while it replaces the parameters without
-#    registering them.  Cost on the call path: a decoder layer's forward
-#    replay took 205-260 us of host time in the sharded per-layer step
-#    while every registration walked, 74-90 us now (benchmarks/README.md,
-#    sharded).  Modules are kept by id, weakly: a module's own __eq__ or
-#    __hash__ (a dataclass module's) is never asked.
+#    reads: a parameter or buffer registered on any module (any: a module
+#    attached to a graphed one without a hook, by ModuleList.insert, is
+#    not among those watched), or a submodule registered on a module inside
+#    a graphed one.  A submodule registered elsewhere replaces nothing
+#    inside a graphed module, and Hugging Face models do that on every
+#    forward (self.layers[:n] registers every layer in a new ModuleList);
+#    after one the check only compares the module's class with the
+#    captured one, which fully_shard swaps while it replaces the
+#    parameters without registering them.  Cost on the call path: a
+#    decoder layer's forward replay took 205-260 us of host time in the
+#    sharded per-layer step while every registration walked, 74-90 us
+#    without the walk (measured at 16efb43, which skipped even the class
+#    comparison, one Python call; benchmarks/README.md, sharded).  Modules
+#    are kept by id, weakly: a module's own __eq__ or __hash__ (a dataclass
+#    module's) is never asked.
 _watched: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
 # How many registrations so far could have replaced a graphed tensor; a
 # StateCheck walks when this moved since its last walk.
