@@ -168,6 +168,16 @@ def step_ddp_warmup(step, eager: int, forwards: int) -> None:
              "capture, not %d.", step, forwards, eager, step.num_warmup_iters)
 
 
+def step_grads_copied(moved: int, held: int) -> None:
+    """A graphed step's optimizer found new grad tensors made outside the step."""
+    log.info("A graphed step's optimizer reads grads made outside the step, and %d of %d were "
+             "new tensors at this call (zero_grad() sets them to None): their values are "
+             "copied into the ones the graph reads before every such call, beside them in "
+             "memory. optimizer.zero_grad(set_to_none=False) outside the step keeps the same "
+             "grads, with no copy (Note [Grads around a graphed step] in "
+             "cgraph/_step_grads.py). Logged once per step.", moved, held)
+
+
 def step_waits_for_a_step(step, optimizers: list) -> None:
     """A GradScaler skipped every warm-up step of these optimizers so far."""
     names = ", ".join(sorted({type(opt).__name__ for opt in optimizers}))

@@ -107,6 +107,7 @@ from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donate
                        asked_by_the_compiler, graph, patched)
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
+from ._step_grads import StepGrads
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
@@ -226,7 +227,9 @@ class _Group:
 # A: The whole step is one graph replay, which costs about 13 us of host
 #    time on the lent machines; anything in Python around it is of the same
 #    order.  So a call goes from GraphedStep.__call__ (one check that no
-#    hyperparameter baked into the graph changed) straight to the native
+#    hyperparameter baked into the graph changed, and a native pointer
+#    compare of each parameter's grad before and after: Note [Grads around a
+#    graphed step] in cgraph/_step_grads.py) straight to the native
 #    graphed callable the step was captured as (csrc/graphed.c): arguments
 #    checked in C, copied into the static inputs by memcpy nodes at the head
 #    of the graph itself (Note [Argument copies inside the graph] in
@@ -259,6 +262,7 @@ class GraphedStep:
         self.static: _Static | None = None
         self.outputs: _Outputs | None = None  # None: the native call returns them as they are
         self.groups: list[_Group] = []
+        self.grads: StepGrads | None = None  # Note [Grads around a graphed step]
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
         self._waited = False  # logged that warm-up waits for a scaler's first step
         # The last warm-up call's CallableSpec.rng_warmup: Note [RNG inside a graphed step].
@@ -413,6 +417,7 @@ class GraphedStep:
         _require_cuda()  # before the optimizers change: a CPU caller goes on as before
         put_back = _as_they_are(list(self.optimizers))
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
+        grads: list[StepGrads] = []  # the grads as the capture left them, as a record
         failure = None
         # Held until the capture holds the pool itself: Note [A step's warm-up in its pool].
         warm, self.warm_pool = self.warm_pool, None
@@ -425,7 +430,7 @@ class GraphedStep:
             drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
             # The SGD check of device_resident_steps runs kernels: first, eagerly.
             with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
-                    _scaler_steps_on_the_device():
+                    _scaler_steps_on_the_device(), StepGrads.noted(list(self.optimizers), grads):
                 (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
         except _C.CaptureError as exc:
             failure = exc
@@ -444,7 +449,7 @@ class GraphedStep:
             self._free()
             put_back()
             raise
-        self.outputs = returned[0]
+        self.outputs, self.grads = returned[0], grads[0]
         _live.add(self.graphed)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
@@ -519,9 +524,12 @@ class GraphedStep:
     def _replay(self, graphed: _C.Graphed, args: tuple, kwargs: dict):
         """The native call, without grad: an argument that requires grad
         must not give the outputs a grad_fn (the step's backward is inside
-        the graph)."""
+        the graph); the parameters' grads around it as Note [Grads around a
+        graphed step] says."""
+        self.grads.bring_in()
         with torch.no_grad():
             out = graphed(*args, **kwargs)
+        self.grads.leave()
         return out if self.outputs is None else self.outputs.rebuild(out)
 
     # -- 4. reset --------------------------------------------------------------
@@ -537,6 +545,7 @@ class GraphedStep:
         if self.graphed is not None:
             self.graphed.reset()
         self.graphed, self.static, self.outputs, self.groups = None, None, None, []
+        self.grads = None
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)

@@ -812,6 +812,10 @@ void* autograd_thread_blas_handle(const c10::cuda::CUDAStream& caller);
 // (aten_accumulators.cpp, Note [DDP inside a graphed step] in cgraph/_ddp.py).
 cg_moved_accumulators* move_accumulators(const std::vector<at::Tensor>& params);
 void restore_accumulators(cg_moved_accumulators* moved) noexcept;
+// Whether each parameter's grad is the tensor at its place of `grads`
+// (None: no grad); TypeError for a parameter that is not a tensor
+// (aten_accumulators.cpp).
+bool grads_are(PyObject* params, PyObject* grads);
 
 // Points the storage of `t` at `home`'s memory, keeping `home` alive
 // (aten_lend.cpp, Note [FSDP2's unsharded parameters in per-layer graphs] in

@@ -261,7 +261,7 @@ cg_failure cg_failure_of_cuda_error(int code) {
   }
 }
 
-// ---- a whole training step's capture ---------------------------------------
+// ---- a whole training step ---------------------------------------------------
 
 cg_moved_accumulators* cg_accumulators_move(PyObject* params, Py_ssize_t* count) {
   HANDLE_TH_ERRORS
@@ -274,6 +274,12 @@ cg_moved_accumulators* cg_accumulators_move(PyObject* params, Py_ssize_t* count)
 
 void cg_accumulators_restore(cg_moved_accumulators* moved) {
   cgraph::restore_accumulators(moved);
+}
+
+int cg_grads_are(PyObject* params, PyObject* grads) {
+  HANDLE_TH_ERRORS
+  return cgraph::grads_are(params, grads) ? 1 : 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
 }
 
 // ---- conditional regions -----------------------------------------------------

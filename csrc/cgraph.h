@@ -239,7 +239,7 @@ int cg_engine_capture_backward(cg_engine *engine, cg_pool pool, cg_capture_mode 
  * failure. */
 cg_failure cg_failure_of_cuda_error(int code);
 
-/* ---- a whole training step's capture (aten_accumulators.cpp) ------------ */
+/* ---- a whole training step (aten_accumulators.cpp) ---------------------- */
 
 /* Parameters' grad accumulators moved onto the capture stream, with the
  * streams they had. */
@@ -255,6 +255,14 @@ cg_moved_accumulators *cg_accumulators_move(PyObject *params, Py_ssize_t *count)
 /* Gives the moved accumulators their streams back and frees `moved`.  Never
  * raises; NULL is allowed. */
 void cg_accumulators_restore(cg_moved_accumulators *moved);
+
+/* Whether the grad of each tensor of `params` (a tuple) is the tensor at the
+ * same place of `grads` (a tuple of tensors, and None for no grad): 1 where
+ * every one is, 0 where one is not, -1 with an exception set (a parameter
+ * that is not a tensor, tuples of two lengths).  The checks before and after
+ * each replay of a graphed step, a pointer compare per parameter: Note
+ * [Grads around a graphed step] in cgraph/_step_grads.py. */
+int cg_grads_are(PyObject *params, PyObject *grads);
 
 /* ---- conditional regions of a capture (aten_conditional.cpp) ------------ */
 

@@ -39,6 +39,8 @@
  *     def conditional_nodes() -> bool: ...  # aten_conditional.cpp
  *     def call_if(flag, fn, args, kwargs) -> object: ...  # fn(*args, **kwargs),
  *         # what it records replayed only where flag holds: aten_conditional.cpp
+ *     def grads_are(params: tuple, grads: tuple) -> bool: ...  # each param's
+ *         # grad is the grad (or None) at its place: aten_accumulators.cpp
  *
  * Laid out as CPython's Modules/xxlimited.c: state in the module (multi-phase
  * initialization), heap types, and PyInit__C the only exported symbol.
@@ -414,6 +416,27 @@ cgm_call_in_pool(PyObject *module, PyObject *args)
     return result;
 }
 
+PyDoc_STRVAR(cgm_grads_are_doc,
+"grads_are(params, grads) -> bool\n\n"
+"Whether each tensor of the tuple `params` has as its grad the tensor at the\n"
+"same place of the tuple `grads` (None: no grad).  Note [Grads around a\n"
+"graphed step] in cgraph/_step_grads.py.  Not a public API.");
+
+/* Returns a NEW reference to a bool, or NULL with an exception set. */
+static PyObject *
+cgm_grads_are(PyObject *module, PyObject *args)
+{
+    PyObject *params, *grads;
+    int same;
+
+    if (!PyArg_ParseTuple(args, "O!O!:grads_are", &PyTuple_Type, &params, &PyTuple_Type,
+                          &grads)) {
+        return NULL;
+    }
+    same = cg_grads_are(params, grads);
+    return same < 0 ? NULL : PyBool_FromLong(same);
+}
+
 PyDoc_STRVAR(cgm_lend_memory_doc,
 "lend_memory(tensors, homes) -> None\n\n"
 "Points the storage of each tensor at the memory of its home (same\n"
@@ -500,6 +523,7 @@ static PyMethodDef cgm_methods[] = {
     {"lend_memory", cgm_lend_memory, METH_VARARGS, cgm_lend_memory_doc},
     {"conditional_nodes", cgm_conditional_nodes, METH_NOARGS, cgm_conditional_nodes_doc},
     {"call_if", cgm_call_if, METH_VARARGS, cgm_call_if_doc},
+    {"grads_are", cgm_grads_are, METH_VARARGS, cgm_grads_are_doc},
     {NULL, NULL, 0, NULL}
 };
 

@@ -25,7 +25,12 @@ reads them):
    eager FSDP2's, and every step after the first replayed the layers'
    graphs.  Shardings: reshard_after_forward True; False with pool= and
    samples; bf16 parameters with fp32 reduction (MixedPrecisionPolicy) and
-   pool=; on four GPUs, reshard_after_forward=2.
+   pool=; on four GPUs, reshard_after_forward=2.  Then the same with the
+   optimizer step graphed too (``cgraph.make_graphed_step(opt.step)``,
+   fused AdamW, bf16 parameters): FSDP2 hands it grads made outside it,
+   new tensors each step where zero_grad() sets them to None, the same
+   ones zeroed where it does not (Note [Grads around a graphed step] in
+   cgraph/_step_grads.py).
 2. a whole step graphed: make_graphed_step around the FSDP2 model's step
    (fused AdamW), its all-gathers and reduce-scatters inside the graph:
    losses and parameters bitwise equal to eager FSDP2's.
@@ -199,9 +204,11 @@ def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False):
         raise SystemExit(f"rank {rank} {name}: {len(lenders)} parameters still homed after reset")
 
 
-def train_beside(eager, model, opts, rank, name, around_backward):
+def train_beside(eager, model, opts, rank, name, around_backward, steppers=None,
+                 set_to_none=True):
     """STEPS steps of both twins, losses and sharded grads compared bitwise;
-    around_backward(step): a context the backwards run in."""
+    around_backward(step): a context the backwards run in; steppers: what
+    steps each twin's optimizer (its step method unless given)."""
     for step in range(STEPS):
         tokens, targets = batch(step, rank)
         losses = [loss_of(m, tokens, targets) for m in (eager, model)]
@@ -211,9 +218,33 @@ def train_beside(eager, model, opts, rank, name, around_backward):
         same(losses[1], losses[0], f"step {step} loss", rank, name)
         for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
             same(p.grad, q.grad, f"step {step} grad {k}", rank, name)
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
+        for opt, step_it in zip(opts, steppers or [opt.step for opt in opts]):
+            step_it()
+            opt.zero_grad(set_to_none=set_to_none)
+
+
+def per_layer_and_optimizer_step(rank, set_to_none):
+    """Recipe 1 with the optimizer step graphed too (make_graphed_step
+    around opt.step): FSDP2 hands it the reduced grads made outside it,
+    new tensors each step when zero_grad() sets them to None (Note [Grads
+    around a graphed step] in cgraph/_step_grads.py)."""
+    name = ("per-layer graphs, graphed optimizer step, grads "
+            + ("set to None" if set_to_none else "zeroed"))
+    eager, model = sharded(mp=True), sharded(mp=True)
+    shared = cgraph.graph_pool_handle()
+    model.layers = nn.ModuleList(cgraph.make_graphed(layer, pool=shared)
+                                 for layer in model.layers)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (eager, model)]
+    optimizer_step = cgraph.make_graphed_step(opts[1].step)
+    train_beside(eager, model, opts, rank, name, lambda step: contextlib.nullcontext(),
+                 steppers=[opts[0].step, optimizer_step], set_to_none=set_to_none)
+    for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+        same(p, q, f"parameter {k}", rank, name)
+    if optimizer_step.stats["replays"] != STEPS - 3:
+        raise SystemExit(f"rank {rank} {name}: {optimizer_step.stats}")
+    print(f"rank {rank} {name}: losses, grads and parameters equal to eager FSDP2 over "
+          f"{STEPS} steps, optimizer step {optimizer_step.stats}: OK", flush=True)
+    optimizer_step.reset()
 
 
 def whole_step(rank):
@@ -308,6 +339,8 @@ def main():
     per_layer(rank, "per-layer graphs, bf16 params fp32 reduce, pool", mp=True, pool=True)
     if world >= 4:
         per_layer(rank, "per-layer graphs, reshard_after_forward=2", reshard=2, pool=True)
+    per_layer_and_optimizer_step(rank, set_to_none=True)
+    per_layer_and_optimizer_step(rank, set_to_none=False)
     whole_step(rank)
     graph_then_shard_is_refused(rank)
 

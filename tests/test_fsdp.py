@@ -1,7 +1,8 @@
 """FSDP2 (fully_shard) with cgraph.  On GPUs, examples/fsdp.py runs under
 torchrun and the tests assert each rank's report of every check: per-layer
 graphs inside FSDP2 (reshard_after_forward True, False, an int on four
-GPUs; bf16 parameters), a step graphed whole, graphing before sharding
+GPUs; bf16 parameters; with the optimizer step graphed too), a step
+graphed whole, graphing before sharding
 refused, teardown.  On the CPU, a one-process gloo group checks the
 refusals and that FSDP swapping its parameters is not a replacement."""
 
@@ -20,7 +21,9 @@ from test_ddp import torchrun
 
 PER_LAYER = ("per-layer graphs, reshard_after_forward=True",
              "per-layer graphs, reshard_after_forward=False, pool, samples",
-             "per-layer graphs, bf16 params fp32 reduce, pool")
+             "per-layer graphs, bf16 params fp32 reduce, pool",
+             "per-layer graphs, graphed optimizer step, grads set to None",
+             "per-layer graphs, graphed optimizer step, grads zeroed")
 CHECKS = (*PER_LAYER, "graphed FSDP2 step", "graph then shard: refused",
           "failed capture: raised on every rank", "teardown:")
 

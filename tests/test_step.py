@@ -693,3 +693,89 @@ def test_a_step_reset_or_dropped_after_warming_up_in_its_pool_trains_on_as_eager
     losses += run(make_step(model, opts[0]), batches[7:])
     losses_e = run(make_step(eager, opts[1]), batches)
     assert_same_training(model, eager, losses, losses_e)
+
+
+# Note [Grads around a graphed step] (cgraph/_step_grads.py): grads made, or
+# set to None, outside the step between calls.
+
+def outside_backward(net, x, y):
+    F.cross_entropy(net(x), y).backward()
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set-to-none", "zeroed"])
+@pytest.mark.parametrize("name", ["adamw-fused", "sgd-default"])
+def test_an_optimizer_step_graphed_alone_steps_each_calls_grads_as_eager(name, set_to_none):
+    """Per-layer graphs (or eager layers) with the optimizer step graphed
+    on its own: each call's grads are made outside the step, new tensors
+    when zero_grad() sets them to None.  The last step's grads are kept (a
+    log of them, say), so new ones cannot land where they were: before,
+    the graph read the capturing call's grads again at every replay."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opt, opt_e = OPTIMIZERS[name](model.parameters()), OPTIMIZERS[name](eager.parameters())
+    optimizer_step = cgraph.make_graphed_step(opt.step)
+    kept = []
+    for i, (x, y) in enumerate(batches):
+        for net, o, stepper in ((model, opt, optimizer_step), (eager, opt_e, opt_e.step)):
+            kept.append([p.grad for p in net.parameters()])
+            o.zero_grad(set_to_none=set_to_none)
+            outside_backward(net, x, y)
+            stepper()
+        del kept[:-2]
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_equal(p, q, f"parameter {n} after step {i}")
+            assert_equal(p.grad, q.grad, f"grad of {n} after step {i}")
+    assert optimizer_step.stats == {"eager": 3, "captures": 1, "replays": 5}
+    grads = optimizer_step.grads
+    assert [p.grad for p in model.parameters()] == list(grads.held_grads)
+    opt.zero_grad()
+    with pytest.raises(ValueError, match="parameter 0 of param group 0 of .*None.*zero_grad"):
+        optimizer_step()
+
+
+def test_micro_batches_accumulated_outside_the_step_and_grads_cleared_inside_match_eager():
+    """The first micro-batch's backward outside the step, the second's
+    inside it, then the optimizer step and zero_grad(): the graph reads the
+    grads made outside, and leaves none, as eager does."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
+
+    def finish(net, opt):
+        def step(x, y):
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    graphed = cgraph.make_graphed_step(finish(model, opts[0]), batches[0], num_warmup_iters=1)
+    plain = finish(eager, opts[1])
+    for i in range(0, len(batches), 2):
+        (x1, y1), (x2, y2) = batches[i], batches[i + 1]
+        for net, step in ((model, graphed), (eager, plain)):
+            outside_backward(net, x1, y1)
+            step(x2, y2)
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_equal(p, q, f"parameter {n} after step {i // 2}")
+            assert p.grad is None and q.grad is None, (p.grad, q.grad)
+    assert graphed.stats == {"eager": 1, "captures": 1, "replays": 3}, graphed.stats
+
+
+def test_grads_set_to_none_between_calls_are_the_steps_own_after_each_replay():
+    """zero_grad() outside the step as well as inside: after each call the
+    parameters hold that step's grads, as after an eager step (before,
+    they were left None)."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, fused=True) for m in (model, eager)]
+    step = cgraph.make_graphed_step(make_step(model, opts[0]), batches[0], num_warmup_iters=1)
+    plain = make_step(eager, opts[1])
+    for i, (x, y) in enumerate(batches):
+        for opt, fn in zip(opts, (step, plain)):
+            opt.zero_grad()
+            fn(x, y)
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_equal(p.grad, q.grad, f"grad of {n} after step {i}")
+            assert_equal(p, q, f"parameter {n} after step {i}")

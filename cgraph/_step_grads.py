@@ -1,0 +1,207 @@
+"""The parameter grads around a graphed step: Note [Grads around a graphed
+step].
+
+Note [Grads around a graphed step]
+Q: A step's graph reads and writes parameter grads at the addresses they had
+   when it was captured, but ``.grad`` is an attribute that code outside the
+   step sets between calls: ``zero_grad()`` before each call, a backward
+   outside the step (an optimizer step graphed alone behind per-layer
+   graphs, micro-batches accumulated before the step), FSDP2 handing each
+   step's reduced grads to the parameters as new tensors.  A graph that read
+   the first call's grads would read memory freed since, silently.  How do
+   replays stay equal to eager steps?
+A: By what the capture saw of the step's optimizers' parameters when each
+   optimizer's step returned (a post-hook: the grads it read, after any
+   closure made them), three rules:
+   1. Grads made outside the step: a grad that was the parameter's before
+      the capture began and still is when its optimizer steps, the step not
+      having cleared it first.  The graph reads it, so the step holds it.
+      Before each replay, a parameter whose grad is now another tensor has
+      that tensor's values copied into the held one (one foreach copy for
+      all of them; a DTensor's local tensors), which becomes its grad
+      again.  A grad of None raises: eager's optimizer would skip that
+      parameter, the graph cannot.
+   2. Grads the step skips: a parameter whose grad is None when its
+      optimizer steps, the step not having cleared it.  The graph never
+      steps it, so a grad it has at a later call raises.
+   3. The grads a step leaves.  After each replay, every parameter gets the
+      grad object it had when the capture ended: the graph's own grad, a
+      held one, or None where the step set it to None (``zero_grad()``
+      after ``optimizer.step()``), as the eager step would leave it,
+      whatever code outside set between calls.
+   Clearing is ``zero_grad()`` of an optimizer or a module inside the step,
+   to None or in place: the graph then makes those grads, or zeroes and
+   accumulates into them, and reads nothing they held before.  A grad
+   zeroed in place (``set_to_none=False``; DDP's bucket views) is the same
+   tensor at every replay: rule 3 keeps it the parameter's.
+   The capturing call's step is its first replay, so the held grads are
+   put back as the parameters' grads once the capture has noted what it
+   left (or failed).  Cost: per replay, a pointer compare per parameter in
+   C (``_C.grads_are``), and one more per held or skipped one.  Where grads
+   were replaced, the copy, and a second set of those grads in memory, the
+   held one beside the new one (logged once):
+   ``zero_grad(set_to_none=False)`` outside the step keeps the held grads
+   the parameters' own, and autograd and FSDP2 accumulate into them.
+   Code that steps grads without an optimizer (``p -= lr * p.grad``), or
+   clears them otherwise than by ``zero_grad()``, is not seen: such grads
+   must be made inside the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+import weakref
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from . import _C, _log
+from ._capture import patched
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory a DTensor's kernels use (itself for a plain one)."""
+    return getattr(t, "_local_tensor", t)
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    local = _local(t)
+    return (local.shape, local.dtype, local.device, getattr(t, "placements", None))
+
+
+class StepGrads:
+    """The grads of the step's parameters as the capture left them.
+
+    ``params``/``after``: every parameter of the step's optimizers and its
+    grad when the capture ended (rule 3).  ``held``/``held_grads``: the
+    parameters whose grads were made outside the step and the grads the
+    graph reads (rule 1); ``skipped``: those it never steps (rule 2);
+    ``expected``: the grads held and skipped parameters must have before a
+    replay, as (parameters, grads).  Aligned tuples, not pairs, so that each
+    check is one native call.  ``labels``: each parameter's name for errors,
+    by id."""
+
+    __slots__ = ("params", "after", "held", "held_grads", "skipped", "expected", "labels",
+                 "copied")
+
+    def __init__(self, params: tuple, held: dict, skipped: dict, labels: dict):
+        self.params, self.after = params, tuple(map(_GRAD, params))
+        self.held = tuple(p for p, _ in held.values())
+        self.held_grads = tuple(g for _, g in held.values())
+        self.skipped = tuple(skipped.values())
+        self.expected = (self.held + self.skipped,
+                         self.held_grads + (None,) * len(self.skipped))
+        self.labels = labels
+        self.copied = False  # logged that grads made outside are copied in
+
+    @classmethod
+    @contextlib.contextmanager
+    def noted(cls, optimizers: list, into: list):
+        """Around the capture: appends the record to ``into`` when the
+        capture returns."""
+        labels = {id(p): f"parameter {i} of param group {g} of {type(opt).__name__}"
+                  for opt in optimizers for g, group in enumerate(opt.param_groups)
+                  for i, p in enumerate(group["params"])}
+        # Weakly: the warm-up's last grads, set to None by the step's own
+        # zero_grad(), must go back to the pool for the capture to reuse
+        # (Note [A step's warm-up in its pool] in csrc/aten_setup.cpp).
+        before = {id(p): weakref.ref(p.grad) for opt in optimizers for p in _params_of(opt)
+                  if p.grad is not None}
+        cleared: set = set()  # ids of parameters whose grads the step cleared
+        held: dict = {}  # id -> (param, grad): rule 1
+        skipped: dict = {}  # id -> param: rule 2
+
+        def stepped(optimizer, args, kwargs):
+            for p in _params_of(optimizer):
+                key = id(p)
+                if key in cleared or key in held or key in skipped:
+                    continue
+                grad, was = p.grad, before.get(key)
+                if grad is None:
+                    skipped[key] = p
+                elif was is not None and was() is grad:
+                    held[key] = (p, grad)
+
+        handle = register_optimizer_step_post_hook(stepped)
+        try:
+            with patched(_noting_clears(cleared)):
+                yield
+            into.append(cls(tuple(p for opt in optimizers for p in _params_of(opt)), held,
+                            skipped, labels))
+        finally:
+            handle.remove()
+            # The capturing call replays next: it reads the grads it began with.
+            for p, grad in held.values():
+                p.grad = grad
+
+    def bring_in(self) -> None:
+        """Rules 1 and 2, before a replay."""
+        if _C.grads_are(*self.expected):
+            return
+        for p in self.skipped:
+            if p.grad is not None:
+                raise ValueError(
+                    f"cgraph: the grad of {self.labels[id(p)]} was None when the graphed "
+                    "step's optimizer ran at capture, so the graph never steps that "
+                    "parameter, but it has one at this call. Give it a grad before the call "
+                    "that captures, or reset the step (step.reset()) to capture it again.")
+        moved = [(p, held, p.grad) for p, held in zip(self.held, self.held_grads)
+                 if p.grad is not held]
+        for p, held, got in moved:  # every check before any change
+            if got is None:
+                raise ValueError(
+                    f"cgraph: the graphed step's optimizer reads the grad of "
+                    f"{self.labels[id(p)]}, made outside the step, but it is None at this "
+                    "call: an eager step would skip that parameter, the graph cannot. Give it "
+                    "a grad before every call (zero it with optimizer.zero_grad("
+                    "set_to_none=False) outside the step), or make the grads inside the step "
+                    "(zero_grad() and backward in it).")
+            if _layout(got) != _layout(held):
+                raise ValueError(
+                    f"cgraph: the grad of {self.labels[id(p)]} is {_describe(got)} at this "
+                    f"call, but the graphed step reads one of {_describe(held)}. Pass grads as "
+                    "at the capture, or reset the step (step.reset()) to capture it again.")
+        torch._foreach_copy_([_local(held) for _, held, _ in moved],
+                             [_local(got) for _, _, got in moved])
+        for p, held, _ in moved:
+            p.grad = held
+        if not self.copied:
+            self.copied = True
+            _log.step_grads_copied(len(moved), len(self.held))
+
+    def leave(self) -> None:
+        """Rule 3, after a replay."""
+        if _C.grads_are(self.params, self.after):
+            return
+        for p, grad in zip(self.params, self.after):
+            if p.grad is not grad:
+                p.grad = grad
+
+
+def _params_of(optimizer) -> list:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _noting_clears(cleared: set) -> dict:
+    """The patches, for the length of the capture, that note in ``cleared``
+    the parameters whose grads a zero_grad() of an optimizer or a module
+    clears."""
+    def noting(zero_grad, params_of):
+        def zero_grad_noted(self, *args, **kwargs):
+            cleared.update(map(id, params_of(self)))
+            return zero_grad(self, *args, **kwargs)
+        return zero_grad_noted
+
+    return {(torch.optim.Optimizer, "zero_grad"): noting(torch.optim.Optimizer.zero_grad,
+                                                         _params_of),
+            (nn.Module, "zero_grad"): noting(nn.Module.zero_grad, nn.Module.parameters)}
+
+
+def _describe(t: torch.Tensor) -> str:
+    shape, dtype, device, placements = _layout(t)
+    where = f" placed {placements}" if placements is not None else ""
+    return f"a {dtype} tensor of local shape {tuple(shape)} on {device}{where}"
