@@ -11,7 +11,10 @@ torchrun, from the repository root after a build::
 
 Variants: ``eager``; ``compile`` (each decoder layer ``torch.compile``-d,
 default mode, as torchtitan does); ``cgraph-layer`` (each decoder layer
-``cgraph.make_graphed(layer, pool=pool)`` after sharding); ``cgraph-step``
+``cgraph.make_graphed(layer, pool=pool)`` after sharding); ``cgraph-layer-opt``
+(the same, and the optimizer step graphed on its own:
+``cgraph.make_graphed_step(opt.step)``, grads zeroed, not set to None, between
+steps); ``cgraph-step``
 (``cgraph.make_graphed_step`` around the step: its collectives and the
 optimizer inside the graph); ``cgraph-compiled-layer`` (each layer's forward
 compiled, then graphed; FSDP layout only); ``cgraph-compiled-step`` (each
@@ -45,8 +48,8 @@ CONFIG = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816,
               num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=16,
               max_position_embeddings=4096, use_cache=False)
 REGIMES = {"small": (1, 256), "large": (8, 4096)}  # (batch, sequence) per data-parallel rank
-VARIANTS = ("eager", "compile", "cgraph-layer", "cgraph-step", "cgraph-compiled-layer",
-            "cgraph-compiled-step")
+VARIANTS = ("eager", "compile", "cgraph-layer", "cgraph-layer-opt", "cgraph-step",
+            "cgraph-compiled-layer", "cgraph-compiled-step")
 SETUP_STEPS = 4  # eager steps, or compiles, before timing; make_graphed_step captures at 4
 
 
@@ -111,7 +114,7 @@ def prepare(variant: str, model, sample):
     if variant in ("compile", "cgraph-compiled-step"):
         for layer in layers:
             layer.compile()
-    elif variant in ("cgraph-layer", "cgraph-compiled-layer"):
+    elif variant in ("cgraph-layer", "cgraph-layer-opt", "cgraph-compiled-layer"):
         if variant == "cgraph-compiled-layer":
             for layer in layers:
                 layer.forward = torch.compile(layer.forward)
@@ -119,12 +122,17 @@ def prepare(variant: str, model, sample):
         model.model.layers = nn.ModuleList(cgraph.make_graphed(layer, pool=pool)
                                            for layer in layers)
     opt = optimizer(model)
+    # cgraph-layer-opt: the optimizer step graphed on its own, its grads
+    # zeroed in place (Note [Grads around a graphed step]: set to None,
+    # FSDP2's new grads would be copied into the graph's, beside them).
+    optimizer_step = cgraph.make_graphed_step(opt.step) if variant.endswith("-opt") else opt.step
+    set_to_none = not variant.endswith("-opt")
 
     def step(ids):
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
-        opt.step()
+        optimizer_step()
         return loss
 
     graph_step = variant in ("cgraph-step", "cgraph-compiled-step")

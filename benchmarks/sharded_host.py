@@ -114,10 +114,10 @@ def main() -> None:
     parser.add_argument("--variants", default="eager,cgraph-layer,eager,cgraph-layer")
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
-    whole = [v for v in args.variants.split(",") if v.endswith("-step")]
+    whole = [v for v in args.variants.split(",") if v.endswith(("-step", "-opt"))]
     if whole:
-        parser.error(f"{', '.join(whole)}: a graphed step has no phases or hooks on the host "
-                     "to time; use benchmarks.sharded for it")
+        parser.error(f"{', '.join(whole)}: this times eager optimizer steps and a graphed step "
+                     "has no phases or hooks on the host to time; use benchmarks.sharded")
     time_fsdp_hooks()
     dist.init_process_group("nccl")
     rank = dist.get_rank()
