@@ -128,7 +128,7 @@ class StepGrads:
 
         handle = register_optimizer_step_post_hook(stepped)
         try:
-            with patched(_noting_clears(cleared)):
+            with clears_noted(cleared):
                 yield
             into.append(cls(tuple(p for opt in optimizers for p in _params_of(opt)), held,
                             skipped, labels))
@@ -145,7 +145,7 @@ class StepGrads:
         for p in self.skipped:
             if p.grad is not None:
                 raise ValueError(
-                    f"cgraph: the grad of {self.labels[id(p)]} was None when the graphed "
+                    f"cgraph: the grad of {self._label(p)} was None when the graphed "
                     "step's optimizer ran at capture, so the graph never steps that "
                     "parameter, but it has one at this call. Give it a grad before the call "
                     "that captures, or reset the step (step.reset()) to capture it again.")
@@ -155,16 +155,19 @@ class StepGrads:
             if got is None:
                 raise ValueError(
                     f"cgraph: the graphed step's optimizer reads the grad of "
-                    f"{self.labels[id(p)]}, made outside the step, but it is None at this "
+                    f"{self._label(p)}, made outside the step, but it is None at this "
                     "call: an eager step would skip that parameter, the graph cannot. Give it "
                     "a grad before every call (zero it with optimizer.zero_grad("
                     "set_to_none=False) outside the step), or make the grads inside the step "
-                    "(zero_grad() and backward in it).")
+                    "(zero_grad() and backward in it; grads cleared otherwise than by an "
+                    "optimizer's or module's zero_grad() are taken for grads made outside).")
             if _layout(got) != _layout(held):
                 raise ValueError(
-                    f"cgraph: the grad of {self.labels[id(p)]} is {_describe(got)} at this "
+                    f"cgraph: the grad of {self._label(p)} is {_describe(got)} at this "
                     f"call, but the graphed step reads one of {_describe(held)}. Pass grads as "
                     "at the capture, or reset the step (step.reset()) to capture it again.")
+        if not moved:  # a skipped parameter's grad differed, and raised above
+            return
         torch._foreach_copy_([_local(held) for _, held, _ in moved],
                              [_local(got) for _, _, got in moved])
         for p, held, _ in moved:
@@ -172,6 +175,9 @@ class StepGrads:
         if not self.copied:
             self.copied = True
             _log.step_grads_copied(len(moved), len(self.held))
+
+    def _label(self, p) -> str:
+        return self.labels.get(id(p), "a parameter of another optimizer")
 
     def leave(self) -> None:
         """Rule 3, after a replay."""
@@ -186,19 +192,44 @@ def _params_of(optimizer) -> list:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _noting_clears(cleared: set) -> dict:
-    """The patches, for the length of the capture, that note in ``cleared``
-    the parameters whose grads a zero_grad() of an optimizer or a module
-    clears."""
-    def noting(zero_grad, params_of):
-        def zero_grad_noted(self, *args, **kwargs):
-            cleared.update(map(id, params_of(self)))
-            return zero_grad(self, *args, **kwargs)
-        return zero_grad_noted
+# Where the zero_grad()s below note what they clear while a step warms up
+# or is captured: a set, or None (nowhere).
+_noting: list = [None]
+_ZERO_GRADS = {torch.optim.Optimizer: (torch.optim.Optimizer.zero_grad, _params_of),
+               nn.Module: (nn.Module.zero_grad, nn.Module.parameters)}
 
-    return {(torch.optim.Optimizer, "zero_grad"): noting(torch.optim.Optimizer.zero_grad,
-                                                         _params_of),
-            (nn.Module, "zero_grad"): noting(nn.Module.zero_grad, nn.Module.parameters)}
+
+def _noting_zero_grad(owner):
+    """owner's zero_grad, noting the parameters it clears.  Made once per
+    owner and hidden from dynamo: compiled code guards on the function it
+    finds there, which must be the same object at warm-up and at capture."""
+    zero_grad, params_of = _ZERO_GRADS[owner]
+
+    @torch._disable_dynamo
+    def zero_grad_noted(self, *args, **kwargs):
+        if _noting[0] is not None:
+            _noting[0].update(map(id, params_of(self)))
+        return zero_grad(self, *args, **kwargs)
+
+    return zero_grad_noted
+
+
+_NOTING_ZERO_GRADS = {(owner, "zero_grad"): _noting_zero_grad(owner) for owner in _ZERO_GRADS}
+
+
+@contextlib.contextmanager
+def clears_noted(cleared: set):
+    """For the length of the capture, the ids of the parameters whose grads
+    a zero_grad() of an optimizer or a module clears, noted in ``cleared``.
+    The step's warm-up calls run under the same patches (into a set nobody
+    reads), so that compiled code calling zero_grad() does not compile again
+    at capture (Note [Patches during capture] in cgraph/_capture.py)."""
+    was, _noting[0] = _noting[0], cleared
+    try:
+        with patched(_NOTING_ZERO_GRADS):
+            yield
+    finally:
+        _noting[0] = was
 
 
 def _describe(t: torch.Tensor) -> str:
