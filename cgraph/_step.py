@@ -107,7 +107,7 @@ from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donate
                        asked_by_the_compiler, graph, patched)
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
-from ._step_grads import StepGrads, clears_noted
+from ._step_grads import StepGrads
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
@@ -342,13 +342,12 @@ class GraphedStep:
         """A warm-up call of the step, under what its capture will change
         (Note [RNG inside a graphed step]): torch.cuda.get_rng_state noted as
         cgraph's own warm-up notes it, into ``self.rng_warmup`` when the call
-        returns; autocast's cache and donated buffers off, and zero_grad()
-        noted (Note [Grads around a graphed step]), as while captured (Note
-        [Patches during capture] items 1 and 6), so compiled code guarded on
-        them compiles now, not at capture.  Without CUDA (a test's CPU
-        stand-in), nothing is noted."""
+        returns; autocast's cache and donated buffers off, as while captured
+        (Note [Patches during capture] items 1 and 6), so compiled code
+        guarded on them compiles now, not at capture.  Without CUDA (a
+        test's CPU stand-in), nothing is noted."""
         if step_device is None:
-            with _autocast_cache_off(), _donated_buffers_off(), clears_noted(set()):
+            with _autocast_cache_off(), _donated_buffers_off():
                 yield
             return
         generator = torch.cuda.default_generators[step_device]
@@ -361,7 +360,7 @@ class GraphedStep:
             return torch_get(device)
 
         with patched({(torch.cuda, "get_rng_state"): get_rng_state}), _autocast_cache_off(), \
-                _donated_buffers_off(), clears_noted(set()):
+                _donated_buffers_off():
             yield
         self.rng_warmup = (tuple(offsets), generator.get_offset() - start)
 

@@ -217,29 +217,3 @@ def test_grads_are_compares_each_parameters_grad_by_identity():
     with pytest.raises(RuntimeError, match="1 parameters but 2 grads"):
         _C.grads_are((a,), (None, None))
 
-
-def test_compiled_code_calling_zero_grad_compiles_once_across_warm_up_and_capture():
-    """The step's warm-up calls run under clears_noted too (into a set
-    nobody reads): compiled code that calls Module.zero_grad guards on it,
-    and would compile again inside the capture otherwise."""
-    from torch._dynamo.testing import CompileCounter
-
-    from cgraph._step_grads import clears_noted
-    model, _ = model_and_optimizer()
-    counter = CompileCounter()
-
-    @torch.compile(backend=counter)
-    def clear_and_run(x):
-        model.zero_grad()
-        return model(x) * 2
-
-    x = torch.randn(2, 4)
-    with clears_noted(set()):  # warm-up
-        clear_and_run(x)
-        clear_and_run(x)
-    cleared = set()
-    with clears_noted(cleared):  # capture
-        clear_and_run(x)
-    assert counter.frame_count == 1, counter.frame_count
-    assert cleared == {id(model.weight), id(model.bias)}
-    torch._dynamo.reset()
