@@ -42,9 +42,27 @@ A: cgraph gives them a fixed home.  FSDP copies the all-gathered
    Checked, never silently stale: each replay checks that every parameter
    is where the graph reads it (csrc/aten_replay.cpp, check_params), so a
    copy-out that did not go to the home raises; a shared home lent to a
-   layer while another layer it serves is still unsharded raises
-   (``Home.lend``).  ``reset()`` gives FSDP its own allocation back, and the
-   home is freed once no storage borrows it.
+   layer while another layer it serves is inside its forward or backward
+   raises (``Home.lend``); one that is idle is resharded (Note [A layer kept
+   unsharded in a shared home]).  ``reset()`` gives FSDP its own allocation
+   back, and the home is freed once no storage borrows it.
+
+Note [A layer kept unsharded in a shared home]
+Q: FSDP2 keeps a layer unsharded after its backward when told to
+   (``set_reshard_after_backward(False)``, gradient accumulation that saves
+   the next micro-batch's all-gathers), or after an explicit ``unshard()``.
+   Its home is shared: the next layer's copy-out would overwrite it.  What
+   then?
+A: When a layer is lent the home, a layer still holding it that is idle
+   (between its passes: FSDP's IDLE or POST_BACKWARD) is resharded, as
+   ``reshard_after_backward=True`` would have: FSDP all-gathers it again
+   before its next forward or backward, as it does any sharded layer, so
+   results are eager's and only that all-gather is added.  Logged once.
+   Its unsharded grads are FSDP's, not the home's, and stay (accumulation
+   without reduce-scatter keeps them across micro-batches).  A holder inside
+   its forward or backward would be read while overwritten: that raises.
+   Layers sharded with ``reshard_after_forward=False`` have homes of their
+   own and stay unsharded as FSDP keeps them.
 """
 
 from __future__ import annotations
@@ -149,14 +167,33 @@ class Home:
 
     def lend(self, group, outputs: list[torch.Tensor], views: list[torch.Tensor]) -> None:
         if not self.free_for(group):
-            raise RuntimeError(
-                "cgraph: two FSDP layers whose graphs share one home for their unsharded "
-                "parameters were unsharded at once (an explicit unshard(), a layer called "
-                "twice in a pass?), so one would read the other's parameters. Shard these "
-                "layers with reshard_after_forward=False (each then gets a home of its own), "
-                "or graph them in separate make_graphed calls after the change.")
+            _take_back(self.holder, group)
         self.holder = group
         _C.lend_memory(outputs, views)
+
+
+def _take_back(holder, group) -> None:
+    """The shared home, wanted by `group`, is still lent to `holder`:
+    Note [A layer kept unsharded in a shared home]."""
+    if _training_state(holder) in ("FORWARD", "PRE_BACKWARD"):
+        raise RuntimeError(
+            f"cgraph: FSDP layers {_name(holder)} and {_name(group)}, whose graphs share one "
+            "home for their unsharded parameters, were both unsharded inside a forward or "
+            "backward (a layer called inside another, or twice in a pass?), so one would read "
+            "the other's parameters. Shard these layers with reshard_after_forward=False (each "
+            "then gets a home of its own), or graph them in separate make_graphed calls.")
+    holder.reshard()
+    _log.fsdp_home_taken_back(_name(holder), _name(group))
+
+
+def _training_state(group) -> str:
+    state = getattr(group, "_training_state", None)
+    return getattr(state, "name", "IDLE")
+
+
+def _name(group) -> str:
+    fqn = getattr(group, "_module_fqn", None)
+    return repr(fqn) if fqn else type(group.modules[0]).__name__
 
 
 class _Keeper:

@@ -415,6 +415,8 @@ class GraphedStep:
             _check_capturable(opt, opt in self.scaled)
         self.ddp.before_capture()
         _require_cuda()  # before the optimizers change: a CPU caller goes on as before
+        for opt in list(self.optimizers):
+            _check_on_the_gpu(opt)
         put_back = _as_they_are(list(self.optimizers))
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         grads: list[StepGrads] = []  # the grads as the capture left them, as a record
@@ -677,6 +679,21 @@ def _check_capturable(optimizer, scaled: bool) -> None:
             "conditional graph nodes to skip it on the device. Build it with "
             f"{name}(..., fused=True): the scaler then hands it the scale and found_inf on "
             "the device.")
+
+
+def _check_on_the_gpu(optimizer) -> None:
+    """Refuses an optimizer with a parameter off the GPU: a graph replays
+    GPU work only, so its step would run once, at capture, and the
+    parameters would keep that step's values while the losses went on."""
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if param.device.type != "cuda":
+                raise ValueError(
+                    f"cgraph: parameter {i} of param group {g} of {type(optimizer).__name__} "
+                    f"is on {param.device.type} (FSDP2's CPUOffloadPolicy keeps the sharded "
+                    "parameters there), and a CUDA graph replays GPU work only. Step this "
+                    "optimizer outside the graphed step; per-layer graphs "
+                    "(cgraph.make_graphed(layer)) work with CPU offload.")
 
 
 def _scaler_steps_on_the_device():

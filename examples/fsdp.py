@@ -30,10 +30,16 @@ reads them):
    fused AdamW, bf16 parameters): FSDP2 hands it grads made outside it,
    new tensors each step where zero_grad() sets them to None, the same
    ones zeroed where it does not (Note [Grads around a graphed step] in
-   cgraph/_step_grads.py).
+   cgraph/_step_grads.py).  With CPU offload (CPUOffloadPolicy), the
+   optimizer step graphed is refused.  Gradient accumulation as FSDP2 does
+   it: two micro-batches per step, reduce-scattering after the last only
+   (set_requires_gradient_sync), in fp32 and in bf16 with fp32 reduction,
+   and with the layers kept unsharded between micro-batches
+   (set_reshard_after_backward(False)).
 2. a whole step graphed: make_graphed_step around the FSDP2 model's step
    (fused AdamW), its all-gathers and reduce-scatters inside the graph:
-   losses and parameters bitwise equal to eager FSDP2's.
+   losses and parameters bitwise equal to eager FSDP2's; then a step that
+   accumulates two micro-batches.
 3. graphing first and sharding after is refused, naming this recipe.
 4. teardown: reset() of every graph gives back all memory of the graphed
    model once the model is dropped.
@@ -53,11 +59,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
+                                    fully_shard)
 
 import cgraph
 
 VOCAB, DIM, HEADS, DEPTH, SEQ, BATCH, STEPS = 512, 256, 4, 4, 64, 4, 5
+MICRO = 2  # micro-batches per optimizer step where grads accumulate
 
 
 class Block(nn.Module):
@@ -93,14 +101,15 @@ class Toy(nn.Module):
         return self.head(self.norm(x))
 
 
-def sharded(reshard=True, mp=False):
+def sharded(reshard=True, mp=False, offload=False):
     torch.manual_seed(0)  # the same weights on every rank and in both twins
     model = Toy().cuda()
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mp else MixedPrecisionPolicy())
+    where = CPUOffloadPolicy() if offload else OffloadPolicy()
     for layer in model.layers:
-        fully_shard(layer, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(layer, reshard_after_forward=reshard, mp_policy=policy, offload_policy=where)
+    fully_shard(model, mp_policy=policy, offload_policy=where)
     return model
 
 
@@ -165,9 +174,9 @@ def grad_places(layers, seen):
     return [len(set().union(*(seen[id(ps[j])] for ps in params))) for j in range(len(params[0]))]
 
 
-def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False):
+def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False, offload=False):
     """Recipe 1: every layer graphed after sharding, trained beside an eager twin."""
-    eager, model = sharded(reshard, mp), sharded(reshard, mp)
+    eager, model = sharded(reshard, mp, offload), sharded(reshard, mp, offload)
     shared = cgraph.graph_pool_handle() if pool else None
     sample = (torch.randn(BATCH, SEQ, DIM, device="cuda"),) if samples else None
     model.layers = nn.ModuleList(cgraph.make_graphed(layer, sample, pool=shared)
@@ -195,6 +204,8 @@ def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False):
     print(f"rank {rank} {name}: losses, grads and parameters equal to eager FSDP2 over "
           f"{STEPS} steps, layers replayed {replays}, {len(homes)} parameter home(s), unsharded "
           f"grads in {places[0]} place(s) per parameter after the first step: OK", flush=True)
+    if offload:
+        optimizer_step_off_the_gpu_is_refused(rank, opts[1])
     for layer in model.layers:
         layer.reset()  # FSDP allocates its unsharded parameters itself again
     lenders = [p for layer in model.layers
@@ -223,6 +234,63 @@ def train_beside(eager, model, opts, rank, name, around_backward, steppers=None,
             opt.zero_grad(set_to_none=set_to_none)
 
 
+def optimizer_step_off_the_gpu_is_refused(rank, opt):
+    """An optimizer of CPU-offloaded parameters, graphed: refused at capture,
+    naming the fix (a graph would step them once, at capture)."""
+    optimizer_step = cgraph.make_graphed_step(opt.step, num_warmup_iters=1)
+    optimizer_step()  # eager: the warm-up
+    try:
+        optimizer_step()
+    except ValueError as e:
+        if "is on cpu" not in str(e) or "per-layer graphs" not in str(e):
+            raise
+    else:
+        raise SystemExit(f"rank {rank}: an optimizer step of CPU parameters was graphed")
+    print(f"rank {rank} CPU offload: a graphed optimizer step refused: OK", flush=True)
+
+
+def accumulating(rank, name, mp=False, reshard=True, keep_unsharded=False):
+    """Recipe 1 with gradient accumulation as FSDP2 does it: MICRO
+    micro-batches per optimizer step, reduce-scattering after the last only
+    (set_requires_gradient_sync(False) before the others), so the unsharded
+    grads of every layer accumulate across micro-batches; keep_unsharded:
+    set_reshard_after_backward(False) too, which keeps the layers unsharded
+    between micro-batches (where they share a home, cgraph reshards an idle
+    one: Note [A layer kept unsharded in a shared home] in cgraph/_fsdp.py)."""
+    eager, model = sharded(reshard, mp), sharded(reshard, mp)
+    shared = cgraph.graph_pool_handle()
+    model.layers = nn.ModuleList(cgraph.make_graphed(layer, pool=shared)
+                                 for layer in model.layers)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, model)]
+    for step in range(STEPS):
+        for micro in range(MICRO):
+            last = micro == MICRO - 1
+            for m in (eager, model):
+                m.set_requires_gradient_sync(last)
+                if keep_unsharded:
+                    m.set_reshard_after_backward(last)
+            tokens, targets = batch(MICRO * step + micro, rank)
+            losses = [loss_of(m, tokens, targets) for m in (eager, model)]
+            for loss in losses:
+                loss.backward()
+            same(losses[1], losses[0], f"step {step} micro-batch {micro} loss", rank, name)
+        for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+            same(p.grad, q.grad, f"step {step} grad {k}", rank, name)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+        same(p, q, f"parameter {k}", rank, name)
+    replays = [layer.stats["forward"] for layer in model.layers]
+    if min(replays) < MICRO * STEPS - 1:
+        raise SystemExit(f"rank {rank} {name}: the layers replayed {replays} times in "
+                         f"{MICRO * STEPS} micro-batches")
+    print(f"rank {rank} {name}: losses, grads and parameters equal to eager FSDP2 over "
+          f"{STEPS} steps of {MICRO} micro-batches, layers replayed {replays}: OK", flush=True)
+    for layer in model.layers:
+        layer.reset()
+
+
 def per_layer_and_optimizer_step(rank, set_to_none):
     """Recipe 1 with the optimizer step graphed too (make_graphed_step
     around opt.step): FSDP2 hands it the reduced grads made outside it,
@@ -247,30 +315,41 @@ def per_layer_and_optimizer_step(rank, set_to_none):
     optimizer_step.reset()
 
 
-def whole_step(rank):
-    """Recipe 2: make_graphed_step around the FSDP2 model's step."""
+def whole_step(rank, micro=1):
+    """Recipe 2: make_graphed_step around the FSDP2 model's step; with
+    micro > 1, the step accumulates grads over that many micro-batches,
+    reduce-scattering after the last only (set_requires_gradient_sync)."""
+    name = "graphed FSDP2 step" + (f", {micro} micro-batches" if micro > 1 else "")
     models = [sharded(mp=True), sharded(mp=True)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
 
     def train_step(model, opt):
         def step(tokens, targets):
             opt.zero_grad()
-            loss = loss_of(model, tokens, targets)
-            loss.backward()
+            losses = []
+            for i, (t, y) in enumerate(zip(tokens.chunk(micro), targets.chunk(micro))):
+                if micro > 1:
+                    model.set_requires_gradient_sync(i == micro - 1)
+                loss = loss_of(model, t, y) / micro
+                loss.backward()
+                losses.append(loss.detach())
             opt.step()
-            return loss
+            return torch.stack(losses).sum()
         return step
 
+    def data(step):
+        pieces = [batch(micro * step + i, rank) for i in range(micro)]
+        return tuple(torch.cat(parts) for parts in zip(*pieces))
+
     eager = train_step(models[0], opts[0])
-    graphed = cgraph.make_graphed_step(train_step(models[1], opts[1]), batch(0, rank))
+    graphed = cgraph.make_graphed_step(train_step(models[1], opts[1]), data(0))
     steps = 8
     for step in range(steps):
-        tokens, targets = batch(step, rank)
-        same(graphed(tokens, targets), eager(tokens, targets), f"step {step} loss", rank,
-             "graphed FSDP2 step")
+        tokens, targets = data(step)
+        same(graphed(tokens, targets), eager(tokens, targets), f"step {step} loss", rank, name)
     for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
-        same(p, q, f"parameter {k}", rank, "graphed FSDP2 step")
-    print(f"rank {rank} graphed FSDP2 step: losses and parameters equal to eager FSDP2 over "
+        same(p, q, f"parameter {k}", rank, name)
+    print(f"rank {rank} {name}: losses and parameters equal to eager FSDP2 over "
           f"{steps} steps, {graphed.stats}: OK", flush=True)
     graphed.reset()
 
@@ -339,9 +418,17 @@ def main():
     per_layer(rank, "per-layer graphs, bf16 params fp32 reduce, pool", mp=True, pool=True)
     if world >= 4:
         per_layer(rank, "per-layer graphs, reshard_after_forward=2", reshard=2, pool=True)
+    per_layer(rank, "per-layer graphs, CPU offload", offload=True)
     per_layer_and_optimizer_step(rank, set_to_none=True)
     per_layer_and_optimizer_step(rank, set_to_none=False)
+    accumulating(rank, "per-layer graphs, grads accumulated")
+    accumulating(rank, "per-layer graphs, grads accumulated, bf16 params fp32 reduce", mp=True)
+    accumulating(rank, "per-layer graphs, grads accumulated, kept unsharded",
+                 keep_unsharded=True)
+    accumulating(rank, "per-layer graphs, grads accumulated, kept unsharded, "
+                 "reshard_after_forward=False", reshard=False, keep_unsharded=True)
     whole_step(rank)
+    whole_step(rank, micro=MICRO)
     graph_then_shard_is_refused(rank)
 
     cgraph.reset_all()

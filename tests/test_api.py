@@ -335,6 +335,17 @@ def test_a_step_refuses_optimizers_it_cannot_capture_naming_the_fix(monkeypatch)
         _check_capturable(torch.optim.Adam(params), scaled=True)
 
 
+def test_a_step_refuses_an_optimizer_of_parameters_off_the_gpu():
+    """FSDP2's CPU offload keeps parameters on the CPU: a graph would step
+    them once, at capture."""
+    from cgraph._step import _check_on_the_gpu
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(ValueError, match="parameter 0 of param group 0 of AdamW is on cpu.*"
+                                         "outside the graphed step"):
+        _check_on_the_gpu(torch.optim.AdamW(params))
+
+
 @pytest.mark.parametrize("make, device_lr", [
     (lambda ps: torch.optim.RMSprop(ps, foreach=False), False),
     (lambda ps: torch.optim.Adadelta(ps, foreach=False), False),

@@ -1,9 +1,10 @@
 """FSDP2 (fully_shard) with cgraph.  On GPUs, examples/fsdp.py runs under
 torchrun and the tests assert each rank's report of every check: per-layer
 graphs inside FSDP2 (reshard_after_forward True, False, an int on four
-GPUs; bf16 parameters; with the optimizer step graphed too), a step
-graphed whole, graphing before sharding
-refused, teardown.  On the CPU, a one-process gloo group checks the
+GPUs; bf16 parameters; CPU offload; with the optimizer step graphed too;
+grads accumulated over micro-batches, layers kept unsharded or not), a step
+graphed whole (with micro-batches too), graphing before sharding refused,
+teardown.  On the CPU, a one-process gloo group checks the
 refusals and that FSDP swapping its parameters is not a replacement."""
 
 import pytest
@@ -22,10 +23,15 @@ from test_ddp import torchrun
 PER_LAYER = ("per-layer graphs, reshard_after_forward=True",
              "per-layer graphs, reshard_after_forward=False, pool, samples",
              "per-layer graphs, bf16 params fp32 reduce, pool",
+             "per-layer graphs, CPU offload:", "CPU offload: a graphed optimizer step refused",
              "per-layer graphs, graphed optimizer step, grads set to None",
-             "per-layer graphs, graphed optimizer step, grads zeroed")
-CHECKS = (*PER_LAYER, "graphed FSDP2 step", "graph then shard: refused",
-          "failed capture: raised on every rank", "teardown:")
+             "per-layer graphs, graphed optimizer step, grads zeroed",
+             "per-layer graphs, grads accumulated:",
+             "per-layer graphs, grads accumulated, bf16 params fp32 reduce:",
+             "per-layer graphs, grads accumulated, kept unsharded:",
+             "per-layer graphs, grads accumulated, kept unsharded, reshard_after_forward=False:")
+CHECKS = (*PER_LAYER, "graphed FSDP2 step:", "graphed FSDP2 step, 2 micro-batches:",
+          "graph then shard: refused", "failed capture: raised on every rank", "teardown:")
 
 
 def assert_checks(out, ranks, checks):
@@ -163,7 +169,8 @@ def fake_group(reshards: bool, sizes=(16, 8), ranks=2):
     it shards over."""
     params = [SimpleNamespace(all_gather_outputs=[torch.empty(n)]) for n in sizes]
     return SimpleNamespace(fsdp_params=params, post_forward_mesh_info=object() if reshards
-                           else None, mesh_info=SimpleNamespace(shard_mesh_size=ranks))
+                           else None, mesh_info=SimpleNamespace(shard_mesh_size=ranks),
+                           modules=[nn.Identity()])
 
 
 def outputs_of(group):
@@ -198,5 +205,32 @@ def test_a_shared_home_is_not_lent_over_a_layer_still_unsharded():
     home = _fsdp._home_for(first, outputs_of(first))
     home.holder = first  # lent to it, and FSDP has not resharded it
     assert _fsdp._home_for(second, outputs_of(second)) is not home  # at capture: another
-    with pytest.raises(RuntimeError, match="unsharded at once"):  # on a later step: raises
+
+
+@pytest.mark.parametrize("state", ["FORWARD", "PRE_BACKWARD"])
+def test_a_shared_home_held_inside_a_pass_is_not_lent_over(state):
+    first, second = fake_group(True), fake_group(True)
+    home = _fsdp._home_for(first, outputs_of(first))
+    home.holder = first
+    first._training_state = SimpleNamespace(name=state)  # FSDP's TrainingState, as read
+    with pytest.raises(RuntimeError, match="both unsharded inside a forward or backward.*"
+                                           "reshard_after_forward=False"):
         home.lend(second, outputs_of(second), home.views)
+    assert home.holder is first
+
+
+@pytest.mark.parametrize("state", ["POST_BACKWARD", "IDLE"])
+def test_an_idle_layer_kept_unsharded_in_a_shared_home_is_resharded(state, monkeypatch):
+    """Note [A layer kept unsharded in a shared home]: FSDP's
+    set_reshard_after_backward(False) keeps a layer unsharded after its
+    backward; the next layer lent the home reshards it, once logged."""
+    first, second = fake_group(True), fake_group(True)
+    home = _fsdp._home_for(first, outputs_of(first))
+    home.holder = first
+    first._training_state = SimpleNamespace(name=state)
+    first.reshard = lambda: reshard(first)
+    lent = []
+    monkeypatch.setattr(_fsdp, "_C", SimpleNamespace(lend_memory=lambda o, v: lent.append(o)))
+    home.lend(second, outputs_of(second), home.views)
+    assert not _fsdp._unsharded(first) and home.holder is second
+    assert lent == [outputs_of(second)]
