@@ -156,6 +156,14 @@ def step_stale(step, key: str) -> None:
              step, key)
 
 
+def step_optimizer_replaced(step, optimizer) -> None:
+    """An optimizer's param_groups or state were replaced or grown since the step's capture."""
+    log.info("%r: %s's param_groups or state were replaced since capture (load_state_dict, "
+             "add_param_group): this call steps eagerly and the next captures again, so that "
+             "the graph steps the optimizer's tensors as they are now.", step,
+             type(optimizer).__name__)
+
+
 def step_reset(step) -> None:
     """A graphed training step reset by its user."""
     log.info("%r: reset: its graph freed; the next call captures again.", step)

@@ -36,7 +36,13 @@ A: Before capture, every param group that has torch's ``capturable`` flag
    refills its tensor (one fill kernel).  Any other hyperparameter baked
    into the graph as a number (SGD's lr unless fused, betas, weight decay,
    momentum) is compared before each replay, and a change recaptures, with
-   a log line: nothing replays with a stale value.  A GradScaler with such
+   a log line: nothing replays with a stale value.  So does an optimizer
+   whose ``param_groups`` or ``state`` were replaced or grown since capture
+   (``load_state_dict``, as resuming from a checkpoint does, and
+   ``add_param_group``), where the graph would go on stepping the tensors
+   and reading the groups it captured: that call steps eagerly (creating
+   the state of parameters added since: created inside a capture, it would
+   be zeroed again at every replay), and the next one captures.  A GradScaler with such
    an optimizer: Note [GradScaler with any optimizer].
 
 Note [GradScaler with any optimizer]
@@ -142,7 +148,10 @@ def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
     those with a ``capturable=`` option, SGD, and Adagrad (Note [Optimizers
     without a capturable form]); LBFGS is refused.  An LR scheduler stepped
     between calls takes effect without recapture where the optimizer reads
-    lr on the device (otherwise it recaptures, logged).  Capturable
+    lr on the device (otherwise it recaptures, logged).  After an
+    optimizer's ``load_state_dict`` or ``add_param_group`` (resuming from a
+    checkpoint), the next call steps eagerly and the one after captures
+    again (logged).  Capturable
     optimizers compute their step sizes on the device in float32, not on the
     host in float64: parameters then match eager's to float32 rounding, not
     bitwise (fused ones, SGD, Adagrad: bitwise).  A ``GradScaler`` works
@@ -211,6 +220,27 @@ class _WarmPool(NamedTuple):
         return cls(device, pool, _C.hold_pool(device, pool))
 
 
+class _Containers(NamedTuple):
+    """An optimizer's param_groups list and state dict as the graph captured
+    them: load_state_dict replaces both, add_param_group grows the list."""
+
+    optimizer: weakref.ref
+    param_groups: list
+    count: int
+    state: dict
+
+    @classmethod
+    def of(cls, optimizer) -> "_Containers":
+        return cls(weakref.ref(optimizer), optimizer.param_groups,
+                   len(optimizer.param_groups), optimizer.state)
+
+    def replaced(self) -> bool:
+        optimizer = self.optimizer()
+        return optimizer is not None and (
+            optimizer.param_groups is not self.param_groups or optimizer.state is not self.state
+            or len(optimizer.param_groups) != self.count)
+
+
 @dataclasses.dataclass
 class _Group:
     """One param group as the graph captured it."""
@@ -227,9 +257,10 @@ class _Group:
 # A: The whole step is one graph replay, which costs about 13 us of host
 #    time on the lent machines; anything in Python around it is of the same
 #    order.  So a call goes from GraphedStep.__call__ (one check that no
-#    hyperparameter baked into the graph changed, and a native pointer
-#    compare of each parameter's grad before and after: Note [Grads around a
-#    graphed step] in cgraph/_step_grads.py) straight to the native
+#    hyperparameter baked into the graph changed and no optimizer's groups
+#    or state were replaced, and a native pointer compare of each
+#    parameter's grad before and after: Note [Grads around a graphed step]
+#    in cgraph/_step_grads.py) straight to the native
 #    graphed callable the step was captured as (csrc/graphed.c): arguments
 #    checked in C, copied into the static inputs by memcpy nodes at the head
 #    of the graph itself (Note [Argument copies inside the graph] in
@@ -262,6 +293,7 @@ class GraphedStep:
         self.static: _Static | None = None
         self.outputs: _Outputs | None = None  # None: the native call returns them as they are
         self.groups: list[_Group] = []
+        self.containers: list[_Containers] = []  # Note [Capturable optimizers]
         self.grads: StepGrads | None = None  # Note [Grads around a graphed step]
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
         self._waited = False  # logged that warm-up waits for a scaler's first step
@@ -452,6 +484,7 @@ class GraphedStep:
             put_back()
             raise
         self.outputs, self.grads = returned[0], grads[0]
+        self.containers = [_Containers.of(opt) for opt in list(self.optimizers)]
         _live.add(self.graphed)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
@@ -510,8 +543,13 @@ class GraphedStep:
     # -- 3. replay: the native call (Note [The step's hot path]) ---------------
 
     def _stale(self) -> bool:
-        """Whether a hyperparameter baked into the graph changed (then the
-        step is captured again), after refreshing the device lrs."""
+        """Whether a hyperparameter baked into the graph changed, or an
+        optimizer's groups or state were replaced (then the step is captured
+        again), after refreshing the device lrs."""
+        for held in self.containers:
+            if held.replaced():
+                self._warm_up_again(held.optimizer())
+                return True
         for g in self.groups:
             group = g.group
             if g.lr is not None and group["lr"] != g.lr_value:
@@ -522,6 +560,15 @@ class GraphedStep:
                 _log.step_stale(self, key)
                 return True
         return False
+
+    def _warm_up_again(self, optimizer) -> None:
+        """An optimizer's groups or state were replaced or grown: the graph
+        is freed, and the next call is an eager step, which creates the state
+        of parameters added since (created inside a capture, it would be
+        zeroed again at every replay), before the call after it captures."""
+        _log.step_optimizer_replaced(self, optimizer)
+        self._free()
+        self.num_warmup_iters = self.stats["eager"] + 1
 
     def _replay(self, graphed: _C.Graphed, args: tuple, kwargs: dict):
         """The native call, without grad: an argument that requires grad
@@ -547,7 +594,7 @@ class GraphedStep:
         if self.graphed is not None:
             self.graphed.reset()
         self.graphed, self.static, self.outputs, self.groups = None, None, None, []
-        self.grads = None
+        self.containers, self.grads = [], None
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)

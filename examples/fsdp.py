@@ -35,11 +35,14 @@ reads them):
    it: two micro-batches per step, reduce-scattering after the last only
    (set_requires_gradient_sync), in fp32 and in bf16 with fp32 reduction,
    and with the layers kept unsharded between micro-batches
-   (set_reshard_after_backward(False)).
+   (set_reshard_after_backward(False)).  Activation checkpointing inside
+   each sharded layer (checkpoint_wrapper, then fully_shard, as torchtitan
+   applies it).
 2. a whole step graphed: make_graphed_step around the FSDP2 model's step
    (fused AdamW), its all-gathers and reduce-scatters inside the graph:
    losses and parameters bitwise equal to eager FSDP2's; then a step that
-   accumulates two micro-batches.
+   accumulates two micro-batches, one with activation checkpointing, and
+   one resumed from the sharded state dicts of the model and optimizer.
 3. graphing first and sharding after is refused, naming this recipe.
 4. teardown: reset() of every graph gives back all memory of the graphed
    model once the model is dropped.
@@ -51,6 +54,7 @@ reads them):
 """
 
 import contextlib
+import copy
 import gc
 import os
 import time
@@ -59,6 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy,
                                     fully_shard)
 
@@ -101,9 +106,11 @@ class Toy(nn.Module):
         return self.head(self.norm(x))
 
 
-def sharded(reshard=True, mp=False, offload=False):
+def sharded(reshard=True, mp=False, offload=False, checkpointed=False):
     torch.manual_seed(0)  # the same weights on every rank and in both twins
     model = Toy().cuda()
+    if checkpointed:  # activation checkpointing inside each sharded layer, as torchtitan does
+        model.layers = nn.ModuleList(checkpoint_wrapper(layer) for layer in model.layers)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if mp else MixedPrecisionPolicy())
     where = CPUOffloadPolicy() if offload else OffloadPolicy()
@@ -174,9 +181,10 @@ def grad_places(layers, seen):
     return [len(set().union(*(seen[id(ps[j])] for ps in params))) for j in range(len(params[0]))]
 
 
-def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False, offload=False):
+def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False, offload=False,
+              checkpointed=False):
     """Recipe 1: every layer graphed after sharding, trained beside an eager twin."""
-    eager, model = sharded(reshard, mp, offload), sharded(reshard, mp, offload)
+    eager, model = (sharded(reshard, mp, offload, checkpointed) for _ in range(2))
     shared = cgraph.graph_pool_handle() if pool else None
     sample = (torch.randn(BATCH, SEQ, DIM, device="cuda"),) if samples else None
     model.layers = nn.ModuleList(cgraph.make_graphed(layer, sample, pool=shared)
@@ -315,12 +323,17 @@ def per_layer_and_optimizer_step(rank, set_to_none):
     optimizer_step.reset()
 
 
-def whole_step(rank, micro=1):
+def whole_step(rank, micro=1, checkpointed=False, resumed=False):
     """Recipe 2: make_graphed_step around the FSDP2 model's step; with
     micro > 1, the step accumulates grads over that many micro-batches,
-    reduce-scattering after the last only (set_requires_gradient_sync)."""
-    name = "graphed FSDP2 step" + (f", {micro} micro-batches" if micro > 1 else "")
-    models = [sharded(mp=True), sharded(mp=True)]
+    reduce-scattering after the last only (set_requires_gradient_sync);
+    resumed: both twins load, after step 5, the model's and optimizer's
+    sharded state dicts saved after step 2 (the step warms up and captures
+    again: Note [Capturable optimizers] in cgraph/_step.py)."""
+    name = ("graphed FSDP2 step" + (f", {micro} micro-batches" if micro > 1 else "")
+            + (", activation checkpointing" if checkpointed else "")
+            + (", resumed from a state dict" if resumed else ""))
+    models = [sharded(mp=True, checkpointed=checkpointed) for _ in range(2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
 
     def train_step(model, opt):
@@ -343,10 +356,19 @@ def whole_step(rank, micro=1):
 
     eager = train_step(models[0], opts[0])
     graphed = cgraph.make_graphed_step(train_step(models[1], opts[1]), data(0))
-    steps = 8
+    steps, saved = 8, None
     for step in range(steps):
+        if resumed and step == 3:
+            saved = [(copy.deepcopy(m.state_dict()), copy.deepcopy(o.state_dict()))
+                     for m, o in zip(models, opts)]
+        if resumed and step == 6:
+            for (model_state, opt_state), m, o in zip(saved, models, opts):
+                m.load_state_dict(model_state)
+                o.load_state_dict(opt_state)
         tokens, targets = data(step)
         same(graphed(tokens, targets), eager(tokens, targets), f"step {step} loss", rank, name)
+    if resumed and graphed.stats["captures"] != 2:
+        raise SystemExit(f"rank {rank} {name}: {graphed.stats}, not captured again")
     for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
         same(p, q, f"parameter {k}", rank, name)
     print(f"rank {rank} {name}: losses and parameters equal to eager FSDP2 over "
@@ -419,6 +441,8 @@ def main():
     if world >= 4:
         per_layer(rank, "per-layer graphs, reshard_after_forward=2", reshard=2, pool=True)
     per_layer(rank, "per-layer graphs, CPU offload", offload=True)
+    per_layer(rank, "per-layer graphs, activation checkpointing, pool", pool=True,
+              checkpointed=True)
     per_layer_and_optimizer_step(rank, set_to_none=True)
     per_layer_and_optimizer_step(rank, set_to_none=False)
     accumulating(rank, "per-layer graphs, grads accumulated")
@@ -429,6 +453,8 @@ def main():
                  "reshard_after_forward=False", reshard=False, keep_unsharded=True)
     whole_step(rank)
     whole_step(rank, micro=MICRO)
+    whole_step(rank, checkpointed=True)
+    whole_step(rank, resumed=True)
     graph_then_shard_is_refused(rank)
 
     cgraph.reset_all()

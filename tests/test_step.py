@@ -7,6 +7,9 @@ float32 tolerance stated where the optimizer's math differs."""
 
 import copy
 import functools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, assert_equal, inductor_deterministic
+from _helpers import CUDA, ROOT, assert_equal, inductor_deterministic
 
 pytestmark = pytest.mark.gpu
 
@@ -779,3 +782,96 @@ def test_grads_set_to_none_between_calls_are_the_steps_own_after_each_replay():
         for (n, p), q in zip(model.named_parameters(), eager.parameters()):
             assert_equal(p.grad, q.grad, f"grad of {n} after step {i}")
             assert_equal(p, q, f"parameter {n} after step {i}")
+
+
+@pytest.mark.parametrize("change", ["load_state_dict", "add_param_group"])
+def test_an_optimizer_loaded_or_grown_after_capture_is_captured_again(change):
+    """Resuming from a checkpoint in the same process: load_state_dict
+    replaces the optimizer's param groups and state, so the graph would
+    step the old state and read the old groups' lr (a scheduler changes
+    the new ones); add_param_group adds parameters the graph never steps.
+    Either captures the step again (Note [Capturable optimizers]): eager's
+    results, bitwise."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    biases = [nn.Parameter(torch.zeros(10, device=CUDA)) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7) for opt in opts]
+
+    def make(net, opt, bias):
+        def step(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(net(x) + bias, y)
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    steps = [cgraph.make_graphed_step(make(model, opts[0], biases[0]), batches[0],
+                                      num_warmup_iters=1),
+             make(eager, opts[1], biases[1])]
+    saved = []
+    for i, (x, y) in enumerate(batches * 2):
+        if i == 3:
+            saved = [(copy.deepcopy(m.state_dict()), copy.deepcopy(o.state_dict()))
+                     for m, o in zip((model, eager), opts)]
+        if i == 6:
+            for (model_state, opt_state), m, o, bias in zip(saved, (model, eager), opts, biases):
+                if change == "load_state_dict":
+                    m.load_state_dict(model_state)  # in place: the graph's parameters
+                    o.load_state_dict(opt_state)
+                else:
+                    o.add_param_group({"params": [bias], "lr": 1e-2})
+        losses = [step(x, y) for step in steps]
+        assert_equal(losses[0], losses[1], f"loss of step {i}")
+        for scheduler in schedulers:
+            scheduler.step()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_equal(p, q, f"parameter {name}")
+    assert_equal(biases[0], biases[1], "the bias")
+    assert steps[0].stats == {"eager": 2, "captures": 2, "replays": 14}, steps[0].stats
+
+
+GARBAGE_DURING_CAPTURE = """
+import gc, torch, torch.nn.functional as F, cgraph
+model = torch.nn.Linear(8, 4).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+pinned = torch.ones(1024).pin_memory()
+pinned.to("cuda", non_blocking=True)  # its free records an event on the default stream
+torch.cuda.synchronize()
+holder = [pinned]
+del pinned
+
+def step(x):
+    if torch.cuda.is_current_stream_capturing():
+        cycle = {"pinned": holder.pop()}
+        cycle["self"] = cycle
+        del cycle  # garbage, in the youngest generation
+        junk = [[] for _ in range(1000)]  # allocations that start collections
+    opt.zero_grad()
+    loss = F.mse_loss(model(x), torch.zeros(4, 4, device="cuda"))
+    loss.backward()
+    opt.step()
+    return loss
+
+gc.set_threshold(1, 1, 1)
+graphed = cgraph.make_graphed_step(step, (torch.randn(4, 8, device="cuda"),),
+                                   num_warmup_iters=1)
+for _ in range(3):
+    graphed(torch.randn(4, 8, device="cuda"))
+torch.cuda.synchronize()
+assert gc.isenabled() and graphed.stats["captures"] == 1, graphed.stats
+print("ok")
+"""
+
+
+def test_garbage_that_appears_while_a_step_is_captured_is_collected_after_it():
+    """Note [No garbage collection while capturing] (csrc/capture.c): a
+    cycle holding a pinned tensor that a non_blocking copy used becomes
+    garbage inside the capture; collected there, its free would record an
+    event on the default stream inside the capture, and abort the process
+    from a destructor.  In a process of its own, which that would end."""
+    run = subprocess.run([sys.executable, "-c", GARBAGE_DURING_CAPTURE], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-3000:]

@@ -3,6 +3,7 @@ eager steps, and a GradScaler's skipped steps do not count towards it
 (Note [GradScaler with any optimizer] in cgraph/_step.py).  The GPU tests
 of the step are in tests/test_step.py."""
 
+import gc
 import logging
 
 import torch
@@ -61,3 +62,29 @@ def test_the_first_warm_up_call_leaves_torch_s_accumulator_warning_as_it_was():
                 assert get() is user_setting
     finally:
         torch._C._set_warn_on_accumulate_grad_stream_mismatch(was)
+
+
+def test_an_optimizer_loaded_or_grown_is_seen_as_replaced():
+    """Note [Capturable optimizers]: load_state_dict replaces an optimizer's
+    groups and state, add_param_group grows them; a captured step notices
+    either before its next replay (the GPU test:
+    test_an_optimizer_loaded_or_grown_after_capture_is_captured_again)."""
+    from cgraph._step import _Containers
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    held = _Containers.of(opt)
+    opt.zero_grad()
+    opt.param_groups[0]["lr"] = 0.5  # a scheduler's change: the hyperparameter check's
+    opt.state[model.weight]["exp_avg"].zero_()  # in place: the graph's tensors still
+    assert not held.replaced()
+    opt.load_state_dict(opt.state_dict())
+    assert held.replaced()
+    held = _Containers.of(opt)
+    opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+    assert held.replaced()
+    del opt
+    gc.collect()
+    assert not held.replaced()  # an optimizer gone steps nothing eagerly either
