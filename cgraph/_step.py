@@ -737,10 +737,9 @@ def _check_on_the_gpu(optimizer) -> None:
             if param.device.type != "cuda":
                 raise ValueError(
                     f"cgraph: parameter {i} of param group {g} of {type(optimizer).__name__} "
-                    f"is on {param.device.type} (FSDP2's CPUOffloadPolicy keeps the sharded "
-                    "parameters there), and a CUDA graph replays GPU work only. Step this "
-                    "optimizer outside the graphed step; per-layer graphs "
-                    "(cgraph.make_graphed(layer)) work with CPU offload.")
+                    f"is on {param.device.type}, and a CUDA graph replays GPU work only. Step "
+                    "this optimizer outside the graphed step (under FSDP2's CPUOffloadPolicy, "
+                    "graph the layers: cgraph.make_graphed(layer) works with CPU offload).")
 
 
 def _scaler_steps_on_the_device():
