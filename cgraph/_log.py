@@ -158,10 +158,11 @@ def step_stale(step, key: str) -> None:
 
 def step_optimizer_replaced(step, optimizer) -> None:
     """An optimizer's param_groups or state were replaced or grown since the step's capture."""
-    log.info("%r: %s's param_groups or state were replaced since capture (load_state_dict, "
-             "add_param_group): this call steps eagerly and the next captures again, so that "
-             "the graph steps the optimizer's tensors as they are now.", step,
-             type(optimizer).__name__)
+    what = ("an optimizer it captured is gone" if optimizer is None else
+            f"{type(optimizer).__name__}'s param_groups or state were replaced since capture "
+            "(load_state_dict, add_param_group)")
+    log.info("%r: %s: this call steps eagerly and the next captures again, so that the graph "
+             "steps the optimizers' tensors as they are now.", step, what)
 
 
 def step_reset(step) -> None:

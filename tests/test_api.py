@@ -344,6 +344,8 @@ def test_a_step_refuses_an_optimizer_of_parameters_off_the_gpu():
     with pytest.raises(ValueError, match="parameter 0 of param group 0 of AdamW is on cpu.*"
                                          "outside the graphed step"):
         _check_on_the_gpu(torch.optim.AdamW(params))
+    _check_on_the_gpu(torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2),
+                                                            requires_grad=False)]))  # frozen
 
 
 @pytest.mark.parametrize("make, device_lr", [
