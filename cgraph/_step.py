@@ -337,7 +337,7 @@ class GraphedStep:
         leaves, spec = _flatten(args, kwargs)
         self._check(leaves, spec)
         replaced = next((held for held in self.containers if held.replaced()), None)
-        if replaced is not None:  # since a reset(): Note [Capturable optimizers]
+        if replaced is not None:  # since a reset() or reset_all(): Note [Capturable optimizers]
             self._warm_up_again(replaced.optimizer())
         if self.graphed is None and self.stats["eager"] < self.num_warmup_iters:
             return self._run_eagerly(args, kwargs)
@@ -614,9 +614,7 @@ class GraphedStep:
         call captures again."""
         if self.graphed is not None:
             _log.step_reset(self)
-        containers = self.containers
-        self._free()
-        self.containers = containers  # a change before the next call is still seen
+        self._free()  # keeps self.containers: a change before the next call is still seen
 
     def _free(self) -> None:
         if self.graphed is not None:
