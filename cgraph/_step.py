@@ -459,16 +459,11 @@ class GraphedStep:
         (they become the static inputs), by the native capture session."""
         started = time.perf_counter()
         recapture = self.graphed is not None
+        self._refuse_what_no_graph_can_step()
         self._free()
         static = [_static_copy(x) if isinstance(x, torch.Tensor) else _constant(i, x)
                   for i, x in enumerate(leaves)]
         self.static = _Static(static, spec)
-        for opt in list(self.optimizers):
-            _check_capturable(opt, opt in self.scaled)
-        self.ddp.before_capture()
-        _require_cuda()  # before the optimizers change: a CPU caller goes on as before
-        for opt in list(self.optimizers):
-            _check_on_the_gpu(opt)
         put_back = _as_they_are(list(self.optimizers))
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         grads: list[StepGrads] = []  # the grads as the capture left them, as a record
@@ -508,6 +503,24 @@ class GraphedStep:
         _live.add(self.graphed)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
+
+    def _refuse_what_no_graph_can_step(self) -> None:
+        """Raises, naming the fix, before the capture frees or allocates
+        anything, and before the optimizers change (a CPU caller goes on as
+        before).  A refused step gives its warm-up pool back: nothing will be
+        captured there, and what the warm-up calls cached in it would
+        otherwise stay reserved for as long as the step lives (a caller going
+        on eagerly, as Lightning's scope="step" falls back)."""
+        try:
+            for opt in list(self.optimizers):
+                _check_capturable(opt, opt in self.scaled)
+            self.ddp.before_capture()
+            _require_cuda()
+            for opt in list(self.optimizers):
+                _check_on_the_gpu(opt)
+        except BaseException:
+            self.warm_pool = None
+            raise
 
     def _captured_call(self, returned: list) -> Callable[..., Any]:
         """What the capture calls: the step (DDP's accumulators moved as

@@ -395,6 +395,49 @@ def test_an_optimizer_steps_as_before_after_a_capture_that_failed():
         assert torch.equal(p, q), f"parameter {i}"
 
 
+def test_a_refused_capture_gives_back_the_memory_its_warm_up_cached():
+    """A step refused at its capture (an optimizer with no capturable form)
+    keeps neither the pool its warm-up ran in, with the activations cached
+    there, nor static copies of its arguments: a caller going on eagerly gets
+    the memory back (64 MiB of activations here)."""
+    class Plain(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+    model = nn.Linear(1024, 1024).to(CUDA)
+    opt, x = Plain(model.parameters()), torch.randn(4096, 1024, device=CUDA)
+
+    def step(x):
+        opt.zero_grad(set_to_none=False)  # the grads stay where the first step below put them
+        loss = model(x.repeat(4, 1)).square().mean()
+        loss.backward()
+        opt.step()
+
+    step(x)  # so no tensor the warm-up makes outlives it: the pool can go back whole
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    graphed = cgraph.make_graphed_step(step, num_warmup_iters=1)
+    graphed(x)
+    refused = False
+    try:
+        graphed(x)
+    except ValueError as exc:  # not pytest.raises: its traceback would keep the frame
+        refused = "no capturable form" in str(exc)
+    assert refused
+    torch.cuda.empty_cache()
+    kept = torch.cuda.memory_reserved() - before
+    segments = [(s["segment_pool_id"], s["total_size"] >> 20, s["allocated_size"] >> 20)
+                for s in torch.cuda.memory_snapshot()]  # (pool, MiB, MiB allocated) each
+    assert kept < 16 << 20, f"{kept / 2**20:.0f} MiB kept: {segments}"
+
+
 class CheckpointedBlocks(nn.Module):
     """Two blocks with dropout, each checkpointed: the recompute must redraw
     the forward's masks (preserve_rng_state=True) or the grads are wrong."""
