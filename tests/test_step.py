@@ -7,9 +7,6 @@ float32 tolerance stated where the optimizer's math differs."""
 
 import copy
 import functools
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, ROOT, assert_equal, inductor_deterministic
+from _helpers import CUDA, assert_equal, inductor_deterministic
 
 pytestmark = pytest.mark.gpu
 
@@ -399,7 +396,7 @@ def test_a_refused_capture_gives_back_the_memory_its_warm_up_cached():
     """A step refused at its capture (an optimizer with no capturable form)
     keeps neither the pool its warm-up ran in, with the activations cached
     there, nor static copies of its arguments: a caller going on eagerly gets
-    the memory back (64 MiB of activations here)."""
+    the memory back (482 MiB were kept here before)."""
     class Plain(torch.optim.Optimizer):
         def __init__(self, params):
             super().__init__(params, {"lr": 0.1})
@@ -874,47 +871,3 @@ def test_an_optimizer_loaded_or_grown_after_capture_is_captured_again(change):
     assert_equal(biases[0], biases[1], "the bias")
     assert steps[0].stats == {"eager": 2, "captures": 2, "replays": 14}, steps[0].stats
 
-
-GARBAGE_DURING_CAPTURE = """
-import gc, torch, torch.nn.functional as F, cgraph
-model = torch.nn.Linear(8, 4).cuda()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-pinned = torch.ones(1024).pin_memory()
-pinned.to("cuda", non_blocking=True)  # its free records an event on the default stream
-torch.cuda.synchronize()
-holder = [pinned]
-del pinned
-
-def step(x):
-    if torch.cuda.is_current_stream_capturing():
-        cycle = {"pinned": holder.pop()}
-        cycle["self"] = cycle
-        del cycle  # garbage, in the youngest generation
-        junk = [[] for _ in range(1000)]  # allocations that start collections
-    opt.zero_grad()
-    loss = F.mse_loss(model(x), torch.zeros(4, 4, device="cuda"))
-    loss.backward()
-    opt.step()
-    return loss
-
-gc.set_threshold(1, 1, 1)
-graphed = cgraph.make_graphed_step(step, (torch.randn(4, 8, device="cuda"),),
-                                   num_warmup_iters=1)
-for _ in range(3):
-    graphed(torch.randn(4, 8, device="cuda"))
-torch.cuda.synchronize()
-assert gc.isenabled() and graphed.stats["captures"] == 1, graphed.stats
-print("ok")
-"""
-
-
-def test_garbage_that_appears_while_a_step_is_captured_is_collected_after_it():
-    """Note [No garbage collection while capturing] (csrc/capture.c): a
-    cycle holding a pinned tensor that a non_blocking copy used becomes
-    garbage inside the capture; collected there, its free would record an
-    event on the default stream inside the capture, and abort the process
-    from a destructor.  In a process of its own, which that would end."""
-    run = subprocess.run([sys.executable, "-c", GARBAGE_DURING_CAPTURE], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": ROOT})
-    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-3000:]
