@@ -510,7 +510,9 @@ class GraphedStep:
         before).  A refused step gives its warm-up pool back: nothing will be
         captured there, and what the warm-up calls cached in it would
         otherwise stay reserved for as long as the step lives (a caller going
-        on eagerly, as Lightning's scope="step" falls back)."""
+        on eagerly, as Lightning's scope="step" falls back).  So does a
+        recapture's old graph (a hyperparameter it baked in changed): set
+        back, it would replay a step now refused."""
         try:
             for opt in list(self.optimizers):
                 _check_capturable(opt, opt in self.scaled)
@@ -520,6 +522,7 @@ class GraphedStep:
                 _check_on_the_gpu(opt)
         except BaseException:
             self.warm_pool = None
+            self._free()  # a recapture's old graph, whose step was just refused
             raise
 
     def _captured_call(self, returned: list) -> Callable[..., Any]:

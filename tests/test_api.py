@@ -348,6 +348,28 @@ def test_a_step_refuses_an_optimizer_of_parameters_off_the_gpu():
                                                             requires_grad=False)]))  # frozen
 
 
+def test_a_refused_recapture_drops_the_graph_it_would_have_replaced():
+    """A captured step captures again when a hyperparameter baked into its
+    graph changes; refused then (here: an optimizer with no capturable form
+    since), the old graph is freed as a capture frees it: kept, it would
+    hold its pool, and replay a step now refused once the hyperparameter was
+    set back.  On the CPU: a stand-in for the graph, the refusal comes first."""
+    class Graph:
+        is_reset = False
+
+        def reset(self):
+            self.is_reset = True
+
+    step = cgraph.make_graphed_step(lambda x: None)
+    old = step.graphed = Graph()
+    step.static = "the old capture's inputs"
+    lbfgs = torch.optim.LBFGS([torch.nn.Parameter(torch.zeros(2))])
+    step.optimizers.add(lbfgs)  # as its warm-up finds it (held weakly)
+    with pytest.raises(ValueError, match="LBFGS"):
+        step._capture([torch.zeros(2)], None)
+    assert old.is_reset and (step.graphed, step.static) == (None, None)
+
+
 @pytest.mark.parametrize("make, device_lr", [
     (lambda ps: torch.optim.RMSprop(ps, foreach=False), False),
     (lambda ps: torch.optim.Adadelta(ps, foreach=False), False),

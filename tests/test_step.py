@@ -407,6 +407,8 @@ def test_a_refused_capture_gives_back_the_memory_its_warm_up_cached():
                 for p in group["params"]:
                     p.add_(p.grad, alpha=-group["lr"])
 
+    if not cgraph._C.can_call_in_pool():  # expandable segments, cudaMallocAsync
+        pytest.skip("this allocator runs a step's warm-up in the device's cache")
     model = nn.Linear(1024, 1024).to(CUDA)
     opt, x = Plain(model.parameters()), torch.randn(4096, 1024, device=CUDA)
 
