@@ -505,14 +505,14 @@ class GraphedStep:
         _log.step_captured(self, recapture, time.perf_counter() - started)
 
     def _refuse_what_no_graph_can_step(self) -> None:
-        """Raises, naming the fix, before the capture frees or allocates
-        anything, and before the optimizers change (a CPU caller goes on as
-        before).  A refused step gives its warm-up pool back: nothing will be
-        captured there, and what the warm-up calls cached in it would
-        otherwise stay reserved for as long as the step lives (a caller going
-        on eagerly, as Lightning's scope="step" falls back).  So does a
-        recapture's old graph (a hyperparameter it baked in changed): set
-        back, it would replay a step now refused."""
+        """Raises, naming the fix, before the capture copies its inputs and
+        before the optimizers change (a CPU caller goes on as before).  A
+        refused step keeps nothing for a capture: its warm-up pool goes back
+        (what the warm-up calls cached there would otherwise stay reserved
+        for as long as the step lives: a caller going on eagerly, as
+        Lightning's scope="step" falls back), and so does a recapture's old
+        graph (a hyperparameter it baked in changed; set back, it would
+        replay a step now refused)."""
         try:
             for opt in list(self.optimizers):
                 _check_capturable(opt, opt in self.scaled)
