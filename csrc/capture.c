@@ -648,7 +648,7 @@ capture_forward(session *s, Py_ssize_t i)
 /* Forwards in call order, then backwards in the reverse order, the order
  * backward runs them.  0 or -1. */
 static int
-capture(session *s)
+capture_passes(session *s)
 {
     for (Py_ssize_t i = 0; i < s->n; i++) {
         if (capture_forward(s, i) < 0 || cg_report_event(s->state, "progress", Py_None) < 0) {
@@ -670,6 +670,53 @@ capture(session *s)
         }
     }
     return 0;
+}
+
+/* Note [No garbage collection while capturing]
+ * Q: Why is Python's cyclic garbage collector off while a capture runs?
+ * A: A collection may start at any allocation the captured Python code
+ *    makes, and it runs the destructors of every unreachable cycle inside
+ *    the capture.  The caching allocator defers its work for CUDA memory
+ *    freed while a capture is under way, but the pinned host allocator
+ *    records an event on each stream a freed block was used on (a
+ *    non_blocking copy): on the legacy default stream that is an error
+ *    inside a capture, thrown from a destructor, and the process aborts.  A
+ *    CPU-offloaded FSDP2 model, dropped in a reference cycle and collected
+ *    while a later step was captured, did that on an H200.  So the
+ *    collector is off for the captures only (the warm-up runs as the caller
+ *    left it) and back as it was found after them: the garbage waits for
+ *    the next collection.  An explicit gc.collect() still collects.
+ *    Two captures can overlap (from two threads: the GIL passes between
+ *    them while the captured Python runs), so the pause is counted: the
+ *    first capture in switches the collector off, the last one out puts
+ *    back what the first found. */
+static int gc_pauses;        /* captures under way; read and written under the GIL */
+static int gc_was_collecting; /* what the first of them found */
+
+static void
+gc_pause(void)
+{
+    if (gc_pauses++ == 0) {
+        gc_was_collecting = PyGC_Disable();
+    }
+}
+
+static void
+gc_resume(void)
+{
+    if (--gc_pauses == 0 && gc_was_collecting) {
+        PyGC_Enable();
+    }
+}
+
+static int
+capture(session *s)
+{
+    gc_pause();
+    int status = capture_passes(s);
+
+    gc_resume();
+    return status;
 }
 
 /* The Graphed of every callable, taking their engines.  Returns a NEW
