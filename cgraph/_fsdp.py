@@ -148,7 +148,7 @@ class Home:
     re-gathers before backward (Note [FSDP2's unsharded parameters in
     per-layer graphs])."""
 
-    __slots__ = ("buffer", "views", "holder", "__weakref__")
+    __slots__ = ("buffer", "views", "holder", "took_back", "__weakref__")
 
     def __init__(self, like: list[torch.Tensor]):
         offsets, size = [], 0
@@ -159,6 +159,7 @@ class Home:
         self.views = [self.buffer[o:o + t.numel() * t.element_size()].view(t.dtype)
                       for o, t in zip(offsets, like)]
         self.holder = None  # the FSDPParamGroup it was last lent to
+        self.took_back = False  # whether it has resharded a holder yet (logged the first time)
 
     def free_for(self, group) -> bool:
         """Whether lending it to `group` overwrites nothing a layer needs: the
@@ -168,6 +169,9 @@ class Home:
     def lend(self, group, outputs: list[torch.Tensor], views: list[torch.Tensor]) -> None:
         if not self.free_for(group):
             _take_back(self.holder, group)
+            if not self.took_back:
+                self.took_back = True
+                _log.fsdp_home_taken_back(_name(self.holder), _name(group))
         self.holder = group
         _C.lend_memory(outputs, views)
 
@@ -183,7 +187,6 @@ def _take_back(holder, group) -> None:
             "the other's parameters. Shard these layers with reshard_after_forward=False (each "
             "then gets a home of its own), or graph them in separate make_graphed calls.")
     holder.reshard()
-    _log.fsdp_home_taken_back(_name(holder), _name(group))
 
 
 def _training_state(group) -> str:

@@ -187,21 +187,15 @@ def step_grads_copied(moved: int, held: int) -> None:
              "cgraph/_step_grads.py). Logged once per step.", moved, held)
 
 
-_fsdp_home_logged = False
-
-
 def fsdp_home_taken_back(holder: str, taker: str) -> None:
-    """An idle FSDP layer holding a shared home was resharded (cgraph/_fsdp.py)."""
-    global _fsdp_home_logged
-    if _fsdp_home_logged:
-        return
-    _fsdp_home_logged = True
+    """An idle FSDP layer holding a shared home was resharded, the first
+    time for that home (cgraph/_fsdp.py)."""
     log.info("FSDP layer %s was still unsharded (set_reshard_after_backward(False), or an "
              "unshard()) in the home its graphs share with %s for their unsharded parameters: "
              "cgraph resharded it, and FSDP all-gathers it again before its next use (Note [A "
              "layer kept unsharded in a shared home] in cgraph/_fsdp.py). To keep layers "
              "unsharded, shard them with reshard_after_forward=False: a home each. Logged "
-             "once.", holder, taker)
+             "once per home.", holder, taker)
 
 
 def step_waits_for_a_step(step, optimizers: list) -> None:

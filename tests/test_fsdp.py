@@ -8,6 +8,8 @@ activation checkpointing, resumed from a state dict), graphing before
 sharding refused, teardown.  On the CPU, a one-process gloo group checks
 the refusals and that FSDP swapping its parameters is not a replacement."""
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -224,10 +226,11 @@ def test_a_shared_home_held_inside_a_pass_is_not_lent_over(state):
 
 
 @pytest.mark.parametrize("state", ["POST_BACKWARD", "IDLE"])
-def test_an_idle_layer_kept_unsharded_in_a_shared_home_is_resharded(state, monkeypatch):
+def test_an_idle_layer_kept_unsharded_in_a_shared_home_is_resharded(state, monkeypatch, caplog):
     """Note [A layer kept unsharded in a shared home]: FSDP's
     set_reshard_after_backward(False) keeps a layer unsharded after its
-    backward; the next layer lent the home reshards it, once logged."""
+    backward; the next layer lent the home reshards it, logged once per
+    home (not once per process: a second model's homes log again)."""
     first, second = fake_group(True), fake_group(True)
     home = _fsdp._home_for(first, outputs_of(first))
     home.holder = first
@@ -235,6 +238,16 @@ def test_an_idle_layer_kept_unsharded_in_a_shared_home_is_resharded(state, monke
     first.reshard = lambda: reshard(first)
     lent = []
     monkeypatch.setattr(_fsdp, "_C", SimpleNamespace(lend_memory=lambda o, v: lent.append(o)))
-    home.lend(second, outputs_of(second), home.views)
-    assert not _fsdp._unsharded(first) and home.holder is second
-    assert lent == [outputs_of(second)]
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        home.lend(second, outputs_of(second), home.views)
+        assert not _fsdp._unsharded(first) and home.holder is second
+        assert lent == [outputs_of(second)]
+        second.reshard = lambda: reshard(second)  # still unsharded, idle
+        home.lend(first, outputs_of(first), home.views)  # taken back a second time
+        assert not _fsdp._unsharded(second) and home.holder is first
+        third, fourth = fake_group(True, (4,)), fake_group(True, (4,))
+        third.reshard = lambda: reshard(third)
+        other = _fsdp._home_for(third, outputs_of(third))  # another layout's home
+        other.holder = third
+        other.lend(fourth, outputs_of(fourth), other.views)  # taken back: its first
+    assert caplog.text.count("cgraph resharded it") == 2, caplog.text  # once per home
