@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 from typing import Iterator, NamedTuple, Sequence
 
 import torch
@@ -92,9 +93,56 @@ def capture_session(specs: Sequence[_C.CallableSpec],
                     reentrant_checked: bool = True) -> Iterator[None]:
     """The patches of Note [Patches during capture], for these callables."""
     reentrant = _reentrant_regions_checked(specs) if reentrant_checked else contextlib.nullcontext()
-    with _rng_stream_kept(specs), _autocast_cache_off(), _rng_hooks(), reentrant, \
-            _donated_buffers_off(), _cudagraph_trees_refused():
+    with one_setup_at_a_time(), _rng_stream_kept(specs), _autocast_cache_off(), _rng_hooks(), \
+            reentrant, _donated_buffers_off(), _cudagraph_trees_refused():
         yield
+
+
+# Note [One set-up at a time]
+# Q: Why does a set-up (warm-up and capture) started on a second thread
+#    raise while one is under way on another?
+# A: A set-up changes process-wide state until it ends: torch's globals (Note
+#    [Patches during capture]: each patch saves what it finds and puts it
+#    back at the end) and the native core's one RNG owner (csrc/aten_rng.cpp).
+#    Two set-ups on two threads would interleave them: the second would save
+#    the first's patches as torch's originals and put them back last, so they
+#    would stay after both, and each would answer the other's checkpointed
+#    regions with its own random streams (dropout masks silently wrong).
+#    Waiting instead could hang: threads that drive one GPU each take part in
+#    the same collectives, and a warm-up's all-reduce on one thread would
+#    wait for a thread waiting for the set-up to end.  So the second raises
+#    and says what to do.  A set-up inside another on the same thread (a
+#    graphed layer's first call inside a training step being warmed up)
+#    nests; the native core's pause of the garbage collector counts nesting
+#    too (Note [No garbage collection while capturing], csrc/capture.c).
+class _SetUp:
+    """The thread whose set-up is under way (None when none is) and how
+    many set-ups it has open, nested."""
+
+    lock = threading.Lock()
+    thread: int | None = None
+    depth = 0
+
+
+@contextlib.contextmanager
+def one_setup_at_a_time() -> Iterator[None]:
+    """Note [One set-up at a time]."""
+    me = threading.get_ident()
+    with _SetUp.lock:
+        if _SetUp.thread not in (None, me):
+            raise RuntimeError(
+                "cgraph: another thread is warming up and capturing graphs now, and set-ups "
+                "change process-wide state (Note [One set-up at a time] in "
+                "cgraph/_capture.py). Graph from one thread, or let the other thread's "
+                "make_graphed call (or first call of a new shape) finish before this one.")
+        _SetUp.thread, _SetUp.depth = me, _SetUp.depth + 1
+    try:
+        yield
+    finally:
+        with _SetUp.lock:
+            _SetUp.depth -= 1
+            if _SetUp.depth == 0:
+                _SetUp.thread = None
 
 
 @contextlib.contextmanager

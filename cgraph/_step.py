@@ -114,7 +114,7 @@ from torch.utils import _pytree as pytree
 from . import _C, _log, _optim, _ranks
 from ._api import _live, _pool_id, _require_cuda
 from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
-                       asked_by_the_compiler, graph, patched)
+                       asked_by_the_compiler, graph, one_setup_at_a_time, patched)
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
 from ._step_grads import StepGrads
@@ -399,7 +399,7 @@ class GraphedStep:
         guarded on them compiles now, not at capture.  Without CUDA (a
         test's CPU stand-in), nothing is noted."""
         if step_device is None:
-            with _autocast_cache_off(), _donated_buffers_off():
+            with one_setup_at_a_time(), _autocast_cache_off(), _donated_buffers_off():
                 yield
             return
         generator = torch.cuda.default_generators[step_device]
@@ -411,8 +411,8 @@ class GraphedStep:
                 offsets.append(generator.get_offset() - start)
             return torch_get(device)
 
-        with patched({(torch.cuda, "get_rng_state"): get_rng_state}), _autocast_cache_off(), \
-                _donated_buffers_off():
+        with one_setup_at_a_time(), patched({(torch.cuda, "get_rng_state"): get_rng_state}), \
+                _autocast_cache_off(), _donated_buffers_off():
             yield
         self.rng_warmup = (tuple(offsets), generator.get_offset() - start)
 

@@ -60,6 +60,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -475,14 +476,21 @@ class EngineRng {
 
 // What warm-up and capture change of the caller's state and must put back.
 // Private state, written only by its methods, all in aten_setup.cpp.
+// Destroyed unfinished (a warm-up or capture that failed, an engine whose
+// construction threw), it puts back what it holds: Note [A set-up puts back
+// what it changed] (aten_setup.cpp).
 class SetupState {
  public:
+  SetupState() = default;
+  SetupState(const SetupState&) = delete;
+  SetupState& operator=(const SetupState&) = delete;
+  ~SetupState();
   // Sets each parameter's own grad accumulator and post-accumulate-grad
   // hooks aside: Note [Grad accumulators during capture] (aten_setup.cpp).
   void set_aside_grad_accumulators(const std::vector<Param>& params);
   void restore_grad_accumulators() noexcept;
   // Module state that warm-up changes (BatchNorm's running stats): saved
-  // now, put back by restore_buffers().
+  // now, put back (once) by restore_buffers().
   void save_buffers(std::vector<at::Tensor> buffers);
   void restore_buffers();
 
@@ -734,7 +742,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
 // the warm-up and capture of one make_graphed call.
 cg_setup* open_setup(c10::DeviceIndex device);
 void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool);
-bool release_warmup_memory(cg_setup& setup);
+bool end_warm_up(cg_setup& setup);
+bool moved_what_warm_up_left(cg_setup& setup, PyObject* objects);
+void release_warmup_memory(cg_setup& setup);
 // Note [A step's warm-up in its pool] (aten_setup.cpp).
 bool can_allocate_all_from_a_pool();
 void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool);
@@ -867,4 +877,7 @@ struct cg_setup {
   // mode's own workspaces it replaced, freed when the session ends.
   std::shared_ptr<cgraph::BlasWorkspace> blas_workspace;
   std::vector<at::DataPtr> replaced_workspaces;
+  // The workspaces torch made for the warm-up, dropped at its end; the
+  // streams they named share blas_workspace once it is made.
+  std::set<void*> warmed_workspaces;
 };

@@ -82,9 +82,22 @@ int cg_setup_warm_up_in(cg_setup* setup, cg_pool pool) {
   END_HANDLE_TH_ERRORS_RET(-1)
 }
 
+int cg_setup_end_warm_up(cg_setup* setup) {
+  HANDLE_TH_ERRORS
+  return cgraph::end_warm_up(*setup) ? 1 : 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
+int cg_setup_move_out_of_pool(cg_setup* setup, PyObject* objects) {
+  HANDLE_TH_ERRORS
+  return cgraph::moved_what_warm_up_left(*setup, objects) ? 1 : 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
 int cg_setup_release_warmup_memory(cg_setup* setup) {
   HANDLE_TH_ERRORS
-  return cgraph::release_warmup_memory(*setup) ? 1 : 0;
+  cgraph::release_warmup_memory(*setup);
+  return 0;
   END_HANDLE_TH_ERRORS_RET(-1)
 }
 
@@ -294,6 +307,8 @@ int cg_conditional_nodes(void) {
 
 cg_if_region* cg_if_begin(PyObject* flag) {
   HANDLE_TH_ERRORS
+  TORCH_CHECK_TYPE(THPVariable_Check(flag), "call_if: the flag must be a tensor (a bool on "
+                   "the GPU), not ", Py_TYPE(flag)->tp_name);
   cgraph::Graph* graph = cgraph::Graph::capturing_here();
   TORCH_CHECK(graph != nullptr, "cgraph: a conditional region needs a capture by cgraph on the "
               "current stream; none is under way.");

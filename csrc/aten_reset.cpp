@@ -57,9 +57,7 @@ void Engine::tear_down() noexcept {
     return;
   }
   alive_ = false;
-  if (setup) {
-    setup->restore_grad_accumulators();  // after a failed capture
-  }
+  setup.reset();  // a failed set-up's: Note [A set-up puts back what it changed]
   try {
     // Tensors first, so the pool's blocks are free when the graphs let go
     // of the pool; then the pool's cached memory goes back to the device.
@@ -73,7 +71,6 @@ void Engine::tear_down() noexcept {
     outputs.clear();
     member.forget_history();
     handed.forget();
-    setup.reset();
     rng.finish_setup();  // a failed capture's RNG set-up state, if any
     fwd.reset();
     bwd.reset();

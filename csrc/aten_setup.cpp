@@ -149,6 +149,33 @@ void SetupState::restore_buffers() {
   for (const BufferSnapshot& b : buffers_) {
     b.buffer.copy_(b.saved);
   }
+  buffers_.clear();
+}
+
+// Note [A set-up puts back what it changed]
+// Q: Who puts back the grad accumulators and buffers when a set-up fails?
+// A: The SetupState that holds them, when it is destroyed: an engine drops it
+//    at finish_setup (after putting everything back), at reset or
+//    destruction after a failed warm-up or capture, or when the engine's
+//    constructor throws after setting things aside (C++ destroys the members
+//    it had built).  Before, only the accumulators came back on failure: a
+//    failed capture left BatchNorm's running stats with the warm-up's
+//    updates in them, and so did a session that graphed.c starts again
+//    after a warm-up left state in the pool (the second session saved the
+//    stats the first had changed).
+// Q: Why in reverse order of the engines (capture.c)?
+// A: Two callables of one session can share a parameter (tied weights).
+//    The first engine sets its accumulator aside, the second sets aside
+//    what is left (none); putting back in the order of setting aside would
+//    end with none, and the hooks on the original (DDP's reducer, post-
+//    accumulate-grad hooks) would never fire again.  Last aside, first back.
+SetupState::~SetupState() {
+  restore_grad_accumulators();
+  try {
+    restore_buffers();
+  } catch (const std::exception& err) {
+    TORCH_WARN("cgraph: could not put back a module buffer after a failed set-up: ", err.what());
+  }
 }
 
 void Engine::finish_setup() {
@@ -202,18 +229,16 @@ bool owns_one_of(const c10::StorageImpl& storage, const std::vector<Block>& bloc
                             [](const Block& a, const Block& b) { return a.address < b.address; });
 }
 
-// Note [Warm-up in the pool]: every tensor Python holds whose storage owns one of `blocks`
-// moves to memory of its own, allocated on the current stream; its storage's memory is
-// replaced, so its views follow (a raw pointer kept elsewhere does not).  Under the GIL.
-void move_tensors_left_in_pool(const std::vector<Block>& blocks) {
-  THPObjectPtr gc(PyImport_ImportModule("gc"));
-  THPObjectPtr objects(gc ? PyObject_CallMethod(gc.get(), "get_objects", nullptr) : nullptr);
-  if (!objects) {
-    throw python_error();
-  }
+// Note [Warm-up in the pool]: every tensor among `objects` (a list: every object the
+// collector tracks, which the C half hands over) whose storage owns one of `blocks` moves
+// to memory of its own, allocated on the current stream; its storage's memory is replaced,
+// so its views follow (a raw pointer kept elsewhere does not).  Under the GIL.
+void move_tensors_left_in_pool(const std::vector<Block>& blocks, PyObject* objects) {
+  TORCH_CHECK_TYPE(PyList_Check(objects), "cgraph: internal error: expected the list of "
+                   "gc.get_objects(), got ", Py_TYPE(objects)->tp_name);
   std::set<c10::StorageImpl*> moved;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objects.get()); ++i) {
-    PyObject* item = PyList_GET_ITEM(objects.get(), i);
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(objects); ++i) {
+    PyObject* item = PyList_GET_ITEM(objects, i);
     // By type, not isinstance(): that reads __class__, and a deprecated
     // object's attribute access warns (torch.distributed.reduce_op).
     if (!PyObject_TypeCheck(item, reinterpret_cast<PyTypeObject*>(THPVariableClass))) {
@@ -292,7 +317,8 @@ cg_setup* open_setup(c10::DeviceIndex device) {
 //      (moved_what_warm_up_left): graphed.c drops the callable's earlier graphs in a pool of
 //      its own; in a pool shared with other callables, that call and every later capture of
 //      the callable raise (recover_from_warm_up).
-// Q: Why does move_tensors_left_in_pool walk every object gc tracks (gc.get_objects())?
+// Q: Why does move_tensors_left_in_pool walk every object gc tracks (gc.get_objects(),
+//    which capture.c asks for and hands over: the C++ half calls no Python)?
 // A: Nothing maps memory back to tensors: a StorageImpl counts its references but does not
 //    list them, a TensorImpl knows its own Python object but nothing lists those over a
 //    storage, and the allocator knows blocks, not holders.  Walking only what the callable
@@ -411,52 +437,54 @@ std::vector<Block> left_by_warm_up(const cg_setup& setup, at::cuda::MempoolId_t 
   return left;
 }
 
-// Moves out of `pool` every Python tensor that owns a block warm-up left
-// there; returns whether none is left in a segment the pool had before
-// (earlier graphs may write those; a segment warm-up added is memory no
-// graph has used, and what only C++ holds there may stay).  Under the GIL.
-bool moved_what_warm_up_left(const cg_setup& setup, at::cuda::MempoolId_t pool) {
-  const std::vector<Block> left = left_by_warm_up(setup, pool);
-  if (left.empty()) {
-    return true;
-  }
-  {
-    c10::cuda::CUDAStreamGuard on_caller(setup.caller);  // their memory is the caller's now
-    move_tensors_left_in_pool(left);
-  }
-  for (const Block& b : left_by_warm_up(setup, pool)) {
-    if (in_blocks(setup.pool_before.segments, b.address)) {
-      return false;
-    }
-  }
-  return true;
-}
-
 }  // namespace
 
-// Returns whether a warm-up in a pool left memory allocated there that no
-// move could free (Note [Warm-up in the pool]).
-bool release_warmup_memory(cg_setup& setup) {
-  std::set<void*> warmed;
+// Waits for the warm-up and ends it; returns whether it left blocks
+// allocated in the warm pool, which Python tensors may own.
+bool end_warm_up(cg_setup& setup) {
   {
     GilRelease nogil;
     setup.side.synchronize();
     // Note [One cuBLAS workspace per stream]: the workspaces torch made for
     // the warm-up go (in the pool, they would count as left below); the
     // threads they name share the caller stream's from here on.
-    warmed = drop_foreign_blas_workspaces(setup.side.stream());
+    setup.warmed_workspaces = drop_foreign_blas_workspaces(setup.side.stream());
     end_warm_up_in_pool(setup);
   }
-  const bool kept = setup.warm_pool && !moved_what_warm_up_left(setup, *setup.warm_pool);
+  return setup.warm_pool && !left_by_warm_up(setup, *setup.warm_pool).empty();
+}
+
+// Moves out of the warm pool every tensor among `objects` that owns a block
+// warm-up left there; returns whether memory is still left in a segment
+// the pool had before (earlier graphs may write those; a segment warm-up
+// added is memory no graph has used, and what only C++ holds there may
+// stay).  Under the GIL.
+bool moved_what_warm_up_left(cg_setup& setup, PyObject* objects) {
+  TORCH_CHECK(setup.warm_pool && !setup.routing, "cgraph: internal error: no warm-up in a "
+              "pool has ended.");
+  const at::cuda::MempoolId_t pool = *setup.warm_pool;
+  {
+    c10::cuda::CUDAStreamGuard on_caller(setup.caller);  // their memory is the caller's now
+    move_tensors_left_in_pool(left_by_warm_up(setup, pool), objects);
+  }
+  for (const Block& b : left_by_warm_up(setup, pool)) {
+    if (in_blocks(setup.pool_before.segments, b.address)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void release_warmup_memory(cg_setup& setup) {
   GilRelease nogil;
   // The warm-up's memory goes back before the shared workspace is made (the
   // freed workspaces are the capture stream's, which the caller's cannot
   // reuse), then the workspaces of torch's it replaced on the caller stream.
   c10::cuda::CUDACachingAllocator::emptyCache();
-  setup.blas_workspace = share_blas_workspace(setup.caller, setup.side.stream(), warmed,
-                                              setup.replaced_workspaces);
+  setup.blas_workspace = share_blas_workspace(setup.caller, setup.side.stream(),
+                                              setup.warmed_workspaces, setup.replaced_workspaces);
+  setup.warmed_workspaces.clear();
   c10::cuda::CUDACachingAllocator::emptyCache();
-  return kept;
 }
 
 void close_setup(cg_setup* setup) noexcept {

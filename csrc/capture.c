@@ -474,10 +474,11 @@ static void
 session_close(session *s)
 {
     cg_setup_end(s->setup);
+    for (Py_ssize_t i = s->n - 1; s->engines && i >= 0; i--) {
+        cg_engine_free(s->engines[i]);  /* last set aside, first put back: Note [A set-up
+                                          * puts back what it changed] (aten_setup.cpp) */
+    }
     for (Py_ssize_t i = 0; i < s->n; i++) {
-        if (s->engines) {
-            cg_engine_free(s->engines[i]);
-        }
         if (s->targets) {
             Py_XDECREF(s->targets[i]);
         }
@@ -580,6 +581,23 @@ release_pool(session *s)
     return s->warm_in_pool ? cg_pool_move_held(s->pool) : 0;
 }
 
+/* Note [Warm-up in the pool] (aten_setup.cpp): every tensor the collector
+ * tracks that owns memory the warm-up left in the pool moves out of it.
+ * The walk is asked for here, so that the C++ half calls no Python.
+ * Returns 1 if memory is still left where earlier graphs may write it, 0
+ * if not, -1 with an exception set. */
+static int
+move_out_of_pool(session *s)
+{
+    PyObject *gc = PyImport_ImportModule("gc");
+    PyObject *objects = gc ? PyObject_CallMethod(gc, "get_objects", NULL) : NULL;
+    int left = objects ? cg_setup_move_out_of_pool(s->setup, objects) : -1;
+
+    Py_XDECREF(objects);
+    Py_XDECREF(gc);
+    return left;
+}
+
 /* Every callable's warm-up calls.  A refusal of cgraph's (Note [Capture
  * failures]) becomes a CaptureError; the callable's own errors go on as
  * they are.  0 or -1. */
@@ -605,9 +623,15 @@ warm_up(session *s)
             return -1;
         }
     }
-    left = cg_setup_release_warmup_memory(s->setup);
-    if (left <= 0) {
-        return left;
+    left = cg_setup_end_warm_up(s->setup);
+    if (left > 0) {
+        left = move_out_of_pool(s);
+    }
+    if (left < 0 || cg_setup_release_warmup_memory(s->setup) < 0) {
+        return -1;
+    }
+    if (left == 0) {
+        return 0;
     }
     PyErr_SetString(PyExc_RuntimeError,
                     "warm-up in the graph pool left memory allocated that no Python tensor holds");
@@ -664,7 +688,9 @@ capture_passes(session *s)
             return -1;
         }
     }
-    for (Py_ssize_t i = 0; i < s->n; i++) {
+    /* Last set aside, first put back: Note [A set-up puts back what it
+     * changed] in aten_setup.cpp. */
+    for (Py_ssize_t i = s->n - 1; i >= 0; i--) {
         if (cg_engine_finish_setup(s->engines[i]) < 0) {
             return -1;
         }
@@ -686,10 +712,11 @@ capture_passes(session *s)
  *    collector is off for the captures only (the warm-up runs as the caller
  *    left it) and back as it was found after them: the garbage waits for
  *    the next collection.  An explicit gc.collect() still collects.
- *    Two captures can overlap (from two threads: the GIL passes between
- *    them while the captured Python runs), so the pause is counted: the
- *    first capture in switches the collector off, the last one out puts
- *    back what the first found. */
+ *    A set-up can run inside another on the same thread (a graphed layer's
+ *    first call inside a step being captured; set-ups on two threads are
+ *    refused: Note [One set-up at a time] in cgraph/_capture.py), so the
+ *    pause is counted: the first capture in switches the collector off, the
+ *    last one out puts back what the first found. */
 static int gc_pauses;        /* captures under way; read and written under the GIL */
 static int gc_was_collecting; /* what the first of them found */
 

@@ -103,13 +103,25 @@ cg_setup *cg_setup_begin(int device_index);
  * in the pool] in aten_setup.cpp).  0, or -1 with an exception set. */
 int cg_setup_warm_up_in(cg_setup *setup, cg_pool pool);
 
-/* Between warm-up and capture: waits for the warm-up and returns the
- * memory it left cached to the device, so the graph pool does not sit on
- * top of a second copy of the activations.  torch.cuda.graph empties the
- * cache before every capture; this does it once.  A warm-up in a pool that
- * left memory allocated there has every Python tensor owning it moved out
- * of the pool.  Returns 1 if memory is still left where earlier graphs may
- * write it, 0 if not, -1 with an exception set. */
+/* Between warm-up and capture, in this order:
+ *
+ * cg_setup_end_warm_up waits for the warm-up and ends it.  Returns 1 if a
+ * warm-up in a pool left memory allocated there, 0 if not, -1 with an
+ * exception set.
+ *
+ * Only where it returned 1: cg_setup_move_out_of_pool moves every tensor
+ * among `objects` (the list of gc.get_objects(): nothing else finds the
+ * tensors that own memory, Note [Warm-up in the pool] in aten_setup.cpp)
+ * that owns such memory out of the pool.  Borrows `objects`.  Returns 1 if
+ * memory is still left where earlier graphs may write it, 0 if not, -1
+ * with an exception set.
+ *
+ * cg_setup_release_warmup_memory returns the memory the warm-up left cached
+ * to the device, so the graph pool does not sit on top of a second copy of
+ * the activations (torch.cuda.graph empties the cache before every capture;
+ * this does it once).  0, or -1 with an exception set. */
+int cg_setup_end_warm_up(cg_setup *setup);
+int cg_setup_move_out_of_pool(cg_setup *setup, PyObject *objects);
 int cg_setup_release_warmup_memory(cg_setup *setup);
 
 /* Into *out: 1 if cg_setup_allocate_all_from may be used (the native

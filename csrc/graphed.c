@@ -328,6 +328,7 @@ free_entries(GraphedObject *self, int reset)
 static int
 Graphed_clear(GraphedObject *self)
 {
+    self->is_reset = 1;  /* a call after the collector cleared it raises, as after reset() */
     Py_CLEAR(self->on_miss);
     Py_CLEAR(self->eager);
     Py_CLEAR(self->refusal);
@@ -1011,10 +1012,17 @@ call_any(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
     lookup found = {.index = -1};
 
     while (outcome == MISS_CAPTURED && attempts-- > 0 && !self->is_reset) {
-        const cg_spec *first = self->n_entries ? self->entries[0].spec : NULL;
+        /* Pinned: resolve_module runs Python, which may reset() and free
+         * the entries (as Graphed_vectorcall pins call_one's). */
+        cg_spec *first = self->n_entries ? (cg_spec *)Py_NewRef(self->entries[0].spec) : NULL;
+        int stop = 0;
+
         Py_CLEAR(module);
-        if (first != NULL && first->module != Py_None &&
-            (resolve_module(self, first, &module, &training) < 0 || self->is_reset)) {
+        if (first != NULL && first->module != Py_None) {
+            stop = resolve_module(self, first, &module, &training) < 0 || self->is_reset;
+        }
+        Py_XDECREF(first);
+        if (stop) {
             break;  /* verify() ran Python: reset since? */
         }
         if (find_entry(self, training, args, nargs, kwnames, &found) < 0) {

@@ -207,12 +207,14 @@ cgm_modules_changed(PyObject *module, PyObject *unused)
 int
 cg_report_event(cg_state *state, const char *event, PyObject *graphed)
 {
-    PyObject *result;
+    PyObject *hook, *result;
 
     if (state->event_hook == NULL || state->event_hook == Py_None) {
         return 0;
     }
-    result = PyObject_CallFunction(state->event_hook, "sO", event, graphed);
+    hook = Py_NewRef(state->event_hook);  /* the hook may replace itself while it runs */
+    result = PyObject_CallFunction(hook, "sO", event, graphed);
+    Py_DECREF(hook);
     Py_XDECREF(result);
     return result ? 0 : -1;
 }

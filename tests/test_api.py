@@ -525,3 +525,31 @@ def test_stats_counters_are_declared_once_and_each_documented():
     doc = cgraph.Graphed.stats.__doc__
     for name in STATS:
         assert f"\n  {name}: " in doc, (name, doc)
+
+
+def test_a_set_up_on_a_second_thread_is_refused_while_one_is_under_way():
+    """Note [One set-up at a time] (cgraph/_capture.py): set-ups nest on
+    their thread; another thread's raises, naming the fix, until the first
+    ends."""
+    import threading
+    from cgraph._capture import one_setup_at_a_time
+    inside, leave = threading.Event(), threading.Event()
+
+    def first():
+        with one_setup_at_a_time(), one_setup_at_a_time():  # nested on its own thread
+            inside.set()
+            leave.wait(30)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(RuntimeError, match="another thread is warming up.*Graph from one "
+                                               "thread"):
+            with one_setup_at_a_time():
+                pass
+    finally:
+        leave.set()
+        thread.join(30)
+    with one_setup_at_a_time():  # free again
+        pass

@@ -267,6 +267,56 @@ def test_post_accumulate_grad_hooks_run_per_replay_not_at_capture():
     assert_grads_equal(model, eager, 1)
 
 
+def test_a_weight_tied_across_callables_graphed_together_keeps_its_hooks():
+    """Note [A set-up puts back what it changed] (csrc/aten_setup.cpp): an
+    embedding and a head sharing one weight, graphed in one call, each set
+    the weight's grad accumulator aside; put back in the order taken, the
+    original (with the post-accumulate-grad hooks, DDP's among them) was
+    lost and the hook never ran again."""
+    torch.manual_seed(11)
+
+    def tied():
+        embed, head = nn.Embedding(64, 32).to(CUDA), nn.Linear(32, 64, bias=False).to(CUDA)
+        head.weight = embed.weight
+        return embed, head
+
+    (embed, head), (embed_e, head_e) = tied(), tied()
+    head_e.weight = embed_e.weight = nn.Parameter(embed.weight.detach().clone())
+    seen, seen_e = [], []
+    embed.weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    embed_e.weight.register_post_accumulate_grad_hook(lambda p: seen_e.append(p.grad.clone()))
+    ids = lambda: torch.randint(0, 64, (8, 4), device=CUDA)  # noqa: E731
+    g_embed, g_head = cgraph.make_graphed_callables(
+        (embed, head), ((ids(),), (torch.randn(8, 4, 32, device=CUDA, requires_grad=True),)))
+    for step in range(2):
+        tokens, upstream = ids(), torch.randn(8, 4, 64, device=CUDA)
+        (g_head(g_embed(tokens)) * upstream).sum().backward()
+        (head_e(embed_e(tokens)) * upstream).sum().backward()
+        assert len(seen) == len(seen_e) == step + 1, (len(seen), len(seen_e))
+        assert_equal(seen[-1], seen_e[-1], f"step {step}: the grad the hook saw")
+    assert_equal(embed.weight.grad, embed_e.weight.grad, "the tied weight's grad")
+
+
+def test_a_failed_capture_puts_back_the_running_stats_warm_up_moved():
+    """Note [A set-up puts back what it changed]: warm-up's BatchNorm
+    updates are undone when the capture fails (here a host sync inside
+    it), as when it succeeds; they stayed before."""
+    class SyncsWhenCaptured(nn.Sequential):
+        def forward(self, x):
+            if torch.cuda.is_current_stream_capturing():
+                x.sum().item()  # a host sync: the capture fails
+            return super().forward(x)
+
+    torch.manual_seed(12)
+    model = SyncsWhenCaptured(nn.Linear(16, 16), nn.BatchNorm1d(16)).to(CUDA)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(cgraph.CaptureError) as info:
+        cgraph.make_graphed(model, (torch.randn(8, 16, device=CUDA, requires_grad=True),))
+    assert info.value.kind == "sync", info.value
+    for name, value in model.state_dict().items():
+        assert_equal(value, before[name], f"{name} after the failed capture")
+
+
 # ---- closure leaves, the caller's autograd history, unused parameters -------
 
 

@@ -31,6 +31,12 @@ def test_call_if_outside_a_capture_by_cgraph_says_so():
         _C.call_if(flag, lambda: None, (), {})
 
 
+def test_call_if_refuses_a_flag_that_is_not_a_tensor():
+    """Read as a tensor unchecked, a Python int was garbage."""
+    with pytest.raises(TypeError, match="the flag must be a tensor.*not int"):
+        _C.call_if(1, lambda: None, (), {})
+
+
 @needs_conditional_nodes
 def test_a_region_runs_where_its_flag_is_true_at_replay():
     """The region adds x * 2 (a temporary made inside the region, from the
