@@ -247,13 +247,14 @@ def _target_fields(index: int, fn) -> dict:
             f"cgraph: module {index} has a buffer that requires grad; only parameters "
             "may be trainable in a graphed module (make it an nn.Parameter)."
         )
-    if "forward" in fn.__dict__:
-        eager, takes_module = fn.__dict__["forward"], False
-    else:
-        eager, takes_module = type(fn).forward, True
-        if any(map(_dtensor.is_dtensor, fn.parameters())):
-            # Note [DTensor parameters in per-layer graphs] (cgraph/_dtensor.py)
-            eager = _dtensor.forward_on_leaves(eager)
+    own = fn.__dict__.get("forward")
+    eager, takes_module = (type(fn).forward, True) if own is None else (own, False)
+    if any(map(_dtensor.is_dtensor, fn.parameters())):
+        # Note [DTensor parameters in per-layer graphs] (cgraph/_dtensor.py),
+        # for an instance forward too (block.forward = torch.compile(block.forward))
+        if own is not None:
+            eager = lambda module, *args, **kwargs: own(*args, **kwargs)  # noqa: E731
+        eager, takes_module = _dtensor.forward_on_leaves(eager), True
     # The module weakly: module.forward holds the Graphed, which holds the spec.
     return dict(function=None, module=weakref.ref(fn), eager=eager,
                 eager_takes_module=takes_module, verify=StateCheck(index, fn))

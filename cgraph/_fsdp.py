@@ -84,6 +84,8 @@ _ALIGN = 256  # bytes: each parameter's home starts as the caching allocator's b
 # Homes shared by the layers FSDP re-gathers before backward, by (device,
 # layout); a home lives while a parameter's lender holds it.
 _shared: "weakref.WeakValueDictionary[tuple, Home]" = weakref.WeakValueDictionary()
+# The models (FSDP roots' comm_ctx) a shared home was taken back from, logged once each.
+_took_back: "weakref.WeakSet" = weakref.WeakSet()
 # The FSDP parameters each graphed callable homed, for reset().
 _homed: "weakref.WeakKeyDictionary[_C.Graphed, list]" = weakref.WeakKeyDictionary()
 
@@ -130,11 +132,8 @@ def faces(module: nn.Module) -> dict[int, object]:
     """id() of each face of the module's FSDP parameters (sharded DTensor,
     unsharded tensor), mapped to its FSDPParam: FSDP swaps one for the other
     on the module around every forward, which is not a replacement."""
-    group = _param_group(module)
-    if group is None:
-        return {}
     out = {}
-    for p in group.fsdp_params:
+    for p in (p for group in _param_groups(module) for p in group.fsdp_params):
         out[id(p.sharded_param)] = p
         unsharded = getattr(p, "_unsharded_param", None)
         if unsharded is not None:
@@ -148,7 +147,7 @@ class Home:
     re-gathers before backward (Note [FSDP2's unsharded parameters in
     per-layer graphs])."""
 
-    __slots__ = ("buffer", "views", "holder", "took_back", "__weakref__")
+    __slots__ = ("buffer", "views", "_holder", "__weakref__")
 
     def __init__(self, like: list[torch.Tensor]):
         offsets, size = [], 0
@@ -158,8 +157,18 @@ class Home:
         self.buffer = torch.empty(size, dtype=torch.uint8, device=like[0].device)
         self.views = [self.buffer[o:o + t.numel() * t.element_size()].view(t.dtype)
                       for o, t in zip(offsets, like)]
-        self.holder = None  # the FSDPParamGroup it was last lent to
-        self.took_back = False  # whether it has resharded a holder yet (logged the first time)
+        self.holder = None
+
+    @property
+    def holder(self):
+        """The FSDPParamGroup it was last lent to, while that lives (held
+        weakly: a dropped model's layer is not kept alive by a home another
+        model still shares)."""
+        return self._holder() if self._holder is not None else None
+
+    @holder.setter
+    def holder(self, group) -> None:
+        self._holder = weakref.ref(group) if group is not None else None
 
     def free_for(self, group) -> bool:
         """Whether lending it to `group` overwrites nothing a layer needs: the
@@ -167,11 +176,16 @@ class Home:
         return self.holder is None or self.holder is group or not _unsharded(self.holder)
 
     def lend(self, group, outputs: list[torch.Tensor], views: list[torch.Tensor]) -> None:
+        holder = self.holder
         if not self.free_for(group):
-            _take_back(self.holder, group)
-            if not self.took_back:
-                self.took_back = True
-                _log.fsdp_home_taken_back(_name(self.holder), _name(group))
+            _take_back(holder, group)
+            # Logged once per model: FSDP's lazy init gives the groups under one
+            # root one comm_ctx (and a notebook's second model may find the
+            # first's home still alive, so not once per home).
+            model = getattr(holder, "comm_ctx", self)
+            if model not in _took_back:
+                _took_back.add(model)
+                _log.fsdp_home_taken_back(_name(holder), _name(group))
         self.holder = group
         _C.lend_memory(outputs, views)
 
@@ -179,7 +193,7 @@ class Home:
 def _take_back(holder, group) -> None:
     """The shared home, wanted by `group`, is still lent to `holder`:
     Note [A layer kept unsharded in a shared home]."""
-    if _training_state(holder) in ("FORWARD", "PRE_BACKWARD"):
+    if _training_state(holder) not in ("IDLE", "POST_BACKWARD"):
         raise RuntimeError(
             f"cgraph: FSDP layers {_name(holder)} and {_name(group)}, whose graphs share one "
             "home for their unsharded parameters, were both unsharded inside a forward or "
@@ -191,7 +205,7 @@ def _take_back(holder, group) -> None:
 
 def _training_state(group) -> str:
     state = getattr(group, "_training_state", None)
-    return getattr(state, "name", "IDLE")
+    return getattr(state, "name", "UNKNOWN")
 
 
 def _name(group) -> str:
@@ -307,8 +321,10 @@ def _unhome(param) -> None:
 
 
 def _one_rank(group) -> bool:
-    """Whether the group shards over one rank (its storage is kept: _Keeper)."""
-    return getattr(group.mesh_info, "shard_mesh_size", 2) == 1
+    """Whether FSDP unshards the group as one rank (alloc_storage, not
+    alloc_all_gather_outputs; its storage is kept: _Keeper): one shard, or
+    no sharding at all (DDPMeshInfo: replicate())."""
+    return getattr(group.mesh_info, "shard_mesh_size", 1) == 1
 
 
 def _unsharded(group) -> bool:
@@ -317,9 +333,25 @@ def _unsharded(group) -> bool:
                for p in group.fsdp_params for t in p.all_gather_outputs)
 
 
+def _param_groups(module: nn.Module) -> list:
+    """Every FSDPParamGroup of an FSDP module (torch 2.14 may make several:
+    a per-parameter mesh from shard_placement_fn), or [] where none."""
+    if not is_fsdp(module):
+        return []
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.14; 2.11 has one
+    return list(groups) if groups is not None else [
+        g for g in (state._fsdp_param_group,) if g is not None]
+
+
 def _param_group(module: nn.Module):
     """The FSDPParamGroup of an FSDP module, or None (no parameters of its
-    own, or not an FSDP module)."""
-    if not is_fsdp(module):
-        return None
-    return module._get_fsdp_state()._fsdp_param_group
+    own, or not an FSDP module); several are refused, naming the fix."""
+    groups = _param_groups(module)
+    if len(groups) > 1:
+        raise ValueError(
+            f"cgraph: FSDP layer {type(module).__name__} has {len(groups)} parameter groups "
+            "(a per-parameter mesh from shard_placement_fn), which per-layer graphs do not "
+            "support; shard its parameters over one mesh, or graph the whole step "
+            "(cgraph.make_graphed_step).")
+    return groups[0] if groups else None

@@ -189,13 +189,13 @@ def step_grads_copied(moved: int, held: int) -> None:
 
 def fsdp_home_taken_back(holder: str, taker: str) -> None:
     """An idle FSDP layer holding a shared home was resharded, the first
-    time for that home (cgraph/_fsdp.py)."""
+    time in its model (cgraph/_fsdp.py)."""
     log.info("FSDP layer %s was still unsharded (set_reshard_after_backward(False), or an "
              "unshard()) in the home its graphs share with %s for their unsharded parameters: "
              "cgraph resharded it, and FSDP all-gathers it again before its next use (Note [A "
              "layer kept unsharded in a shared home] in cgraph/_fsdp.py). To keep layers "
              "unsharded, shard them with reshard_after_forward=False: a home each. Logged "
-             "once per home.", holder, taker)
+             "once per model.", holder, taker)
 
 
 def step_waits_for_a_step(step, optimizers: list) -> None:

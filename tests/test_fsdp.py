@@ -169,12 +169,16 @@ def test_explain_finds_fully_shard_inside_the_module(mesh):
 
 # ---- Note [FSDP2's unsharded parameters in per-layer graphs]: which home ------
 
+class FakeGroup(SimpleNamespace):
+    """Weakly referable, as an FSDPParamGroup (a Home holds its holder so)."""
+
+
 def fake_group(reshards: bool, sizes=(16, 8), ranks=2):
     """An FSDPParamGroup as _fsdp reads it: all-gather outputs (allocated:
     unsharded), whether FSDP re-gathers it before backward, how many ranks
     it shards over."""
     params = [SimpleNamespace(all_gather_outputs=[torch.empty(n)]) for n in sizes]
-    return SimpleNamespace(fsdp_params=params, post_forward_mesh_info=object() if reshards
+    return FakeGroup(fsdp_params=params, post_forward_mesh_info=object() if reshards
                            else None, mesh_info=SimpleNamespace(shard_mesh_size=ranks),
                            modules=[nn.Identity()])
 
@@ -243,11 +247,81 @@ def test_an_idle_layer_kept_unsharded_in_a_shared_home_is_resharded(state, monke
         assert not _fsdp._unsharded(first) and home.holder is second
         assert lent == [outputs_of(second)]
         second.reshard = lambda: reshard(second)  # still unsharded, idle
+        second._training_state = SimpleNamespace(name="IDLE")
         home.lend(first, outputs_of(first), home.views)  # taken back a second time
         assert not _fsdp._unsharded(second) and home.holder is first
         third, fourth = fake_group(True, (4,)), fake_group(True, (4,))
         third.reshard = lambda: reshard(third)
+        third._training_state = SimpleNamespace(name="IDLE")
         other = _fsdp._home_for(third, outputs_of(third))  # another layout's home
         other.holder = third
         other.lend(fourth, outputs_of(fourth), other.views)  # taken back: its first
     assert caplog.text.count("cgraph resharded it") == 2, caplog.text  # once per home
+
+
+def test_per_param_mesh_groups_do_not_crash_param_group(mesh):
+    """torch 2.14 makes two FSDPParamGroups on one module for a per-parameter
+    mesh (shard_placement_fn), where its _fsdp_param_group raises an
+    AssertionError; every group's parameters are faces."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+    from torch.distributed.tensor import Shard
+    if not hasattr(_fsdp_common, "ShardPlacementResult"):
+        pytest.skip("this torch has no per-parameter meshes (ShardPlacementResult)")
+    FSDPMeshInfo, ShardPlacementResult = (_fsdp_common.FSDPMeshInfo,
+                                          _fsdp_common.ShardPlacementResult)
+    ep = FSDPMeshInfo(DeviceMesh.from_group(dist.new_group([0]), "cpu"), shard_mesh_dim=0)
+    layer = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    expert = layer[1].weight
+    fully_shard(layer, mesh=mesh, shard_placement_fn=lambda p: ShardPlacementResult(
+        Shard(0), ep) if p is expert else None)
+    assert len(_fsdp.faces(layer)) >= 4  # every parameter's sharded face, not an AssertionError
+
+
+def test_a_replicate_only_group_counts_as_one_rank(mesh):
+    """replicate() (DDPMeshInfo, no shard_mesh_size): FSDP unshards it by the
+    one-rank path (alloc_storage, not alloc_all_gather_outputs), so its
+    storage must be kept (_Keeper); taken for two ranks, the next call
+    raised that a parameter moved after capture."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+    layer = nn.Linear(4, 4)
+    replicate(layer, mesh=mesh)
+    assert _fsdp._one_rank(_fsdp._param_group(layer))
+
+
+def test_a_second_model_of_the_same_layout_logs_its_take_back(caplog, monkeypatch):
+    """Logged once per model: a second model of the same layout, built while
+    the first one's home is alive (a notebook's second run, the old model
+    not yet collected), gets the same Home and logs its own take-back."""
+    caplog.set_level(logging.INFO, logger="cgraph")
+    monkeypatch.setattr(_fsdp, "_C", SimpleNamespace(lend_memory=lambda o, v: None))
+    homes = []
+    for _ in range(2):  # model A, then model B of the same layout
+        first, second = fake_group(True), fake_group(True)
+        first.comm_ctx = second.comm_ctx = type("CommContext", (), {})()  # one per root
+        out = [t for p in first.fsdp_params for t in p.all_gather_outputs]
+        home = _fsdp._home_for(first, out)
+        homes.append(home)
+        home.holder = first
+        first._training_state = SimpleNamespace(name="IDLE")
+        first.reshard = lambda first=first: [t.untyped_storage().resize_(0)
+                                             for p in first.fsdp_params
+                                             for t in p.all_gather_outputs]
+        home.lend(second, [], home.views)
+        second.reshard = lambda second=second: [t.untyped_storage().resize_(0)
+                                               for p in second.fsdp_params
+                                               for t in p.all_gather_outputs]
+        second.reshard()
+    assert homes[0] is homes[1]
+    assert caplog.text.count("cgraph resharded it") == 2, caplog.text
+
+
+def test_an_unknown_training_state_is_not_taken_for_idle():
+    """A group without _training_state (renamed in some torch) is not taken
+    for idle and resharded: refused as if inside a pass."""
+    first, second = fake_group(True), fake_group(True)
+    home = _fsdp.Home([t for p in first.fsdp_params for t in p.all_gather_outputs])
+    home.holder = first
+    first.reshard = lambda: pytest.fail("resharded a group whose state is unknown")
+    with pytest.raises(RuntimeError):
+        home.lend(second, [], home.views)

@@ -14,7 +14,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 import cgraph
-from cgraph import _dtensor
+from cgraph import _describe, _dtensor
 from _helpers import assert_equal
 from test_ddp import torchrun
 from test_fsdp import assert_checks
@@ -76,3 +76,20 @@ def test_a_dtensor_argument_is_refused_naming_use_local_output(mesh):
     x = DTensor.from_local(torch.randn(4, 8), mesh, [Replicate()])
     with pytest.raises(ValueError, match="use_local_output=True"):
         cgraph.make_graphed(model, (x,))
+
+
+@pytest.mark.parametrize("instance_forward", [False, True], ids=["class", "instance"])
+def test_a_dtensor_module_runs_on_its_leaves_whatever_its_forward(mesh, instance_forward):
+    """Note [DTensor parameters in per-layer graphs] (cgraph/_dtensor.py): the
+    module's parameters are DTensors over the leaves the native core takes
+    grads of, whether the module runs its class's forward or one set on the
+    instance (block.forward = torch.compile(block.forward), as README and
+    graph_layers advise); with the instance's, the DTensors themselves were
+    read and the first call raised."""
+    model = mlp(mesh)
+    if instance_forward:
+        model.forward = model.forward
+    weight, seen = model[0].weight, []
+    model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight is weight))
+    _describe.Target.of(0, model).run_eagerly((torch.randn(4, 8),), {})
+    assert seen == [False]  # swapped for a DTensor over local_leaf(weight)
