@@ -441,11 +441,9 @@ def main():
     if world >= 4:
         per_layer(rank, "per-layer graphs, reshard_after_forward=2", reshard=2, pool=True)
     per_layer(rank, "per-layer graphs, CPU offload", offload=True)
-    # The offloaded models hold pinned memory in reference cycles: collected
-    # now, not by a collection that starts inside a later capture, where
-    # the pinned allocator's event record on the default stream aborts the
-    # process (seen once on one H200; branch gc-off-in-capture).
-    gc.collect()
+    # The offloaded models hold pinned memory in reference cycles, left to
+    # the collector: no collection starts inside the captures that follow
+    # (Note [No garbage collection while capturing], csrc/capture.c).
     per_layer(rank, "per-layer graphs, activation checkpointing, pool", pool=True,
               checkpointed=True)
     per_layer_and_optimizer_step(rank, set_to_none=True)
