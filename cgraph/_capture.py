@@ -113,11 +113,15 @@ def capture_session(specs: Sequence[_C.CallableSpec],
 #    wait for a thread waiting for the set-up to end.  So the second raises
 #    and says what to do.  A set-up inside another on the same thread (a
 #    graphed layer's first call inside a training step being warmed up)
-#    nests; the native core's pause of the garbage collector counts nesting
-#    too (Note [No garbage collection while capturing], csrc/capture.c).
+#    nests, and so does one inside a backward: autograd runs a CUDA backward
+#    on a device thread of its own, where a checkpointed region's recompute
+#    may call a graphed layer that captures (a backward on some other thread
+#    passes too: autograd does not say whose backward it runs).  The native
+#    core's pause of the garbage collector counts nesting too (Note [No
+#    garbage collection while capturing], csrc/capture.c).
 class _SetUp:
     """The thread whose set-up is under way (None when none is) and how
-    many set-ups it has open, nested."""
+    many set-ups are open, nested in it."""
 
     lock = threading.Lock()
     thread: int | None = None
@@ -128,14 +132,17 @@ class _SetUp:
 def one_setup_at_a_time() -> Iterator[None]:
     """Note [One set-up at a time]."""
     me = threading.get_ident()
+    inside_a_backward = torch._C._current_graph_task_id() != -1
     with _SetUp.lock:
-        if _SetUp.thread not in (None, me):
+        if _SetUp.thread not in (None, me) and not inside_a_backward:
             raise RuntimeError(
                 "cgraph: another thread is warming up and capturing graphs now, and set-ups "
                 "change process-wide state (Note [One set-up at a time] in "
                 "cgraph/_capture.py). Graph from one thread, or let the other thread's "
                 "make_graphed call (or first call of a new shape) finish before this one.")
-        _SetUp.thread, _SetUp.depth = me, _SetUp.depth + 1
+        if _SetUp.thread is None:
+            _SetUp.thread = me
+        _SetUp.depth += 1
     try:
         yield
     finally:

@@ -173,7 +173,8 @@ class Home:
     def free_for(self, group) -> bool:
         """Whether lending it to `group` overwrites nothing a layer needs: the
         layer it was last lent to has been resharded since."""
-        return self.holder is None or self.holder is group or not _unsharded(self.holder)
+        holder = self.holder  # once: a weak reference, which a collection may clear
+        return holder is None or holder is group or not _unsharded(holder)
 
     def lend(self, group, outputs: list[torch.Tensor], views: list[torch.Tensor]) -> None:
         holder = self.holder

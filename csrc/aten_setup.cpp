@@ -167,8 +167,10 @@ void SetupState::restore_buffers() {
 // A: Two callables of one session can share a parameter (tied weights).
 //    The first engine sets its accumulator aside, the second sets aside
 //    what is left (none); putting back in the order of setting aside would
-//    end with none, and the hooks on the original (DDP's reducer, post-
-//    accumulate-grad hooks) would never fire again.  Last aside, first back.
+//    end with none: autograd would make a new node, and hooks held on the
+//    original (DDP's reducer hooks) would never fire again.  (Post-
+//    accumulate-grad hooks live on the tensor, and an empty set is not put
+//    back.)  Last aside, first back.
 SetupState::~SetupState() {
   restore_grad_accumulators();
   try {

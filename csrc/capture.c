@@ -18,19 +18,20 @@
  *                     with e.warmup():        # notes RNG use (aten_rng.cpp)
  *                         out = s.target()(*s.args, **s.kwargs)
  *                     e.warmup_backward(tree_leaves(out))
- *             torch.cuda.empty_cache()   # warm-up's cache, not beside the pool
  *             if warm_in_pool and pool has blocks warm-up left:
- *                 move_kept_tensors(them)    # Python's tensors over them
- *                 if it still has: raise CaptureError("warmup_state")
- *             for s, e in zip(specs, engines):            # forwards 1..N
- *                 with e.capture(FORWARD, pool):  # an input read in place
- *                     args, kwargs = unflatten(e.capture_inputs())  # as a view
- *                     out = s.target()(*args, **kwargs)             # made for it
- *                 e.set_outputs(tree_leaves(out))
- *             for e in reversed(engines):                # backwards N..1
- *                 e.capture_backward(pool)
- *             for e in engines:
- *                 e.finish_setup()      # BatchNorm stats, grad accumulators
+ *                 move_kept_tensors(them, gc.get_objects())  # Python's over them
+ *             torch.cuda.empty_cache()   # warm-up's cache, not beside the pool
+ *             if memory is still left there: raise CaptureError("warmup_state")
+ *             with gc_paused():          # Note [No garbage collection while capturing]
+ *                 for s, e in zip(specs, engines):        # forwards 1..N
+ *                     with e.capture(FORWARD, pool):  # an input read in place
+ *                         args, kwargs = unflatten(e.capture_inputs())  # as a view
+ *                         out = s.target()(*args, **kwargs)     # made for it
+ *                     e.set_outputs(tree_leaves(out))
+ *                 for e in reversed(engines):            # backwards N..1
+ *                     e.capture_backward(pool)
+ *                 for e in reversed(engines):  # BatchNorm stats, grad accumulators:
+ *                     e.finish_setup()         # last set aside, first put back
  *         return tuple(Graphed(s, e, out_layout) for s, e in zip(specs, engines))
  *
  * Each callable's warm-up, forward capture and backward capture reports a

@@ -529,11 +529,22 @@ def test_stats_counters_are_declared_once_and_each_documented():
 
 def test_a_set_up_on_a_second_thread_is_refused_while_one_is_under_way():
     """Note [One set-up at a time] (cgraph/_capture.py): set-ups nest on
-    their thread; another thread's raises, naming the fix, until the first
-    ends."""
+    their thread, and inside a backward (autograd runs a CUDA one on a
+    thread of its own: a checkpointed recompute calling a graphed layer
+    there); another thread's raises, naming the fix, until the first ends."""
     import threading
     from cgraph._capture import one_setup_at_a_time
     inside, leave = threading.Event(), threading.Event()
+
+    class SetsUpInItsBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            with one_setup_at_a_time():  # nested: inside a backward
+                return grad
 
     def first():
         with one_setup_at_a_time(), one_setup_at_a_time():  # nested on its own thread
@@ -548,6 +559,7 @@ def test_a_set_up_on_a_second_thread_is_refused_while_one_is_under_way():
                                                "thread"):
             with one_setup_at_a_time():
                 pass
+        SetsUpInItsBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
     finally:
         leave.set()
         thread.join(30)
