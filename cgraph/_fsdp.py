@@ -194,7 +194,15 @@ class Home:
 def _take_back(holder, group) -> None:
     """The shared home, wanted by `group`, is still lent to `holder`:
     Note [A layer kept unsharded in a shared home]."""
-    if _training_state(holder) not in ("IDLE", "POST_BACKWARD"):
+    state = _training_state(holder)
+    if state == "UNKNOWN":
+        raise RuntimeError(
+            f"cgraph: FSDP layer {_name(holder)} still holds the home its graphs share with "
+            f"{_name(group)}, and this torch's FSDP does not say whether it is inside a pass "
+            "(no _training_state), so cgraph cannot reshard it safely. Shard these layers "
+            "with reshard_after_forward=False (each then gets a home of its own), and report "
+            "your torch version.")
+    if state not in ("IDLE", "POST_BACKWARD"):
         raise RuntimeError(
             f"cgraph: FSDP layers {_name(holder)} and {_name(group)}, whose graphs share one "
             "home for their unsharded parameters, were both unsharded inside a forward or "

@@ -318,10 +318,11 @@ def test_a_second_model_of_the_same_layout_logs_its_take_back(caplog, monkeypatc
 
 def test_an_unknown_training_state_is_not_taken_for_idle():
     """A group without _training_state (renamed in some torch) is not taken
-    for idle and resharded: refused as if inside a pass."""
+    for idle and resharded: refused, saying why and what to do."""
     first, second = fake_group(True), fake_group(True)
     home = _fsdp.Home([t for p in first.fsdp_params for t in p.all_gather_outputs])
     home.holder = first
     first.reshard = lambda: pytest.fail("resharded a group whose state is unknown")
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="does not say whether it is inside a pass.*"
+                                           "reshard_after_forward=False"):
         home.lend(second, [], home.views)
