@@ -336,9 +336,7 @@ class GraphedStep:
         captures (again) and then replays."""
         leaves, spec = _flatten(args, kwargs)
         self._check(leaves, spec)
-        replaced = next((held for held in self.containers if held.replaced()), None)
-        if replaced is not None:  # since a reset() or reset_all(): Note [Capturable optimizers]
-            self._warm_up_again(replaced.optimizer())
+        self._optimizer_replaced()  # since a reset() or reset_all(): Note [Capturable optimizers]
         if self.graphed is None and self.stats["eager"] < self.num_warmup_iters:
             return self._run_eagerly(args, kwargs)
         self._capture(leaves, spec)
@@ -582,10 +580,8 @@ class GraphedStep:
         """Whether a hyperparameter baked into the graph changed, or an
         optimizer's groups or state were replaced (then the step is captured
         again), after refreshing the device lrs."""
-        for held in self.containers:
-            if held.replaced():
-                self._warm_up_again(held.optimizer())
-                return True
+        if self._optimizer_replaced():
+            return True
         for g in self.groups:
             group = g.group
             if g.lr is not None and group["lr"] != g.lr_value:
@@ -594,6 +590,15 @@ class GraphedStep:
             if tuple(map(group.get, g.baked)) != g.baked_values:
                 key = next(k for k, v in g.baked.items() if group.get(k) != v)
                 _log.step_stale(self, key)
+                return True
+        return False
+
+    def _optimizer_replaced(self) -> bool:
+        """Whether an optimizer's groups or state were replaced or grown since
+        capture, or it is gone; if so, warmed up again (_warm_up_again)."""
+        for held in self.containers:
+            if held.replaced():
+                self._warm_up_again(held.optimizer())
                 return True
         return False
 
