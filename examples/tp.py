@@ -29,7 +29,11 @@ them):
    bitwise equal to eager's.  A norm's weight grad is a DTensor of the
    weight's placement (Replicate), reduced inside the backward graph, where
    eager leaves it Partial for the optimizer to reduce: the same sums.
-4. On four GPUs, FSDP2 x TP on a (2, 2) mesh as torchtitan lays it out (TP
+4. TP with each block's forward compiled on the instance
+   (``block.forward = torch.compile(block.forward)``), then graphed:
+   losses, grads and parameters bitwise equal to the same compiled blocks
+   run eagerly, and no recompile after the first step.
+5. On four GPUs, FSDP2 x TP on a (2, 2) mesh as torchtitan lays it out (TP
    inside a pair of GPUs, FSDP across pairs): per-layer graphs (FSDP's
    hooks around each graph, its unsharded parameters DTensors over the TP
    mesh at their homes) and the whole step, each bitwise equal to eager.
@@ -175,13 +179,43 @@ def same_grad(p, q, what, rank, name):
     same(a, b, what, rank, name)
 
 
-def per_layer(rank, name, meshes, dp_rank, sp=False):
+def compile_layers(model):
+    """Each block's forward compiled on the instance, as README advises for a
+    block to be graphed (cgraph runs it on the leaves of its DTensors)."""
+    for layer in model.layers:
+        layer.forward = torch.compile(layer.forward)
+    return model
+
+
+@contextlib.contextmanager
+def as_captured(step, compiled):
+    """Eager's twin of compiled layers runs under the state cgraph warms up
+    and captures under (autocast's weight cache off, which dynamo guards
+    on), so both twins run the code of one compile; from the second step on,
+    a recompile raises (a replay runs no compiled code, and eager's twin
+    runs what it compiled at the first)."""
+    if not compiled:
+        yield
+        return
+    cache = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):
+            yield
+    finally:
+        torch.set_autocast_cache_enabled(cache)
+
+
+def per_layer(rank, name, meshes, dp_rank, sp=False, compiled=False):
     eager, model = parallel(*meshes, sp=sp), parallel(*meshes, sp=sp)
+    if compiled:
+        eager, model = compile_layers(eager), compile_layers(model)
     model.layers = nn.ModuleList(cgraph.make_graphed(layer) for layer in model.layers)
     opts = [adamw(m) for m in (eager, model)]
     for step in range(STEPS):
         tokens, targets = batch(step, dp_rank)
-        losses = [backward_of(m, tokens, targets) for m in (eager, model)]
+        with as_captured(step, compiled):
+            losses = [backward_of(m, tokens, targets) for m in (eager, model)]
         same(losses[1], losses[0], f"step {step} loss", rank, name)
         for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
             same_grad(p, q, f"step {step} grad {k}", rank, name)
@@ -232,6 +266,7 @@ def main():
     per_layer(rank, "TP per-layer graphs", tp, 0)
     whole_step(rank, "TP whole step", tp, 0)
     per_layer(rank, "TP+SP per-layer graphs", tp, 0, sp=True)
+    per_layer(rank, "TP compiled per-layer graphs", tp, 0, compiled=True)
     whole_step(rank, "TP+SP whole step, loss-parallel head", tp, 0, sp=True)
     if world == 4:
         mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -504,3 +504,11 @@ def test_sharded_host_times_each_outermost_call_once_and_finds_fsdp2_hooks():
     assert outer(1) == 2
     assert set(sharded_host.spent) == {"outer"} and sharded_host.spent["outer"] > 0
     sharded_host.spent.clear()
+
+
+def test_the_sharded_gpu_timeline_counts_overlapping_activity_once():
+    """benchmarks/sharded_gpu.py's busy time: kernels on several streams that
+    overlap count once, gaps not at all, in any order."""
+    from benchmarks.sharded_gpu import union
+    assert union([(20, 25), (0, 10), (5, 15), (21, 22), (15, 16)]) == 21
+    assert union([]) == 0

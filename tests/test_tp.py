@@ -20,6 +20,7 @@ from test_ddp import torchrun
 from test_fsdp import assert_checks
 
 CHECKS = ("TP per-layer graphs", "TP whole step", "TP+SP per-layer graphs", "TP+SP whole step",
+          "TP compiled per-layer graphs",
           "teardown:")
 
 

@@ -1,0 +1,138 @@
+"""How busy the GPU is in the sharded workload's step: what a graph of the
+same kernels can take off it.  The model, layouts, regimes and variants are
+benchmarks/sharded.py's.  Run with torchrun, from the repository root after
+a build::
+
+    python3 -m torch.distributed.run --standalone --nproc_per_node=2 \\
+        -m benchmarks.sharded_gpu --regimes large --variants eager,cgraph-step
+
+Each variant sets up as in benchmarks/sharded.py, times --steps steps
+without the profiler (the step's wall time), then records --profiled steps
+with ``torch.profiler`` and reads rank 0's device timeline: *busy* is the
+union of every kernel, copy and memset on the device, over all streams;
+*compute* the union of all but NCCL's kernels; *NCCL exposed* what NCCL's
+kernels add to compute's union (communication nothing else overlaps);
+*idle* the wall time less busy.  A CUDA graph replays the kernels eager
+launches, so it can take the idle time off the step and no more: busy / wall
+is the least step time, as a share of this variant's, that graphing these
+kernels can reach.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import cgraph
+from benchmarks import sharded
+
+ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def union(spans: list[tuple[float, float]]) -> float:
+    """The length of the union of [start, end) spans."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+def timeline(prof) -> dict[str, float]:
+    """busy, compute and NCCL-exposed microseconds over the profiled steps,
+    from the device's activity in the trace."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    device = torch.cuda.current_device()
+    spans = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
+             if e.get("cat") in ACTIVITY and e.get("args", {}).get("device", device) == device]
+    if not spans:
+        raise RuntimeError("the profiler recorded no device activity; is CUPTI available?")
+    busy = union([(a, b) for a, b, _ in spans])
+    compute = union([(a, b) for a, b, nccl in spans if not nccl])
+    return {"busy": busy, "compute": compute, "nccl exposed": busy - compute,
+            "nccl": sum(b - a for a, b, nccl in spans if nccl)}
+
+
+def measure(variant, layout, meshes, regime, steps, profiled, dp_rank):
+    batch, seq = sharded.REGIMES[regime]
+    g = torch.Generator(device="cuda").manual_seed(dp_rank)
+    ids = torch.randint(0, sharded.CONFIG["vocab_size"], (batch, seq), device="cuda",
+                        generator=g)
+    model = sharded.build(layout, meshes)
+    step = sharded.prepare(variant, model, ids)
+    for _ in range(sharded.SETUP_STEPS + 1):
+        step(ids)
+    torch.cuda.synchronize()
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step(ids)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - started) / steps * 1e6
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(profiled):
+            step(ids)
+        torch.cuda.synchronize()
+    spans = {k: v / profiled for k, v in timeline(prof).items()}
+    cgraph.reset_all()
+    del model, step, prof
+    gc.collect()
+    torch.cuda.empty_cache()
+    return wall, spans
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layout", choices=("fsdp", "2d"), default="fsdp")
+    parser.add_argument("--variants", default="eager,cgraph-step")
+    parser.add_argument("--regimes", default="large")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profiled", type=int, default=3)
+    args = parser.parse_args()
+    dist.init_process_group("nccl")
+    rank = dist.get_rank()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    from torch.distributed.device_mesh import init_device_mesh
+    if args.layout == "2d":
+        mesh = init_device_mesh("cuda", (dist.get_world_size() // 2, 2),
+                                mesh_dim_names=("dp", "tp"))
+        meshes = (mesh["dp"], mesh["tp"])
+    else:
+        meshes = (init_device_mesh("cuda", (dist.get_world_size(),)), None)
+    lines = []
+    for regime in args.regimes.split(","):
+        for variant in args.variants.split(","):
+            wall, s = measure(variant, args.layout, meshes, regime, args.steps, args.profiled,
+                              meshes[0].get_local_rank())
+            ms = {k: v / 1e3 for k, v in s.items()}
+            lines.append(f"| {regime} | {variant} | {wall / 1e3:.1f} | {ms['busy']:.1f} "
+                         f"({s['busy'] / wall:.0%}) | {max(wall - s['busy'], 0) / 1e3:.1f} | "
+                         f"{ms['compute']:.1f} | {ms['nccl']:.1f} | {ms['nccl exposed']:.1f} |")
+            if rank == 0:
+                print(lines[-1], flush=True)
+    if rank == 0:
+        print(f"\nsharded_gpu, layout {args.layout}, {dist.get_world_size()} x "
+              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, rank 0, ms per step "
+              f"({args.steps} timed, {args.profiled} profiled)")
+        print("| regime | variant | wall | busy (of wall) | idle | compute | NCCL kernels | "
+              "NCCL exposed |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(lines))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
