@@ -17,7 +17,7 @@ default mode, as torchtitan does); ``cgraph-layer`` (each decoder layer
 steps); ``cgraph-step``
 (``cgraph.make_graphed_step`` around the step: its collectives and the
 optimizer inside the graph); ``cgraph-compiled-layer`` (each layer's forward
-compiled, then graphed; FSDP layout only); ``cgraph-compiled-step`` (each
+compiled on the instance, then graphed); ``cgraph-compiled-step`` (each
 decoder layer compiled as in ``compile``, the step graphed whole).  Regimes: ``small`` (1 x 256
 tokens per data-parallel rank: the host-bound regime) and ``large`` (8 x 4096:
 GPU-bound).
@@ -207,15 +207,12 @@ def main() -> None:
         tokens = batch * seq * meshes[0].size()  # a TP group shares its batch
         eager = None
         for variant in args.variants.split(","):
-            if variant == "cgraph-compiled-layer" and args.layout == "2d":
-                result = "n/a: compiled forwards of DTensor layers are not graphed per layer"
-            else:
-                try:
-                    result = measure(variant, args.layout, meshes, regime, args.steps,
-                                     args.repeats, dp_rank)
-                except Exception as e:  # noqa: BLE001 -- a failed variant is a row
-                    cause = f" Cause: {e.__cause__}" if e.__cause__ is not None else ""
-                    result = f"failed: {type(e).__name__}: {e}{cause}"[:400].replace("\n", " ")
+            try:
+                result = measure(variant, args.layout, meshes, regime, args.steps,
+                                 args.repeats, dp_rank)
+            except Exception as e:  # noqa: BLE001 -- a failed variant is a row
+                cause = f" Cause: {e.__cause__}" if e.__cause__ is not None else ""
+                result = f"failed: {type(e).__name__}: {e}{cause}"[:400].replace("\n", " ")
             eager = result if variant == "eager" else eager
             lines.append(row(variant, regime, result, "n/a" if eager is None else eager,
                              tokens))

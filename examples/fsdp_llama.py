@@ -6,7 +6,8 @@ repository root after a build,
 A LlamaForCausalLM of about 220M parameters (random init: hidden 1024, 12
 decoder layers), every decoder layer and the root fully_shard-ed with bf16
 parameters and fp32 gradient reduction (MixedPrecisionPolicy; the optimizer
-steps fp32 shards), AdamW, 20 steps, each rank its own batch.  Four runs
+steps fp32 shards), grads clipped to norm 1, AdamW, 20 steps, each rank its
+own batch.  Four runs
 from the same weights:
 
 1. eager FSDP2, foreach AdamW: the reference for 2;
@@ -18,11 +19,13 @@ from the same weights:
    collectives and the fused AdamW inside the graph.
 
 Each rank checks that the losses of all 20 steps and the parameter shards
-after them are bitwise equal to its reference's, and prints one line per
-check (tests/test_fsdp.py reads them), with each run's step time and peak
-memory.
+after them are bitwise equal to its reference's, and that every run gives
+back all the memory it allocated once its graphs are reset and its model
+dropped; it prints one line per check (tests/test_fsdp.py reads them), with
+each run's step time and peak memory.
 """
 
+import gc
 import os
 import time
 
@@ -61,6 +64,9 @@ def train_step(model, opt):
         opt.zero_grad()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        # Clipped as torchtitan and the Trainer do: the norm of DTensor grads,
+        # all-reduced (inside the graph, where the step is graphed whole).
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         return loss
     return step
@@ -69,8 +75,10 @@ def train_step(model, opt):
 def run(how, data):
     """Trains a fresh model `how` ("eager", "layers" or "step"), fused
     AdamW or not; returns the losses, the parameter shards, the mean step
-    time of the last 10 steps and the peak memory."""
+    time of the last 10 steps and the peak memory.  Exits if the run leaves
+    memory allocated after its graphs are reset and its model dropped."""
     graphed, fused = how in ("layers", "step"), how.endswith("fused") or how == "step"
+    before = torch.cuda.memory_allocated()
     model = llama()
     if how == "layers":
         pool = cgraph.graph_pool_handle()
@@ -98,6 +106,11 @@ def run(how, data):
     if graphed:
         cgraph.reset_all()
     del model, opt, step
+    gc.collect()  # FSDP2's hooks hold a model in reference cycles
+    left = torch.cuda.memory_allocated() - before
+    if left > 0:
+        raise SystemExit(f"rank {dist.get_rank()} {how}: {left} bytes still allocated after "
+                         "reset and dropping the model")
     torch.cuda.empty_cache()
     return losses, shards, sum(times[-10:]) / 10, memory
 
