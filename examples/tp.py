@@ -33,7 +33,10 @@ them):
    (``block.forward = torch.compile(block.forward)``), then graphed:
    losses, grads and parameters bitwise equal to the same compiled blocks
    run eagerly, and no recompile after the first step.
-5. On four GPUs, FSDP2 x TP on a (2, 2) mesh as torchtitan lays it out (TP
+5. Dropout on a DTensor inside a graphed step is refused (``rng_changed``),
+   naming the fix: DTensor's RNG tracker moves the generator's offset on
+   the host around the op, which a replay would not repeat.
+6. On four GPUs, FSDP2 x TP on a (2, 2) mesh as torchtitan lays it out (TP
    inside a pair of GPUs, FSDP across pairs): per-layer graphs (FSDP's
    hooks around each graph, its unsharded parameters DTensors over the TP
    mesh at their homes) and the whole step, each bitwise equal to eager.
@@ -257,6 +260,37 @@ def whole_step(rank, name, meshes, dp_rank, sp=False):
     graphed.reset()
 
 
+def random_op_on_a_dtensor_is_refused(rank, name, tp_mesh):
+    """Dropout on a DTensor inside a graphed step: DTensor's RNG tracker moves
+    the generator's offset on the host around the op, which a replay would
+    not repeat; the capture is refused (rng_changed), naming the fix."""
+    torch.manual_seed(0)  # the same weights and input on every rank
+    model = nn.Sequential(nn.Linear(DIM, DIM), nn.Dropout(0.1), nn.Linear(DIM, DIM)).cuda()
+    parallelize_module(model, tp_mesh, {"0": ColwiseParallel(use_local_output=False),
+                                        "2": RowwiseParallel()})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    x = torch.randn(BATCH, DIM, device="cuda")
+    graphed = cgraph.make_graphed_step(step, (x,))
+    try:
+        for _ in range(5):
+            graphed(x)
+    except cgraph.CaptureError as e:
+        if e.kind != "rng_changed" or "use_local_output=True" not in str(e):
+            raise SystemExit(f"rank {rank} {name}: refused as {e.kind}: {e}") from e
+        print(f"rank {rank} {name}: refused ({e.kind}), naming use_local_output: OK",
+              flush=True)
+    else:
+        raise SystemExit(f"rank {rank} {name}: graphed, {graphed.stats}")
+
+
 def main():
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -267,6 +301,7 @@ def main():
     whole_step(rank, "TP whole step", tp, 0)
     per_layer(rank, "TP+SP per-layer graphs", tp, 0, sp=True)
     per_layer(rank, "TP compiled per-layer graphs", tp, 0, compiled=True)
+    random_op_on_a_dtensor_is_refused(rank, "TP dropout on a DTensor in a graphed step", tp[0])
     whole_step(rank, "TP+SP whole step, loss-parallel head", tp, 0, sp=True)
     if world == 4:
         mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))

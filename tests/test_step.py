@@ -559,6 +559,41 @@ def test_a_compiled_model_with_dropout_in_the_step_trains_as_compiled_eager(wrap
     assert_same_training(model, eager, losses, losses_e, exact=exact)
 
 
+def test_a_compiled_function_that_zeroes_grads_inside_the_step_trains_as_eager():
+    """README, Limits: compiled code inside a graphed step that calls
+    zero_grad() (a compiled forward-and-backward), which dynamo guards on
+    and cgraph patches while it captures (Note [Grads around a graphed
+    step]): it compiles again inside the capture, and the graphed step
+    trains as the same function compiled and run eagerly, to float32
+    tolerance (the twins are compiled apart, under different guards)."""
+    torch._dynamo.reset()
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+
+    def compiled_step(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+
+        @torch.compile
+        def forward_backward(x, y):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            return loss
+
+        def step(x, y):
+            loss = forward_backward(x, y)
+            opt.step()
+            return loss
+        return step
+
+    graphed = cgraph.make_graphed_step(compiled_step(model), batches[0], num_warmup_iters=2)
+    with inductor_deterministic():
+        losses = run(graphed, batches)
+        losses_e = run(compiled_step(eager), batches)
+    assert graphed.stats["captures"] == 1 and graphed.stats["replays"] == 6, graphed.stats
+    assert_same_training(model, eager, losses, losses_e, exact=False)
+
+
 def test_a_reduce_overhead_model_in_the_step_is_refused_naming_why():
     torch._dynamo.reset()
     model, batches = model_and_data(dropout=0.0)

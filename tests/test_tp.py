@@ -20,7 +20,7 @@ from test_ddp import torchrun
 from test_fsdp import assert_checks
 
 CHECKS = ("TP per-layer graphs", "TP whole step", "TP+SP per-layer graphs", "TP+SP whole step",
-          "TP compiled per-layer graphs",
+          "TP compiled per-layer graphs", "TP dropout on a DTensor in a graphed step",
           "teardown:")
 
 
@@ -94,3 +94,27 @@ def test_a_dtensor_module_runs_on_its_leaves_whatever_its_forward(mesh, instance
     model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight is weight))
     _describe.Target.of(0, model).run_eagerly((torch.randn(4, 8),), {})
     assert seen == [False]  # swapped for a DTensor over local_leaf(weight)
+
+
+def test_dtensors_rng_tracker_is_refused_while_capturing_and_only_then(monkeypatch):
+    """Item 3 of Note [Patches during capture] (cgraph/_capture.py): the
+    patched get_rng_state and set_rng_state refuse DTensor's RNG tracker
+    (rng_changed, naming the fix) while a stream captures, and no other
+    caller; on GPUs, examples/tp.py's dropout on a DTensor is refused."""
+    from cgraph import _C, _capture
+
+    def patched_get_rng_state():  # the frame between the check and its caller
+        _capture.refuse_dtensor_tracker()
+
+    tracker, elsewhere = {"__name__": "torch.distributed.tensor._random"}, {"__name__": "user"}
+    for namespace in (tracker, elsewhere):
+        namespace["get"] = patched_get_rng_state
+        exec("def caller():\n    get()", namespace)
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    tracker["caller"]()  # not capturing (a warm-up): DTensor's random ops run as in eager
+    capturing[0] = True
+    elsewhere["caller"]()  # torch.utils.checkpoint's, the compiler's: the core answers
+    with pytest.raises(_C.Refusal, match="use_local_output=True") as info:
+        tracker["caller"]()
+    assert info.value.args[1] == _C.FAILURE_RNG_CHANGED
