@@ -14,8 +14,9 @@ union of every kernel, copy and memset on the device, over all streams;
 kernels add to compute's union (communication nothing else overlaps);
 *idle* the wall time less busy.  A CUDA graph replays the kernels eager
 launches, so it can take the idle time off the step and no more: busy / wall
-is the least step time, as a share of this variant's, that graphing these
-kernels can reach.
+is about the least step time, as a share of this variant's, that graphing
+these kernels can reach (about: the profiler stretches what it traces, and
+NCCL's kernels count as busy while they wait for the other ranks).
 """
 
 from __future__ import annotations
@@ -52,10 +53,13 @@ def timeline(prof) -> dict[str, float]:
     from the device's activity in the trace."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
+    # Rank 0 profiles its own device only; an event without a device is its.
     device = torch.cuda.current_device()
     spans = [(e["ts"], e["ts"] + e["dur"], "nccl" in e["name"].lower()) for e in events
-             if e.get("cat") in ACTIVITY and e.get("args", {}).get("device", device) == device]
+             if e.get("cat") in ACTIVITY and "dur" in e
+             and e.get("args", {}).get("device", device) == device]
     if not spans:
         raise RuntimeError("the profiler recorded no device activity; is CUPTI available?")
     busy = union([(a, b) for a, b, _ in spans])
@@ -114,8 +118,13 @@ def main() -> None:
     lines = []
     for regime in args.regimes.split(","):
         for variant in args.variants.split(","):
-            wall, s = measure(variant, args.layout, meshes, regime, args.steps, args.profiled,
-                              meshes[0].get_local_rank())
+            try:
+                wall, s = measure(variant, args.layout, meshes, regime, args.steps,
+                                  args.profiled, meshes[0].get_local_rank())
+            except Exception as e:  # noqa: BLE001 -- a failed variant is a row
+                lines.append(f"| {regime} | {variant} | failed: {type(e).__name__}: "
+                             f"{str(e)[:300]} |".replace("\n", " "))
+                continue
             ms = {k: v / 1e3 for k, v in s.items()}
             lines.append(f"| {regime} | {variant} | {wall / 1e3:.1f} | {ms['busy']:.1f} "
                          f"({s['busy'] / wall:.0%}) | {max(wall - s['busy'], 0) / 1e3:.1f} | "

@@ -17,11 +17,12 @@ the session ends, also when warm-up or capture raised:
    torch.cuda.manual_seed_all refuse while a stream captures: a graph would
    not reseed on replay.  (The native core also compares the host
    generators before and after each capture; a reseed to the state they
-   already had escapes that.)  So do get_rng_state and set_rng_state when
-   DTensor's RNG tracker asks (a random op on a DTensor): it moves the
-   generator's offset on the host around every such op, which a replay
-   would not repeat, and torch would refuse its host copy with a message
-   that names neither the op nor the fix.
+   already had escapes that.)  So does DTensor's RNG tracker, where a
+   random op on a DTensor enters it (_distribute_region, or, on CUDA in
+   newer torch, _compute_rng_offsets before its run_dtensor_rng_op): it
+   moves the generator's offset on the host around every such op, which a
+   replay would not repeat, and torch's own failure there (a host copy)
+   names neither the op nor the fix.
 4. torch.autograd.backward and torch.utils.checkpoint.detach_variable check
    what a use_reentrant=True checkpoint region reads: Note [Reentrant
    regions] below.
@@ -236,14 +237,12 @@ def _rng_hooks():
     torch_get, torch_set = torch.cuda.get_rng_state, torch.cuda.set_rng_state
 
     def get_rng_state(device="cuda"):
-        refuse_dtensor_tracker()
         if asked_by_the_compiler():
             return torch_get(device)
         state = _C.rng_get_state(_cuda_index(device))
         return torch_get(device) if state is None else state
 
     def set_rng_state(new_state, device="cuda"):
-        refuse_dtensor_tracker()
         if asked_by_the_compiler() or not _C.rng_set_state(new_state, _cuda_index(device)):
             torch_set(new_state, device)
 
@@ -263,24 +262,38 @@ def _rng_hooks():
     patches = {(torch.cuda, "get_rng_state"): get_rng_state,
                (torch.cuda, "set_rng_state"): set_rng_state}
     patches.update({key: refuse_while_capturing(getattr(*key)) for key in seeds})
+    patches.update(_dtensor_rng_refusals())
     return patched(patches)
 
 
-def refuse_dtensor_tracker() -> None:
-    """Item 3 of Note [Patches during capture], for DTensor's RNG tracker;
-    called by the patched get_rng_state and set_rng_state."""
-    if not torch.cuda.is_current_stream_capturing():
-        return
-    caller = sys._getframe(2).f_globals.get("__name__", "")
-    if caller.startswith(("torch.distributed.tensor._random", "torch.distributed._tensor.random")):
-        raise _C.Refusal(
-            "cgraph: a random op on a DTensor (dropout on a tensor-parallel activation, or "
-            "DTensor's init ops) ran inside the graphed callable: DTensor's RNG tracker moves "
-            "the CUDA generator's offset on the host around each such op, which a graph "
-            "would not repeat on replay. Run random ops on plain tensors: keep "
-            "parallelize_module's use_local_output=True (the default) for the layers whose "
-            "outputs they take, or call .to_local() before the op.",
-            _C.FAILURE_RNG_CHANGED)
+_DTENSOR_RNG = (
+    "cgraph: a random op on a DTensor (dropout on a tensor-parallel activation, or "
+    "DTensor's init ops) ran inside the graphed callable: DTensor's RNG tracker moves the "
+    "CUDA generator's offset on the host around each such op, which a graph would not "
+    "repeat on replay. Run random ops on plain tensors: keep parallelize_module's "
+    "use_local_output=True (the default) for the layers whose outputs they take, or call "
+    ".to_local() before the op.")
+
+
+def _dtensor_rng_refusals() -> dict:
+    """Item 3 of Note [Patches during capture], for DTensor's RNG tracker:
+    the tracker's methods that a random op on a DTensor enters, refusing
+    while a stream captures.  None where DTensor is not loaded: without it
+    no DTensor exists to draw from."""
+    random = sys.modules.get("torch.distributed.tensor._random")
+    tracker = getattr(random, "OffsetBasedRNGTracker", None)
+    if tracker is None:
+        return {}
+
+    def refusing(method):
+        def while_set_up(*args, **kwargs):
+            if torch.cuda.is_current_stream_capturing():
+                raise _C.Refusal(_DTENSOR_RNG, _C.FAILURE_RNG_CHANGED)
+            return method(*args, **kwargs)
+        return while_set_up
+
+    return {(tracker, name): refusing(getattr(tracker, name))
+            for name in ("_distribute_region", "_compute_rng_offsets") if hasattr(tracker, name)}
 
 
 def asked_by_the_compiler() -> bool:

@@ -287,6 +287,7 @@ def random_op_on_a_dtensor_is_refused(rank, name, tp_mesh):
             raise SystemExit(f"rank {rank} {name}: refused as {e.kind}: {e}") from e
         print(f"rank {rank} {name}: refused ({e.kind}), naming use_local_output: OK",
               flush=True)
+        graphed.reset()
     else:
         raise SystemExit(f"rank {rank} {name}: graphed, {graphed.stats}")
 

@@ -96,25 +96,31 @@ def test_a_dtensor_module_runs_on_its_leaves_whatever_its_forward(mesh, instance
     assert seen == [False]  # swapped for a DTensor over local_leaf(weight)
 
 
-def test_dtensors_rng_tracker_is_refused_while_capturing_and_only_then(monkeypatch):
-    """Item 3 of Note [Patches during capture] (cgraph/_capture.py): the
-    patched get_rng_state and set_rng_state refuse DTensor's RNG tracker
-    (rng_changed, naming the fix) while a stream captures, and no other
-    caller; on GPUs, examples/tp.py's dropout on a DTensor is refused."""
+def test_dtensors_rng_tracker_is_refused_while_capturing_and_only_then(mesh, monkeypatch):
+    """Item 3 of Note [Patches during capture] (cgraph/_capture.py): during a
+    set-up, the tracker methods a random op on a DTensor enters refuse
+    (rng_changed, naming the fix) while a stream captures, and run torch's
+    own otherwise.  On GPUs, examples/tp.py's dropout on a DTensor is
+    refused; here torch's dispatch must still enter one of them."""
+    import inspect
+    from torch.distributed.tensor import _dispatch, _random
     from cgraph import _C, _capture
 
-    def patched_get_rng_state():  # the frame between the check and its caller
-        _capture.refuse_dtensor_tracker()
-
-    tracker, elsewhere = {"__name__": "torch.distributed.tensor._random"}, {"__name__": "user"}
-    for namespace in (tracker, elsewhere):
-        namespace["get"] = patched_get_rng_state
-        exec("def caller():\n    get()", namespace)
+    entered = [name for name in ("_distribute_region", "_compute_rng_offsets")
+               if name in inspect.getsource(_dispatch)]
+    assert entered, "DTensor's dispatch enters neither patched tracker method: patch another"
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    tracker["caller"]()  # not capturing (a warm-up): DTensor's random ops run as in eager
-    capturing[0] = True
-    elsewhere["caller"]()  # torch.utils.checkpoint's, the compiler's: the core answers
-    with pytest.raises(_C.Refusal, match="use_local_output=True") as info:
-        tracker["caller"]()
-    assert info.value.args[1] == _C.FAILURE_RNG_CHANGED
+    tracker = _random.OffsetBasedRNGTracker
+    torchs = {name: (lambda self, spec, name=name: name) for name in entered}  # stand-ins
+    for name, method in torchs.items():
+        monkeypatch.setattr(tracker, name, method)
+    with _capture._rng_hooks():
+        for name in entered:
+            capturing[0] = False
+            assert getattr(object.__new__(tracker), name)(None) == name  # a warm-up: torch's runs
+            capturing[0] = True
+            with pytest.raises(_C.Refusal, match="use_local_output=True") as info:
+                getattr(object.__new__(tracker), name)(None)
+            assert info.value.args[1] == _C.FAILURE_RNG_CHANGED
+    assert all(vars(tracker)[name] is torchs[name] for name in entered), "put back after"
