@@ -53,6 +53,34 @@ VARIANTS = ("eager", "compile", "cgraph-layer", "cgraph-layer-opt", "cgraph-step
 SETUP_STEPS = 4  # eager steps, or compiles, before timing; make_graphed_step captures at 4
 
 
+def start(layout: str = "fsdp"):
+    """For a script run under torchrun: the process group, this rank's GPU,
+    and the meshes of `layout` (data-parallel, tensor-parallel or None)."""
+    dist.init_process_group("nccl")
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    if layout == "2d":
+        mesh = init_device_mesh("cuda", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        return mesh["dp"], mesh["tp"]
+    return init_device_mesh("cuda", (world,)), None
+
+
+def failed(e: Exception) -> str:
+    """A variant's failure, as one table cell."""
+    cause = f" Cause: {e.__cause__}" if e.__cause__ is not None else ""
+    return f"failed: {type(e).__name__}: {e}{cause}"[:400].replace("\n", " ")
+
+
+def finish(title: str, columns: tuple, lines: list) -> None:
+    """Rank 0 prints the table of `lines`; every rank leaves the group."""
+    if dist.get_rank() == 0:
+        print(f"\n{title}\n| {' | '.join(columns)} |\n|{'---|' * len(columns)}")
+        print("\n".join(lines))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def tp_plan():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     return {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -139,27 +167,43 @@ def prepare(variant: str, model, sample):
     return cgraph.make_graphed_step(step, (sample,)) if graph_step else step
 
 
-def measure(variant, layout, meshes, regime, steps, repeats, dp_rank):
+def batch_of(regime: str, dp_rank: int) -> torch.Tensor:
+    """This data-parallel rank's token ids (a TP group shares them)."""
     batch, seq = REGIMES[regime]
     g = torch.Generator(device="cuda").manual_seed(dp_rank)
-    ids = torch.randint(0, CONFIG["vocab_size"], (batch, seq), device="cuda", generator=g)
-    gc.collect()  # the last variant's FSDP2 model: its hooks make reference cycles
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())  # NCCL's, the ids
+    return torch.randint(0, CONFIG["vocab_size"], (batch, seq), device="cuda", generator=g)
+
+
+def set_up(variant: str, layout: str, meshes, ids):
+    """A fresh model and the step `variant` makes of it, past its set-up
+    (eager steps, captures, compiles)."""
     model = build(layout, meshes)
     step = prepare(variant, model, ids)
     for _ in range(SETUP_STEPS + 1):
         step(ids)
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        dist.barrier()
-        started = time.perf_counter()
-        for _ in range(steps):
-            step(ids)
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - started) / steps)
+    return model, step
+
+
+def seconds_per_step(step, ids, steps: int) -> float:
+    """Wall time per step over `steps` steps, all ranks starting together
+    on an idle GPU."""
+    torch.cuda.synchronize()
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(steps):
+        step(ids)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / steps
+
+
+def measure(variant, layout, meshes, regime, steps, repeats, dp_rank):
+    ids = batch_of(regime, dp_rank)
+    gc.collect()  # the last variant's FSDP2 model: its hooks make reference cycles
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())  # NCCL's, the ids
+    model, step = set_up(variant, layout, meshes, ids)
+    times = [seconds_per_step(step, ids, steps) for _ in range(repeats)]
     memory = (torch.cuda.max_memory_allocated() - base[0],
               torch.cuda.max_memory_reserved() - base[1])
     cgraph.reset_all()
@@ -191,15 +235,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    dist.init_process_group("nccl")
+    meshes = start(args.layout)
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    from torch.distributed.device_mesh import init_device_mesh
-    if args.layout == "2d":
-        mesh = init_device_mesh("cuda", (world // 2, 2), mesh_dim_names=("dp", "tp"))
-        meshes = (mesh["dp"], mesh["tp"])
-    else:
-        meshes = (init_device_mesh("cuda", (world,)), None)
     dp_rank = meshes[0].get_local_rank()
     lines = []
     for regime in args.regimes.split(","):
@@ -211,23 +248,16 @@ def main() -> None:
                 result = measure(variant, args.layout, meshes, regime, args.steps,
                                  args.repeats, dp_rank)
             except Exception as e:  # noqa: BLE001 -- a failed variant is a row
-                cause = f" Cause: {e.__cause__}" if e.__cause__ is not None else ""
-                result = f"failed: {type(e).__name__}: {e}{cause}"[:400].replace("\n", " ")
+                result = failed(e)
             eager = result if variant == "eager" else eager
             lines.append(row(variant, regime, result, "n/a" if eager is None else eager,
                              tokens))
             if rank == 0:
                 print(lines[-1], flush=True)
-    if rank == 0:
-        gpus = f"{world} x {torch.cuda.get_device_name()}"
-        print(f"\nsharded, layout {args.layout}, {gpus}, torch {torch.__version__}, "
-              f"{args.steps} steps x {args.repeats} repeats")
-        print("| regime | variant | step ms (spread) | / eager | tokens/s | "
-              "peak allocated GiB | peak reserved GiB |")
-        print("|---|---|---|---|---|---|---|")
-        print("\n".join(lines))
-    dist.barrier()
-    dist.destroy_process_group()
+    finish(f"sharded, layout {args.layout}, {world} x {torch.cuda.get_device_name()}, torch "
+           f"{torch.__version__}, {args.steps} steps x {args.repeats} repeats",
+           ("regime", "variant", "step ms (spread)", "/ eager", "tokens/s",
+            "peak allocated GiB", "peak reserved GiB"), lines)
 
 
 if __name__ == "__main__":

@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
@@ -69,21 +67,9 @@ def timeline(prof) -> dict[str, float]:
 
 
 def measure(variant, layout, meshes, regime, steps, profiled, dp_rank):
-    batch, seq = sharded.REGIMES[regime]
-    g = torch.Generator(device="cuda").manual_seed(dp_rank)
-    ids = torch.randint(0, sharded.CONFIG["vocab_size"], (batch, seq), device="cuda",
-                        generator=g)
-    model = sharded.build(layout, meshes)
-    step = sharded.prepare(variant, model, ids)
-    for _ in range(sharded.SETUP_STEPS + 1):
-        step(ids)
-    torch.cuda.synchronize()
-    dist.barrier()
-    started = time.perf_counter()
-    for _ in range(steps):
-        step(ids)
-    torch.cuda.synchronize()
-    wall = (time.perf_counter() - started) / steps * 1e6
+    ids = sharded.batch_of(regime, dp_rank)
+    model, step = sharded.set_up(variant, layout, meshes, ids)
+    wall = sharded.seconds_per_step(step, ids, steps) * 1e6
     dist.barrier()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(profiled):
@@ -105,42 +91,28 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--profiled", type=int, default=3)
     args = parser.parse_args()
-    dist.init_process_group("nccl")
+    meshes = sharded.start(args.layout)
     rank = dist.get_rank()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    from torch.distributed.device_mesh import init_device_mesh
-    if args.layout == "2d":
-        mesh = init_device_mesh("cuda", (dist.get_world_size() // 2, 2),
-                                mesh_dim_names=("dp", "tp"))
-        meshes = (mesh["dp"], mesh["tp"])
-    else:
-        meshes = (init_device_mesh("cuda", (dist.get_world_size(),)), None)
     lines = []
     for regime in args.regimes.split(","):
         for variant in args.variants.split(","):
             try:
                 wall, s = measure(variant, args.layout, meshes, regime, args.steps,
                                   args.profiled, meshes[0].get_local_rank())
+                ms = {k: v / 1e3 for k, v in s.items()}
+                cells = (f"{wall / 1e3:.1f} | {ms['busy']:.1f} ({s['busy'] / wall:.0%}) | "
+                         f"{max(wall - s['busy'], 0) / 1e3:.1f} | {ms['compute']:.1f} | "
+                         f"{ms['nccl']:.1f} | {ms['nccl exposed']:.1f}")
             except Exception as e:  # noqa: BLE001 -- a failed variant is a row
-                lines.append(f"| {regime} | {variant} | failed: {type(e).__name__}: "
-                             f"{str(e)[:300]} |".replace("\n", " "))
-                continue
-            ms = {k: v / 1e3 for k, v in s.items()}
-            lines.append(f"| {regime} | {variant} | {wall / 1e3:.1f} | {ms['busy']:.1f} "
-                         f"({s['busy'] / wall:.0%}) | {max(wall - s['busy'], 0) / 1e3:.1f} | "
-                         f"{ms['compute']:.1f} | {ms['nccl']:.1f} | {ms['nccl exposed']:.1f} |")
+                cells = sharded.failed(e)
+            lines.append(f"| {regime} | {variant} | {cells} |")
             if rank == 0:
                 print(lines[-1], flush=True)
-    if rank == 0:
-        print(f"\nsharded_gpu, layout {args.layout}, {dist.get_world_size()} x "
-              f"{torch.cuda.get_device_name()}, torch {torch.__version__}, rank 0, ms per step "
-              f"({args.steps} timed, {args.profiled} profiled)")
-        print("| regime | variant | wall | busy (of wall) | idle | compute | NCCL kernels | "
-              "NCCL exposed |")
-        print("|---|---|---|---|---|---|---|---|")
-        print("\n".join(lines))
-    dist.barrier()
-    dist.destroy_process_group()
+    sharded.finish(f"sharded_gpu, layout {args.layout}, {dist.get_world_size()} x "
+                   f"{torch.cuda.get_device_name()}, torch {torch.__version__}, rank 0, ms per "
+                   f"step ({args.steps} timed, {args.profiled} profiled)",
+                   ("regime", "variant", "wall", "busy (of wall)", "idle", "compute",
+                    "NCCL kernels", "NCCL exposed"), lines)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import argparse
 import collections
 import functools
 import gc
-import os
 import time
 
 import torch
@@ -119,11 +118,8 @@ def main() -> None:
         parser.error(f"{', '.join(whole)}: this times eager optimizer steps and a graphed step "
                      "has no phases or hooks on the host to time; use benchmarks.sharded")
     time_fsdp_hooks()
-    dist.init_process_group("nccl")
+    meshes = sharded.start()
     rank = dist.get_rank()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-    from torch.distributed.device_mesh import init_device_mesh
-    meshes = (init_device_mesh("cuda", (dist.get_world_size(),)), None)
     for variant in args.variants.split(","):
         per_step, hooks = measure(variant, meshes, args.steps)
         if rank == 0:

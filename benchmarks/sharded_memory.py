@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
-import os
 
 import torch
 import torch.distributed as dist
@@ -97,10 +96,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--regimes", default="small")
     args = parser.parse_args()
-    dist.init_process_group("nccl")
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    from torch.distributed.device_mesh import init_device_mesh
-    meshes = (init_device_mesh("cuda", (dist.get_world_size(),)), None)
+    meshes = sharded.start()
     for regime in args.regimes.split(","):
         batch, seq = sharded.REGIMES[regime]
         ids = torch.randint(0, sharded.CONFIG["vocab_size"], (batch, seq), device="cuda")
