@@ -384,3 +384,40 @@ def _registered_module(module: nn.Module, *_) -> None:
 nn.modules.module.register_module_parameter_registration_hook(_registered_tensor)
 nn.modules.module.register_module_buffer_registration_hook(_registered_tensor)
 nn.modules.module.register_module_module_registration_hook(_registered_module)
+
+
+# Note [Sharding after graphing]
+# Q: fully_shard replaces the parameters of the modules it manages without
+#    registering them (FSDPParam writes module._parameters directly), and
+#    swaps the class of only the module it is applied to.  Applied after
+#    graphing to the root alone, or to a module inside a graphed one, it
+#    fires no registration hook and leaves the graphed module's class as it
+#    was: the graphs would go on reading the tensors they were captured
+#    with, silently stale.  How does cgraph hear of it?
+# A: FSDP has no hook for it, so cgraph wraps the constructor of FSDP's
+#    parameter group, which fully_shard calls once per sharded module right
+#    after replacing that module's parameters: while any module is graphed,
+#    every graphed module then walks its parameters on its next call
+#    (replaced_inside), finds the replaced ones and raises, naming the
+#    recipe (shard first, then graph).  Sharding before graphing, the
+#    recipe, meets no graphed module there; a second model sharded while a
+#    first is graphed costs that model's graphed modules one walk each.
+def _after_sharding(init):
+    def __init__(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if len(_watched):
+            replaced_inside()
+    __init__.cgraph_wraps = init
+    return __init__
+
+
+def _watch_sharding() -> None:
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+    except ImportError:  # a torch without distributed, or with FSDP2 elsewhere
+        return
+    if not hasattr(FSDPParamGroup.__init__, "cgraph_wraps"):  # once, also if reloaded
+        FSDPParamGroup.__init__ = _after_sharding(FSDPParamGroup.__init__)
+
+
+_watch_sharding()

@@ -43,7 +43,8 @@ reads them):
    losses and parameters bitwise equal to eager FSDP2's; then a step that
    accumulates two micro-batches, one with activation checkpointing, and
    one resumed from the sharded state dicts of the model and optimizer.
-3. graphing first and sharding after is refused, naming this recipe.
+3. graphing first and sharding after (every layer and the root, or the root
+   alone) is refused, naming this recipe.
 4. teardown: reset() of every graph gives back all memory of the graphed
    model once the model is dropped.
 5. a whole-step capture that fails on one rank (an error planted there)
@@ -376,13 +377,16 @@ def whole_step(rank, micro=1, checkpointed=False, resumed=False):
     graphed.reset()
 
 
-def graph_then_shard_is_refused(rank):
-    """Recipe 3: graphing first, sharding after."""
+def graph_then_shard_is_refused(rank, name, layers=True):
+    """Recipe 3: graphing first, sharding after: every layer and the root,
+    or the root alone, whose fully_shard replaces the graphed layers'
+    parameters without registering them (Note [Sharding after graphing] in
+    cgraph/_describe.py)."""
     torch.manual_seed(0)
     model = Toy().cuda()
     model.layers = nn.ModuleList(cgraph.make_graphed(layer) for layer in model.layers)
     model(batch(0, rank)[0])  # captures, unsharded
-    for layer in model.layers:  # the GraphedModules
+    for layer in model.layers if layers else ():  # the GraphedModules
         fully_shard(layer)
     fully_shard(model)
     try:
@@ -390,9 +394,9 @@ def graph_then_shard_is_refused(rank):
     except RuntimeError as e:
         if "shard first" not in str(e):
             raise
-        print(f"rank {rank} graph then shard: refused, naming the recipe: OK", flush=True)
+        print(f"rank {rank} {name}: refused, naming the recipe: OK", flush=True)
     else:
-        raise SystemExit(f"rank {rank}: graphing first and sharding after was not refused")
+        raise SystemExit(f"rank {rank} {name}: not refused")
     cgraph.reset_all()
 
 
@@ -458,7 +462,8 @@ def main():
     whole_step(rank, micro=MICRO)
     whole_step(rank, checkpointed=True)
     whole_step(rank, resumed=True)
-    graph_then_shard_is_refused(rank)
+    graph_then_shard_is_refused(rank, "graph then shard")
+    graph_then_shard_is_refused(rank, "graph then shard the root only", layers=False)
 
     cgraph.reset_all()
     gc.collect()

@@ -37,7 +37,8 @@ PER_LAYER = ("per-layer graphs, reshard_after_forward=True",
 CHECKS = (*PER_LAYER, "graphed FSDP2 step:", "graphed FSDP2 step, 2 micro-batches:",
           "graphed FSDP2 step, activation checkpointing:",
           "graphed FSDP2 step, resumed from a state dict:",
-          "graph then shard: refused", "failed capture: raised on every rank", "teardown:")
+          "graph then shard: refused", "graph then shard the root only: refused",
+          "failed capture: raised on every rank", "teardown:")
 
 
 def assert_checks(out, ranks, checks):
@@ -121,6 +122,23 @@ def test_sharding_a_graphed_module_names_the_recipe(mesh):
     fully_shard(layer, mesh=mesh)
     with pytest.raises(RuntimeError, match="shard first"):
         check(layer)
+
+
+@pytest.mark.parametrize("sharded", ["the root only", "a module inside"])
+def test_sharding_around_a_graphed_module_after_graphing_names_the_recipe(mesh, sharded):
+    """Note [Sharding after graphing] (cgraph/_describe.py): fully_shard of the
+    root alone, or of a module inside the graphed one, replaces the graphed
+    module's parameters without a registration and leaves its class; FSDP's
+    parameter group tells cgraph, and its next call raises naming the
+    recipe instead of reading the old tensors."""
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4))
+    check = StateCheck(0, model[0])  # model[0] graphed
+    if sharded == "a module inside":
+        fully_shard(model[0][1], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert type(model[0]) is nn.Sequential  # no class check can see it
+    with pytest.raises(RuntimeError, match="shard first"):
+        check(model[0])
 
 
 # ---- Note [A capture that fails on one rank]: two CPU processes, gloo ---------
