@@ -16,7 +16,10 @@ kernels add to compute's union (communication nothing else overlaps);
 launches, so it can take the idle time off the step and no more: busy / wall
 is about the least step time, as a share of this variant's, that graphing
 these kernels can reach (about: the profiler stretches what it traces, and
-NCCL's kernels count as busy while they wait for the other ranks).
+NCCL's kernels count as busy while they wait for the other ranks).  Meant
+for the GPU-bound regime: at a host-bound batch NCCL's kernels mostly wait
+for the other ranks' hosts, which the profiler slows too, and busy exceeds
+the unprofiled wall time (170% for eager at the small batch on 2 x H200).
 """
 
 from __future__ import annotations
