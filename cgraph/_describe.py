@@ -9,6 +9,7 @@ callable by then, and hooks may have been registered since)."""
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import weakref
 from typing import Any, NamedTuple, Sequence
@@ -403,10 +404,13 @@ nn.modules.module.register_module_module_registration_hook(_registered_module)
 #    recipe, meets no graphed module there; a second model sharded while a
 #    first is graphed costs that model's graphed modules one walk each.
 def _after_sharding(init):
+    @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if len(_watched):
-            replaced_inside()
+        try:
+            init(self, *args, **kwargs)
+        finally:  # also where it failed midway: the parameters done so far are replaced
+            if len(_watched):
+                replaced_inside()
     __init__.cgraph_wraps = init
     return __init__
 
@@ -416,8 +420,11 @@ def _watch_sharding() -> None:
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
     except ImportError:  # a torch without distributed, or with FSDP2 elsewhere
         return
-    if not hasattr(FSDPParamGroup.__init__, "cgraph_wraps"):  # once, also if reloaded
-        FSDPParamGroup.__init__ = _after_sharding(FSDPParamGroup.__init__)
+    # torch's own constructor, wrapped once: a second import of cgraph (a
+    # reload, or one after its modules left sys.modules) wraps it afresh,
+    # so the wrapper tells the cgraph now in use.
+    init = getattr(FSDPParamGroup.__init__, "cgraph_wraps", FSDPParamGroup.__init__)
+    FSDPParamGroup.__init__ = _after_sharding(init)
 
 
 _watch_sharding()

@@ -141,6 +141,29 @@ def test_sharding_around_a_graphed_module_after_graphing_names_the_recipe(mesh, 
         check(model[0])
 
 
+def test_a_fully_shard_that_fails_midway_still_makes_graphed_modules_check(mesh, monkeypatch):
+    """Note [Sharding after graphing]: FSDP's parameter group raising after it
+    replaced some parameters (the second FSDPParam here) still tells the
+    graphed modules, whose next call raises instead of reading the old
+    tensors."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    check = StateCheck(0, model[0])
+    made, torchs = [], _fsdp_param_group.FSDPParam
+
+    def second_fails(*args, **kwargs):
+        if made:
+            raise RuntimeError("planted in the second FSDPParam")
+        made.append(torchs(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(_fsdp_param_group, "FSDPParam", second_fails)
+    with pytest.raises(RuntimeError, match="planted"):
+        fully_shard(model, mesh=mesh)
+    with pytest.raises(RuntimeError, match="shard first"):
+        check(model[0])
+
+
 # ---- Note [A capture that fails on one rank]: two CPU processes, gloo ---------
 
 def _agree(rank, port, queue):
