@@ -278,8 +278,8 @@ _DTENSOR_RNG = (
 def _dtensor_rng_refusals() -> dict:
     """Item 3 of Note [Patches during capture], for DTensor's RNG tracker:
     the tracker's methods that a random op on a DTensor enters, refusing
-    while a stream captures.  None where DTensor is not loaded: without it
-    no DTensor exists to draw from."""
+    while a stream captures.  Nothing where DTensor is not loaded: without
+    it no DTensor exists to draw from."""
     random = sys.modules.get("torch.distributed.tensor._random")
     tracker = getattr(random, "OffsetBasedRNGTracker", None)
     if tracker is None:

@@ -402,7 +402,7 @@ nn.modules.module.register_module_module_registration_hook(_registered_module)
 #    (replaced_inside), finds the replaced ones and raises, naming the
 #    recipe (shard first, then graph).  Sharding before graphing, the
 #    recipe, meets no graphed module there; a second model sharded while a
-#    first is graphed costs that model's graphed modules one walk each.
+#    first is graphed costs the first's graphed modules one walk each.
 def _after_sharding(init):
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
