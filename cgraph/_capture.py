@@ -246,24 +246,27 @@ def _rng_hooks():
         if asked_by_the_compiler() or not _C.rng_set_state(new_state, _cuda_index(device)):
             torch_set(new_state, device)
 
-    def refuse_while_capturing(seed_fn):
-        def seed(*args, **kwargs):
-            if torch.cuda.is_current_stream_capturing():
-                raise _C.Refusal(
-                    f"cgraph: random generator state changed during capture: "
-                    f"{seed_fn.__module__}.{seed_fn.__name__} was called.",
-                    _C.FAILURE_RNG_CHANGED,
-                )
-            return seed_fn(*args, **kwargs)
-        return seed
-
     seeds = ((torch, "manual_seed"), (torch.random, "manual_seed"),
              (torch.cuda, "manual_seed"), (torch.cuda, "manual_seed_all"))
     patches = {(torch.cuda, "get_rng_state"): get_rng_state,
                (torch.cuda, "set_rng_state"): set_rng_state}
-    patches.update({key: refuse_while_capturing(getattr(*key)) for key in seeds})
+    for key in seeds:
+        seed = getattr(*key)
+        patches[key] = _refused_while_capturing(
+            seed, "cgraph: random generator state changed during capture: "
+                  f"{seed.__module__}.{seed.__name__} was called.")
     patches.update(_dtensor_rng_refusals())
     return patched(patches)
+
+
+def _refused_while_capturing(fn, message: str):
+    """fn, raising a Refusal (rng_changed) with `message` instead while a
+    stream captures: item 3 of Note [Patches during capture]."""
+    def while_set_up(*args, **kwargs):
+        if torch.cuda.is_current_stream_capturing():
+            raise _C.Refusal(message, _C.FAILURE_RNG_CHANGED)
+        return fn(*args, **kwargs)
+    return while_set_up
 
 
 _DTENSOR_RNG = (
@@ -284,15 +287,7 @@ def _dtensor_rng_refusals() -> dict:
     tracker = getattr(random, "OffsetBasedRNGTracker", None)
     if tracker is None:
         return {}
-
-    def refusing(method):
-        def while_set_up(*args, **kwargs):
-            if torch.cuda.is_current_stream_capturing():
-                raise _C.Refusal(_DTENSOR_RNG, _C.FAILURE_RNG_CHANGED)
-            return method(*args, **kwargs)
-        return while_set_up
-
-    return {(tracker, name): refusing(getattr(tracker, name))
+    return {(tracker, name): _refused_while_capturing(getattr(tracker, name), _DTENSOR_RNG)
             for name in ("_distribute_region", "_compute_rng_offsets") if hasattr(tracker, name)}
 
 

@@ -565,3 +565,21 @@ def test_a_set_up_on_a_second_thread_is_refused_while_one_is_under_way():
         thread.join(30)
     with one_setup_at_a_time():  # free again
         pass
+
+
+def test_a_seed_during_a_capture_is_refused_naming_the_call(monkeypatch):
+    """Item 3 of Note [Patches during capture], the seeds: torch.manual_seed
+    refused while a stream captures (rng_changed), and seeding as torch does
+    otherwise (as in a warm-up)."""
+    from cgraph import _C, _capture
+
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    with _capture._rng_hooks():
+        torch.manual_seed(3)
+        assert torch.initial_seed() == 3
+        capturing[0] = True
+        with pytest.raises(_C.Refusal, match="torch.*manual_seed was called") as info:
+            torch.manual_seed(4)
+        assert info.value.args[1] == _C.FAILURE_RNG_CHANGED
+    assert torch.initial_seed() == 3
