@@ -111,7 +111,11 @@ typedef struct {
                         "were captured")                                               \
     X(eager_on_miss, "calls run eagerly because they came inside a backward (a "       \
                      "checkpoint's recompute) and no graph of a layer sharing a pool= "\
-                     "took them")
+                     "took them")                                                      \
+    X(args_flattened, "arguments read by torch's tree_flatten, slower than the native "\
+                      "walk: structured unlike the samples, or holding a named tuple, "\
+                      "an OrderedDict or a leaf other than a tensor, None, bool, int, "\
+                      "float or str (Note [Arguments walked in C])")
 
 typedef struct {
     PyObject_HEAD
@@ -462,7 +466,8 @@ call_tensors(GraphedObject *self, const cg_spec *spec, PyObject *const *args,
         call.owned = NULL;
         status = 0;
     } else {
-        list = cg_call_tensors(self->state, spec, call.args, call.nargs, call.kwnames);
+        list = cg_call_tensors(self->state, spec, call.args, call.nargs, call.kwnames,
+                               &self->args_flattened);
         if (list != NULL) {
             *tensors = PySequence_Fast_ITEMS(list);
             *nt = PyList_GET_SIZE(list);

@@ -564,7 +564,17 @@ import_torch_helpers(cg_state *state)
     state->tree_flatten = PyObject_GetAttrString(pytree, "tree_flatten");
     state->tree_unflatten = PyObject_GetAttrString(pytree, "tree_unflatten");
     Py_DECREF(pytree);
-    return state->tree_flatten && state->tree_unflatten ? 0 : -1;
+    PyObject *torch_c = PyImport_ImportModule("torch._C");
+    if (torch_c == NULL) {
+        return -1;
+    }
+    state->Tensor_Type = (PyTypeObject *)PyObject_GetAttrString(torch_c, "TensorBase");
+    Py_DECREF(torch_c);
+    if (state->Tensor_Type != NULL && !PyType_Check(state->Tensor_Type)) {
+        Py_CLEAR(state->Tensor_Type);
+        PyErr_SetString(PyExc_ImportError, "cgraph: torch._C.TensorBase is not a type");
+    }
+    return state->tree_flatten && state->tree_unflatten && state->Tensor_Type ? 0 : -1;
 }
 
 static int
@@ -615,6 +625,7 @@ cgm_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->CaptureSite_Type);
     Py_VISIT(state->tree_flatten);
     Py_VISIT(state->tree_unflatten);
+    Py_VISIT(state->Tensor_Type);
     Py_VISIT(state->event_hook);
     return 0;
 }
@@ -630,6 +641,7 @@ cgm_clear(PyObject *module)
     Py_CLEAR(state->CaptureSite_Type);
     Py_CLEAR(state->tree_flatten);
     Py_CLEAR(state->tree_unflatten);
+    Py_CLEAR(state->Tensor_Type);
     Py_CLEAR(state->str_training);
     Py_CLEAR(state->str_error_code);
     Py_CLEAR(state->event_hook);

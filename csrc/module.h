@@ -73,6 +73,7 @@ typedef struct {
     PyTypeObject *CaptureSite_Type; /* _C.CaptureSite (graphed.c) */
     PyObject *tree_flatten;     /* torch.utils._pytree.tree_flatten */
     PyObject *tree_unflatten;   /* torch.utils._pytree.tree_unflatten */
+    PyTypeObject *Tensor_Type;  /* torch._C.TensorBase, every tensor's base */
     PyObject *str_training;     /* interned "training" */
     PyObject *str_error_code;   /* interned "error_code" (torch.AcceleratorError's) */
     PyObject *event_hook;       /* hook(event: str, graphed) or None: cgraph/_log.py
@@ -212,10 +213,12 @@ int cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nar
 
 /* The tensor leaves of a call whose arguments are nested, keyword or
  * constant, checked against the spec: the captured keywords, structure and
- * constant values.  Returns a NEW reference to a list, or NULL with an
- * exception set. */
+ * constant values.  *flattened is incremented where torch's tree_flatten
+ * had to look at them (Note [Arguments walked in C] in arguments.c).
+ * Returns a NEW reference to a list, or NULL with an exception set. */
 PyObject *cg_call_tensors(cg_state *state, const cg_spec *spec, PyObject *const *args,
-                          Py_ssize_t nargs, PyObject *kwnames);
+                          Py_ssize_t nargs, PyObject *kwnames,
+                          unsigned long long *flattened);
 
 /* The inverse: the (args, kwargs) of a call of `spec` with `tensors` (a
  * tuple) for its tensor leaves and its constants where they were.  Returns

@@ -513,7 +513,7 @@ def test_failure_kinds_come_from_one_table_that_explain_and_the_step_read():
 STATS = ("forward", "backward", "grads_copied", "grads_added", "grads_slow",
          "copied_in_graph", "copied_before", "outputs_copied", "outputs_invalidated",
          "input_grads_copied", "param_grads_copied", "eager_pending", "eager_past_limit",
-         "eager_on_miss", "graphs")
+         "eager_on_miss", "args_flattened", "graphs")
 
 
 def test_stats_counters_are_declared_once_and_each_documented():

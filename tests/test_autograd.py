@@ -157,7 +157,8 @@ def test_training_with_adam_uses_the_copy_tail_and_matches_eager():
                              "outputs_copied": 0, "outputs_invalidated": 0,
                              "input_grads_copied": 0, "param_grads_copied": 0,
                              "eager_pending": 0,
-                             "eager_past_limit": 0, "eager_on_miss": 0, "graphs": 1}
+                             "eager_past_limit": 0, "eager_on_miss": 0,
+                             "args_flattened": 0, "graphs": 1}
 
 
 @pytest.mark.parametrize("graph", ["first", "second"])

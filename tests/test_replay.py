@@ -11,7 +11,9 @@ streams, as eager mode; the introspection and memory tests check counts and
 the allocator's snapshot instead.  Upstream grads are dense random tensors,
 like a real loss's; the one test of `.sum()` explains its tolerance."""
 
+import collections
 import copy
+import enum
 import gc
 
 import pytest
@@ -22,6 +24,13 @@ import cgraph
 from _helpers import CUDA, assert_equal, assert_grads_equal, mlp, pool_segments, stack, twin
 
 pytestmark = pytest.mark.gpu
+
+
+class _Mode(enum.IntEnum):
+    ROTATE = 0
+
+
+CosSin = collections.namedtuple("CosSin", "cos sin")
 
 
 # ---- results against eager over steps ---------------------------------------
@@ -278,6 +287,105 @@ def test_pytrees_in_and_out():
     assert_equal(lin.weight.grad, eager.weight.grad, "closure module's weight grad")
     with pytest.raises(TypeError, match="structured as"):
         graphed({"x": batch["x"]})
+
+
+class Rotary(nn.Module):
+    """Called as a Hugging Face decoder layer is: keywords, a tuple of
+    tensors among them, None and bool constants, a str constant."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, *, position_embeddings, attention_mask=None, use_cache=False,
+                mode="rotate", extra=None):
+        cos, sin = position_embeddings
+        h = self.lin(x) * cos + x * sin
+        if attention_mask is not None:
+            h = h * attention_mask
+        return h if extra is None else h + extra["bias"][0] * extra["scale"]
+
+
+def embeddings():
+    return torch.randn(8, 16, device=CUDA), torch.randn(8, 16, device=CUDA)
+
+
+def rotary_kwargs(position_embeddings, **changes):
+    kwargs = dict(position_embeddings=position_embeddings, attention_mask=None,
+                  use_cache=False, mode="rotate",
+                  extra={"bias": [torch.randn(16, device=CUDA)], "scale": 2.0})
+    kwargs.update(changes)
+    return kwargs
+
+
+def test_arguments_structured_as_the_samples_skip_tree_flatten():
+    """Note [Arguments walked in C]: nested keywords walked natively, with
+    eager's results; tree_flatten is not called."""
+    torch.manual_seed(15)
+    model = Rotary().to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model, (torch.randn(8, 16, device=CUDA),),
+                                  sample_kwargs=rotary_kwargs(embeddings()))
+    for step in range(3):
+        x = torch.randn(8, 16, device=CUDA, requires_grad=True)
+        xe = twin(x)
+        kwargs = rotary_kwargs(embeddings())
+        out, out_e = graphed(x, **kwargs), eager(xe, **kwargs)
+        assert_equal(out, out_e, f"step {step}: output")
+        upstream = torch.randn_like(out)
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        assert_grads_equal(model, eager, step)
+    assert graphed.stats["forward"] == 3 and graphed.stats["args_flattened"] == 0, graphed.stats
+
+
+@pytest.mark.parametrize(
+    "call, error, text",
+    [
+        (lambda e, bias: rotary_kwargs(list(e)), TypeError, "structured as"),
+        (lambda e, bias: rotary_kwargs(CosSin(*e)), TypeError, "structured as"),
+        (lambda e, bias: rotary_kwargs(e, extra={"scale": 2.0, "bias": [bias]}),
+         TypeError, "structured as"),
+        (lambda e, bias: rotary_kwargs(e, extra={"bias": (bias,), "scale": 2.0}),
+         TypeError, "structured as"),
+        (lambda e, bias: rotary_kwargs(e, attention_mask=torch.ones_like(e[0])),
+         ValueError, "'attention_mask' was captured as None"),
+        (lambda e, bias: rotary_kwargs(e, extra={"bias": [bias], "scale": 3.0}),
+         ValueError, "captured as 2.0, got 3.0"),
+        (lambda e, bias: rotary_kwargs(e, mode=_Mode.ROTATE),
+         ValueError, "'mode' was captured as 'rotate'"),
+    ],
+    ids=["list for tuple", "named tuple for tuple", "dict keys reordered", "tuple for list",
+         "tensor for None", "other float", "IntEnum for str"])
+def test_calls_unlike_the_samples_raise_as_tree_flatten_decides(call, error, text):
+    """The native walk takes none of these; tree_flatten and the constant
+    checks refuse them with their own words, as before the walk."""
+    model = Rotary().to(CUDA)
+    x, e = torch.randn(8, 16, device=CUDA), embeddings()
+    graphed = cgraph.make_graphed(model, (x,), sample_kwargs=rotary_kwargs(e), max_graphs=None)
+    with pytest.raises(error, match=text):
+        graphed(x, **call(e, torch.randn(16, device=CUDA)))
+
+
+@pytest.mark.parametrize("changes", [
+    lambda: dict(position_embeddings=CosSin(*embeddings())),
+    lambda: dict(mode=_Mode.ROTATE),
+], ids=["named tuple", "IntEnum constant"])
+def test_arguments_the_walk_does_not_take_are_flattened_by_torch(changes):
+    """A container or a leaf the native walk does not take goes to
+    tree_flatten, as before the walk: eager's results, counted."""
+    torch.manual_seed(16)
+    model = Rotary().to(CUDA)
+    eager = copy.deepcopy(model)
+    fresh = {"position_embeddings": embeddings()}
+    graphed = cgraph.make_graphed(model, (torch.randn(8, 16, device=CUDA),),
+                                  sample_kwargs=rotary_kwargs(**{**fresh, **changes()}))
+    for step in range(2):
+        x = torch.randn(8, 16, device=CUDA)
+        kwargs = rotary_kwargs(**{"position_embeddings": embeddings(), **changes()})
+        assert_equal(graphed(x, **kwargs), eager(x, **kwargs), f"step {step}: output")
+    assert graphed.stats["args_flattened"] == 2, graphed.stats
 
 
 # ---- outputs of earlier calls -----------------------------------------------

@@ -103,6 +103,7 @@ def test_llama_layers_sharing_one_pool_train_as_eager():
         assert layer.num_graphs == len(set(STEPS)), layer
         assert stats["eager_on_miss"] == 0 and stats["forward"] == len(STEPS), stats
         assert stats["eager_pending"] == 0 and stats["eager_past_limit"] == 0, stats
+        assert stats["args_flattened"] == 0, stats  # Note [Arguments walked in C]
 
 
 def test_llama_layers_padded_to_sequence_buckets_train_as_eager():
