@@ -844,7 +844,7 @@ def _rng_state_refused(exc: BaseException) -> BaseException:
         "times while captured than in its last warm-up call, so its checkpointed regions "
         "cannot be matched to their random streams. Make every call of the step take the "
         "same path (a region entered on some calls only cannot be graphed), or raise "
-        f"num_warmup_iters if the first calls differ. Torch said: {exc.__cause__}")
+        f"num_warmup_iters if the first calls differ. Cause: {exc.__cause__}")
     error.kind = _RNG_REGIONS
     return error
 

@@ -156,10 +156,12 @@ static const char *const advice[CG_FAILURE_COUNT] = {
      "outside the graphed callable; torch.utils.checkpoint is handled by cgraph.",
     [CG_FAILURE_RNG_CHANGED] =
      "the callable seeded a random generator (torch.manual_seed, torch.cuda.manual_seed, "
-     "set_rng_state) or drew host-side random numbers (torch.rand on the CPU, Python's "
-     "random) during capture. That ran once, at capture; replays would not repeat it. "
-     "Seed outside the graphed callable and draw random numbers on the GPU "
-     "(device='cuda'). torch.utils.checkpoint is handled by cgraph.",
+     "set_rng_state), drew host-side random numbers (torch.rand on the CPU, Python's "
+     "random) or ran a random op on a DTensor (whose RNG tracker moves the generator on "
+     "the host) during capture. That ran once, at capture; replays would not repeat it. "
+     "Seed outside the graphed callable, draw random numbers on the GPU (device='cuda'), "
+     "and run random ops on plain tensors (use_local_output=True, or .to_local()). "
+     "torch.utils.checkpoint is handled by cgraph.",
     [CG_FAILURE_RNG_REGIONS] =
      "the callable asked for the CUDA RNG state (torch.utils.checkpoint does) a "
      "different number of times during capture than in its last warm-up call. Make "
@@ -285,7 +287,9 @@ capture_error_for(cg_state *state, PyObject *cause, const char *what, cg_failure
     if (utf8 == NULL) {
         PyErr_WriteUnraisable(cause);  /* the message is lost, not the error */
     }
-    message = PyUnicode_FromFormat("cgraph: %s failed: %s Torch said: %s", what,
+    /* "Cause:", not "Torch said:": the cause may be one of cgraph's own
+     * refusals (a Refusal), whose text names the case more closely. */
+    message = PyUnicode_FromFormat("cgraph: %s failed: %s Cause: %s", what,
                                    advice[kind], utf8 ? utf8 : "(no message)");
     error = message ? PyObject_CallOneArg(state->CaptureError, message) : NULL;
     name = error ? PyUnicode_FromString(failure_names[kind].name) : NULL;
