@@ -202,12 +202,14 @@ def measure(variant, layout, meshes, regime, steps, repeats, dp_rank):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved())  # NCCL's, the ids
-    model, step = set_up(variant, layout, meshes, ids)
-    times = [seconds_per_step(step, ids, steps) for _ in range(repeats)]
-    memory = (torch.cuda.max_memory_allocated() - base[0],
-              torch.cuda.max_memory_reserved() - base[1])
-    cgraph.reset_all()
-    del model, step
+    try:  # a variant that fails (a row saying why) leaves no graphs to the next
+        model, step = set_up(variant, layout, meshes, ids)
+        times = [seconds_per_step(step, ids, steps) for _ in range(repeats)]
+        memory = (torch.cuda.max_memory_allocated() - base[0],
+                  torch.cuda.max_memory_reserved() - base[1])
+        del model, step
+    finally:
+        cgraph.reset_all()
     return times, memory
 
 

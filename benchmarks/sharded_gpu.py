@@ -71,16 +71,18 @@ def timeline(prof) -> dict[str, float]:
 
 def measure(variant, layout, meshes, regime, steps, profiled, dp_rank):
     ids = sharded.batch_of(regime, dp_rank)
-    model, step = sharded.set_up(variant, layout, meshes, ids)
-    wall = sharded.seconds_per_step(step, ids, steps) * 1e6
-    dist.barrier()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(profiled):
-            step(ids)
-        torch.cuda.synchronize()
-    spans = {k: v / profiled for k, v in timeline(prof).items()}
-    cgraph.reset_all()
-    del model, step, prof
+    try:  # a variant that fails (a row saying why) leaves no graphs to the next
+        model, step = sharded.set_up(variant, layout, meshes, ids)
+        wall = sharded.seconds_per_step(step, ids, steps) * 1e6
+        dist.barrier()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(profiled):
+                step(ids)
+            torch.cuda.synchronize()
+        spans = {k: v / profiled for k, v in timeline(prof).items()}
+        del model, step, prof
+    finally:
+        cgraph.reset_all()
     gc.collect()
     torch.cuda.empty_cache()
     return wall, spans

@@ -70,8 +70,7 @@ def time_fsdp_hooks() -> None:
 
 def measure(variant: str, meshes, steps: int) -> tuple[dict, dict]:
     """(phases, spent) in ms per step for one fresh model of `variant`."""
-    batch, seq = sharded.REGIMES["small"]
-    ids = torch.randint(0, sharded.CONFIG["vocab_size"], (batch, seq), device="cuda")
+    ids = sharded.batch_of("small", dist.get_rank())
     model = sharded.build("fsdp", meshes)
     sharded.prepare(variant, model, ids)  # graphs the layers; its step is not used
     for layer in model.model.layers:

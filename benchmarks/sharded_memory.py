@@ -98,8 +98,7 @@ def main() -> None:
     args = parser.parse_args()
     meshes = sharded.start()
     for regime in args.regimes.split(","):
-        batch, seq = sharded.REGIMES[regime]
-        ids = torch.randint(0, sharded.CONFIG["vocab_size"], (batch, seq), device="cuda")
+        ids = sharded.batch_of(regime, dist.get_rank())
         for variant in args.variants.split(","):
             line = measure(variant, meshes, ids)
             if dist.get_rank() == 0:
