@@ -132,11 +132,27 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
         names=tensor_names,
         params=tuple(map(_dtensor.local_leaf, fn.parameters())) if module else (),
         buffers=tuple(fn.buffers()) if module else (), flat=flat,
-        in_spec=None if flat else in_spec, constants=constants,
+        in_spec=None if flat else in_spec, walkable=not flat and _walkable(args, kwargs, in_spec),
+        constants=constants,
         defaults=_defaults(target.signature, len(args), kwargs),
         rng_warmup=None,  # cgraph/_step.py sets it: Note [RNG inside a graphed step]
     )
     return Draft(fields, leaves)
+
+
+def _walkable(args: tuple, kwargs: dict, in_spec) -> bool:
+    """Whether calls can be walked beside these samples in C instead of
+    flattened (Note [Arguments walked in C] in csrc/arguments.c): every
+    container an exact tuple, list or dict with str keys, and the samples,
+    as tree_unflatten rebuilt them, flattening to `in_spec` again (a
+    torch.Size comes back a tuple)."""
+    def plain(node) -> bool:
+        if type(node) in (tuple, list):
+            return all(map(plain, node))
+        if type(node) is dict:
+            return all(type(k) is str for k in node) and all(map(plain, node.values()))
+        return not isinstance(node, (tuple, list, dict)) and type(node) not in pytree.SUPPORTED_NODES
+    return plain((args, kwargs)) and pytree.tree_structure((args, kwargs)) == in_spec
 
 
 def device_of(drafts: Sequence[Draft]) -> int:

@@ -289,8 +289,10 @@ class _Group:
 #    graph (the step's outputs are detached: its backward is inside), and
 #    called under no_grad, so that no output gets a grad_fn.  A call of
 #    tensors only (``step(x, y)``) is checked in C without Python; one with
-#    constants, keywords or nesting goes through torch's pytree flattening
-#    in the native call first, as any graphed callable's does.  Python
+#    constants, keywords or nesting is walked in C beside the samples, or
+#    goes through torch's pytree flattening where it is structured unlike
+#    them, as any graphed callable's call (Note [Arguments walked in C] in
+#    csrc/arguments.c).  Python
 #    checks a call itself only when the native call refuses it, to name
 #    what differs in the step's terms.
 

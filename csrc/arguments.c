@@ -81,6 +81,11 @@ check_constants(const cg_spec *spec, PyObject *leaves)
         Py_ssize_t position =
             PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, CG_CONSTANT_POSITION));
         PyObject *captured = PyTuple_GET_ITEM(entry, CG_CONSTANT_VALUE);
+        if (position < 0 || position >= PyList_GET_SIZE(leaves)) {
+            PyErr_SetString(PyExc_RuntimeError, "cgraph: a call's leaves are fewer than its "
+                            "spec's constants say (a bug in cgraph: please report it)");
+            return -1;
+        }
         PyObject *given = PyList_GET_ITEM(leaves, position);
         int same = Py_TYPE(given) == Py_TYPE(captured)
                        ? PyObject_RichCompareBool(given, captured, Py_EQ) : 0;
@@ -286,20 +291,26 @@ cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
  *    Python and a TreeSpec comparison took 80-120 us of such a layer's
  *    forward call (146 us in all against 21 for a layer called with one
  *    tensor, H200, transformers 5).  Can the call path skip them?
- * A: For the calls that are structured as the samples were, yes.  The
- *    samples themselves (spec->args, spec->kwargs: tree_unflatten rebuilt
- *    them with their container types) are walked beside the call: where a
- *    sample holds an exact tuple, list or dict, the call must hold the same
- *    type of the same length (a dict's keys equal and in the same order);
- *    anywhere else the call must hold a leaf: a tensor, None, or an exact
- *    bool, int, float or str.  The leaves come out in tree_flatten's order
- *    (tuples and lists in order, a dict by its keys' order), and the
- *    constants are checked and dropped as after tree_flatten.  Anything
- *    else (a named tuple, an OrderedDict, another leaf type, a structure
- *    that differs, a dict key that is not a str) goes to tree_flatten,
- *    which decides as before, error message included: the walk accepts
- *    only calls that tree_flatten would flatten to the captured in_spec,
- *    with the same leaves, and it runs no Python. */
+ * A: For the calls that are structured as the samples were, yes.  Where
+ *    the samples allow it (spec->walkable, decided once in Python by
+ *    cgraph/_describe.py's _walkable: every container of the samples an
+ *    exact tuple, list or dict with str keys, and the samples as stored
+ *    flattening to the captured in_spec, which a torch.Size, rebuilt as a
+ *    tuple, does not), a call is walked beside them (spec->args,
+ *    spec->kwargs): where a sample holds a tuple, list or dict, the call
+ *    must hold one of the same exact type and length (a dict's keys the
+ *    same str in the same order); where it holds a leaf, the call must
+ *    hold a leaf no pytree registration can claim: an exact torch.Tensor,
+ *    None, or an exact bool, int, float or str.  The leaves come out in
+ *    tree_flatten's order (tuples and lists in order, a dict by its keys'
+ *    order), and the constants are checked and dropped as after
+ *    tree_flatten.  Anything else (another container or leaf type, a
+ *    structure that differs, a keyword that is a str subclass) goes to
+ *    tree_flatten, which decides as before, error message included.  So
+ *    the walk accepts only calls that tree_flatten would flatten to the
+ *    captured in_spec, with the same leaves, and it runs no Python.  CPU
+ *    tests hold the two to the same answers (tests/test_arguments.py,
+ *    through _C._call_tensors). */
 
 /* Appends the leaves of `given` to `leaves`, walked beside `sample`.
  * 1: done; 0: not a call the walk takes (tree_flatten decides); -1: error. */
@@ -342,9 +353,11 @@ walk_leaves(const cg_state *state, PyObject *given, PyObject *sample, PyObject *
         }
         return 1;
     }
-    int leaf = given == Py_None || PyObject_TypeCheck(given, state->Tensor_Type) ||
-               PyBool_Check(given) || PyLong_CheckExact(given) || PyFloat_CheckExact(given) ||
-               PyUnicode_CheckExact(given);
+    /* `sample` is a leaf here (spec->walkable): so must `given` be. */
+    PyTypeObject *given_type = Py_TYPE(given);
+    int leaf = given == Py_None || given_type == state->Tensor_Type ||
+               given_type == &PyBool_Type || given_type == &PyLong_Type ||
+               given_type == &PyFloat_Type || given_type == &PyUnicode_Type;
     return !leaf ? 0 : PyList_Append(leaves, given) < 0 ? -1 : 1;
 }
 
@@ -359,20 +372,24 @@ walked_leaves(const cg_state *state, const cg_spec *spec, PyObject *const *args,
     PyObject *leaves;
     int status = 1;
 
-    if (nargs != PyTuple_GET_SIZE(spec->args) || (leaves = PyList_New(0)) == NULL) {
+    if (!spec->walkable || nargs != PyTuple_GET_SIZE(spec->args) ||
+        (leaves = PyList_New(0)) == NULL) {
         return NULL;
     }
     for (Py_ssize_t i = 0; status > 0 && i < nargs; i++) {
         status = walk_leaves(state, args[i], PyTuple_GET_ITEM(spec->args, i), leaves);
     }
     /* The keywords in the captured (sorted) order, as call_tree puts them. */
+    Py_ssize_t ngiven = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
     for (Py_ssize_t i = 0; status > 0 && i < PyTuple_GET_SIZE(spec->kw_names); i++) {
-        PyObject *name = PyTuple_GET_ITEM(spec->kw_names, i);
+        PyObject *name = PyTuple_GET_ITEM(spec->kw_names, i), *sample;
         Py_ssize_t k = 0;
-        while (PyUnicode_Compare(name, PyTuple_GET_ITEM(kwnames, k)) != 0) {
-            k++;  /* check_keywords found every captured keyword among them */
+        /* Exact str only: a str subclass's __eq__ may match what its text does not. */
+        while (k < ngiven && !(PyUnicode_CheckExact(PyTuple_GET_ITEM(kwnames, k)) &&
+                               PyUnicode_Compare(name, PyTuple_GET_ITEM(kwnames, k)) == 0)) {
+            k++;
         }
-        PyObject *sample = PyDict_GetItemWithError(spec->kwargs, name);
+        sample = k < ngiven ? PyDict_GetItemWithError(spec->kwargs, name) : NULL;
         status = sample ? walk_leaves(state, args[nargs + k], sample, leaves)
                         : PyErr_Occurred() ? -1 : 0;
     }

@@ -112,10 +112,12 @@ typedef struct {
     X(eager_on_miss, "calls run eagerly because they came inside a backward (a "       \
                      "checkpoint's recompute) and no graph of a layer sharing a pool= "\
                      "took them")                                                      \
-    X(args_flattened, "arguments read by torch's tree_flatten, slower than the native "\
-                      "walk: structured unlike the samples, or holding a named tuple, "\
-                      "an OrderedDict or a leaf other than a tensor, None, bool, int, "\
-                      "float or str (Note [Arguments walked in C])")
+    X(args_flattened, "times a call's arguments went through torch's tree_flatten, "   \
+                      "slower than the native walk (once per graph that looked at "   \
+                      "the call): structured unlike the samples, or holding a named "  \
+                      "tuple, an OrderedDict, a tensor subclass or another leaf than "  \
+                      "a tensor, None, bool, int, float or str (Note [Arguments walked "\
+                      "in C])")
 
 typedef struct {
     PyObject_HEAD

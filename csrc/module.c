@@ -19,6 +19,8 @@
  *     def new_pool() -> tuple[int, int]: ...  # torch.cuda.graph_pool_handle()
  *     def static_output(tensor, pool) -> Tensor | None: ...  # aten_pool.cpp
  *     def autograd_leaves(tensors) -> list[Tensor]: ...      # aten_warmup.cpp
+ *     def _call_tensors(spec, *args, **kwargs) -> tuple[list[Tensor], bool]:
+ *         ...  # a call's tensor leaves, and whether tree_flatten took them: arguments.c
  *     def rng_get_state(device: int) -> Tensor | None: ...   # aten_rng.cpp
  *     def rng_set_state(state: Tensor, device: int) -> bool: ...
  *     def modules_changed() -> None: ...      # see cg_state.module_epoch
@@ -107,6 +109,29 @@ cgm_static_output(PyObject *module, PyObject *args)
         return NULL;
     }
     return cg_pool_static_output(pool, tensor);
+}
+
+PyDoc_STRVAR(cgm_call_tensors_doc,
+"_call_tensors(spec, *args, **kwargs) -> (list[Tensor], bool)\n\n"
+"The tensor leaves a call of `spec`'s callable replays with, checked as\n"
+"every call is, and whether torch's tree_flatten was needed (Note\n"
+"[Arguments walked in C] in csrc/arguments.c).  For tests.");
+
+/* Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+cgm_call_tensors(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
+{
+    cg_state *state = get_state(module);
+    unsigned long long flattened = 0;
+    PyObject *tensors;
+
+    if (nargs < 1 || !PyObject_TypeCheck(args[0], state->Spec_Type)) {
+        PyErr_SetString(PyExc_TypeError, "_call_tensors: expects a CallableSpec first");
+        return NULL;
+    }
+    tensors = cg_call_tensors(state, (const cg_spec *)args[0], args + 1, nargs - 1, kwnames,
+                              &flattened);
+    return tensors ? Py_BuildValue("(NO)", tensors, flattened ? Py_True : Py_False) : NULL;
 }
 
 PyDoc_STRVAR(cgm_autograd_leaves_doc,
@@ -511,6 +536,8 @@ static PyMethodDef cgm_methods[] = {
     {"new_pool", cgm_new_pool, METH_NOARGS, cgm_new_pool_doc},
     {"static_output", cgm_static_output, METH_VARARGS, cgm_static_output_doc},
     {"autograd_leaves", cgm_autograd_leaves, METH_O, cgm_autograd_leaves_doc},
+    {"_call_tensors", (PyCFunction)(void (*)(void))cgm_call_tensors,
+     METH_FASTCALL | METH_KEYWORDS, cgm_call_tensors_doc},
     {"rng_get_state", cgm_rng_get_state, METH_VARARGS, cgm_rng_get_state_doc},
     {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},
     {"modules_changed", cgm_modules_changed, METH_NOARGS, cgm_modules_changed_doc},
@@ -564,17 +591,20 @@ import_torch_helpers(cg_state *state)
     state->tree_flatten = PyObject_GetAttrString(pytree, "tree_flatten");
     state->tree_unflatten = PyObject_GetAttrString(pytree, "tree_unflatten");
     Py_DECREF(pytree);
-    PyObject *torch_c = PyImport_ImportModule("torch._C");
-    if (torch_c == NULL) {
+    if (state->tree_flatten == NULL || state->tree_unflatten == NULL) {
         return -1;
     }
-    state->Tensor_Type = (PyTypeObject *)PyObject_GetAttrString(torch_c, "TensorBase");
-    Py_DECREF(torch_c);
+    PyObject *torch = PyImport_ImportModule("torch");
+    if (torch == NULL) {
+        return -1;
+    }
+    state->Tensor_Type = (PyTypeObject *)PyObject_GetAttrString(torch, "Tensor");
+    Py_DECREF(torch);
     if (state->Tensor_Type != NULL && !PyType_Check(state->Tensor_Type)) {
         Py_CLEAR(state->Tensor_Type);
-        PyErr_SetString(PyExc_ImportError, "cgraph: torch._C.TensorBase is not a type");
+        PyErr_SetString(PyExc_ImportError, "cgraph: torch.Tensor is not a type");
     }
-    return state->tree_flatten && state->tree_unflatten && state->Tensor_Type ? 0 : -1;
+    return state->Tensor_Type ? 0 : -1;
 }
 
 static int

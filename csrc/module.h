@@ -73,7 +73,7 @@ typedef struct {
     PyTypeObject *CaptureSite_Type; /* _C.CaptureSite (graphed.c) */
     PyObject *tree_flatten;     /* torch.utils._pytree.tree_flatten */
     PyObject *tree_unflatten;   /* torch.utils._pytree.tree_unflatten */
-    PyTypeObject *Tensor_Type;  /* torch._C.TensorBase, every tensor's base */
+    PyTypeObject *Tensor_Type;  /* torch.Tensor */
     PyObject *str_training;     /* interned "training" */
     PyObject *str_error_code;   /* interned "error_code" (torch.AcceleratorError's) */
     PyObject *event_hook;       /* hook(event: str, graphed) or None: cgraph/_log.py
@@ -115,6 +115,9 @@ typedef struct {
     PyObject *buffers;       /* tuple: the module's buffers */
     char flat;               /* args are all tensors and there are no kwargs */
     PyObject *in_spec;       /* TreeSpec of (args, kwargs); None if flat */
+    char walkable;           /* calls may be walked beside args and kwargs
+                                instead of flattened: Note [Arguments walked
+                                in C] in arguments.c */
     PyObject *constants;     /* tuple of (position, name, value), leaf order:
                                 _describe.Constant, a NamedTuple */
     PyObject *defaults;      /* tuple of (name, position, value, by_keyword):

@@ -11,7 +11,7 @@
  *         args: tuple; kwargs: dict; kw_names: tuple[str, ...]
  *         tensors: tuple[Tensor, ...]; names: tuple[str, ...]
  *         params: tuple[Tensor, ...]; buffers: tuple[Tensor, ...]
- *         flat: bool; in_spec: TreeSpec | None
+ *         flat: bool; in_spec: TreeSpec | None; walkable: bool
  *         constants: tuple[Constant, ...]; defaults: tuple[Default, ...]
  *         verify: Callable | None
  *         rng_warmup: tuple[tuple[int, ...], int] | None; device: int
@@ -47,6 +47,7 @@ static PyMemberDef spec_members[] = {
     SPEC_OBJECT(buffers, "the module's buffers"),
     SPEC_BOOL(flat, "args are all tensors and there are no kwargs"),
     SPEC_OBJECT(in_spec, "TreeSpec of (args, kwargs); None if flat"),
+    SPEC_BOOL(walkable, "calls may be walked beside args and kwargs in C"),
     SPEC_OBJECT(constants, "(position, name, value) per constant leaf, in leaf order"),
     SPEC_OBJECT(defaults, "(name, position, value, by_keyword) per parameter left out"),
     SPEC_OBJECT(verify, "verify(module) raises if parameters were replaced"),

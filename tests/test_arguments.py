@@ -1,0 +1,172 @@
+"""CPU tests of how a call's arguments become the tensors a graph replays
+with: the native walk beside the samples (Note [Arguments walked in C] in
+csrc/arguments.c) against torch's tree_flatten.  For each samples and call,
+the spec as drafted and the same spec with the walk turned off give the
+same answer (the same tensor objects, or the same error), and the walk
+takes exactly the calls it should (`_C._call_tensors` says whether
+tree_flatten was needed).  No CUDA: the spec and the argument check come
+before any replay."""
+
+import collections
+import enum
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import cgraph
+from cgraph._describe import Target, draft
+
+CosSin = collections.namedtuple("CosSin", "cos sin")
+
+
+class Mode(enum.IntEnum):
+    ROTATE = 0
+
+
+class AlwaysEqual(str):
+    """A keyword whose == matches every name: torch's check passes it, the
+    walk must not read it as the name its text is not."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = str.__hash__
+
+
+def layer(x, **kwargs):
+    return x
+
+
+def spec_of(args, kwargs, walkable=None):
+    fields = draft(Target.of(0, layer), args, kwargs, set()).fields
+    if walkable is not None:
+        fields["walkable"] = walkable
+    return cgraph._C.CallableSpec(**fields, device=0)
+
+
+def answer(spec, args, kwargs):
+    """The tensors the call replays with (as objects), or its error; and
+    whether tree_flatten was needed (None on error)."""
+    try:
+        tensors, flattened = cgraph._C._call_tensors(spec, *args, **kwargs)
+    except (TypeError, ValueError) as e:
+        return (type(e), str(e)), None
+    return [id(t) for t in tensors], flattened
+
+
+t = [torch.full((2,), float(i)) for i in range(8)]
+x, cos, sin, bias, mask = t[:5]
+
+# Called as a Hugging Face decoder layer is.
+HF = ((x,), dict(position_embeddings=(cos, sin), attention_mask=None, use_cache=False,
+                 mode="rotate", extra={"bias": [bias], "scale": 2.0}))
+
+
+def hf(**changes):
+    kwargs = dict(HF[1], position_embeddings=(t[5], t[6]),
+                  extra={"bias": [t[7]], "scale": 2.0})
+    kwargs.update(changes)
+    return (t[4],), kwargs
+
+
+CASES = {
+    # name: (call, walked): walked is whether the walk takes it
+    "same structure, new tensors": (hf(), True),
+    "a mask tensor where None was captured": (hf(attention_mask=mask), True),
+    "another float constant": (hf(extra={"bias": [t[7]], "scale": 3.0}), True),
+    "an int where a bool was captured": (hf(use_cache=0), True),
+    "the embeddings as a list": (hf(position_embeddings=[cos, sin]), False),
+    "the embeddings as a named tuple": (hf(position_embeddings=CosSin(cos, sin)), False),
+    "a tensor where a tuple was captured": (hf(position_embeddings=cos), False),
+    "None where a dict was captured": (hf(extra=None), False),
+    "a dict's keys in another order": (hf(extra={"scale": 2.0, "bias": [t[7]]}), False),
+    "a tuple where a list was captured": (hf(extra={"bias": (t[7],), "scale": 2.0}), False),
+    "an IntEnum where a str was captured": (hf(mode=Mode.ROTATE), False),
+    "a parameter for a tensor": (((torch.nn.Parameter(t[4]),), hf()[1]), False),
+    "a keyword that is a str subclass": (
+        (hf()[0], {AlwaysEqual("mode") if k == "mode" else k: v for k, v in hf()[1].items()}),
+        False),
+    "a str subclass keyword equal to every name": (
+        (hf()[0], {AlwaysEqual("zzz") if k == "mode" else k: v for k, v in hf()[1].items()}),
+        False),
+    "one positional argument too many": (((t[4], t[5]), hf()[1]), False),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_the_walk_answers_as_tree_flatten(name):
+    (args, kwargs), walked = CASES[name]
+    walk, flatten = spec_of(*HF), spec_of(*HF, walkable=False)
+    assert walk.walkable and not flatten.walkable
+    got, flattened = answer(walk, args, kwargs)
+    want, _ = answer(flatten, args, kwargs)
+    assert got == want
+    if flattened is not None:
+        assert flattened == (not walked)
+
+
+def test_the_answers_are_what_each_call_deserves():
+    """The walk and tree_flatten agreeing is worth little if both are wrong:
+    a few cases read out."""
+    ok, flattened = answer(spec_of(*HF), *hf())
+    # keywords by name: attention_mask, extra (bias, scale), mode, position_embeddings
+    assert ok == [id(t[4]), id(t[7]), id(t[5]), id(t[6])] and flattened is False
+    (error, text), _ = answer(spec_of(*HF), *hf(attention_mask=mask))
+    assert error is ValueError and "'attention_mask' was captured as None" in text
+    (error, text), _ = answer(spec_of(*HF), *hf(position_embeddings=[cos, sin]))
+    assert error is TypeError and "structured as" in text
+
+
+SAMPLES = {
+    # name: (samples, a call structured as them, a call that is not)
+    "a torch.Size": (((x, torch.Size([2, 3])), {}), ((x, torch.Size([2, 3])), {}),
+                     ((x, (2, 3)), {})),
+    "a named tuple": (((x,), dict(pe=CosSin(cos, sin), use_cache=False)),
+                      ((x,), dict(pe=CosSin(sin, cos), use_cache=False)),
+                      ((x,), dict(pe=cos, use_cache=False))),
+    "an OrderedDict": (((x,), dict(d=collections.OrderedDict(a=cos, b=None))),
+                       ((x,), dict(d=collections.OrderedDict(a=sin, b=None))),
+                       ((x,), dict(d=sin))),
+    "a dict with int keys": (((x,), dict(d={1: cos})), ((x,), dict(d={1: sin})),
+                             ((x,), dict(d={2: sin}))),
+}
+
+
+@pytest.mark.parametrize("name", SAMPLES)
+def test_samples_the_walk_cannot_follow_are_always_flattened(name):
+    """Their containers are not exact tuples, lists or dicts with str keys,
+    or come back from tree_unflatten as another type (torch.Size as a
+    tuple): every call of theirs goes to tree_flatten, whose answer stands
+    (a call putting a leaf where such a container was used to be read with
+    too few leaves, past the end of the list)."""
+    samples, like, unlike = SAMPLES[name]
+    spec = spec_of(*samples)
+    assert not spec.walkable
+    tensors, flattened = answer(spec, *like)
+    assert flattened is True and len(tensors) == len(spec.tensors)
+    (error, text), _ = answer(spec, *unlike)
+    assert error in (TypeError, ValueError), text
+
+
+def test_a_tensor_subclass_registered_as_a_pytree_node_is_flattened_by_torch():
+    class Pair(torch.Tensor):
+        pass
+
+    pytree.register_pytree_node(
+        Pair, lambda p: ([p.as_subclass(torch.Tensor)], None),
+        lambda leaves, _: leaves[0].as_subclass(Pair))
+    try:
+        walk, flatten = spec_of(*HF), spec_of(*HF, walkable=False)
+        args, kwargs = hf(position_embeddings=(cos.as_subclass(Pair), sin))
+        got, flattened = answer(walk, args, kwargs)
+        assert got == answer(flatten, args, kwargs)[0]
+        assert got[0] is TypeError and flattened is None
+    finally:
+        pytree._deregister_pytree_node(Pair)
+
+
+def test_flat_calls_are_not_walked():
+    """A call of tensors only takes the flat path before any walk."""
+    assert not spec_of((x, cos), {}).walkable
+    assert spec_of((x, [cos]), {}).walkable and spec_of((x,), {"m": None}).walkable
