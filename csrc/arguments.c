@@ -288,9 +288,10 @@ cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
 /* Note [Arguments walked in C]
  * Q: A Hugging Face decoder layer is called with keywords, one of them a
  *    tuple (position_embeddings=(cos, sin)).  torch's tree_flatten in
- *    Python and a TreeSpec comparison took 80-120 us of such a layer's
- *    forward call (146 us in all against 21 for a layer called with one
- *    tensor, H200, transformers 5).  Can the call path skip them?
+ *    Python and a TreeSpec comparison took more than half of such a
+ *    layer's forward call: 84-117 us of host time, against 32-53 with the
+ *    walk below (H100, transformers 5, alternating processes; a layer
+ *    called with one tensor takes 25-50).  Can the call path skip them?
  * A: For the calls that are structured as the samples were, yes.  Where
  *    the samples allow it (spec->walkable, decided once in Python by
  *    cgraph/_describe.py's _walkable: every container of the samples an
