@@ -132,7 +132,7 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
         names=tensor_names,
         params=tuple(map(_dtensor.local_leaf, fn.parameters())) if module else (),
         buffers=tuple(fn.buffers()) if module else (), flat=flat,
-        in_spec=None if flat else in_spec, walkable=not flat and _walkable(args, kwargs, in_spec),
+        in_spec=None if flat else in_spec, walk=None if flat else _walk(leaves, in_spec),
         constants=constants,
         defaults=_defaults(target.signature, len(args), kwargs),
         rng_warmup=None,  # cgraph/_step.py sets it: Note [RNG inside a graphed step]
@@ -140,19 +140,32 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
     return Draft(fields, leaves)
 
 
+def _walk(leaves: list, in_spec) -> tuple[tuple, dict] | None:
+    """What calls are walked beside in C instead of flattened (Note
+    [Arguments walked in C] in csrc/arguments.c): the samples rebuilt once
+    more, so that no one else holds these containers (the callable is
+    called with the spec's own args and kwargs, and may change them in
+    place), or None where they cannot be walked (_walkable)."""
+    args, kwargs = pytree.tree_unflatten(leaves, in_spec)
+    return (args, kwargs) if _walkable(args, kwargs, in_spec) else None
+
+
 def _walkable(args: tuple, kwargs: dict, in_spec) -> bool:
-    """Whether calls can be walked beside these samples in C instead of
-    flattened (Note [Arguments walked in C] in csrc/arguments.c): every
-    container an exact tuple, list or dict with str keys, and the samples,
-    as tree_unflatten rebuilt them, flattening to `in_spec` again (a
-    torch.Size comes back a tuple)."""
+    """Whether calls can be walked beside these samples: every container
+    an exact tuple, list or dict with str keys, and the samples as
+    tree_unflatten rebuilt them flattening to `in_spec` again (a
+    torch.Size comes back a tuple).  Nesting too deep to compare is left
+    to tree_flatten."""
     def plain(node) -> bool:
         if type(node) in (tuple, list):
             return all(map(plain, node))
         if type(node) is dict:
             return all(type(k) is str for k in node) and all(map(plain, node.values()))
         return not isinstance(node, (tuple, list, dict)) and type(node) not in pytree.SUPPORTED_NODES
-    return plain((args, kwargs)) and pytree.tree_structure((args, kwargs)) == in_spec
+    try:
+        return plain((args, kwargs)) and pytree.tree_structure((args, kwargs)) == in_spec
+    except RecursionError:
+        return False
 
 
 def device_of(drafts: Sequence[Draft]) -> int:

@@ -293,12 +293,15 @@ cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
  *    walk below (H100, transformers 5, alternating processes; a layer
  *    called with one tensor takes 25-50).  Can the call path skip them?
  * A: For the calls that are structured as the samples were, yes.  Where
- *    the samples allow it (spec->walkable, decided once in Python by
- *    cgraph/_describe.py's _walkable: every container of the samples an
- *    exact tuple, list or dict with str keys, and the samples as stored
- *    flattening to the captured in_spec, which a torch.Size, rebuilt as a
- *    tuple, does not), a call is walked beside them (spec->args,
- *    spec->kwargs): where a sample holds a tuple, list or dict, the call
+ *    the samples allow it (decided once in Python, cgraph/_describe.py's
+ *    _walkable: every container of the samples an exact tuple, list or
+ *    dict with str keys, and the samples as rebuilt flattening to the
+ *    captured in_spec, which a torch.Size, rebuilt as a tuple, does not),
+ *    a call is walked beside them: beside spec->walk, a copy of their
+ *    containers that no one else holds (the callable is called with
+ *    spec->args and spec->kwargs at warm-up and capture, and may change
+ *    them in place: a dict re-keyed, a list appended to).  Where a sample
+ *    holds a tuple, list or dict, the call
  *    must hold one of the same exact type and length (a dict's keys the
  *    same str in the same order); where it holds a leaf, the call must
  *    hold a leaf no pytree registration can claim: an exact torch.Tensor,
@@ -309,9 +312,11 @@ cg_strip_defaults(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
  *    structure that differs, a keyword that is a str subclass) goes to
  *    tree_flatten, which decides as before, error message included.  So
  *    the walk accepts only calls that tree_flatten would flatten to the
- *    captured in_spec, with the same leaves, and it runs no Python.  CPU
- *    tests hold the two to the same answers (tests/test_arguments.py,
- *    through _C._call_tensors). */
+ *    captured in_spec, with the same leaves, and it runs no Python.  (It
+ *    takes for granted that no one registers torch.Tensor, None or the
+ *    plain scalars as pytree nodes.)  CPU tests hold the two to the same
+ *    answers (tests/test_arguments.py, through _C._call_tensors, which
+ *    runs what a graphed call runs). */
 
 /* Appends the leaves of `given` to `leaves`, walked beside `sample`.
  * 1: done; 0: not a call the walk takes (tree_flatten decides); -1: error. */
@@ -320,19 +325,22 @@ walk_leaves(const cg_state *state, PyObject *given, PyObject *sample, PyObject *
 {
     PyTypeObject *type = Py_TYPE(sample);
 
+    int status = 1;
+
     if (type == &PyTuple_Type || type == &PyList_Type) {
         Py_ssize_t n = Py_SIZE(sample);
         if (Py_TYPE(given) != type || Py_SIZE(given) != n) {
             return 0;
         }
-        PyObject **mine = PySequence_Fast_ITEMS(given), **theirs = PySequence_Fast_ITEMS(sample);
-        for (Py_ssize_t i = 0; i < n; i++) {
-            int status = walk_leaves(state, mine[i], theirs[i], leaves);
-            if (status <= 0) {
-                return status;
-            }
+        if (Py_EnterRecursiveCall(" while cgraph walked a call's arguments")) {
+            return -1;
         }
-        return 1;
+        PyObject **mine = PySequence_Fast_ITEMS(given), **theirs = PySequence_Fast_ITEMS(sample);
+        for (Py_ssize_t i = 0; status > 0 && i < n; i++) {
+            status = walk_leaves(state, mine[i], theirs[i], leaves);
+        }
+        Py_LeaveRecursiveCall();
+        return status;
     }
     if (type == &PyDict_Type) {
         Py_ssize_t at_given = 0, at_sample = 0;
@@ -340,21 +348,21 @@ walk_leaves(const cg_state *state, PyObject *given, PyObject *sample, PyObject *
         if (Py_TYPE(given) != type || PyDict_GET_SIZE(given) != PyDict_GET_SIZE(sample)) {
             return 0;
         }
-        while (PyDict_Next(sample, &at_sample, &sample_key, &sample_value)) {
+        if (Py_EnterRecursiveCall(" while cgraph walked a call's arguments")) {
+            return -1;
+        }
+        while (status > 0 && PyDict_Next(sample, &at_sample, &sample_key, &sample_value)) {
             PyDict_Next(given, &at_given, &key, &value);  /* same size: always one more */
             /* str keys only: comparing them runs no Python that could change the dicts */
-            if (!PyUnicode_CheckExact(key) || !PyUnicode_CheckExact(sample_key) ||
-                (key != sample_key && PyUnicode_Compare(key, sample_key) != 0)) {
-                return 0;
-            }
-            int status = walk_leaves(state, value, sample_value, leaves);
-            if (status <= 0) {
-                return status;
-            }
+            status = !PyUnicode_CheckExact(key) || !PyUnicode_CheckExact(sample_key) ||
+                             (key != sample_key && PyUnicode_Compare(key, sample_key) != 0)
+                         ? 0
+                         : walk_leaves(state, value, sample_value, leaves);
         }
-        return 1;
+        Py_LeaveRecursiveCall();
+        return status;
     }
-    /* `sample` is a leaf here (spec->walkable): so must `given` be. */
+    /* `sample` is a leaf here (_walkable saw to it): so must `given` be. */
     PyTypeObject *given_type = Py_TYPE(given);
     int leaf = given == Py_None || given_type == state->Tensor_Type ||
                given_type == &PyBool_Type || given_type == &PyLong_Type ||
@@ -370,15 +378,19 @@ static PyObject *
 walked_leaves(const cg_state *state, const cg_spec *spec, PyObject *const *args,
               Py_ssize_t nargs, PyObject *kwnames)
 {
-    PyObject *leaves;
+    PyObject *leaves, *walk_args, *walk_kwargs;
     int status = 1;
 
-    if (!spec->walkable || nargs != PyTuple_GET_SIZE(spec->args) ||
-        (leaves = PyList_New(0)) == NULL) {
+    if (spec->walk == Py_None) {
+        return NULL;
+    }
+    walk_args = PyTuple_GET_ITEM(spec->walk, 0);  /* spec.c checked the types */
+    walk_kwargs = PyTuple_GET_ITEM(spec->walk, 1);
+    if (nargs != PyTuple_GET_SIZE(walk_args) || (leaves = PyList_New(0)) == NULL) {
         return NULL;
     }
     for (Py_ssize_t i = 0; status > 0 && i < nargs; i++) {
-        status = walk_leaves(state, args[i], PyTuple_GET_ITEM(spec->args, i), leaves);
+        status = walk_leaves(state, args[i], PyTuple_GET_ITEM(walk_args, i), leaves);
     }
     /* The keywords in the captured (sorted) order, as call_tree puts them. */
     Py_ssize_t ngiven = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
@@ -390,7 +402,7 @@ walked_leaves(const cg_state *state, const cg_spec *spec, PyObject *const *args,
                                PyUnicode_Compare(name, PyTuple_GET_ITEM(kwnames, k)) == 0)) {
             k++;
         }
-        sample = k < ngiven ? PyDict_GetItemWithError(spec->kwargs, name) : NULL;
+        sample = k < ngiven ? PyDict_GetItemWithError(walk_kwargs, name) : NULL;
         status = sample ? walk_leaves(state, args[nargs + k], sample, leaves)
                         : PyErr_Occurred() ? -1 : 0;
     }

@@ -113,9 +113,10 @@ cgm_static_output(PyObject *module, PyObject *args)
 
 PyDoc_STRVAR(cgm_call_tensors_doc,
 "_call_tensors(spec, *args, **kwargs) -> (list[Tensor], bool)\n\n"
-"The tensor leaves a call of `spec`'s callable replays with, checked as\n"
-"every call is, and whether torch's tree_flatten was needed (Note\n"
-"[Arguments walked in C] in csrc/arguments.c).  For tests.");
+"The tensor leaves a call of `spec`'s callable replays with (a spec of\n"
+"nested or keyword arguments), checked as a graphed call checks them, and\n"
+"whether torch's tree_flatten was needed (Note [Arguments walked in C] in\n"
+"csrc/arguments.c).  For tests.");
 
 /* Returns a NEW reference, or NULL with an exception set. */
 static PyObject *
@@ -124,13 +125,22 @@ cgm_call_tensors(PyObject *module, PyObject *const *args, Py_ssize_t nargs, PyOb
     cg_state *state = get_state(module);
     unsigned long long flattened = 0;
     PyObject *tensors;
+    const cg_spec *spec;
+    cg_call call;
 
-    if (nargs < 1 || !PyObject_TypeCheck(args[0], state->Spec_Type)) {
-        PyErr_SetString(PyExc_TypeError, "_call_tensors: expects a CallableSpec first");
+    if (nargs < 1 || !PyObject_TypeCheck(args[0], state->Spec_Type) ||
+        ((const cg_spec *)args[0])->flat) {
+        PyErr_SetString(PyExc_TypeError, "_call_tensors: expects the CallableSpec of "
+                        "nested or keyword arguments first");
         return NULL;
     }
-    tensors = cg_call_tensors(state, (const cg_spec *)args[0], args + 1, nargs - 1, kwnames,
-                              &flattened);
+    spec = (const cg_spec *)args[0];
+    /* What graphed.c's call_tensors runs for such a spec: defaults, then the leaves. */
+    if (cg_strip_defaults(spec, args + 1, nargs - 1, kwnames, &call) < 0) {
+        return NULL;
+    }
+    tensors = cg_call_tensors(state, spec, call.args, call.nargs, call.kwnames, &flattened);
+    Py_XDECREF(call.owned);
     return tensors ? Py_BuildValue("(NO)", tensors, flattened ? Py_True : Py_False) : NULL;
 }
 

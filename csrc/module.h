@@ -115,9 +115,10 @@ typedef struct {
     PyObject *buffers;       /* tuple: the module's buffers */
     char flat;               /* args are all tensors and there are no kwargs */
     PyObject *in_spec;       /* TreeSpec of (args, kwargs); None if flat */
-    char walkable;           /* calls may be walked beside args and kwargs
-                                instead of flattened: Note [Arguments walked
-                                in C] in arguments.c */
+    PyObject *walk;          /* None, or (args, kwargs): the samples' containers,
+                                a copy never handed to the callable, that calls
+                                are walked beside instead of flattened: Note
+                                [Arguments walked in C] in arguments.c */
     PyObject *constants;     /* tuple of (position, name, value), leaf order:
                                 _describe.Constant, a NamedTuple */
     PyObject *defaults;      /* tuple of (name, position, value, by_keyword):

@@ -11,7 +11,7 @@
  *         args: tuple; kwargs: dict; kw_names: tuple[str, ...]
  *         tensors: tuple[Tensor, ...]; names: tuple[str, ...]
  *         params: tuple[Tensor, ...]; buffers: tuple[Tensor, ...]
- *         flat: bool; in_spec: TreeSpec | None; walkable: bool
+ *         flat: bool; in_spec: TreeSpec | None; walk: tuple[tuple, dict] | None
  *         constants: tuple[Constant, ...]; defaults: tuple[Default, ...]
  *         verify: Callable | None
  *         rng_warmup: tuple[tuple[int, ...], int] | None; device: int
@@ -47,7 +47,7 @@ static PyMemberDef spec_members[] = {
     SPEC_OBJECT(buffers, "the module's buffers"),
     SPEC_BOOL(flat, "args are all tensors and there are no kwargs"),
     SPEC_OBJECT(in_spec, "TreeSpec of (args, kwargs); None if flat"),
-    SPEC_BOOL(walkable, "calls may be walked beside args and kwargs in C"),
+    SPEC_OBJECT(walk, "None, or the (args, kwargs) calls are walked beside in C"),
     SPEC_OBJECT(constants, "(position, name, value) per constant leaf, in leaf order"),
     SPEC_OBJECT(defaults, "(name, position, value, by_keyword) per parameter left out"),
     SPEC_OBJECT(verify, "verify(module) raises if parameters were replaced"),
@@ -119,6 +119,14 @@ check_types(cg_spec *spec)
         }
     }
     if (spec->rng_warmup != Py_None && cg_spec_rng_warmup(spec, NULL, NULL, NULL) < 0) {
+        return -1;
+    }
+    if (spec->walk != Py_None &&
+        !(PyTuple_CheckExact(spec->walk) && PyTuple_GET_SIZE(spec->walk) == 2 &&
+          PyTuple_CheckExact(PyTuple_GET_ITEM(spec->walk, 0)) &&
+          PyDict_CheckExact(PyTuple_GET_ITEM(spec->walk, 1)))) {
+        PyErr_SetString(PyExc_TypeError, "CallableSpec.walk must be None or (args: tuple, "
+                        "kwargs: dict)");
         return -1;
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec->constants); i++) {

@@ -114,6 +114,9 @@ def test_callable_spec_refuses_missing_unknown_and_mistyped_fields():
             cgraph._C.CallableSpec(**dict(fields, rng_warmup=bad))
     spec = cgraph._C.CallableSpec(**dict(fields, rng_warmup=((0, 8), 16)))
     assert spec.rng_warmup == ((0, 8), 16)
+    for bad in ((), ((), {}, {}), ([], {}), ((), [])):  # walked in C unchecked
+        with pytest.raises(TypeError, match="walk must be None or"):
+            cgraph._C.CallableSpec(**dict(fields, walk=bad))
 
 
 def test_samples_sharing_memory_get_their_own_static_buffers():

@@ -38,10 +38,12 @@ def layer(x, **kwargs):
     return x
 
 
-def spec_of(args, kwargs, walkable=None):
-    fields = draft(Target.of(0, layer), args, kwargs, set()).fields
-    if walkable is not None:
-        fields["walkable"] = walkable
+def spec_of(args, kwargs, walk=True, fn=layer):
+    """The spec as drafted; walk=False: the same without the walk, so that
+    tree_flatten decides every call."""
+    fields = draft(Target.of(0, fn), args, kwargs, set()).fields
+    if not walk:
+        fields["walk"] = None
     return cgraph._C.CallableSpec(**fields, device=0)
 
 
@@ -97,8 +99,8 @@ CASES = {
 @pytest.mark.parametrize("name", CASES)
 def test_the_walk_answers_as_tree_flatten(name):
     (args, kwargs), walked = CASES[name]
-    walk, flatten = spec_of(*HF), spec_of(*HF, walkable=False)
-    assert walk.walkable and not flatten.walkable
+    walk, flatten = spec_of(*HF), spec_of(*HF, walk=False)
+    assert walk.walk is not None and flatten.walk is None
     got, flattened = answer(walk, args, kwargs)
     want, _ = answer(flatten, args, kwargs)
     assert got == want
@@ -142,7 +144,7 @@ def test_samples_the_walk_cannot_follow_are_always_flattened(name):
     too few leaves, past the end of the list)."""
     samples, like, unlike = SAMPLES[name]
     spec = spec_of(*samples)
-    assert not spec.walkable
+    assert spec.walk is None
     tensors, flattened = answer(spec, *like)
     assert flattened is True and len(tensors) == len(spec.tensors)
     (error, text), _ = answer(spec, *unlike)
@@ -157,7 +159,7 @@ def test_a_tensor_subclass_registered_as_a_pytree_node_is_flattened_by_torch():
         Pair, lambda p: ([p.as_subclass(torch.Tensor)], None),
         lambda leaves, _: leaves[0].as_subclass(Pair))
     try:
-        walk, flatten = spec_of(*HF), spec_of(*HF, walkable=False)
+        walk, flatten = spec_of(*HF), spec_of(*HF, walk=False)
         args, kwargs = hf(position_embeddings=(cos.as_subclass(Pair), sin))
         got, flattened = answer(walk, args, kwargs)
         assert got == answer(flatten, args, kwargs)[0]
@@ -168,5 +170,56 @@ def test_a_tensor_subclass_registered_as_a_pytree_node_is_flattened_by_torch():
 
 def test_flat_calls_are_not_walked():
     """A call of tensors only takes the flat path before any walk."""
-    assert not spec_of((x, cos), {}).walkable
-    assert spec_of((x, [cos]), {}).walkable and spec_of((x,), {"m": None}).walkable
+    assert spec_of((x, cos), {}).walk is None
+    assert spec_of((x, [cos]), {}).walk is not None and spec_of((x,), {"m": None}).walk is not None
+
+
+def test_a_callable_that_changes_its_samples_in_place_does_not_change_the_walk():
+    """Warm-up and capture call the callable with the spec's own args and
+    kwargs; the walk compares calls with a copy of its own, so what the
+    callable does to them (a dict re-keyed, a list appended to) changes
+    nothing here."""
+    def rekeys(x, opts):
+        opts["mask"] = opts.pop("mask")
+        return x
+
+    def appends(x, acc):
+        acc.append(x)
+        return x
+
+    rekeyed = spec_of((x,), {"opts": {"mask": mask, "bias": bias}}, fn=rekeys)
+    rekeys(*rekeyed.args, **rekeyed.kwargs)  # as warm-up calls it
+    (error, text), _ = answer(rekeyed, (x,), {"opts": {"bias": bias, "mask": mask}})
+    assert error is TypeError and "structured as" in text
+    assert answer(rekeyed, (x,), {"opts": {"mask": mask, "bias": bias}}) == (
+        [id(x), id(mask), id(bias)], False)
+    grown = spec_of((x, [cos]), {}, fn=appends)
+    appends(*grown.args, **grown.kwargs)
+    (error, text), _ = answer(grown, (x, [cos, sin]), {})
+    assert error is TypeError and "structured as" in text
+
+
+def test_defaults_are_stripped_before_the_walk():
+    """Arguments the samples left out, passed with their defaults, are
+    dropped first (cg_strip_defaults), as a graphed call drops them."""
+    def with_default(x, opts, scale=1.0):
+        return x
+
+    spec = spec_of((x, {"a": cos}), {}, fn=with_default)
+    assert answer(spec, (x, {"a": sin}), {"scale": 1.0}) == ([id(x), id(sin)], False)
+    (error, text), _ = answer(spec, (x, {"a": sin}), {"scale": 2.0})
+    assert error is ValueError and "'scale'" in text
+
+
+def test_samples_nested_too_deep_to_compare_are_flattened(monkeypatch):
+    """Where comparing the rebuilt samples with in_spec recurses too deep
+    (some hundreds of levels), calls go to tree_flatten, as before the
+    walk, instead of the description failing."""
+    def too_deep(tree):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(cgraph._describe.pytree, "tree_structure", too_deep)
+    spec = spec_of(*HF)
+    monkeypatch.undo()
+    assert spec.walk is None
+    assert answer(spec, *hf())[1] is True
