@@ -223,3 +223,88 @@ def test_samples_nested_too_deep_to_compare_are_flattened(monkeypatch):
     monkeypatch.undo()
     assert spec.walk is None
     assert answer(spec, *hf())[1] is True
+
+
+# ---- random samples and calls -------------------------------------------------
+
+CONSTANTS = [None, True, False, 0, 1, 1.0, 0.0, -0.0, float("nan"), "a", "", 2]
+ODD = [Mode.ROTATE, torch.float32, AlwaysEqual("a"), 1 + 0j, (), [], {}]
+
+
+def random_tree(rng, depth=0):
+    if depth > 3 or rng.random() < 0.45:
+        return torch.zeros(1) if rng.random() < 0.5 else rng.choice(CONSTANTS)
+    n = rng.randint(0, 3)
+    kind = rng.choice(["tuple", "list", "dict", "dict"])
+    if kind == "dict":
+        return {rng.choice("abcde"): random_tree(rng, depth + 1) for _ in range(n)}
+    items = [random_tree(rng, depth + 1) for _ in range(n)]
+    return tuple(items) if kind == "tuple" else items
+
+
+def random_call(rng, sample):
+    """A call like `sample`, now and then unlike it: another container or
+    leaf type, an item more or less, keys reordered."""
+    r = rng.random()
+    if isinstance(sample, torch.Tensor):
+        return rng.choice([torch.zeros(1)] * 3 + [None, 1, True, torch.nn.Parameter(
+            torch.zeros(1)), (torch.zeros(1),), []])
+    if type(sample) in (tuple, list):
+        items = [random_call(rng, c) for c in sample]
+        if r < 0.05:
+            return list(items) if type(sample) is tuple else tuple(items)
+        if r < 0.08 and len(items) == 2:
+            return CosSin(*items)
+        if r < 0.10 and items:
+            items.pop()
+        elif r < 0.12:
+            items.append(torch.zeros(1))
+        elif r < 0.14:
+            items.reverse()
+        return type(sample)(items)
+    if type(sample) is dict:
+        items = [(k, random_call(rng, v)) for k, v in sample.items()]
+        if r < 0.05:
+            rng.shuffle(items)
+        elif r < 0.07:
+            return collections.OrderedDict(items)
+        elif r < 0.09:
+            items = [(AlwaysEqual(k), v) for k, v in items]
+        elif r < 0.11 and items:
+            items.pop()
+        elif r < 0.13:
+            items.append(("z", torch.zeros(1)))
+        return dict(items)
+    return sample if r < 0.5 else rng.choice(CONSTANTS + ODD)
+
+
+def test_random_calls_get_tree_flatten_s_answers():
+    """Seeded random samples (tuples, lists, dicts, empties, tensors,
+    constants) and calls derived from them: the walk answers each as
+    tree_flatten does, and takes a good share of them."""
+    import random
+
+    rng, walked, calls = random.Random(0), 0, 0
+
+    def varargs(x, *args, **kwargs):
+        return x
+
+    for _ in range(300):
+        args = tuple(random_tree(rng) for _ in range(rng.randint(1, 3)))
+        kwargs = {k: random_tree(rng) for k in rng.sample("pqrs", rng.randint(0, 3))}
+        try:
+            walk = spec_of(args, kwargs, fn=varargs)
+        except (TypeError, ValueError):  # samples cgraph refuses (a tensor that requires grad, ...)
+            continue
+        if walk.flat:
+            continue
+        flatten = spec_of(args, kwargs, walk=False, fn=varargs)
+        for _ in range(5):
+            call_args = tuple(random_call(rng, a) for a in walk.args)
+            items = [(k, random_call(rng, v)) for k, v in walk.kwargs.items()]
+            rng.shuffle(items)
+            got, flattened = answer(walk, call_args, dict(items))
+            assert got == answer(flatten, call_args, dict(items))[0], (args, kwargs)
+            calls += 1
+            walked += flattened is False
+    assert calls > 500 and walked > calls // 10, (calls, walked)
