@@ -324,7 +324,6 @@ static int
 walk_leaves(const cg_state *state, PyObject *given, PyObject *sample, PyObject *leaves)
 {
     PyTypeObject *type = Py_TYPE(sample);
-
     int status = 1;
 
     if (type == &PyTuple_Type || type == &PyList_Type) {
