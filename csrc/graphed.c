@@ -114,10 +114,10 @@ typedef struct {
                      "took them")                                                      \
     X(args_flattened, "times a call's arguments went through torch's tree_flatten, "   \
                       "slower than the native walk (once per graph that looked at "   \
-                      "the call): structured unlike the samples, or holding a named "  \
-                      "tuple, an OrderedDict, a tensor subclass or another leaf than "  \
-                      "a tensor, None, bool, int, float or str (Note [Arguments walked "\
-                      "in C])")
+                      "the call): structured unlike the samples, with dict keys other "\
+                      "than str, or holding a named tuple, an OrderedDict, a tensor "   \
+                      "subclass or another leaf than a tensor, None, bool, int, float "\
+                      "or str (Note [Arguments walked in C])")
 
 typedef struct {
     PyObject_HEAD
