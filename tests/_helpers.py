@@ -47,6 +47,17 @@ def assert_grads_equal(graphed_model, eager_model, step):
         assert_equal(p.grad, q.grad, f"step {step}: grad of {name}")
 
 
+def backward_as_eager(out, out_e, x=None, xe=None, what="input grad"):
+    """Backward through a graphed output and eager's with one random upstream
+    grad; where the graphed call's input `x` requires grad, its grad must be
+    eager's (`xe`'s) bitwise."""
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    (out_e * upstream).sum().backward()
+    if x is not None and x.requires_grad:
+        assert_equal(x.grad, xe.grad, what)
+
+
 def twin(x):
     """An independent copy of an input for the eager run."""
     return x.detach().clone().requires_grad_(x.requires_grad)

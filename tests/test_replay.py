@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, assert_equal, assert_grads_equal, mlp, pool_segments, stack, twin
+from _helpers import (CUDA, assert_equal, assert_grads_equal, backward_as_eager, mlp,
+                      pool_segments, stack, twin)
 
 pytestmark = pytest.mark.gpu
 
@@ -70,11 +71,7 @@ def test_matches_eager_bitwise_over_steps(name):
         xe = twin(x)
         out, out_e = model(x), eager(xe)
         assert_equal(out, out_e, f"step {step}: output")
-        upstream = torch.randn_like(out)
-        (out * upstream).sum().backward()
-        (out_e * upstream).sum().backward()
-        if x.requires_grad:
-            assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        backward_as_eager(out, out_e, x, xe, f"step {step}: input grad")
         assert_grads_equal(model, eager, step)
         for m in (model, eager):
             m.zero_grad(set_to_none=True)
@@ -90,9 +87,7 @@ def test_batchnorm_running_stats_update_as_in_eager():
         x = torch.randn(8, 16, device=CUDA, requires_grad=True)
         out, out_e = model(x), eager(twin(x))
         assert_equal(out, out_e, f"step {step}: output")
-        upstream = torch.randn_like(out)
-        (out * upstream).sum().backward()
-        (out_e * upstream).sum().backward()
+        backward_as_eager(out, out_e)
         for (name, b), c in zip(model.named_buffers(), eager.buffers()):
             assert_equal(b, c, f"step {step}: buffer {name}")
 
@@ -218,10 +213,7 @@ def test_keyword_arguments_match_eager():
         mask = (torch.rand(8, 16, device=CUDA) > 0.5).float()
         out, out_e = graphed(x, scale=2.0, mask=mask), eager(xe, mask=mask, scale=2.0)
         assert_equal(out, out_e, f"step {step}: output")
-        upstream = torch.randn_like(out)
-        (out * upstream).sum().backward()
-        (out_e * upstream).sum().backward()
-        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        backward_as_eager(out, out_e, x, xe, f"step {step}: input grad")
         assert_grads_equal(model, eager, step)
         model.zero_grad(set_to_none=True)
         eager.zero_grad(set_to_none=True)
@@ -333,10 +325,7 @@ def test_arguments_structured_as_the_samples_skip_tree_flatten():
         kwargs = rotary_kwargs(embeddings())
         out, out_e = graphed(x, **kwargs), eager(xe, **kwargs)
         assert_equal(out, out_e, f"step {step}: output")
-        upstream = torch.randn_like(out)
-        (out * upstream).sum().backward()
-        (out_e * upstream).sum().backward()
-        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        backward_as_eager(out, out_e, x, xe, f"step {step}: input grad")
         assert_grads_equal(model, eager, step)
     stats = graphed.stats
     assert stats["forward"] == 3 and stats["graphs"] == 1 and stats["args_flattened"] == 0, stats
@@ -471,10 +460,7 @@ def test_graph_written_seeds_match_eager_across_reseeds_and_large_offsets():
         out_e = eager(xe)
         assert torch.equal(after_graphed, torch.cuda.get_rng_state()), f"step {step}: offset"
         assert_equal(out, out_e, f"step {step}: output (dropout masks)")
-        upstream = torch.randn_like(out)
-        (out * upstream).sum().backward()
-        (out_e * upstream).sum().backward()
-        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        backward_as_eager(out, out_e, x, xe, f"step {step}: input grad")
         assert_grads_equal(graphed.module, eager, step)
     assert generator.get_offset() > 2**33
 
@@ -584,10 +570,7 @@ def test_several_callables_share_one_pool():
         for g, e in zip(graphed, eager):
             h, he = g(h), e(he)
         assert_equal(h, he, f"step {step}: output")
-        upstream = torch.randn_like(h)
-        (h * upstream).sum().backward()
-        (he * upstream).sum().backward()
-        assert_equal(x.grad, xe.grad, f"step {step}: input grad")
+        backward_as_eager(h, he, x, xe, f"step {step}: input grad")
         for i, (g, e) in enumerate(zip(graphed, eager)):
             for p, q in zip(g.parameters(), e.parameters()):
                 assert_equal(p.grad, q.grad, f"step {step}: layer {i} grad")
@@ -610,9 +593,7 @@ def test_pool_handle_shared_between_two_calls():
             x = sample()
             out, out_e = g(x), e(twin(x))
             assert_equal(out, out_e, f"step {step}: output")
-            upstream = torch.randn_like(out)
-            (out * upstream).sum().backward()
-            (out_e * upstream).sum().backward()
+            backward_as_eager(out, out_e)
             assert_grads_equal(g, e, step)
 
 

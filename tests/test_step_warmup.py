@@ -91,7 +91,7 @@ def test_an_optimizer_loaded_grown_or_gone_is_seen_as_replaced():
         change()
         assert held.replaced(), change
     held = _Containers.of(opt)
-    del opt
+    opt = None  # the changes above hold it only through this name
     gc.collect()
     assert held.replaced()  # gone: the step now calls another optimizer, or none
 
