@@ -20,24 +20,26 @@ Each rank checks, against an eager FSDP2 twin (same weights, same sharding,
 each rank its own data), and prints one line per check (tests/test_fsdp.py
 reads them):
 
-1. per-layer graphs, for each sharding below: every loss, every sharded
-   grad and the sharded parameters after each AdamW step bitwise equal to
-   eager FSDP2's, and every step after the first replayed the layers'
-   graphs.  Shardings: reshard_after_forward True; False with pool= and
-   samples; bf16 parameters with fp32 reduction (MixedPrecisionPolicy) and
-   pool=; on four GPUs, reshard_after_forward=2.  Then the same with the
-   optimizer step graphed too (``cgraph.make_graphed_step(opt.step)``,
-   fused AdamW, bf16 parameters): FSDP2 hands it grads made outside it,
-   new tensors each step where zero_grad() sets them to None, the same
-   ones zeroed where it does not (Note [Grads around a graphed step] in
-   cgraph/_step_grads.py).  With CPU offload (CPUOffloadPolicy), the
-   optimizer step graphed is refused.  Gradient accumulation as FSDP2 does
+1. per-layer graphs, for each sharding below: every loss, every sharded grad
+   and the sharded parameters after each AdamW step bitwise equal to eager
+   FSDP2's, and every step after the first replayed the layers' graphs.
+   Shardings: reshard_after_forward True; False with pool= and samples; bf16
+   parameters with fp32 reduction (MixedPrecisionPolicy) and pool=; on four
+   GPUs, reshard_after_forward=2.  Then the same with the optimizer step
+   graphed too (``cgraph.make_graphed_step(opt.step)``, fused AdamW, bf16
+   parameters): FSDP2 hands it grads made outside it, new tensors each step
+   where zero_grad() sets them to None, the same ones zeroed where it does not
+   (Note [Grads around a graphed step] in cgraph/_step_grads.py).  With CPU
+   offload (CPUOffloadPolicy), the optimizer step graphed is refused.  Explicit
+   prefetching (set_modules_to_forward_prefetch and ..._backward_prefetch: each
+   layer all-gathers the next one's parameters, which FSDP copies out into the
+   shared home only when that layer runs).  Gradient accumulation as FSDP2 does
    it: two micro-batches per step, reduce-scattering after the last only
-   (set_requires_gradient_sync), in fp32 and in bf16 with fp32 reduction,
-   and with the layers kept unsharded between micro-batches
-   (set_reshard_after_backward(False)).  Activation checkpointing inside
-   each sharded layer (checkpoint_wrapper, then fully_shard, as torchtitan
-   applies it).
+   (set_requires_gradient_sync), in fp32 and in bf16 with fp32 reduction, and
+   with the layers kept unsharded between micro-batches
+   (set_reshard_after_backward(False)).  Activation checkpointing inside each
+   sharded layer (checkpoint_wrapper, then fully_shard, as torchtitan applies
+   it).
 2. a whole step graphed: make_graphed_step around the FSDP2 model's step
    (fused AdamW), its all-gathers and reduce-scatters inside the graph:
    losses and parameters bitwise equal to eager FSDP2's; then a step that
@@ -107,7 +109,7 @@ class Toy(nn.Module):
         return self.head(self.norm(x))
 
 
-def sharded(reshard=True, mp=False, offload=False, checkpointed=False):
+def sharded(reshard=True, mp=False, offload=False, checkpointed=False, prefetch=False):
     torch.manual_seed(0)  # the same weights on every rank and in both twins
     model = Toy().cuda()
     if checkpointed:  # activation checkpointing inside each sharded layer, as torchtitan does
@@ -118,6 +120,11 @@ def sharded(reshard=True, mp=False, offload=False, checkpointed=False):
     for layer in model.layers:
         fully_shard(layer, reshard_after_forward=reshard, mp_policy=policy, offload_policy=where)
     fully_shard(model, mp_policy=policy, offload_policy=where)
+    if prefetch:  # explicit prefetching, as torchtitan sets it: the next layer in each pass
+        layers = list(model.layers)
+        for i, layer in enumerate(layers):
+            layer.set_modules_to_forward_prefetch(layers[i + 1:i + 2])
+            layer.set_modules_to_backward_prefetch(layers[max(i - 1, 0):i])
     return model
 
 
@@ -183,9 +190,9 @@ def grad_places(layers, seen):
 
 
 def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False, offload=False,
-              checkpointed=False):
+              checkpointed=False, prefetch=False):
     """Recipe 1: every layer graphed after sharding, trained beside an eager twin."""
-    eager, model = (sharded(reshard, mp, offload, checkpointed) for _ in range(2))
+    eager, model = (sharded(reshard, mp, offload, checkpointed, prefetch) for _ in range(2))
     shared = cgraph.graph_pool_handle() if pool else None
     sample = (torch.randn(BATCH, SEQ, DIM, device="cuda"),) if samples else None
     model.layers = nn.ModuleList(cgraph.make_graphed(layer, sample, pool=shared)
@@ -450,6 +457,8 @@ def main():
     # (Note [No garbage collection while capturing], csrc/capture.c).
     per_layer(rank, "per-layer graphs, activation checkpointing, pool", pool=True,
               checkpointed=True)
+    per_layer(rank, "per-layer graphs, explicit prefetching, bf16 params fp32 reduce, pool",
+              mp=True, pool=True, prefetch=True)
     per_layer_and_optimizer_step(rank, set_to_none=True)
     per_layer_and_optimizer_step(rank, set_to_none=False)
     accumulating(rank, "per-layer graphs, grads accumulated")

@@ -1,12 +1,13 @@
 """FSDP2 (fully_shard) with cgraph.  On GPUs, examples/fsdp.py runs under
 torchrun and the tests assert each rank's report of every check: per-layer
 graphs inside FSDP2 (reshard_after_forward True, False, an int on four
-GPUs; bf16 parameters; CPU offload; activation checkpointing; with the
-optimizer step graphed too; grads accumulated over micro-batches, layers
-kept unsharded or not), a step graphed whole (with micro-batches, with
-activation checkpointing, resumed from a state dict), graphing before
-sharding refused, teardown.  On the CPU, a one-process gloo group checks
-the refusals and that FSDP swapping its parameters is not a replacement."""
+GPUs; bf16 parameters; CPU offload; activation checkpointing; explicit
+prefetching; with the optimizer step graphed too; grads accumulated over
+micro-batches, layers kept unsharded or not), a step graphed whole (with
+micro-batches, with activation checkpointing, resumed from a state dict),
+graphing before sharding refused, teardown.  On the CPU, a one-process gloo
+group checks the refusals and that FSDP swapping its parameters is not a
+replacement."""
 
 import logging
 
@@ -28,6 +29,7 @@ PER_LAYER = ("per-layer graphs, reshard_after_forward=True",
              "per-layer graphs, bf16 params fp32 reduce, pool",
              "per-layer graphs, CPU offload:", "CPU offload: a graphed optimizer step refused",
              "per-layer graphs, activation checkpointing, pool:",
+             "per-layer graphs, explicit prefetching, bf16 params fp32 reduce, pool:",
              "per-layer graphs, graphed optimizer step, grads set to None",
              "per-layer graphs, graphed optimizer step, grads zeroed",
              "per-layer graphs, grads accumulated:",
