@@ -270,8 +270,10 @@ def _target_fields(index: int, fn) -> dict:
                     verify=None)
     # The module's own hooks (FSDP2's among them) run around every call,
     # outside the graphs, as in eager (cgraph/_api.py, make_graphed); hooks
-    # of FSDP modules inside it would run once, at capture.
+    # of FSDP modules inside it would run once, at capture; an FSDP module
+    # around it frees its parameters after each forward.
     _fsdp.refuse_nested(index, fn)
+    _fsdp.refuse_enclosed(index, fn)
     if any(b.requires_grad for b in fn.buffers()):
         raise ValueError(
             f"cgraph: module {index} has a buffer that requires grad; only parameters "

@@ -298,6 +298,13 @@ def _module_problems(fn) -> Iterator[Problem]:
             "module", "", f"{where}, submodule '{nested}'",
             f"fully_shard was applied to '{nested}' inside the module; its all-gathers "
             "would run once, at capture.", _fsdp.NESTED_FIX)
+    owner = _fsdp.enclosing(fn)
+    if owner is not None:
+        yield Problem(
+            "module", "", where,
+            f"fully_shard manages its parameters as part of {type(owner).__name__}, a module "
+            "around it, which frees them after each forward; a graph of this module alone "
+            "would read them where they were at capture.", _fsdp.ENCLOSED_FIX)
 
 
 # ---- where: the user's line -------------------------------------------------

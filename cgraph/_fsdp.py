@@ -39,13 +39,15 @@ A: cgraph gives them a fixed home.  FSDP copies the all-gathered
    store per parameter] in csrc/aten_capture_backward.cpp): FSDP copies a
    layer's grads into its reduce-scatter and drops them before the next
    layer's backward, as eager frees them.
-   Checked, never silently stale: each replay checks that every parameter
-   is where the graph reads it (csrc/aten_replay.cpp, check_params), so a
-   copy-out that did not go to the home raises; a shared home lent to a
-   layer while another layer it serves is inside its forward or backward
-   raises (``Home.lend``); one that is idle is resharded (Note [A layer kept
-   unsharded in a shared home]).  ``reset()`` gives FSDP its own allocation
-   back, and the home is freed once no storage borrows it.
+   Checked, never silently stale: each forward and backward replay checks
+   that every parameter is where the graphs read it (csrc/aten_replay.cpp,
+   Engine::check_param_memory), so a copy-out that did not go to the home
+   raises; only the FSDP module itself is homed, so a module graphed inside
+   another's FSDP unit is refused when graphed (``enclosing``); a shared home
+   lent to a layer while another layer it serves is inside its forward or
+   backward raises (``Home.lend``); one that is idle is resharded (Note [A
+   layer kept unsharded in a shared home]). ``reset()`` gives FSDP its own
+   allocation back, and the home is freed once no storage borrows it.
 
 Note [A layer kept unsharded in a shared home]
 Q: FSDP2 keeps a layer unsharded after its backward when told to
@@ -103,6 +105,43 @@ def nested(module: nn.Module) -> str | None:
         return None
     return next((name for name, sub in module.named_modules()
                  if sub is not module and isinstance(sub, FSDPModule)), None)
+
+
+def enclosing(module: nn.Module) -> nn.Module | None:
+    """The FSDP2 module around `module` (not itself an FSDP module) whose
+    fully_shard manages some of its parameters, or None.  FSDP reshards
+    them after that module's forward and gathers them again before its
+    backward, into memory it allocates then: a graph of `module` alone
+    would read them where they were at capture.  (Only a graphed FSDP
+    module itself gets a home: Note [FSDP2's unsharded parameters in
+    per-layer graphs].)  Found through torch's registry of composable
+    states, which fully_shard fills whether or not cgraph was imported
+    first."""
+    if FSDPModule is None or is_fsdp(module):
+        return None
+    mine = {id(p) for p in module.parameters()}
+    if not mine:
+        return None
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+    except ImportError:  # a torch without it: the replays' address checks remain
+        return None
+    return next((owner for owner in list(_module_state_mapping.keys())
+                 if is_fsdp(owner) and not mine.isdisjoint(faces(owner))), None)
+
+
+ENCLOSED_FIX = ("Apply fully_shard to this module itself (before the module around it), then "
+                "graph it; or graph the fully_shard-ed module around it instead.")
+
+
+def refuse_enclosed(index: int, module: nn.Module) -> None:
+    owner = enclosing(module)
+    if owner is not None:
+        raise ValueError(
+            f"cgraph: module {index} ({type(module).__name__}) has parameters that fully_shard "
+            f"manages as part of {type(owner).__name__}, a module around it: FSDP frees them "
+            "after that module's forward and gathers them again before its backward, into "
+            f"new memory, which a graph of this module alone would not read. {ENCLOSED_FIX}")
 
 
 NESTED_FIX = ("Graph each fully_shard-ed layer itself (cgraph.make_graphed(layer) for each "

@@ -514,6 +514,7 @@ autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) 
   }
   check_replayable();
   engine->check_backward_replayable();  // Note [Captures that share a pool] (aten_pool.cpp)
+  engine->check_param_memory(CG_BACKWARD);
   engine->release_later_outputs(CG_BACKWARD, grads);
   ran = true;
   const TensorVec clones = route_incoming_grads(grads);

@@ -638,6 +638,9 @@ struct Engine : std::enable_shared_from_this<Engine> {
 
   std::vector<Input> inputs;
   std::vector<Param> params;  // module parameters, then hidden leaves
+  // Throws unless every parameter lies where the graphs read it: before a
+  // forward replay (check_params) and a backward one (GraphedBackward::apply).
+  void check_param_memory(cg_pass pass) const;
   std::vector<Output> outputs;
   Autocast autocast;          // at the forward's capture
   bool grad_mode = true;      // grad mode at the forward's capture

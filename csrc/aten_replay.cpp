@@ -172,15 +172,10 @@ void stage_inputs(Engine& e, PyObject* const* args, bool accepted, StagedCall& c
 // 2. Every parameter where the graphs read it.  Returns whether any
 //    requires grad now.
 bool check_params(const Engine& e) {
+  e.check_param_memory(CG_FORWARD);
   bool need_grad = false;
   for (size_t j = 0; j < e.params.size(); ++j) {
     const Param& p = e.params[j];
-    TORCH_CHECK(p.tensor.const_data_ptr() == p.data, "cgraph: parameter ", j,
-                " (shape ", p.tensor.sizes(), ") moved to new memory after capture (.to(), "
-                ".data = ..., load_state_dict(assign=True), fully_shard or parallelize_module "
-                "after graphing?); the graph would read the old memory. Graph the module "
-                "again after moving it; to shard a model, shard first (fully_shard every "
-                "layer and the root), then graph each layer.");
     if (p.tensor.requires_grad()) {
       TORCH_CHECK(p.requires_grad, "cgraph: parameter ", j, " (shape ", p.tensor.sizes(),
                   ") requires grad, but did not at capture, so the backward graph computes "
@@ -214,6 +209,32 @@ constexpr const char* kOverwrittenOutput =
     "(out.clone()), or graph with kept_outputs='copy' (the default) to keep their values.";
 
 }  // namespace
+
+// Before a backward replay too: between a call's forward and its backward,
+// memory of a parameter can be freed and handed out again (FSDP2 reshards a
+// module after its forward and gathers it again before its backward; for a
+// module graphed inside another one's fully_shard, possibly elsewhere), and
+// the backward graph would read whatever lies at the old address now.
+void Engine::check_param_memory(cg_pass pass) const {
+  for (size_t j = 0; j < params.size(); ++j) {
+    const Param& p = params[j];
+    if (C10_LIKELY(p.tensor.const_data_ptr() == p.data)) {
+      continue;
+    }
+    TORCH_CHECK(pass == CG_FORWARD, "cgraph: parameter ", j, " (shape ", p.tensor.sizes(),
+                ") is not where the backward graph reads it: its memory moved or was freed "
+                "after this call's forward (fully_shard applied to a module around the graphed "
+                "one, which frees it after the forward; set_unshard_in_backward(False); .to() "
+                "or .data = ...), so the graph would read stale memory. Keep parameters where "
+                "they are between a graphed call and its backward; under FSDP2, fully_shard "
+                "each module you graph, then graph it.");
+    TORCH_CHECK(false, "cgraph: parameter ", j, " (shape ", p.tensor.sizes(), ") moved to new "
+                "memory after capture (.to(), .data = ..., load_state_dict(assign=True), "
+                "fully_shard or parallelize_module after graphing?); the graph would read the "
+                "old memory. Graph the module again after moving it; to shard a model, shard "
+                "first (fully_shard every layer and the root), then graph each layer.");
+  }
+}
 
 at::Tensor guarded_alias(const at::Tensor& static_output) {
   auto* keep = new c10::Storage(static_output.storage());

@@ -153,6 +153,18 @@ def test_moved_parameter_raises():
         model(make_input())
 
 
+def test_a_parameter_moved_between_forward_and_backward_raises_at_the_backward():
+    """The backward graph reads the parameters too: memory freed between a
+    call's forward and its backward (FSDP2's reshard of a module around the
+    graphed one, .data = ...) would be read stale."""
+    model, make_input = mlp()
+    model = cgraph.make_graphed_callables(model, (make_input(),))
+    out = model(make_input())
+    model[0].weight.data = model[0].weight.data.clone()
+    with pytest.raises(RuntimeError, match="not where the backward graph reads it"):
+        out.sum().backward()
+
+
 def test_load_state_dict_with_assign_raises_and_in_place_load_works():
     torch.manual_seed(0)
     model = stack()

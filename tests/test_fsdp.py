@@ -99,6 +99,29 @@ def test_a_module_containing_fsdp_modules_is_refused(mesh):
         cgraph.make_graphed(sharded_pair(mesh))
 
 
+@pytest.mark.parametrize("around", ["the root only", "a unit of two layers"])
+def test_a_module_inside_an_fsdp_unit_is_refused_naming_the_recipe(mesh, around):
+    """FSDP frees the parameters of a module inside the unit it shards after
+    the unit's forward and gathers them again, elsewhere, before its
+    backward: only a graphed FSDP module itself reads them at a home."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), nn.Linear(4, 4))
+    if around == "a unit of two layers":
+        fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    inner = model[0][1]
+    owner = "Sequential" if around == "a unit of two layers" else "FSDPSequential"
+    with pytest.raises(ValueError, match=rf"manages as part of .*{owner}.*Apply fully_shard to "
+                                         "this module itself"):
+        cgraph.make_graphed(inner)
+    with pytest.raises(ValueError, match="a module around it"):
+        cgraph.make_graphed_callables(inner, (torch.randn(2, 4),))
+    unit = model[0] if around == "a unit of two layers" else model
+    assert _fsdp.enclosing(unit) is None and _fsdp.enclosing(nn.ReLU()) is None
+    problems = cgraph.explain(inner, (torch.randn(2, 4),)).problems
+    assert [p.fix for p in problems if p.kind == "module"] == [_fsdp.ENCLOSED_FIX]
+
+
 def test_the_drop_in_refuses_fsdp_modules_naming_make_graphed(mesh):
     with pytest.raises(ValueError, match=r"cgraph.make_graphed\(layer\)"):
         cgraph.make_graphed_callables(sharded_pair(mesh)[0], (torch.randn(2, 4),))
