@@ -20,7 +20,10 @@ A: The graphs read each DTensor parameter's local tensor, through a plain
    of the parameter's placements over that memory, added into a grad the
    parameter holds, as AccumulateGrad would.  The hook makes the leaf's grad
    go through autograd (Note [Parameter gradients] in csrc/aten_backward.cpp):
-   a copy of its grad per backward, one kernel per parameter.
+   a copy of its grad per backward, one kernel per parameter.  A parameter
+   frozen after capture gets no grad (the hook drops the graph's); one
+   unfrozen after capture is not seen by the replays (the leaf the graphs
+   were captured with computes no grad), as README's Limits say.
    DTensor arguments and outputs are refused, naming use_local_output=True
    (sequence parallelism planned as torchtitan plans it passes plain shards
    of the sequence between blocks, and DTensors only inside them; a norm's
@@ -59,10 +62,11 @@ def local_leaf(param: torch.Tensor) -> torch.Tensor:
     local = param._local_tensor
     leaf = _leaves.get(param)
     if leaf is None or leaf.untyped_storage()._cdata != local.untyped_storage()._cdata:
-        leaf = local.detach().requires_grad_(param.requires_grad)
-        if param.requires_grad:
+        leaf = _leaves[param] = local.detach()
+    if leaf.requires_grad != param.requires_grad:  # a new leaf, or the parameter (un)frozen
+        leaf.requires_grad_(param.requires_grad)
+        if param.requires_grad:  # a hook of an earlier unfreeze finds the grad taken: harmless
             leaf.register_post_accumulate_grad_hook(_GradToParam(param))
-        _leaves[param] = leaf
     return leaf
 
 
@@ -78,7 +82,9 @@ class _GradToParam:
     def __call__(self, leaf: torch.Tensor) -> None:
         param, grad = self.param(), leaf.grad
         leaf.grad = None
-        if param is None or grad is None:
+        # A parameter frozen after its graphs were captured: their leaf still
+        # requires grad, and eager would compute none for it.
+        if param is None or grad is None or not param.requires_grad:
             return
         grad = DTensor.from_local(grad, param.device_mesh, param.placements, run_check=False,
                                   shape=param.shape, stride=param.stride())

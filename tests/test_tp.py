@@ -72,6 +72,31 @@ def test_a_module_run_on_leaves_gives_dtensor_grads_as_eager(mesh):
     assert leaf.data_ptr() == model[0].weight.to_local().data_ptr()
 
 
+def test_a_dtensor_parameter_frozen_or_unfrozen_runs_on_leaves_as_eager(mesh):
+    """A parameter frozen after its leaf was made gets no grad (the leaf
+    still requires grad where graphs were captured with it); unfrozen, the
+    leaf requires grad again and its grads reach the parameter."""
+    model, eager = mlp(mesh), mlp(mesh)
+    on_leaves = _dtensor.forward_on_leaves(nn.Sequential.forward)
+    weight = model[0].weight
+    leaf = _dtensor.local_leaf(weight)
+    weight.requires_grad_(False)
+    (leaf * 2).sum().backward()  # a replay captured before the freeze: the leaf's grad
+    assert weight.grad is None and leaf.grad is None
+    for frozen in (True, False):
+        for m in (model, eager):
+            m[0].weight.requires_grad_(not frozen)
+            m.zero_grad(set_to_none=True)
+        x = torch.randn(4, 8)
+        on_leaves(model, x).square().sum().backward()
+        eager(x).square().sum().backward()
+        for p, q in zip(model.parameters(), eager.parameters()):
+            assert (p.grad is None) == (q.grad is None), f"frozen={frozen}"
+            if q.grad is not None:
+                assert_equal(p.grad.to_local(), q.grad.to_local(), f"grad, frozen={frozen}")
+        assert _dtensor.local_leaf(model[0].weight) is leaf and leaf.grad is None
+
+
 def test_a_dtensor_argument_is_refused_naming_use_local_output(mesh):
     model = mlp(mesh)
     x = DTensor.from_local(torch.randn(4, 8), mesh, [Replicate()])
