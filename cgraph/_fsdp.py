@@ -302,10 +302,9 @@ class _Lender:
 def home_parameters(module: nn.Module, graphed: _C.Graphed) -> None:
     """Before a capture of FSDP layer `module` (inside its forward): its
     unsharded parameters moved to their home, and FSDP's copy-outs sent
-    there from now on.  A layer homed already is left as it is."""
+    there from now on.  A layer `graphed` homed already is left as it is."""
     group = _param_group(module)
-    if group is None or all(isinstance(p.__dict__.get("alloc_all_gather_outputs"), _Lender)
-                            for p in group.fsdp_params):
+    if group is None or _homed_by(group, graphed, module):
         return
     for p in group.fsdp_params:
         if hasattr(p._sharded_local_tensor, "fsdp_post_all_gather"):
@@ -334,6 +333,33 @@ def home_parameters(module: nn.Module, graphed: _C.Graphed) -> None:
                    type(module).__name__, len(group.fsdp_params),
                    "shared" if home is _shared.get(_key(outputs)) else "private",
                    home.buffer.numel() / 2**20)
+
+
+def _homed_by(group, graphed: _C.Graphed, module: nn.Module) -> bool:
+    """Whether an earlier capture of `graphed` homed the group already.  The
+    lenders of a graphed callable dropped or reset since are removed (the
+    layer graphed again); a group another live one homed is refused: one
+    fully_shard of several modules makes one group for all of them, and its
+    home can serve one graphed callable's captures only."""
+    owners = {_owner(p) for p in group.fsdp_params}
+    if owners - {graphed, None}:
+        raise ValueError(
+            f"cgraph: FSDP layer {type(module).__name__} shares its parameter group with a "
+            "module another graphed callable captured (fully_shard applied to several modules "
+            "at once), and a group's home serves one graphed callable. Apply fully_shard to "
+            "each of those modules separately, then graph each.")
+    if owners == {graphed}:
+        return True
+    for p in group.fsdp_params:
+        _unhome(p)
+    return False
+
+
+def _owner(param) -> _C.Graphed | None:
+    """The live graphed callable whose capture homed `param`, or None."""
+    lender = param.__dict__.get("alloc_all_gather_outputs")
+    graphed = lender.graphed() if isinstance(lender, _Lender) else None
+    return None if graphed is None or graphed.is_reset else graphed
 
 
 def release(graphed: _C.Graphed) -> None:

@@ -382,6 +382,27 @@ def test_a_second_model_of_the_same_layout_logs_its_take_back(caplog, monkeypatc
     assert caplog.text.count("cgraph resharded it") == 2, caplog.text
 
 
+class FakeGraphed:
+    is_reset = False
+
+
+def test_one_group_of_several_modules_is_homed_for_one_graphed_callable_only():
+    """fully_shard([a, b]) gives a and b one parameter group, so one home:
+    graphed apart, the second capture is refused (its graph would lean on
+    the first's lenders, which the first's reset takes away); the lenders
+    of a graphed callable dropped since are removed, to be homed again."""
+    group = fake_group(True)
+    first, second = FakeGraphed(), FakeGraphed()
+    for p in group.fsdp_params:
+        p.alloc_all_gather_outputs = _fsdp._Lender(p, group, None, [], first)
+    assert _fsdp._homed_by(group, first, nn.Identity())
+    with pytest.raises(ValueError, match="shares its parameter group.*fully_shard to each"):
+        _fsdp._homed_by(group, second, nn.Identity())
+    first.is_reset = True
+    assert not _fsdp._homed_by(group, second, nn.Identity())
+    assert not any("alloc_all_gather_outputs" in p.__dict__ for p in group.fsdp_params)
+
+
 def test_an_unknown_training_state_is_not_taken_for_idle():
     """A group without _training_state (renamed in some torch) is not taken
     for idle and resharded: refused, saying why and what to do."""
