@@ -8,7 +8,7 @@ import atexit
 import sys
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -38,6 +38,37 @@ _MAX_GRAPHS = 8
 _live: "weakref.WeakSet[_C.Graphed]" = weakref.WeakSet()
 
 
+class _Installed(NamedTuple):
+    """A graphed callable cgraph set as a module's own ``forward`` (a module
+    with hooks, a DDP model's module, graph_layers), and the forward it
+    replaced (None: the class's), put back at the callable's reset so that
+    the module can be graphed again (reset_all before re-graphing)."""
+    module: "weakref.ref[nn.Module]"
+    call: Any
+    previous: Any
+
+
+_installed: "weakref.WeakKeyDictionary[_C.Graphed, _Installed]" = weakref.WeakKeyDictionary()
+
+
+def _install_forward(module: nn.Module, graphed: _C.Graphed, call) -> None:
+    _installed[graphed] = _Installed(weakref.ref(module), call, module.__dict__.get("forward"))
+    module.forward = call
+
+
+def _uninstall_forward(graphed: _C.Graphed) -> None:
+    """At graphed's reset: its module's forward as it was before graphing,
+    unless something else was set there since."""
+    installed = _installed.pop(graphed, None)
+    module = installed.module() if installed is not None else None
+    if module is None or module.__dict__.get("forward") is not installed.call:
+        return
+    if installed.previous is None:
+        del module.forward
+    else:
+        module.forward = installed.previous
+
+
 def reset_all() -> None:
     """Free every live graphed callable's graphs, static tensors and pool memory.
 
@@ -55,12 +86,15 @@ def _on_event(event: str, graphed) -> None:
     """The native core's event hook: the log, and at a reset, FSDP's
     parameters that graphed homed go back to FSDP's own allocation (as
     reset_all and GraphedModule.reset do; a graph of graph_layers is reset
-    through its block's forward)."""
+    through its block's forward), and the module's own forward is put back."""
     try:
         _log.on_event(event, graphed)
     finally:
         if event == "reset":
-            _fsdp.release(graphed)
+            try:
+                _fsdp.release(graphed)
+            finally:
+                _uninstall_forward(graphed)
 
 
 atexit.register(reset_all)
@@ -319,7 +353,7 @@ def make_graphed(
         call = Bucketed(g, normalize_buckets(buckets),
                         inner if isinstance(inner, nn.Module) else None)
     if inner is not fn:  # DistributedDataParallel: see _unwrap_ddp
-        inner.forward = call
+        _install_forward(inner, g, call)
         return fn
     if not isinstance(fn, nn.Module):
         return call
@@ -327,8 +361,8 @@ def make_graphed(
         # Its hooks (FSDP2's all-gather and reshard among them) run around
         # every call, outside the graphs, as in eager: the wrapper calls the
         # module, whose forward is the graphed callable.
-        fn.forward = call
-        return GraphedModule(fn, g, fn.__call__)
+        _install_forward(fn, g, call)
+        return GraphedModule(fn, g, _through_hooks(fn, g))
     return GraphedModule(fn, g, call)
 
 
@@ -340,7 +374,7 @@ def graphed_in_place(module: nn.Module, **make_graphed_kwargs) -> nn.Module:
     was.  Its graphs are ``module.forward`` (stats, num_graphs, reset)."""
     wrapper = make_graphed(module, **make_graphed_kwargs)
     if not _has_hooks(module):  # with hooks make_graphed did this already
-        module.forward = wrapper.forward
+        _install_forward(module, wrapper._graphed, wrapper.forward)
     return module
 
 
@@ -435,6 +469,19 @@ def _unwrap_ddp(fn):
     the module inside and leaves DDP around it.  Collectives then run from
     DDP's hooks outside the graphs; none is ever captured."""
     return fn.module if isinstance(fn, DistributedDataParallel) else fn
+
+
+def _through_hooks(module: nn.Module, graphed: _C.Graphed):
+    """A GraphedModule's forward for a module with hooks: the module's call,
+    its hooks around its forward, the graphed callable; after a reset, which
+    puts the module's own forward back, it raises as the graphed callable
+    does instead of running the module eagerly."""
+    def forward(*args, **kwargs):
+        if graphed.is_reset:
+            raise RuntimeError("cgraph: this graphed callable was reset(); graph the "
+                               "callable again to use it.")
+        return module(*args, **kwargs)
+    return forward
 
 
 def _has_hooks(module: nn.Module) -> bool:

@@ -54,7 +54,7 @@ def on_event(event: str, graphed) -> None:
         if _bar is not None:
             _bar.update(1)
     elif event == "reset":
-        if log.isEnabledFor(logging.INFO):
+        if graphed.num_graphs and log.isEnabledFor(logging.INFO):
             log.info("%s: reset: %d graph(s) freed; their pools held %.1f MiB.",
                      describe(graphed), graphed.num_graphs, pool_mib(graphed.pools))
     elif event == "eager_pending":

@@ -1092,10 +1092,10 @@ PyDoc_STRVAR(Graphed_reset_doc,
 static PyObject *
 Graphed_reset(GraphedObject *self, PyObject *unused)
 {
-    /* Told before the graphs go, so that the log can say what is freed; a
+    /* Told before the graphs go, so that the log can say what is freed (and
+     * the module graphed gets its own forward back, graphs or none yet); a
      * hook that fails does not keep the memory. */
-    if (!self->is_reset && self->n_entries > 0 &&
-        cg_report_event(self->state, "reset", (PyObject *)self) < 0) {
+    if (!self->is_reset && cg_report_event(self->state, "reset", (PyObject *)self) < 0) {
         PyErr_WriteUnraisable((PyObject *)self);
     }
     self->is_reset = 1;

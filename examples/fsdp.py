@@ -39,7 +39,7 @@ reads them):
    with the layers kept unsharded between micro-batches
    (set_reshard_after_backward(False)).  Activation checkpointing inside each
    sharded layer (checkpoint_wrapper, then fully_shard, as torchtitan applies
-   it).
+   it).  Every layer reset and graphed again.
 2. a whole step graphed: make_graphed_step around the FSDP2 model's step
    (fused AdamW), its all-gathers and reduce-scatters inside the graph:
    losses and parameters bitwise equal to eager FSDP2's; then a step that
@@ -229,6 +229,29 @@ def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False, off
                if "alloc_all_gather_outputs" in p.__dict__]
     if lenders:
         raise SystemExit(f"rank {rank} {name}: {len(lenders)} parameters still homed after reset")
+
+
+def graphed_again_after_reset(rank, name="per-layer graphs, graphed again after reset"):
+    """Recipe 1, then every layer reset and graphed anew (reset_all before
+    re-graphing, as a notebook cell run twice does): the reset gives each
+    layer its own forward back, and the new graphs home its parameters
+    afresh and train as eager."""
+    eager, model = sharded(), sharded()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, model)]
+    for graphing in range(2):
+        if graphing:
+            cgraph.reset_all()
+        model.layers = nn.ModuleList(cgraph.make_graphed(getattr(layer, "module", layer))
+                                     for layer in model.layers)
+        train_beside(eager, model, opts, rank, f"{name} ({graphing})",
+                     lambda step: contextlib.nullcontext())
+    replays = [layer.stats["forward"] for layer in model.layers]
+    if min(replays) < STEPS - 1:
+        raise SystemExit(f"rank {rank} {name}: the layers replayed {replays} times")
+    print(f"rank {rank} {name}: losses and grads equal to eager FSDP2 over 2 x {STEPS} "
+          f"steps, layers replayed {replays} after graphing again: OK", flush=True)
+    for layer in model.layers:
+        layer.reset()
 
 
 def train_beside(eager, model, opts, rank, name, around_backward, steppers=None,
@@ -459,6 +482,7 @@ def main():
               checkpointed=True)
     per_layer(rank, "per-layer graphs, explicit prefetching, bf16 params fp32 reduce, pool",
               mp=True, pool=True, prefetch=True)
+    graphed_again_after_reset(rank)
     per_layer_and_optimizer_step(rank, set_to_none=True)
     per_layer_and_optimizer_step(rank, set_to_none=False)
     accumulating(rank, "per-layer graphs, grads accumulated")

@@ -212,13 +212,17 @@ def test_graphed_in_place_makes_the_graphed_callable_the_blocks_forward(monkeypa
     hooks) or the block (with hooks: make_graphed has made the graphed
     callable its forward then); in place, the block's forward is it."""
     from cgraph import _api
-    graphed = object()
+
+    class Graphed:  # weakly referable, as a cgraph.Graphed
+        pass
+
+    graphed = Graphed()
 
     def make_graphed(block, **kwargs):
         if _api._has_hooks(block):
             block.forward = graphed
-            return SimpleNamespace(forward=block.__call__)
-        return SimpleNamespace(forward=graphed)
+            return SimpleNamespace(forward=block.__call__, _graphed=graphed)
+        return SimpleNamespace(forward=graphed, _graphed=graphed)
 
     monkeypatch.setattr(_api, "make_graphed", make_graphed)
     plain, hooked = Block(), Block()
@@ -396,6 +400,26 @@ def test_real_graphs_in_place_before_their_first_call(monkeypatch):
     assert [n for n, _ in model.named_parameters()] == names
 
 
+def test_a_reset_puts_the_blocks_own_forward_back_to_be_graphed_again(monkeypatch):
+    """reset_all before re-graphing a model (its docstring): each block's
+    forward is its own again (the class's, or one set on the instance
+    before graphing), so graph_layers takes the model again."""
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    model = GPT()
+    own = model.blocks[1].forward = functools.partial(Block.forward, model.blocks[1])
+    cgraph.graph_layers(model, pool=None)
+    first = [block.forward for block in model.blocks]
+    cgraph.reset_all()
+    assert all("forward" not in block.__dict__ for i, block in enumerate(model.blocks) if i != 1)
+    assert model.blocks[1].forward is own and not any(map(_api.is_graphed, model.blocks))
+    cgraph.graph_layers(model, pool=None)
+    again = [block.forward for block in model.blocks]
+    assert all(isinstance(g, cgraph.Graphed) and g not in first for g in again)
+    first[0].reset()  # reset already: its block's forward is another's now, left as it is
+    assert model.blocks[0].forward is again[0]
+
+
 def test_a_reset_gives_fsdp_its_parameters_back_even_if_logging_fails(monkeypatch):
     """A block graphed in place is reset through its forward (a
     cgraph.Graphed), not a GraphedModule: the native reset event releases
@@ -407,7 +431,10 @@ def test_a_reset_gives_fsdp_its_parameters_back_even_if_logging_fails(monkeypatc
     def failing_log(event, graphed):
         raise RuntimeError("log failed")
 
-    graphed = object()
+    class Reset:  # weakly referable, as a cgraph.Graphed
+        pass
+
+    graphed = Reset()
     _api._on_event("progress", graphed)
     assert released == []
     monkeypatch.setattr(_api._log, "on_event", failing_log)
