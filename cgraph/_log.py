@@ -149,11 +149,36 @@ def step_captured(step, recapture: bool, seconds: float) -> None:
                  pool_mib(step.graphed.pools))
 
 
-def step_stale(step, key: str) -> None:
+def step_stale(step, owner: str, key: str) -> None:
     """A hyperparameter baked into a step's graph changed: it is captured again."""
-    log.info("%r: the optimizer's %r changed since capture (a graph bakes it in): capturing "
-             "the step again. For SGD's lr, SGD(fused=True) reads it from the device instead.",
-             step, key)
+    log.info("%r: the %s's %r changed since capture (a graph bakes it in): capturing the "
+             "step again. %s", step, owner, key, _stale_fix(owner, key))
+
+
+def step_stale_every_call(step, owner: str, key: str, calls: int) -> None:
+    """A baked hyperparameter changed before each of a step's last `calls`
+    calls: each captured the step again (Note [Capturable optimizers] in
+    cgraph/_step.py)."""
+    log.warning("%r: the %s's %r changed before each of the last %d calls, and each change "
+                "captures the step again (a graph bakes it in), far slower than a replay. "
+                "%s Logged once per step.", step, owner, key, calls, _stale_fix(owner, key))
+
+
+# How to keep a scheduler from changing a hyperparameter a graph bakes in,
+# by the optimizer's key; _stale_fix's default for other keys and owners.
+_STALE_FIXES = {
+    "lr": "For lr: SGD(fused=True), and RMSprop or Adadelta with foreach=True, read it "
+          "from the device instead.",
+    "momentum": "OneCycleLR and CyclicLR change it at every step: build them with "
+                "cycle_momentum=False.",
+    "betas": "OneCycleLR and CyclicLR change it at every step: build them with "
+             "cycle_momentum=False.",
+}
+
+
+def _stale_fix(owner: str, key: str) -> str:
+    fix = _STALE_FIXES.get(key) if owner == "optimizer" else None
+    return fix or "Change it rarely: each change costs a capture."
 
 
 def step_optimizer_replaced(step, optimizer) -> None:

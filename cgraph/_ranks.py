@@ -13,21 +13,46 @@ A: After a whole-step capture, where torch.distributed is initialized with
    replay.  A collective captured into a graph does not run at capture, so
    no rank is inside one then.  If any rank failed, every rank raises,
    naming each failed rank and its error; a failed rank raises its own
-   error with that note.  Per-layer graphs are not agreed on: their
-   captures come on each rank's own first call with new shapes, which may
-   differ between ranks (a short last batch on one of them).
+   error with that note.  A failure before the capture (a refusal, the
+   static inputs' memory) is agreed on too: each rank calls agree once per
+   capture, wherever it stopped.
+   Only a step that may hold collectives is agreed on: one that calls a
+   DDP model (seen in its warm-up) or whose optimizers' parameters or
+   arguments include a DTensor (FSDP2, tensor parallelism), decided before
+   capture from what every rank running the step holds alike
+   (may_hold_collectives).  A step without them may run on some ranks only
+   (``if rank == 0: make_graphed_step(evaluate)``), where a gather on the
+   default group would wait forever for the others.  Collectives the step
+   issues itself (``dist.all_reduce`` of grads, with no DDP or DTensor) are
+   not seen: a capture failing on one rank then raises there only.
+   Per-layer graphs are not agreed on: their captures come on each rank's
+   own first call with new shapes, which may differ between ranks (a short
+   last batch on one of them).
 """
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch.distributed as dist
 
+from ._dtensor import is_dtensor
 
-def agree(failure: BaseException | None, what: str) -> None:
+
+def may_hold_collectives(ddp_models: list, tensors: Iterable) -> bool:
+    """Whether a step graphed whole may hold collectives, so that its ranks
+    agree on its capture: it calls DDP models (`ddp_models`), or one of
+    `tensors` (its optimizers' parameters and its arguments) is a DTensor."""
+    return bool(ddp_models) or any(is_dtensor(t) for t in tensors)
+
+
+def agree(failure: BaseException | None, what: str, together: bool = True) -> None:
     """Raises on every rank if `what` failed on any (`failure`: this rank's
-    error, or None); without a process group of several ranks, raises
-    `failure` if there is one."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    error, or None), where the ranks run it `together`; otherwise, or
+    without a process group of several ranks, raises `failure` if there is
+    one."""
+    if not (together and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1):
         if failure is not None:
             raise failure
         return

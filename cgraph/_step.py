@@ -33,11 +33,20 @@ A: Before capture, every param group that has torch's ``capturable`` flag
    optimizer that reads it from the device (capturable Adam/AdamW, fused
    SGD) gets a device tensor in ``group["lr"]`` while it is captured, then
    the float back; before each replay, a group whose float changed since
-   refills its tensor (one fill kernel).  Any other hyperparameter baked
-   into the graph as a number (SGD's lr unless fused, betas, weight decay,
-   momentum) is compared before each replay, and a change recaptures, with
-   a log line: nothing replays with a stale value.  So does an optimizer
-   whose ``param_groups`` or ``state`` were replaced or grown since capture
+   refills its tensor (one fill kernel).  A tensor lr off the parameters'
+   device (``lr=torch.tensor(1e-3)``, on the CPU: fused kernels read it with
+   ``.item()``, baking it in) is handled as a float: the user's tensor,
+   which a scheduler fills in place, goes back after capture, and its value
+   (``float()``, no GPU sync) is compared before each replay; a tensor lr on
+   the parameters' device is read by the graph in place.  Any other
+   hyperparameter baked into the graph as a number (SGD's lr unless fused,
+   betas, weight decay, momentum) is compared before each replay, and a
+   change recaptures, with a log line: nothing replays with a stale value.
+   A change before every call (OneCycleLR's momentum) recaptures at every
+   call, far slower than replays: warned once, at the third in a row.  A
+   param group with no parameters steps nothing: none of its values is
+   read or compared.  An optimizer is captured again too where its
+   ``param_groups`` or ``state`` were replaced or grown since capture
    (``load_state_dict``, as resuming from a checkpoint does;
    ``add_param_group``; a group or its params list replaced), or that is
    gone, where the graph would go on stepping the tensors and reading the
@@ -62,7 +71,10 @@ A: While the step is captured, the scaler's host test is replaced by a CUDA
    begin_capture_to_if_node is 2.12+ only), so a replay runs it, or skips
    all of it (state, step counts and parameters untouched), as eager would.
    The scale itself is updated on the device by ``scaler.update()``, as
-   before.  Cost per step when no
+   before; its growth and backoff factors and growth interval go to that
+   kernel as numbers, baked into the graph, so a change of them
+   (``set_growth_factor``, ``load_state_dict``) recaptures, as a baked
+   hyperparameter does (_ScalerFactors).  Cost per step when no
    inf occurs: a sum and a compare of one-element tensors, the kernel
    setting the node's condition, and the conditional node's launch of its
    body graph, a few microseconds of GPU time, none of host time.
@@ -102,6 +114,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import time
 import warnings
 import weakref
@@ -269,6 +282,39 @@ class _Group:
     baked_values: tuple  # baked's values, in its order
 
 
+# GradScaler's settings that scaler.update() hands torch._amp_update_scale_
+# as numbers, baked into the graph (Note [GradScaler with any optimizer]).
+_SCALER_FACTORS = ("_growth_factor", "_backoff_factor", "_growth_interval")
+_scaler_factors = operator.attrgetter(*_SCALER_FACTORS)
+
+# The calls in a row captured again for a changed hyperparameter at which a
+# step warns that it recaptures at every call (Note [Capturable optimizers]).
+_STALE_WARNING_AT = 3
+
+
+class _ScalerFactors(NamedTuple):
+    """A GradScaler's growth and backoff settings as the graph captured them
+    (set_growth_factor and load_state_dict change them): compared before
+    each replay, as a baked hyperparameter is."""
+
+    scaler: weakref.ref
+    values: tuple
+
+    @classmethod
+    def of(cls, scaler) -> "_ScalerFactors":
+        return cls(weakref.ref(scaler), _scaler_factors(scaler))
+
+    def changed(self) -> str | None:
+        """The first setting that changed since capture, as state_dict names
+        it; None if none did, or the scaler is gone (the step no longer
+        calls it)."""
+        scaler = self.scaler()
+        if scaler is None or _scaler_factors(scaler) == self.values:
+            return None
+        return next(name.lstrip("_") for name, value in zip(_SCALER_FACTORS, self.values)
+                    if getattr(scaler, name) != value)
+
+
 # Note [The step's hot path]
 # Q: What runs on the host when a captured step is called?
 # A: The whole step is one graph replay, which costs about 13 us of host
@@ -312,7 +358,13 @@ class GraphedStep:
         self.static: _Static | None = None
         self.outputs: _Outputs | None = None  # None: the native call returns them as they are
         self.groups: list[_Group] = []
+        self.scalers: weakref.WeakSet = weakref.WeakSet()  # the GradScalers it steps through
+        # Their settings as captured: Note [GradScaler with any optimizer].
+        self.scaler_factors: list[_ScalerFactors] = []
         self.containers: list[_Containers] = []  # Note [Capturable optimizers]
+        # Calls in a row captured again for a changed hyperparameter, and
+        # whether that was warned of: Note [Capturable optimizers].
+        self.stale_in_a_row, self._warned_stale = 0, False
         self.grads: StepGrads | None = None  # Note [Grads around a graphed step]
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
         self._waited = False  # logged that warm-up waits for a scaler's first step
@@ -355,6 +407,7 @@ class GraphedStep:
 
         def noted_scaler_step(scaler, optimizer, *a, **k):
             step.scaled.add(optimizer)
+            step.scalers.add(scaler)
             return scaler_step(scaler, optimizer, *a, **k)
 
         torch.amp.GradScaler.step = noted_scaler_step
@@ -456,41 +509,18 @@ class GraphedStep:
 
     def _capture(self, leaves: list, spec) -> None:
         """Captures the step, called with copies of this call's tensors
-        (they become the static inputs), by the native capture session."""
+        (they become the static inputs), by the native capture session;
+        where the ranks capture it together, after they agreed that every
+        one did (Note [A capture that fails on one rank], cgraph/_ranks.py)."""
         started = time.perf_counter()
         recapture = self.graphed is not None
-        self._refuse_what_no_graph_can_step()
-        self._free()
-        static = [_static_copy(x) if isinstance(x, torch.Tensor) else _constant(i, x)
-                  for i, x in enumerate(leaves)]
-        self.static = _Static(static, spec)
+        together = self._holds_collectives(leaves)  # before anything can fail
         put_back = _as_they_are(list(self.optimizers))
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         grads: list[StepGrads] = []  # the grads as the capture left them, as a record
-        failure = None
-        # Held until the capture holds the pool itself: Note [A step's warm-up in its pool].
-        warm, self.warm_pool = self.warm_pool, None
-        pool = self.pool if warm is None else warm.id
+        failure = self._captured(leaves, spec, returned, grads)
         try:
-            self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
-                           for g in opt.param_groups]
-            args, kwargs = pytree.tree_unflatten(static, spec)
-            drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
-            drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
-            # The SGD check of device_resident_steps runs kernels: first, eagerly.
-            with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
-                    _scaler_steps_on_the_device(), StepGrads.noted(list(self.optimizers), grads):
-                (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
-        except _C.CaptureError as exc:
-            failure = exc
-            if exc.kind == _RNG_REGIONS:
-                failure = _rng_state_refused(exc)
-                failure.__cause__ = exc.__cause__
-        except Exception as exc:  # noqa: BLE001 -- every rank hears of it, then it is raised
-            failure = exc
-        warm = None  # the graph holds its pool now, if it was captured
-        try:  # Note [A capture that fails on one rank] (cgraph/_ranks.py)
-            _ranks.agree(failure, "the training step's capture")
+            _ranks.agree(failure, "the training step's capture", together)
         except BaseException:
             # This rank's graph too, if it has one (another rank failed): a
             # caller going on replays nothing the others do not, and its
@@ -504,9 +534,57 @@ class GraphedStep:
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
 
+    def _holds_collectives(self, leaves: list) -> bool:
+        """Whether the ranks capture this step together, and so agree on its
+        capture: decided from what every rank running it holds alike."""
+        params = [p for opt in list(self.optimizers) for g in opt.param_groups
+                  for p in g["params"]]
+        return _ranks.may_hold_collectives(self.ddp.models(), [*params, *leaves])
+
+    def _captured(self, leaves: list, spec, returned: list, grads: list
+                  ) -> BaseException | None:
+        """Refusals, static inputs, and the capture into ``self.graphed``:
+        the error that stopped them (every rank hears of it before it is
+        raised), or None."""
+        warm = None
+        try:
+            self._refuse_what_no_graph_can_step()
+            self._free()
+            static = [_static_copy(x) if isinstance(x, torch.Tensor) else _constant(i, x)
+                      for i, x in enumerate(leaves)]
+            self.static = _Static(static, spec)
+            # Held until the capture holds the pool itself: Note [A step's
+            # warm-up in its pool].
+            warm, self.warm_pool = self.warm_pool, None
+            pool = self.pool if warm is None else warm.id
+            self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
+                           for g in opt.param_groups]
+            self.scaler_factors = [_ScalerFactors.of(s) for s in list(self.scalers)]
+            args, kwargs = pytree.tree_unflatten(static, spec)
+            drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
+            drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
+            # The SGD check of device_resident_steps runs kernels: first, eagerly.
+            with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
+                    _scaler_steps_on_the_device(), StepGrads.noted(list(self.optimizers), grads):
+                (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
+        except _C.CaptureError as exc:
+            if exc.kind != _RNG_REGIONS:
+                return exc
+            failure = _rng_state_refused(exc)
+            failure.__cause__ = exc.__cause__
+            return failure
+        except Exception as exc:  # noqa: BLE001 -- every rank hears of it, then it is raised
+            return exc
+        finally:
+            # The graph holds its pool now, if it was captured; else the
+            # pool goes back, not kept by the error's traceback (this frame).
+            warm = None  # noqa: F841
+        return None
+
     def _refuse_what_no_graph_can_step(self) -> None:
         """Raises, naming the fix, before the capture copies its inputs and
-        before the optimizers change (a CPU caller goes on as before).  A
+        before the optimizers change (a CPU caller goes on as before, once
+        the ranks agreed where they capture together).  A
         refused step keeps nothing for a capture: its warm-up pool goes back
         (what the warm-up calls cached there would otherwise stay reserved
         for as long as the step lives: a caller going on eagerly, as
@@ -544,20 +622,12 @@ class GraphedStep:
         """Note [Capturable optimizers], for one param group."""
         if "capturable" in group and not group["capturable"]:
             group["capturable"] = True
+        if not group["params"]:  # steps nothing: no lr to read, nothing baked
+            return _Group(group, None, None, {}, ())
         if "capturable" in group or isinstance(optimizer, _DEVICE_RESIDENT):
             for p in group["params"]:
                 _state_to_device(optimizer.state.get(p, {}), p.device)
-        reads_device_lr = group.get("fused") or (
-            group.get("capturable") and not _reads_lr_on_the_host(optimizer, group))
-        lr = None
-        if not reads_device_lr and isinstance(group["lr"], torch.Tensor):
-            raise ValueError(
-                f"cgraph: this {type(optimizer).__name__} has a tensor lr, but its step reads "
-                "lr as a number, which the graph would keep at its value at capture (an LR "
-                "scheduler changes a tensor lr in place, unseen). Pass lr as a float: a "
-                "change then recaptures the step (logged).")
-        if reads_device_lr and not isinstance(group["lr"], torch.Tensor):
-            lr = torch.tensor(float(group["lr"]), device=group["params"][0].device)
+        lr = _device_lr(optimizer, group)
         baked = {k: v for k, v in group.items()
                  if k != "params" and not (k == "lr" and lr is not None)}
         return _Group(group, lr, float(group["lr"]) if lr is not None else None, baked,
@@ -566,34 +636,53 @@ class GraphedStep:
     @contextlib.contextmanager
     def _device_lrs(self):
         """While captured, a group whose optimizer reads lr from the device
-        holds the tensor the graph will read; the float comes back after."""
-        swapped = [g for g in self.groups if g.lr is not None]
-        for g in swapped:
+        holds the tensor the graph will read; its own lr comes back after,
+        the same object (a scheduler fills a tensor lr in place)."""
+        swapped = [(g, g.group["lr"]) for g in self.groups if g.lr is not None]
+        for g, _ in swapped:
             g.group["lr"] = g.lr
         try:
             yield
         finally:
-            for g in swapped:
-                g.group["lr"] = g.lr_value
+            for g, own in swapped:
+                g.group["lr"] = own
 
     # -- 3. replay: the native call (Note [The step's hot path]) ---------------
 
     def _stale(self) -> bool:
-        """Whether a hyperparameter baked into the graph changed, or an
-        optimizer's groups or state were replaced (then the step is captured
-        again), after refreshing the device lrs."""
+        """Whether a value baked into the graph changed (an optimizer's
+        hyperparameter, a GradScaler's settings) or an optimizer's groups or
+        state were replaced (then the step is captured again), after
+        refreshing the device lrs.  Counts the calls in a row it found a
+        changed value (_recaptures); a replay starts them again."""
         if self._optimizer_replaced():
             return True
         for g in self.groups:
             group = g.group
-            if g.lr is not None and group["lr"] != g.lr_value:
-                g.lr.fill_(float(group["lr"]))  # one fill kernel, no sync
-                g.lr_value = group["lr"]
+            # float(): a CPU tensor lr (Note [Capturable optimizers]) is read without a sync.
+            if g.lr is not None and float(group["lr"]) != g.lr_value:
+                g.lr_value = float(group["lr"])
+                g.lr.fill_(g.lr_value)  # one fill kernel, no sync
             if tuple(map(group.get, g.baked)) != g.baked_values:
                 key = next(k for k, v in g.baked.items() if group.get(k) != v)
-                _log.step_stale(self, key)
-                return True
+                return self._recaptures("optimizer", key)
+        for factors in self.scaler_factors:
+            key = factors.changed()
+            if key is not None:
+                return self._recaptures("GradScaler", key)
+        self.stale_in_a_row = 0
         return False
+
+    def _recaptures(self, owner: str, key: str) -> bool:
+        """A value baked into the graph changed (the `owner`'s `key`): logged,
+        and the step is captured again.  A change before every call makes
+        every call a capture: warned once per step, at the third in a row."""
+        self.stale_in_a_row += 1
+        _log.step_stale(self, owner, key)
+        if self.stale_in_a_row == _STALE_WARNING_AT and not self._warned_stale:
+            self._warned_stale = True
+            _log.step_stale_every_call(self, owner, key, self.stale_in_a_row)
+        return True
 
     def _optimizer_replaced(self) -> bool:
         """Whether an optimizer's groups or state were replaced or grown since
@@ -643,7 +732,7 @@ class GraphedStep:
         if self.graphed is not None:
             self.graphed.reset()
         self.graphed, self.static, self.outputs, self.groups = None, None, None, []
-        self.grads = None
+        self.grads, self.scaler_factors = None, []
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)
@@ -718,6 +807,26 @@ def _reads_lr_on_the_host(optimizer, group: dict) -> bool:
         from torch.optim.optimizer import _default_to_fused_or_foreach
         foreach = _default_to_fused_or_foreach(group["params"], differentiable, False)[1]
     return not foreach or differentiable
+
+
+def _device_lr(optimizer, group: dict) -> torch.Tensor | None:
+    """The device tensor the graph reads lr from, while captured, for a
+    group whose step reads it there and whose lr is a number or a tensor
+    off its parameters' device (a CPU tensor, which fused kernels read on
+    the host); None where the graph bakes lr in or reads the group's own
+    tensor in place (Note [Capturable optimizers])."""
+    lr, device = group["lr"], group["params"][0].device
+    reads_device_lr = group.get("fused") or (
+        group.get("capturable") and not _reads_lr_on_the_host(optimizer, group))
+    if not reads_device_lr and isinstance(lr, torch.Tensor):
+        raise ValueError(
+            f"cgraph: this {type(optimizer).__name__} has a tensor lr, but its step reads "
+            "lr as a number, which the graph would keep at its value at capture (an LR "
+            "scheduler changes a tensor lr in place, unseen). Pass lr as a float: a "
+            "change then recaptures the step (logged).")
+    if not reads_device_lr or (isinstance(lr, torch.Tensor) and lr.device == device):
+        return None
+    return torch.tensor(float(lr), device=device)
 
 
 def _as_they_are(optimizers: list) -> Callable[[], None]:

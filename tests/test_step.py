@@ -258,6 +258,67 @@ def test_a_cosine_schedule_with_warm_up_matches_eager(fused):
     assert captures == 1 if fused else captures > 40  # lr changes at almost every step
 
 
+OPTIMIZERS_WITH_A_SCHEDULE = {
+    # A CPU tensor lr, which the fused kernel reads on the host (.item()):
+    # the graph reads a device copy, refilled before each replay.
+    "cpu-tensor-lr": lambda ps: torch.optim.AdamW(ps, lr=torch.tensor(1e-2), fused=True),
+    # A group with no parameters beside the model's: it steps nothing.
+    "empty-group": lambda ps: torch.optim.AdamW(
+        [{"params": ps}, {"params": [], "weight_decay": 0.0}], lr=1e-2, fused=True),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS_WITH_A_SCHEDULE))
+def test_an_lr_scheduler_on_a_cpu_tensor_lr_or_an_empty_group_matches_eager(name):
+    """StepLR changes lr at every step (a tensor lr in place, with fill_):
+    one capture, and eager's results bit for bit (Note [Capturable
+    optimizers])."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    make = OPTIMIZERS_WITH_A_SCHEDULE[name]
+    opt, opt_e = make(list(model.parameters())), make(list(eager.parameters()))
+    sched, sched_e = (torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7)
+                      for o in (opt, opt_e))
+    lr = opt.param_groups[0]["lr"]
+    step = cgraph.make_graphed_step(make_step(model, opt), batches[0])
+    losses = run(step, batches, sched.step)
+    losses_e = run(make_step(eager, opt_e), batches, sched_e.step)
+    assert_same_training(model, eager, losses, losses_e)
+    assert step.stats == {"eager": 3, "captures": 1, "replays": 5}, step.stats
+    if isinstance(lr, torch.Tensor):
+        assert opt.param_groups[0]["lr"] is lr  # the user's, which the scheduler fills
+    assert float(opt.param_groups[0]["lr"]) == float(opt_e.param_groups[0]["lr"]) < 1e-3
+
+
+def test_a_grad_scaler_growth_factor_changed_after_capture_captures_again():
+    """scaler.update() hands the graph its growth factor as a number: set
+    after capture, it captures the step again (Note [GradScaler with any
+    optimizer]), and the scale grows as eager's does."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
+    scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**4, growth_interval=1)
+               for _ in range(2)]
+    calls = [0, 0]
+
+    def change_after_the_fifth(i):
+        def after_step():
+            calls[i] += 1
+            if calls[i] == 5:
+                scalers[i].set_growth_factor(4.0)
+        return after_step
+
+    step = cgraph.make_graphed_step(make_step(model, opts[0], scalers[0], dtype=torch.float16),
+                                    batches[0])
+    losses = run(step, batches, change_after_the_fifth(0))
+    losses_e = run(make_step(eager, opts[1], scalers[1], dtype=torch.float16), batches,
+                   change_after_the_fifth(1))
+    assert_same_training(model, eager, losses, losses_e)
+    assert_equal(scalers[0]._scale, scalers[1]._scale, "the scale")
+    assert scalers[0].get_scale() == 2.0**4 * 2.0**5 * 4.0**3
+    assert step.stats == {"eager": 3, "captures": 2, "replays": 5}, step.stats
+
+
 def test_grad_scaler_skips_a_step_with_an_inf_as_eager_does():
     model, batches = model_and_data(dropout=0.0)
     eager = copy.deepcopy(model)

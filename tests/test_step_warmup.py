@@ -1,15 +1,35 @@
-"""make_graphed_step's warm-up on the CPU (no capture): warm-up calls are
-eager steps, and a GradScaler's skipped steps do not count towards it
-(Note [GradScaler with any optimizer] in cgraph/_step.py).  The GPU tests
-of the step are in tests/test_step.py."""
+"""make_graphed_step on the CPU (no capture): warm-up calls are eager
+steps, and a GradScaler's skipped steps do not count towards it (Note
+[GradScaler with any optimizer] in cgraph/_step.py); the bookkeeping a
+capture leaves (device lrs, baked values, replaced optimizers) set up as a
+capture sets it; and when ranks agree on a capture.  The GPU tests of the
+step are in tests/test_step.py."""
 
 import gc
 import logging
+import warnings
 
+import pytest
 import torch
 from torch import nn
 
 import cgraph
+from cgraph import _ranks
+from cgraph._step import _Containers, _ScalerFactors
+
+
+def as_captured(step, *optimizers):
+    """The bookkeeping a capture of `step` leaves for `optimizers` (its
+    groups and containers), set without a GPU."""
+    step.groups = [step._capturable(opt, g) for opt in optimizers for g in opt.param_groups]
+    step.containers = [_Containers.of(opt) for opt in optimizers]
+
+
+def scheduled(scheduler):
+    """scheduler.step(), whose warning of no optimizer step first does not apply here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
+        scheduler.step()
 
 
 def test_warm_up_goes_on_until_a_grad_scaler_has_let_the_optimizer_step(caplog):
@@ -37,6 +57,7 @@ def test_warm_up_goes_on_until_a_grad_scaler_has_let_the_optimizer_step(caplog):
     assert step.stats == {"eager": 3, "captures": 0, "replays": 0}
     assert step.num_warmup_iters == 3  # the next call captures
     assert scaler.get_scale() == 2.0**8
+    assert set(step.scalers) == {scaler}  # its settings are compared after capture
     waits = [r for r in caplog.records if "skipped every step of SGD" in r.getMessage()]
     assert len(waits) == 1, caplog.text
 
@@ -69,8 +90,6 @@ def test_an_optimizer_loaded_grown_or_gone_is_seen_as_replaced():
     groups and state, add_param_group grows them, and so can code of one's
     own; a captured step notices before its next call (the GPU test:
     test_an_optimizer_loaded_or_grown_after_capture_is_captured_again)."""
-    from cgraph._step import _Containers
-
     model, unused = nn.Linear(4, 2), nn.Parameter(torch.zeros(1))
     opt = torch.optim.AdamW([*model.parameters(), unused])
     model(torch.randn(3, 4)).sum().backward()
@@ -102,8 +121,6 @@ def test_a_replaced_optimizer_warms_up_again_until_it_has_stepped():
     GradScaler skipping that step (inf grads) prolongs the warm-up, as it
     does the first one.  On the CPU: the containers are set as a capture
     sets them."""
-    from cgraph._step import _Containers
-
     torch.manual_seed(0)
     model, extra = nn.Linear(4, 2), nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -128,3 +145,176 @@ def test_a_replaced_optimizer_warms_up_again_until_it_has_stepped():
     assert step.stats == {"eager": 3, "captures": 0, "replays": 0}
     assert opt in step.optimizers and "momentum_buffer" in opt.state[extra]
     assert step.num_warmup_iters == 3  # the next call captures
+
+
+# ---- Note [Capturable optimizers]: lr, baked values, without a GPU ---------
+
+def test_a_cpu_tensor_lr_is_read_from_a_device_tensor_refilled_before_each_replay():
+    """A fused kernel reads a CPU tensor lr with .item() at capture, baking
+    it in: the graph reads a tensor on the parameters' device instead (meta
+    here, standing in for CUDA), the user's tensor comes back after the
+    capture, and a scheduler's fill_ of it is carried over before the next
+    replay, without a recapture.  The GPU test:
+    test_an_lr_scheduler_on_a_cpu_tensor_lr_or_an_empty_group_matches_eager."""
+    lr = torch.tensor(1e-3)
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(3, device="meta"))], lr=lr, fused=True)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    step = cgraph.make_graphed_step(lambda: None)
+    as_captured(step, opt)
+    (group,) = step.groups
+    assert group.lr.device.type == "meta" and "lr" not in group.baked
+    with step._device_lrs():
+        assert opt.param_groups[0]["lr"] is group.lr
+    assert opt.param_groups[0]["lr"] is lr  # the scheduler fills this one
+    group.lr = torch.zeros(())  # a CPU stand-in for the graph's tensor, to read it back
+    scheduled(scheduler)
+    assert not step._stale()
+    assert group.lr.item() == group.lr_value == lr.item() == torch.tensor(5e-4).item()
+
+
+def test_a_tensor_lr_on_the_parameters_device_is_read_in_place_and_a_number_one_refused():
+    """A tensor lr on the parameters' device is the graph's to read in place,
+    as before; an optimizer whose step reads lr as a number is refused, as
+    before (a scheduler's fill_ would go unseen)."""
+    step = cgraph.make_graphed_step(lambda: None)
+    lr = torch.tensor(1e-3)
+    opt = torch.optim.AdamW([nn.Parameter(torch.zeros(3))], lr=lr, fused=True)
+    as_captured(step, opt)
+    assert step.groups[0].lr is None and step.groups[0].baked["lr"] is lr
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(3, device="meta"))], lr=lr)
+    with pytest.raises(ValueError, match="reads lr as a number"):
+        as_captured(step, sgd)
+
+
+def test_an_empty_param_group_gets_no_device_lr_and_nothing_compared():
+    """torch lets a group have no parameters (weight decay split by a filter
+    that matched none): it steps nothing, so nothing of it is read."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW([{"params": list(model.parameters())},
+                             {"params": [], "weight_decay": 0.0}], lr=1e-3, fused=True)
+    step = cgraph.make_graphed_step(lambda: None)
+    as_captured(step, opt)
+    empty = step.groups[1]
+    assert empty.lr is None and empty.baked == {}
+    opt.param_groups[1]["lr"], opt.param_groups[1]["betas"] = 0.5, (0.8, 0.9)
+    assert not step._stale()
+
+
+@pytest.mark.parametrize("cycle_momentum", [True, False])
+def test_a_scheduler_changing_betas_at_every_call_is_warned_of_once(cycle_momentum, caplog):
+    """OneCycleLR cycles Adam's betas at every step (cycle_momentum=True, its
+    default), which the graph bakes in: every call captures the step again.
+    That is logged at each, and warned of once, at the third in a row,
+    naming the fix; a replay (nothing changed) starts the count again."""
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=20,
+                                                    cycle_momentum=cycle_momentum)
+    step = cgraph.make_graphed_step(lambda: None)
+    as_captured(step, opt)
+    stale = []
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for _ in range(5):
+            scheduled(scheduler)
+            stale.append(step._stale())
+            if stale[-1]:
+                as_captured(step, opt)  # the call captures again
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert step.groups[0].lr.item() == torch.tensor(opt.param_groups[0]["lr"]).item()
+    if not cycle_momentum:  # lr alone changes: read from the device
+        assert stale == [False] * 5 and not warned and not caplog.records
+        return
+    assert stale == [True] * 5 and step.stale_in_a_row == 5
+    assert len(warned) == 1, warned
+    assert "'betas' changed before each of the last 3 calls" in warned[0]
+    assert "cycle_momentum=False" in warned[0]
+    assert not step._stale() and step.stale_in_a_row == 0  # a replay
+
+
+@pytest.mark.parametrize("setting", ["growth_factor", "backoff_factor", "growth_interval"])
+def test_a_grad_scaler_setting_changed_after_capture_captures_again(setting, caplog):
+    """scaler.update() hands its growth and backoff factors and growth
+    interval to the graph as numbers (Note [GradScaler with any
+    optimizer]): a change (set_*, load_state_dict) captures again."""
+    scaler = torch.amp.GradScaler("cpu", growth_interval=1)
+    step = cgraph.make_graphed_step(lambda: None)
+    step.scaler_factors = [_ScalerFactors.of(scaler)]
+    assert not step._stale()
+    if setting == "growth_interval":
+        scaler.load_state_dict({**scaler.state_dict(), "growth_interval": 5})
+    else:
+        getattr(scaler, f"set_{setting}")(0.25 if setting == "backoff_factor" else 4.0)
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        assert step._stale()
+    assert f"the GradScaler's '{setting}' changed since capture" in caplog.text
+
+
+# ---- Note [A capture that fails on one rank] (cgraph/_ranks.py) --------------
+
+def test_ranks_agree_on_a_steps_capture_only_where_it_may_hold_collectives(mesh):
+    """A step without DDP or DTensors may be graphed on some ranks only
+    (rank 0's evaluation): no agreement, which would wait for the others.
+    DTensor parameters (FSDP2, TP) or arguments, and DDP models, have the
+    ranks agree."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.nn.parallel import DistributedDataParallel
+
+    x = torch.randn(3, 4)
+    step = cgraph.make_graphed_step(lambda x: None, (x,))
+    step.optimizers.add(torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1))
+    assert not step._holds_collectives([x])
+    assert step._holds_collectives([DTensor.from_local(x, mesh, [Replicate()])])
+    sharded = nn.Linear(4, 2)
+    fully_shard(sharded, mesh=mesh)
+    step.optimizers.add(sgd := torch.optim.SGD(sharded.parameters(), lr=0.1))
+    assert step._holds_collectives([x])
+    step.optimizers.discard(sgd)
+    ddp = DistributedDataParallel(nn.Linear(4, 2))
+    step = cgraph.make_graphed_step(lambda x: ddp(x).sum().backward(), (x,))
+    step(x)  # warm-up: the DDP model is found
+    assert step._holds_collectives([x])
+
+
+class _NoCapturableForm(torch.optim.Optimizer):
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.parametrize("argument", ["plain", "dtensor"])
+def test_a_refusal_before_capture_goes_through_the_ranks_agreement(argument, mesh, monkeypatch):
+    """Each rank calls agree once per capture, wherever it stopped: a rank
+    refused before capturing (here an optimizer with no capturable form)
+    meets the ranks that captured in the same gather."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    agreed = []
+
+    def agree(failure, what, together=True):
+        agreed.append((type(failure), together))
+        if failure is not None:
+            raise failure
+
+    monkeypatch.setattr(_ranks, "agree", agree)
+    model = nn.Linear(4, 2)
+    opt = _NoCapturableForm(model.parameters())
+    x = torch.randn(3, 4)
+    if argument == "dtensor":
+        x = DTensor.from_local(x, mesh, [Replicate()])
+
+    def train_step(x):
+        opt.zero_grad()
+        model(x.to_local() if argument == "dtensor" else x).sum().backward()
+        opt.step()
+
+    step = cgraph.make_graphed_step(train_step, (x,), num_warmup_iters=1)
+    step(x)
+    with pytest.raises(ValueError, match="no capturable form"):
+        step(x)
+    assert agreed == [(ValueError, argument == "dtensor")]
