@@ -40,19 +40,26 @@ _live: "weakref.WeakSet[_C.Graphed]" = weakref.WeakSet()
 
 class _Installed(NamedTuple):
     """A graphed callable cgraph set as a module's own ``forward`` (a module
-    with hooks, a DDP model's module, graph_layers), and the forward it
-    replaced (None: the class's), put back at the callable's reset so that
-    the module can be graphed again (reset_all before re-graphing)."""
+    with hooks, a DDP model's module, graph_layers): at the callable's
+    reset the module gets back the forward it had before (kept on the
+    module, under _OWN_FORWARD, where there was one), so that it can be
+    graphed again (reset_all before re-graphing).  Both weakly: an entry
+    must not keep its key alive (the call is the graphed callable, or the
+    buckets around it), nor the module (its previous forward may be bound
+    to it), whose drop frees the graphs."""
     module: "weakref.ref[nn.Module]"
-    call: Any
-    previous: Any
+    call: weakref.ref
 
 
+_OWN_FORWARD = "_cgraph_own_forward"
 _installed: "weakref.WeakKeyDictionary[_C.Graphed, _Installed]" = weakref.WeakKeyDictionary()
 
 
 def _install_forward(module: nn.Module, graphed: _C.Graphed, call) -> None:
-    _installed[graphed] = _Installed(weakref.ref(module), call, module.__dict__.get("forward"))
+    own = module.__dict__.get("forward")
+    if own is not None:
+        module.__dict__[_OWN_FORWARD] = own
+    _installed[graphed] = _Installed(weakref.ref(module), weakref.ref(call))
     module.forward = call
 
 
@@ -61,12 +68,13 @@ def _uninstall_forward(graphed: _C.Graphed) -> None:
     unless something else was set there since."""
     installed = _installed.pop(graphed, None)
     module = installed.module() if installed is not None else None
-    if module is None or module.__dict__.get("forward") is not installed.call:
+    if module is None or module.__dict__.get("forward") is not installed.call():
         return
-    if installed.previous is None:
+    own = module.__dict__.pop(_OWN_FORWARD, None)
+    if own is None:
         del module.forward
     else:
-        module.forward = installed.previous
+        module.forward = own
 
 
 def reset_all() -> None:
@@ -74,7 +82,9 @@ def reset_all() -> None:
 
     Call it before ``torch.distributed.destroy_process_group()`` or before
     re-graphing a whole model.  Later calls of a reset callable raise (a
-    graphed step captures again on its next call).  It also runs at
+    graphed step captures again on its next call; a module whose forward
+    cgraph had set to the graphed callable, graph_layers' blocks among
+    them, runs its own forward again).  It also runs at
     interpreter exit, so graphs are freed while CUDA is still up.
     """
     for graphed in list(_live):

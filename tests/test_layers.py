@@ -420,6 +420,29 @@ def test_a_reset_puts_the_blocks_own_forward_back_to_be_graphed_again(monkeypatc
     assert model.blocks[0].forward is again[0]
 
 
+def test_a_dropped_model_drops_its_graphed_blocks_without_gc(monkeypatch):
+    """What reset needs to give a block its own forward back is held weakly:
+    the graphs (and their pools, on a GPU) go with the model."""
+    import gc
+    import weakref
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    model = GPT()
+    model.blocks[0].forward = functools.partial(Block.forward, model.blocks[0])  # a cycle
+    cgraph.graph_layers(model, pool=None)
+    graphed = [weakref.ref(block.forward) for block in model.blocks]
+    gc.disable()
+    try:
+        del model
+        alive = [g() is not None for g in graphed]
+    finally:
+        gc.enable()
+    # Block 0's own forward is bound to it (a reference cycle, as eager's is): the collector's.
+    assert alive == [True, False, False, False]
+    gc.collect()
+    assert all(g() is None for g in graphed)
+
+
 def test_a_reset_gives_fsdp_its_parameters_back_even_if_logging_fails(monkeypatch):
     """A block graphed in place is reset through its forward (a
     cgraph.Graphed), not a GraphedModule: the native reset event releases
