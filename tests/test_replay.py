@@ -609,11 +609,21 @@ def test_reset_returns_pool_memory():
         graphed(make_input())
 
 
-def test_deleting_the_module_returns_pool_memory_without_gc():
+@pytest.mark.parametrize("how", ["drop-in", "with a hook", "in place"])
+def test_deleting_the_module_returns_pool_memory_without_gc(how):
+    """No cycle: the graphed forward holds its module weakly, and so does
+    what a reset needs to give a module its own forward back (a module
+    with hooks, graph_layers' blocks)."""
     model, make_input = mlp()
-    gc.disable()  # no cycle: the graphed forward holds its module weakly
+    gc.disable()
     try:
-        model = cgraph.make_graphed_callables(model, (make_input(),))
+        if how == "drop-in":
+            model = cgraph.make_graphed_callables(model, (make_input(),))
+        elif how == "with a hook":
+            model.register_forward_pre_hook(lambda module, args: None)
+            model = cgraph.make_graphed(model, (make_input(),)).module
+        else:
+            cgraph._api.graphed_in_place(model, sample_args=(make_input(),))
         model(make_input()).sum().backward()
         pool = model.forward.pool
         assert pool_segments(pool)
