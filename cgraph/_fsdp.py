@@ -88,8 +88,11 @@ _ALIGN = 256  # bytes: each parameter's home starts as the caching allocator's b
 _shared: "weakref.WeakValueDictionary[tuple, Home]" = weakref.WeakValueDictionary()
 # The models (FSDP roots' comm_ctx) a shared home was taken back from, logged once each.
 _took_back: "weakref.WeakSet" = weakref.WeakSet()
-# The FSDP parameters each graphed callable homed, for reset().
-_homed: "weakref.WeakKeyDictionary[_C.Graphed, list]" = weakref.WeakKeyDictionary()
+# The FSDP parameters each graphed callable homed, for reset(); weakly: an
+# FSDPParam holds its module, whose forward holds the graphed callable, so
+# a list of them kept every graphed FSDP layer's graphs after its model was
+# dropped.
+_homed: "weakref.WeakKeyDictionary[_C.Graphed, weakref.WeakSet]" = weakref.WeakKeyDictionary()
 
 
 def is_fsdp(module) -> bool:
@@ -328,7 +331,7 @@ def home_parameters(module: nn.Module, graphed: _C.Graphed) -> None:
         if _one_rank(group):
             p.free_unsharded_param = _Keeper(p, graphed)
         at += n
-    _homed.setdefault(graphed, []).extend(group.fsdp_params)
+    _homed.setdefault(graphed, weakref.WeakSet()).update(group.fsdp_params)
     _log.log.debug("FSDP layer %s: %d parameter(s) in a %s home of %.1f MiB",
                    type(module).__name__, len(group.fsdp_params),
                    "shared" if home is _shared.get(_key(outputs)) else "private",
@@ -365,7 +368,7 @@ def _owner(param) -> _C.Graphed | None:
 def release(graphed: _C.Graphed) -> None:
     """At reset(): the FSDP parameters `graphed` homed allocate as FSDP does
     again; a home is freed once no storage borrows it."""
-    for p in _homed.pop(graphed, ()):
+    for p in list(_homed.pop(graphed, ())):
         _unhome(p)
 
 

@@ -39,7 +39,8 @@ reads them):
    with the layers kept unsharded between micro-batches
    (set_reshard_after_backward(False)).  Activation checkpointing inside each
    sharded layer (checkpoint_wrapper, then fully_shard, as torchtitan applies
-   it).  Every layer reset and graphed again.
+   it).  Every layer reset and graphed again, then the model dropped
+   without a reset (its memory given back).
 2. a whole step graphed: make_graphed_step around the FSDP2 model's step
    (fused AdamW), its all-gathers and reduce-scatters inside the graph:
    losses and parameters bitwise equal to eager FSDP2's; then a step that
@@ -235,7 +236,9 @@ def graphed_again_after_reset(rank, name="per-layer graphs, graphed again after 
     """Recipe 1, then every layer reset and graphed anew (reset_all before
     re-graphing, as a notebook cell run twice does): the reset gives each
     layer its own forward back, and the new graphs home its parameters
-    afresh and train as eager."""
+    afresh and train as eager.  Then the model dropped without a reset:
+    its graphs, their pool and the homes go with it."""
+    before = torch.cuda.memory_allocated()
     eager, model = sharded(), sharded()
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (eager, model)]
     for graphing in range(2):
@@ -248,10 +251,15 @@ def graphed_again_after_reset(rank, name="per-layer graphs, graphed again after 
     replays = [layer.stats["forward"] for layer in model.layers]
     if min(replays) < STEPS - 1:
         raise SystemExit(f"rank {rank} {name}: the layers replayed {replays} times")
+    del eager, model, opts
+    gc.collect()
+    left = torch.cuda.memory_allocated() - before
+    if left > 0:
+        raise SystemExit(f"rank {rank} {name}: {left} bytes still allocated after dropping "
+                         "the graphed model without a reset")
     print(f"rank {rank} {name}: losses and grads equal to eager FSDP2 over 2 x {STEPS} "
-          f"steps, layers replayed {replays} after graphing again: OK", flush=True)
-    for layer in model.layers:
-        layer.reset()
+          f"steps, layers replayed {replays} after graphing again; dropped without a reset, "
+          "its memory given back: OK", flush=True)
 
 
 def train_beside(eager, model, opts, rank, name, around_backward, steppers=None,
