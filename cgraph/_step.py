@@ -304,6 +304,12 @@ class _ScalerFactors(NamedTuple):
     def of(cls, scaler) -> "_ScalerFactors":
         return cls(weakref.ref(scaler), _scaler_factors(scaler))
 
+    @classmethod
+    def of_enabled(cls, scalers: list) -> "list[_ScalerFactors]":
+        """Those of the enabled `scalers`: a disabled one (GradScaler(enabled=
+        False), bf16 or fp32 training) has no settings and passes grads on."""
+        return [cls.of(s) for s in scalers if s.is_enabled()]
+
     def changed(self) -> str | None:
         """The first setting that changed since capture, as state_dict names
         it; None if none did, or the scaler is gone (the step no longer
@@ -559,7 +565,7 @@ class GraphedStep:
             pool = self.pool if warm is None else warm.id
             self.groups = [self._capturable(opt, g) for opt in list(self.optimizers)
                            for g in opt.param_groups]
-            self.scaler_factors = [_ScalerFactors.of(s) for s in list(self.scalers)]
+            self.scaler_factors = _ScalerFactors.of_enabled(list(self.scalers))
             args, kwargs = pytree.tree_unflatten(static, spec)
             drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
             drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]

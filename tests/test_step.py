@@ -319,6 +319,21 @@ def test_a_grad_scaler_growth_factor_changed_after_capture_captures_again():
     assert step.stats == {"eager": 3, "captures": 2, "replays": 5}, step.stats
 
 
+def test_a_disabled_grad_scaler_steps_as_eager():
+    """GradScaler(enabled=use_fp16) with use_fp16 False (bf16 training):
+    scale, step and update pass through; one capture, eager's results."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
+    scalers = [torch.amp.GradScaler("cuda", enabled=False) for _ in range(2)]
+    step = cgraph.make_graphed_step(make_step(model, opts[0], scalers[0], dtype=torch.bfloat16),
+                                    batches[0])
+    losses = run(step, batches)
+    losses_e = run(make_step(eager, opts[1], scalers[1], dtype=torch.bfloat16), batches)
+    assert_same_training(model, eager, losses, losses_e)
+    assert step.stats == {"eager": 3, "captures": 1, "replays": 5}, step.stats
+
+
 def test_grad_scaler_skips_a_step_with_an_inf_as_eager_does():
     model, batches = model_and_data(dropout=0.0)
     eager = copy.deepcopy(model)

@@ -249,6 +249,14 @@ def test_a_grad_scaler_setting_changed_after_capture_captures_again(setting, cap
     assert f"the GradScaler's '{setting}' changed since capture" in caplog.text
 
 
+def test_a_disabled_grad_scaler_has_no_settings_to_compare():
+    """GradScaler(enabled=use_fp16) with use_fp16 False sets no factors: a
+    step through it is captured as one without it."""
+    enabled = torch.amp.GradScaler("cpu")
+    factors = _ScalerFactors.of_enabled([torch.amp.GradScaler("cpu", enabled=False), enabled])
+    assert [f.scaler() for f in factors] == [enabled]
+
+
 # ---- Note [A capture that fails on one rank] (cgraph/_ranks.py) --------------
 
 def test_ranks_agree_on_a_steps_capture_only_where_it_may_hold_collectives(mesh):
