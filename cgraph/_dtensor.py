@@ -62,11 +62,11 @@ def local_leaf(param: torch.Tensor) -> torch.Tensor:
     local = param._local_tensor
     leaf = _leaves.get(param)
     if leaf is None or leaf.untyped_storage()._cdata != local.untyped_storage()._cdata:
-        leaf = _leaves[param] = local.detach()
-    if leaf.requires_grad != param.requires_grad:  # a new leaf, or the parameter (un)frozen
+        leaf = _leaves[param] = local.detach().requires_grad_()
+        # Once, frozen or not: the hook drops the grads of a frozen parameter.
+        leaf.register_post_accumulate_grad_hook(_GradToParam(param))
+    if leaf.requires_grad != param.requires_grad:  # frozen, or unfrozen, since
         leaf.requires_grad_(param.requires_grad)
-        if param.requires_grad:  # a hook of an earlier unfreeze finds the grad taken: harmless
-            leaf.register_post_accumulate_grad_hook(_GradToParam(param))
     return leaf
 
 

@@ -95,6 +95,7 @@ def test_a_dtensor_parameter_frozen_or_unfrozen_runs_on_leaves_as_eager(mesh):
             if q.grad is not None:
                 assert_equal(p.grad.to_local(), q.grad.to_local(), f"grad, frozen={frozen}")
         assert _dtensor.local_leaf(model[0].weight) is leaf and leaf.grad is None
+    assert len(leaf._post_accumulate_grad_hooks) == 1  # not one more per unfreeze
 
 
 def test_a_dtensor_argument_is_refused_naming_use_local_output(mesh):
