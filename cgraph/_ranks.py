@@ -24,7 +24,9 @@ A: After a whole-step capture, where torch.distributed is initialized with
    (``if rank == 0: make_graphed_step(evaluate)``), where a gather on the
    default group would wait forever for the others.  Collectives the step
    issues itself (``dist.all_reduce`` of grads, with no DDP or DTensor) are
-   not seen: a capture failing on one rank then raises there only.
+   not seen: a capture failing on one rank then raises there only (torchrun
+   then stops the others when that rank exits), where agreeing on every
+   step would hang a step graphed on some ranks only on every run.
    Per-layer graphs are not agreed on: their captures come on each rank's
    own first call with new shapes, which may differ between ranks (a short
    last batch on one of them).
