@@ -57,7 +57,9 @@ _installed: "weakref.WeakKeyDictionary[_C.Graphed, _Installed]" = weakref.WeakKe
 
 def _install_forward(module: nn.Module, graphed: _C.Graphed, call) -> None:
     own = module.__dict__.get("forward")
-    if own is not None:
+    if own is None:
+        module.__dict__.pop(_OWN_FORWARD, None)  # one a rolled-back graph_layers left
+    else:
         module.__dict__[_OWN_FORWARD] = own
     _installed[graphed] = _Installed(weakref.ref(module), weakref.ref(call))
     module.forward = call
@@ -381,7 +383,8 @@ def graphed_in_place(module: nn.Module, **make_graphed_kwargs) -> nn.Module:
     module itself comes back, its ``forward`` the graphed callable, as the
     drop-in returns modules, so every name in the model (state_dict keys,
     named_parameters, optimizer and distributed checkpoints) stays as it
-    was.  Its graphs are ``module.forward`` (stats, num_graphs, reset)."""
+    was.  Its graphs are ``module.forward`` (stats, num_graphs, reset)
+    until they are reset, which gives the module its own forward back."""
     wrapper = make_graphed(module, **make_graphed_kwargs)
     if not _has_hooks(module):  # with hooks make_graphed did this already
         _install_forward(module, wrapper._graphed, wrapper.forward)

@@ -40,7 +40,8 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     callable (as :func:`make_graphed_callables` returns modules), so
     ``state_dict`` keys, parameter names and checkpoints are unchanged; a
     block's graphs are ``block.forward`` (``stats``, ``num_graphs``,
-    ``reset()``).
+    ``reset()``, after which the block has its own forward again and can be
+    graphed anew).
 
     ``layers``: the blocks' list, as a path below the model (``"model.layers"``,
     below the module a ``DistributedDataParallel`` wraps) or as the
