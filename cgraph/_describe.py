@@ -235,9 +235,25 @@ def _check_containers(index: int, signature: inspect.Signature | None, args, kwa
         visit(value, name)
 
 
+def is_cache(value) -> bool:
+    """Whether `value` is a transformers Cache (past_key_values=DynamicCache(...)),
+    which a layer appends to: a Python side effect no graph replays."""
+    return "Cache" in type(value).__name__
+
+
+def holds_cache(tree) -> bool:
+    """Whether a call's (args, kwargs) carry a Cache, in tuples, lists or
+    dicts (not through pytree: transformers may register caches as nodes)."""
+    if isinstance(tree, (tuple, list)):
+        return any(map(holds_cache, tree))
+    if isinstance(tree, dict):
+        return any(map(holds_cache, tree.values()))
+    return is_cache(tree)
+
+
 def _not_an_argument(index: int, name: str, value) -> TypeError:
     kind = type(value).__name__
-    if "Cache" in kind:  # transformers: past_key_values=DynamicCache(...)
+    if is_cache(value):
         return TypeError(
             f"cgraph: argument '{name}' of callable {index} is a {kind}, which the callable "
             "appends to: a Python side effect a graph replay would skip. Call the model with "

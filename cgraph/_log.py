@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import sys
+import weakref
 
 log = logging.getLogger("cgraph")
 
@@ -83,6 +84,22 @@ def on_event(event: str, graphed) -> None:
             describe(graphed))
     else:
         log.debug("%s: %s", describe(graphed), event)
+
+
+# The graphed callables already told that a call carrying a Cache ran eagerly.
+_told_cache: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def cache_call_eager(graphed) -> None:
+    """A call carrying a transformers Cache ran eagerly (cgraph/_regraph.py);
+    logged once per callable."""
+    if graphed in _told_cache:
+        return
+    _told_cache.add(graphed)
+    log.info("%s: a call carrying a transformers Cache (generate(), or use_cache=True) runs "
+             "eagerly: the layer appends to the cache, a Python side effect a replay would "
+             "skip. Counted in stats['eager_on_miss']. Logged once per callable.",
+             describe(graphed))
 
 
 def captured(graphed, captured, why: str, samples, seconds: float) -> None:

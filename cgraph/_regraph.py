@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _fsdp, _log
 from ._capture import CaptureOptions, graph
-from ._describe import Target, draft
+from ._describe import Target, draft, holds_cache
 
 
 class Regraph:
@@ -32,8 +32,13 @@ class Regraph:
         self.options = options
 
     def __call__(self, graphed: _C.Graphed, args: tuple, kwargs: dict,
-                 site: _C.CaptureSite) -> _C.Graphed:
-        """The Graphed captured for this call, with one graph."""
+                 site: _C.CaptureSite) -> _C.Graphed | None:
+        """The Graphed captured for this call, with one graph; None for a
+        call that runs eagerly: one carrying a transformers Cache (a graphed
+        layer of a model that generate() calls), which no graph can take."""
+        if holds_cache((args, kwargs)):
+            _log.cache_call_eager(graphed)
+            return None
         _check_device(graphed, (args, kwargs))
         module = self.target.callable()
         if _fsdp.is_fsdp(module):  # inside its forward: FSDP has just all-gathered

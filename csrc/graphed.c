@@ -33,6 +33,8 @@
  *             site = self.site(pending)
  *             try:
  *                 g = self.on_miss(self, args, kwargs, site)  # a Graphed, one graph
+ *                 if g is None:                    # a call no graph can take
+ *                     return eager(args, kwargs)   # counted: eager_on_miss
  *             except CaptureError as e if e.kind == "warmup_state":
  *                 if site.pool == self.shared:
  *                     self.refusal = e; raise
@@ -111,7 +113,7 @@ typedef struct {
                         "were captured")                                               \
     X(eager_on_miss, "calls run eagerly because they came inside a backward (a "       \
                      "checkpoint's recompute) and no graph of a layer sharing a pool= "\
-                     "took them")                                                      \
+                     "took them, or carried a transformers Cache (generate())")        \
     X(args_flattened, "times a call's arguments went through torch's tree_flatten, "   \
                       "slower than the native walk (once per graph that looked at "   \
                       "the call): structured unlike the samples, with dict keys other "\
@@ -904,7 +906,10 @@ ask_on_miss(GraphedObject *self, PyObject *positional, PyObject *keywords,
 }
 
 /* Has on_miss capture a graph for this call and takes it as the latest
- * entry (none if reset() ran meanwhile).  0, or -1 with an exception set. */
+ * entry (none if reset() ran meanwhile).  0; 1 where on_miss answered None,
+ * a call no graph can take that runs eagerly (one carrying a transformers
+ * Cache, as generate() passes: cgraph/_regraph.py); or -1 with an exception
+ * set. */
 static int
 capture_for(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
             int pending)
@@ -920,7 +925,9 @@ capture_for(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObje
             captured = ask_on_miss(self, positional, keywords, &site);
         }
     }
-    if (captured != NULL) {
+    if (captured == Py_None) {
+        status = 1;
+    } else if (captured != NULL) {
         status = self->is_reset ? 0 : take_graph(self, captured, "on_miss's result");
     }
     Py_XDECREF(captured);
@@ -933,7 +940,7 @@ capture_for(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObje
 typedef enum {
     MISS_ERROR = -1,        /* an exception is set */
     MISS_CAPTURED,          /* a graph for it is the latest entry: look again */
-    MISS_EAGER_IN_BACKWARD, /* runs eagerly, counted in eager_on_miss */
+    MISS_EAGER_ON_MISS,     /* runs eagerly, counted in eager_on_miss */
     MISS_EAGER              /* runs eagerly, counted in eager_pending or _past_limit */
 } miss_outcome;
 
@@ -954,7 +961,8 @@ report_limit(GraphedObject *self, int pending)
 /* Decides a call no graph takes, in the order of Note [Several graphs per
  * callable]: a layer's call inside autograd's backward runs eagerly (no
  * capture runs there); a capture refused for good raises again; past
- * max_graphs the call runs eagerly; else on_miss captures a graph for it. */
+ * max_graphs the call runs eagerly; else on_miss captures a graph for it,
+ * or answers that it runs eagerly. */
 static miss_outcome
 handle_miss(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
             int pending)
@@ -964,7 +972,7 @@ handle_miss(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObje
         return MISS_ERROR;
     }
     if (self->layer && cg_in_backward()) {
-        return MISS_EAGER_IN_BACKWARD;
+        return MISS_EAGER_ON_MISS;
     }
     if (self->refusal != NULL) {
         PyException_SetTraceback(self->refusal, Py_None);
@@ -974,7 +982,14 @@ handle_miss(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObje
     if (self->n_entries >= self->max_graphs) {
         return report_limit(self, pending) < 0 ? MISS_ERROR : MISS_EAGER;
     }
-    return capture_for(self, args, nargs, kwnames, pending) < 0 ? MISS_ERROR : MISS_CAPTURED;
+    switch (capture_for(self, args, nargs, kwnames, pending)) {
+    case 0:
+        return MISS_CAPTURED;
+    case 1:
+        return MISS_EAGER_ON_MISS;
+    default:
+        return MISS_ERROR;
+    }
 }
 
 /* Runs the call eagerly, as its first graph's spec says (call_eager), or,
@@ -1044,12 +1059,12 @@ call_any(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObject 
     }
     if (self->is_reset && result == NULL && !PyErr_Occurred()) {
         raise_reset();
-    } else if (outcome == MISS_EAGER_IN_BACKWARD || outcome == MISS_EAGER) {
+    } else if (outcome == MISS_EAGER_ON_MISS || outcome == MISS_EAGER) {
         if (outcome == MISS_EAGER) {
             *(found.pending ? &self->eager_pending : &self->eager_past_limit) += 1;
         }
         result = run_eagerly(self, module, args, nargs, kwnames);
-        if (outcome == MISS_EAGER_IN_BACKWARD && result != NULL) {
+        if (outcome == MISS_EAGER_ON_MISS && result != NULL) {
             self->eager_on_miss += 1;  /* counted once it returned */
         }
     }

@@ -443,6 +443,37 @@ def test_a_dropped_model_drops_its_graphed_blocks_without_gc(monkeypatch):
     assert all(g() is None for g in graphed)
 
 
+class DynamicCache:  # as transformers names its caches
+    def __init__(self):
+        self.appended = 0
+
+
+class CachedBlock(Block):
+    def forward(self, x, past_key_values=None):
+        if past_key_values is not None:
+            past_key_values.appended += 1  # what a replay would skip
+        return super().forward(x)
+
+
+def test_a_call_carrying_a_cache_runs_eagerly_and_is_counted(monkeypatch, caplog):
+    """generate() calls a model's graphed layers with a transformers Cache,
+    which they append to: such a call runs eagerly (no capture), counted in
+    eager_on_miss and logged once, where it used to raise."""
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    block = CachedBlock()
+    graphed = cgraph.make_graphed(block)
+    x, cache = torch.randn(2, 8), DynamicCache()
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for _ in range(2):
+            out = graphed(x, past_key_values=cache)
+            torch.testing.assert_close(out, block.linear(x).relu() + x, rtol=0, atol=0)
+    assert cache.appended == 2
+    assert graphed.stats["eager_on_miss"] == 2 and graphed.num_graphs == 0
+    assert caplog.text.count("carrying a transformers Cache") == 1
+    assert cgraph._describe.holds_cache(((x,), {"caches": (None, [cache])}))  # nested too
+
+
 def test_a_reset_gives_fsdp_its_parameters_back_even_if_logging_fails(monkeypatch):
     """A block graphed in place is reset through its forward (a
     cgraph.Graphed), not a GraphedModule: the native reset event releases

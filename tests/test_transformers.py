@@ -124,16 +124,27 @@ def test_llama_layers_padded_to_sequence_buckets_train_as_eager():
         assert layer.stats["forward"] == len(STEPS) == layer.stats["backward"], layer.stats
 
 
-def test_llama_with_its_cache_on_is_refused_with_the_fix():
+def test_a_llama_generating_through_graphed_layers_runs_them_eagerly_as_eager():
+    """generate() passes the layers a transformers Cache, which they append
+    to: those calls run eagerly (counted in eager_on_miss, where they used
+    to raise), after training steps that replayed graphs; eager's tokens."""
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=True,
-        attn_implementation="eager")
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=True, attn_implementation="eager")
+    torch.manual_seed(55)
     model = transformers.LlamaForCausalLM(config).to(CUDA)
-    model.model.layers = graph_layers(model.model.layers)
+    eager = copy.deepcopy(model)
+    eager.config.use_cache = False  # as graph_layers sets it for training
+    cgraph.graph_layers(model)
+    assert_training_equal(train(model, llama_step, 910), train(eager, llama_step, 910))
     ids = torch.randint(0, 128, (1, 8), device=CUDA)
-    with pytest.raises(TypeError, match="past_key_values.*use_cache=False"):
-        model(input_ids=ids)
+    tokens = [m.eval().generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                do_sample=False, pad_token_id=0) for m in (model, eager)]
+    assert torch.equal(tokens[0], tokens[1]), tokens
+    for layer in model.model.layers:
+        assert layer.forward.stats["eager_on_miss"] >= 4, layer.forward.stats  # a call a token
+        assert layer.forward.stats["forward"] > 0  # the training steps replayed
 
 
 def bert_step(model, batch, length):
