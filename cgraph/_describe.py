@@ -287,9 +287,11 @@ def _target_fields(index: int, fn) -> dict:
     # The module's own hooks (FSDP2's among them) run around every call,
     # outside the graphs, as in eager (cgraph/_api.py, make_graphed); hooks
     # of FSDP modules inside it would run once, at capture; an FSDP module
-    # around it frees its parameters after each forward.
+    # around it frees its parameters after each forward; so do FSDP1's and
+    # ZeRO-3's inside it.
     _fsdp.refuse_nested(index, fn)
     _fsdp.refuse_enclosed(index, fn)
+    _fsdp.refuse_other_sharding(index, fn)
     if any(b.requires_grad for b in fn.buffers()):
         raise ValueError(
             f"cgraph: module {index} has a buffer that requires grad; only parameters "

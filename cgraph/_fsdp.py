@@ -147,6 +147,31 @@ def refuse_enclosed(index: int, module: nn.Module) -> None:
             f"new memory, which a graph of this module alone would not read. {ENCLOSED_FIX}")
 
 
+def refuse_other_sharding(index: int, module: nn.Module) -> None:
+    """FSDP1 (FullyShardedDataParallel) and DeepSpeed ZeRO-3 gather and free
+    parameters inside the module's forward, from Python, with host-side
+    state: captured, they would run once.  Refused, naming FSDP2."""
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:  # a torch built without distributed
+        FullyShardedDataParallel = ()
+    inside = next((name or "the module itself" for name, sub in module.named_modules()
+                   if isinstance(sub, FullyShardedDataParallel)), None)
+    if inside is not None:
+        raise ValueError(
+            f"cgraph: module {index} ({type(module).__name__}) holds FSDP1 "
+            f"(FullyShardedDataParallel at {inside}), whose all-gathers and frees run inside "
+            "its forward and would run once, at capture. Shard with FSDP2 instead "
+            "(torch.distributed.fsdp.fully_shard on every layer and the root; Lightning's "
+            "ModelParallelStrategy, Accelerate's fsdp_version=2), then graph each layer.")
+    if any(hasattr(p, "ds_id") for p in module.parameters()):
+        raise ValueError(
+            f"cgraph: module {index} ({type(module).__name__}) has parameters partitioned by "
+            "DeepSpeed ZeRO stage 3, gathered and freed by hooks inside its forward, which "
+            "would run once, at capture. Use ZeRO stage 1 or 2, or FSDP2 (fully_shard), with "
+            "per-layer graphs.")
+
+
 NESTED_FIX = ("Graph each fully_shard-ed layer itself (cgraph.make_graphed(layer) for each "
               "layer), or graph the whole training step (cgraph.make_graphed_step).")
 

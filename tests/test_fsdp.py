@@ -123,6 +123,25 @@ def test_a_module_inside_an_fsdp_unit_is_refused_naming_the_recipe(mesh, around)
     assert [p.fix for p in problems if p.kind == "module"] == [_fsdp.ENCLOSED_FIX]
 
 
+def test_fsdp1_and_zero3_modules_are_refused_naming_fsdp2():
+    """Their gathers and frees run inside the forward, from Python: captured,
+    once.  (FSDP1 stood in for by a subclass that skips its set-up.)"""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    class FSDP1(FullyShardedDataParallel):
+        def __init__(self, module):
+            nn.Module.__init__(self)
+            self.inner = module
+
+    model = nn.Sequential(FSDP1(nn.Linear(4, 4)), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"FSDP1 \(FullyShardedDataParallel at 0\).*fully_shard"):
+        cgraph.make_graphed(model)
+    zero3 = nn.Linear(4, 4)
+    zero3.weight.ds_id = 0
+    with pytest.raises(ValueError, match="ZeRO stage 3.*stage 1 or 2"):
+        cgraph.make_graphed_callables(zero3, (torch.randn(2, 4),))
+
+
 def test_the_drop_in_refuses_fsdp_modules_naming_make_graphed(mesh):
     with pytest.raises(ValueError, match=r"cgraph.make_graphed\(layer\)"):
         cgraph.make_graphed_callables(sharded_pair(mesh)[0], (torch.randn(2, 4),))
