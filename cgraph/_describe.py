@@ -361,11 +361,12 @@ class StateCheck:
                 f"cgraph: '{name}' of graphed module {self.index} "
                 f"({type(module).__name__}) was replaced after capture "
                 "(load_state_dict(assign=True), a new nn.Parameter or buffer, a removed one, "
-                "or fully_shard or parallelize_module applied after graphing); the graphs "
-                "would keep reading the old tensor. Graph the module again after replacing "
-                "it, or load weights in place (load_state_dict without assign=True); to "
-                "shard a model, shard first (fully_shard every layer and the root), then "
-                "graph each layer: cgraph.make_graphed(layer)."
+                "torch.func.functional_call with other tensors, or fully_shard or "
+                "parallelize_module applied after graphing); the graphs would keep reading "
+                "the old tensor. Graph the module again after replacing it, load weights in "
+                "place (load_state_dict without assign=True), or call the ungraphed module in "
+                "functional_call; to shard a model, shard first (fully_shard every layer and "
+                "the root), then graph each layer: cgraph.make_graphed(layer)."
             )
         # Only once it passed: a check that raised raises again on every call.
         self.cls, self.walked = type(module), _replacing[0]
@@ -462,6 +463,37 @@ def _after_sharding(init):
                 replaced_inside()
     __init__.cgraph_wraps = init
     return __init__
+
+
+# Note [Tensors swapped in without registration]
+# torch.func.functional_call (and torch.nn.utils.stateless) swaps tensors
+# into a module's _parameters and _buffers directly, for the duration of a
+# call, firing no registration hook: a graphed module called inside would
+# replay its captured weights, silently not the ones given.  cgraph wraps
+# torch's swap and set functions: while any module is graphed, a swap makes
+# every graphed module walk its parameters on its next call (the one inside
+# raises, naming the fix; the one after the swap back passes).
+def _after_swapping(swap):
+    @functools.wraps(swap)
+    def wrapper(*args, **kwargs):
+        try:
+            return swap(*args, **kwargs)
+        finally:
+            if len(_watched):
+                replaced_inside()
+    wrapper.cgraph_wraps = swap
+    return wrapper
+
+
+def _watch_swaps() -> None:
+    from torch.nn.utils import _named_member_accessor as accessor
+    for name in ("swap_tensor", "set_tensor"):
+        original = getattr(accessor, name, None)
+        if original is not None:  # torch's own, wrapped once (as _watch_sharding does)
+            setattr(accessor, name, _after_swapping(getattr(original, "cgraph_wraps", original)))
+
+
+_watch_swaps()
 
 
 def _watch_sharding() -> None:

@@ -183,6 +183,30 @@ def test_a_graphed_module_walks_its_parameters_only_when_one_may_have_been_repla
             check(fresh)
 
 
+def test_tensors_swapped_in_by_functional_call_are_seen_by_the_check():
+    """Note [Tensors swapped in without registration] (cgraph/_describe.py):
+    torch.func.functional_call swaps parameters in without a registration
+    hook; the graphed module called inside raises instead of replaying its
+    captured weights, and passes again once they are swapped back."""
+    from cgraph import _describe
+    block = torch.nn.Linear(4, 4)
+    check = _describe.StateCheck(0, block)
+    seen = []
+
+    def checked(module, args):
+        try:
+            check(module)
+        except RuntimeError as e:
+            seen.append(str(e))
+
+    block.register_forward_pre_hook(checked)
+    other = {"weight": torch.zeros(4, 4), "bias": torch.zeros(4)}
+    torch.func.functional_call(block, other, (torch.randn(2, 4),))
+    assert len(seen) == 1 and "'weight' of graphed module 0" in seen[0]
+    assert "functional_call" in seen[0]
+    check(block)  # the parameters swapped back: the same tensors again
+
+
 def test_modules_are_watched_by_identity():
     """The registration hooks run for every module anywhere: one whose class
     has a value __eq__ and so no __hash__ (a dataclass) is still built and
