@@ -428,7 +428,10 @@ class FakeCache:
         self.layers = []
 
 
-def test_a_cache_argument_is_refused_with_the_fix():
+def test_a_call_with_a_cache_runs_eagerly_and_samples_with_one_are_refused():
+    """A call carrying a cache (generate() through graphed layers) runs
+    eagerly, appending as eager does, counted in eager_on_miss; samples
+    carrying one are refused, naming the fix."""
     layer = nn.Linear(64, 64).to(CUDA)
 
     def block(x, past_key_values=None):
@@ -437,8 +440,13 @@ def test_a_cache_argument_is_refused_with_the_fix():
         return layer(x)
 
     graphed = cgraph.make_graphed(block)
+    x, cache = torch.randn(4, 64, device=CUDA), FakeCache()
+    with torch.no_grad():
+        assert_equal(graphed(x, past_key_values=cache), layer(x), "the eager call's output")
+    assert len(cache.layers) == 1 and graphed.num_graphs == 0
+    assert graphed.stats["eager_on_miss"] == 1, graphed.stats
     with pytest.raises(TypeError, match="past_key_values.*FakeCache.*use_cache=False"):
-        graphed(torch.randn(4, 64, device=CUDA), past_key_values=FakeCache())
+        cgraph.make_graphed(block, (x,), sample_kwargs={"past_key_values": FakeCache()})
 
 
 # ---- buckets ------------------------------------------------------------------
