@@ -1,0 +1,298 @@
+"""What padding to buckets puts in the padded rows (cgraph/_buckets.py,
+Note [What padded rows hold] and Note [Attention masks under sequence
+buckets]).  The CPU tests stand a plain callable in for the graphed one
+(Bucketed only calls it) and compare against the unpadded eager call:
+padding changes the sizes of the reductions (a softmax over 16 keys, a
+matmul over more rows), so results are held to torch.testing.assert_close's
+float32 tolerances (rtol 1.3e-6, atol 1e-5) unless another is stated
+(bitwise, or LAYER_TOLERANCE for a Hugging Face decoder layer).  The GPU
+tests graph that layer for real."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from cgraph._buckets import Bucketed, _is_mask, normalize
+
+
+def bucketed(fn, buckets):
+    """`fn` padded to `buckets`, as make_graphed(..., buckets=) pads its graphs."""
+    return Bucketed(fn, normalize(buckets), None)
+
+
+class Recorder:
+    """A stand-in for a graphed callable: keeps the arguments it was called
+    with and returns them."""
+
+    def __init__(self):
+        self.args = None
+
+    def __call__(self, *args):
+        self.args = args
+        return args
+
+
+def padding_mask(lengths, length):
+    """A (B, 1, T, T) bool mask, True = attend: causal, keys past each
+    row's length masked (right padding, as a batch of sentences has)."""
+    keys = torch.arange(length)[None, :] < torch.tensor(lengths)[:, None]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    return causal[None, None] & keys[:, None, None, :]
+
+
+def additive(mask, dtype=torch.float32):
+    """A bool mask as transformers' eager attention takes it: 0 attends,
+    the dtype's min masks."""
+    return torch.where(mask, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
+
+
+# ---- what the padded rows of ordinary tensors hold -------------------------------
+
+
+def test_floats_are_padded_with_their_last_row_ints_and_bools_with_zeros():
+    torch.manual_seed(0)
+    hidden, ids = torch.randn(2, 5, 4), torch.randint(1, 9, (2, 5))
+    keep = torch.ones(2, 5, dtype=torch.bool)
+    recorder = Recorder()
+    out = bucketed(recorder, {1: [8]})(hidden, ids, keep)
+    padded_hidden, padded_ids, padded_keep = recorder.args
+    assert padded_hidden.shape == (2, 8, 4) and padded_ids.shape == (2, 8)
+    assert torch.equal(padded_hidden[:, :5], hidden)
+    assert torch.equal(padded_hidden[:, 5:], hidden[:, 4:5].expand(2, 3, 4))
+    assert torch.equal(padded_ids, torch.cat([ids, torch.zeros(2, 3, dtype=ids.dtype)], 1))
+    assert torch.equal(padded_keep[:, 5:], torch.zeros(2, 3, dtype=torch.bool))
+    # Outputs are sliced back, bitwise the arguments.
+    for o, arg in zip(out, (hidden, ids, keep)):
+        assert torch.equal(o, arg)
+
+
+def test_batch_padding_copies_the_last_row_and_a_call_of_size_zero_gets_zeros():
+    x = torch.arange(6.0).view(3, 2)
+    recorder = Recorder()
+    bucketed(recorder, [4])(x)
+    assert torch.equal(recorder.args[0], torch.tensor([[0., 1.], [2., 3.], [4., 5.], [4., 5.]]))
+    bucketed(recorder, [4])(torch.empty(0, 2))
+    assert torch.equal(recorder.args[0], torch.zeros(4, 2))
+
+
+def test_grads_of_padded_rows_are_dropped_not_added_to_the_last_row():
+    """A callable that sums its rows, so the padded rows get grads (3 each,
+    one from each real output row): they stay out of x's grad."""
+    x = torch.randn(3, 2, requires_grad=True)
+    out = bucketed(lambda t: t.sum(0, keepdim=True).expand(t.shape), [4])(x)
+    out.sum().backward()
+    assert torch.equal(x.grad, torch.full((3, 2), 3.0))  # bitwise: the last row's is not 6
+
+
+@pytest.mark.parametrize("buckets", [[8], {1: [8]}])
+def test_a_norm_that_is_nan_at_zero_gets_finite_parameter_grads_as_eager(buckets):
+    """x / x.norm() after a Linear without bias: a zero row is 0/0 there,
+    and NaN * 0 would reach the weight's grad.  Rows of the last real row
+    keep it finite: eager's grad."""
+    torch.manual_seed(1)
+    linear = nn.Linear(4, 4, bias=False)
+    eager = copy.deepcopy(linear)
+
+    def normalized(model):
+        def forward(x):
+            h = model(x)
+            return h / h.norm(dim=-1, keepdim=True)
+        return forward
+
+    x, upstream = torch.randn(5, 3, 4), torch.randn(5, 3, 4)
+    (bucketed(normalized(linear), buckets)(x) * upstream).sum().backward()
+    (normalized(eager)(x) * upstream).sum().backward()
+    assert linear.weight.grad.isfinite().all()
+    torch.testing.assert_close(linear.weight.grad, eager.weight.grad)
+
+
+# ---- attention masks under sequence buckets --------------------------------------
+
+
+def attention(q, k, v, mask):
+    """Attention by hand, the way eager implementations write it: a bool
+    mask through masked_fill(-inf), whose fully masked rows are NaN."""
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    elif mask.is_floating_point():
+        scores = scores + mask
+    else:
+        scores = scores.masked_fill(mask == 0, float("-inf"))
+    weights = scores.softmax(-1)
+    return weights @ v, weights
+
+
+def heads(x):
+    """(B, T, 8) as two heads (B, 2, T, 4), heads before positions as
+    attention takes them."""
+    return x.view(x.shape[0], x.shape[1], 2, 4).transpose(1, 2)
+
+
+def layer(x, mask):
+    """A stand-in for a layer: positions-first in and out, attention
+    weights heads-first out."""
+    y, weights = attention(heads(x), heads(x * 0.5), heads(x + 1), mask)
+    return y.transpose(1, 2).reshape(x.shape), weights
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "long", "keys only"])
+def test_an_attention_mask_is_padded_with_keys_masked_and_queries_attending_everything(kind):
+    torch.manual_seed(2)
+    mask = padding_mask([11, 7], 11)
+    if kind == "float":
+        mask = additive(mask)
+    elif kind == "long":
+        mask = mask.long()
+    elif kind == "keys only":  # (B, 1, 1, T): masks keys, broadcasts over queries
+        mask = mask[:, :, -1:, :]
+    masked, attend = {torch.bool: (False, True), torch.float32: (torch.finfo().min, 0.0),
+                      torch.long: (0, 1)}[mask.dtype]
+    recorder = Recorder()
+    bucketed(recorder, {1: [16, 32]})(torch.randn(2, 11, 8), mask)
+    padded = recorder.args[1]
+    assert padded.dtype == mask.dtype
+    assert padded.shape == (2, 1, mask.shape[2] if kind == "keys only" else 16, 16)
+    assert torch.equal(padded[..., :mask.shape[2], :11], mask)
+    assert (padded[..., :mask.shape[2], 11:] == masked).all()
+    assert (padded[..., mask.shape[2]:, :] == attend).all()
+
+
+@pytest.mark.parametrize("kind", ["bool", "float", "keys only"])
+def test_attention_on_a_padded_mask_keeps_real_rows_and_finite_padded_ones(kind):
+    """Real queries as unpadded (the padded keys are masked for them), the
+    padded queries finite (they attend to every key, where a fully masked
+    row would be NaN through masked_fill(-inf)), the attention weights
+    (B, H, T', T') sliced back in both last dimensions."""
+    torch.manual_seed(3)
+    mask = padding_mask([11, 7], 11)
+    if kind == "float":
+        mask = additive(mask)
+    elif kind == "keys only":
+        mask = mask[:, :, -1:, :]
+    x = torch.randn(2, 11, 8)
+    seen = {}
+
+    def spy(x, mask):
+        seen["out"] = layer(x, mask)
+        return seen["out"]
+
+    out, weights = bucketed(spy, {1: [16, 32]})(x, mask)
+    out_e, weights_e = layer(x, mask)
+    assert out.shape == out_e.shape and weights.shape == weights_e.shape == (2, 2, 11, 11)
+    torch.testing.assert_close(out, out_e)
+    torch.testing.assert_close(weights, weights_e)
+    assert all(t.isfinite().all() for t in seen["out"]), "padded rows are not finite"
+
+
+def test_padded_attention_trains_as_eager():
+    """A Linear before attention under a (B, 1, T, T) bool mask: the
+    parameter grads equal eager's and are finite."""
+    torch.manual_seed(4)
+    linear = nn.Linear(8, 8)
+    eager = copy.deepcopy(linear)
+    mask = padding_mask([20, 13], 20)
+    x, upstream = torch.randn(2, 20, 8), torch.randn(2, 20, 8)
+    for model, call in ((linear, bucketed(layer, {1: [16, 32]})), (eager, layer)):
+        (call(model(x), mask)[0] * upstream).sum().backward()
+    for p, q in zip(linear.parameters(), eager.parameters()):
+        assert p.grad.isfinite().all()
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_tensors_that_merely_have_the_length_are_not_read_as_masks():
+    t = 64
+    for shape in [(64, 64),          # a weight passed as an argument: 2 dimensions
+                  (2, 64, 64),       # (B, T, T): the bucketed dimension is the queries'
+                  (2, 64, 4, 64),    # (B, T, H, hd): the length at the bucketed dimension
+                  (2, 3, 64, 16),    # (B, H, T, hd)
+                  (2, 3, 5, 64, 64)]:  # 5 dimensions, 3 heads at the bucketed dimension
+        assert not _is_mask(torch.empty(shape), 1, t), shape
+    for shape in [(2, 1, 64, 64), (2, 4, 64, 64), (1, 1, 64, 64), (2, 1, 1, 64),
+                  (2, 1, 3, 64, 64)]:
+        assert _is_mask(torch.empty(shape), 1, t), shape
+    assert not _is_mask(torch.empty(2, 1, 64, 64), 0, t)  # batch buckets: no mask rule
+
+
+# ---- a Hugging Face decoder layer ------------------------------------------------
+
+
+def llama_layer(attention: str, device):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        use_cache=False, attn_implementation=attention)
+    torch.manual_seed(5)
+    from transformers.models.llama.modeling_llama import (LlamaDecoderLayer,
+                                                          LlamaRotaryEmbedding)
+    return (LlamaDecoderLayer(config, layer_idx=0).to(device),
+            LlamaRotaryEmbedding(config).to(device))
+
+
+def layer_call(layer, rope, lengths, length, attention, device):
+    """One forward and backward of `layer` on a right-padded batch:
+    returns its output and the parameter grads."""
+    hidden = torch.randn(len(lengths), length, 64, device=device)
+    upstream = torch.randn_like(hidden)  # drawn before a call that may capture
+    mask = padding_mask(lengths, length).to(device)
+    if attention == "eager":
+        mask = additive(mask)
+    rotary = rope(hidden, torch.arange(length, device=device)[None])
+    out = layer(hidden, attention_mask=mask, position_embeddings=rotary)
+    out = out[0] if isinstance(out, tuple) else out
+    (out * upstream).sum().backward()
+    return out.detach(), [p.grad.clone() for p in layer.parameters()]
+
+
+# Kernels of other sizes (a softmax over 16 keys, not 11): float32 results
+# differ in the last bits (at most 5e-7 relative on CPU); a mask padded
+# wrongly changes them by order 1.
+LAYER_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
+
+
+def assert_layer_as_eager(graphed, layer, eager, rope, attention, device):
+    """Lengths 11 and 20 (buckets 16 and 32): output and parameter grads as
+    eager's, within LAYER_TOLERANCE, and finite."""
+    for step, length in enumerate((11, 20)):
+        results = []
+        for model, call in ((layer, graphed), (eager, eager)):
+            model.zero_grad(set_to_none=True)
+            torch.manual_seed(10 + step)
+            results.append(layer_call(call, rope, [length, length - 4], length, attention,
+                                      device))
+        (out, grads), (out_e, grads_e) = results
+        torch.testing.assert_close(out, out_e, **LAYER_TOLERANCE,
+                                   msg=lambda m: f"length {length}: output: {m}")
+        for i, (g, g_e) in enumerate(zip(grads, grads_e)):
+            assert g.isfinite().all(), f"length {length}: grad {i} not finite"
+            torch.testing.assert_close(g, g_e, **LAYER_TOLERANCE,
+                                       msg=lambda m: f"length {length}: grad {i}: {m}")
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_llama_layer_padded_with_its_mask_on_cpu(attention):
+    """The padding alone, the eager layer standing in for its graphs: a
+    float mask (eager) and a bool one (sdpa) padded beside the hidden
+    states and the rotary tables."""
+    layer, rope = llama_layer(attention, "cpu")
+    eager = copy.deepcopy(layer)
+    assert_layer_as_eager(bucketed(layer, {1: [16, 32]}), layer, eager, rope, attention, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_llama_layer_graphed_with_sequence_buckets_takes_its_padding_mask(attention):
+    """cgraph.make_graphed(layer, buckets={1: [16, 32]}) called as the model
+    calls it, with a (B, 1, T, T) padding mask: one graph per bucket, eager's
+    output and parameter grads."""
+    import cgraph
+    from _helpers import CUDA
+
+    layer, rope = llama_layer(attention, CUDA)
+    eager = copy.deepcopy(layer)
+    graphed = cgraph.make_graphed(layer, buckets={1: [16, 32]})
+    assert_layer_as_eager(graphed, layer, eager, rope, attention, CUDA)
+    assert graphed.num_graphs == 2 and graphed.stats["eager_on_miss"] == 0, graphed.stats
