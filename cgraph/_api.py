@@ -5,6 +5,8 @@ core, and wrap what comes back.  Warm-up, capture and replay are in csrc/."""
 from __future__ import annotations
 
 import atexit
+import copy
+import copyreg
 import sys
 import time
 import weakref
@@ -63,6 +65,33 @@ def _install_forward(module: nn.Module, graphed: _C.Graphed, call) -> None:
         module.__dict__[_OWN_FORWARD] = own
     _installed[graphed] = _Installed(weakref.ref(module), weakref.ref(call))
     module.forward = call
+
+
+def _reduce_installed(call) -> tuple:
+    """copyreg's reducer of a graphed callable (a cgraph.Graphed, or the
+    buckets around one), which copy.deepcopy and pickle use: the forward
+    its module had before graphing (Note [Copying a graphed model])."""
+    graphed = call.graphed if isinstance(call, Bucketed) else call
+    installed = _installed.get(graphed)
+    module = installed.module() if installed is not None else None
+    if module is None or module.__dict__.get("forward") is not installed.call():
+        raise TypeError(
+            "cgraph: a graphed callable cannot be copied or pickled: its graphs replay into "
+            "memory of its own and read the original's parameters. Copy or save what it "
+            "graphs (the function, or the module) and graph the copy, or save a model's "
+            "state_dict().")
+    own = module.__dict__.get(_OWN_FORWARD)
+    # The class's forward, looked up on the copy (an instance attribute bound to it):
+    # a copy's __dict__ is still empty while its attributes are copied.
+    return (_same, (own,)) if own is not None else (getattr, (module, "forward"))
+
+
+def _same(value):
+    return value
+
+
+copyreg.pickle(_C.Graphed, _reduce_installed)
+copyreg.pickle(Bucketed, _reduce_installed)
 
 
 def _uninstall_forward(graphed: _C.Graphed) -> None:
@@ -246,7 +275,7 @@ def make_graphed_callables(
     out = []
     for fn, target, g in zip(callables, targets, graphed):
         if isinstance(target, nn.Module):
-            target.forward = g
+            _install_forward(target, g, g)
             out.append(fn)
         else:
             out.append(g)
@@ -397,7 +426,23 @@ def is_graphed(module: nn.Module) -> bool:
         module.__dict__.get("forward"), (_C.Graphed, Bucketed))
 
 
-class GraphedModule(nn.Module):
+class _Wrapper(nn.Module):
+    """A module around ``self.module`` that reads its attributes through."""
+
+    def __getattr__(self, name: str):
+        """Attributes of the wrapped module (a model reading
+        ``layer.attention_type`` off a layer it calls), after the wrapper's
+        own parameters, buffers and submodules."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__["_modules"].get("module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+
+class GraphedModule(_Wrapper):
     """An ``nn.Module`` whose forward replays CUDA graphs of ``self.module``.
 
     Parameters, buffers and ``state_dict`` are those of the wrapped module
@@ -449,18 +494,6 @@ class GraphedModule(nn.Module):
         ``cgraph.Graphed.graphs``)."""
         return self._graphed.graphs
 
-    def __getattr__(self, name: str):
-        """Attributes of the wrapped module (a model reading
-        ``layer.attention_type`` off a layer it calls), after the wrapper's
-        own parameters, buffers and submodules."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            module = self.__dict__["_modules"].get("module")
-            if module is None:
-                raise
-            return getattr(module, name)
-
     @property
     def num_graphs(self) -> int:
         """How many forward/backward graph pairs are captured."""
@@ -473,6 +506,52 @@ class GraphedModule(nn.Module):
         if g.is_reset or g.num_graphs == 0:
             return repr(g)
         return f"{repr(g)[1:-1]}, pool memory {_log.pool_mib(g.pools):.1f} MiB"
+
+    def __reduce_ex__(self, protocol):
+        """pickle (torch.save of a model): an EagerCopy, Note [Copying a graphed model]."""
+        return _new_eager_copy, (), self._copied_state()
+
+    def __deepcopy__(self, memo: dict) -> "EagerCopy":
+        """copy.deepcopy (an EMA or SWA copy): an EagerCopy, Note [Copying a graphed model]."""
+        twin = _new_eager_copy()
+        memo[id(self)] = twin
+        twin.__setstate__(copy.deepcopy(self._copied_state(), memo))
+        return twin
+
+    def _copied_state(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k not in ("_graphed", "forward")}
+
+
+class EagerCopy(_Wrapper):
+    """A copy of a :class:`GraphedModule` (``copy.deepcopy``, pickle): its
+    module copied, run eagerly, its parameters under the same names
+    (``module.``).  ``cgraph.make_graphed(copy.module)`` graphs it.
+
+    Note [Copying a graphed model]
+    Q: ``copy.deepcopy(model)`` (an EMA or SWA copy; Lightning's
+       WeightAveraging) and ``torch.save(model)`` copy every attribute of
+       every module, graphed callables among them.  What does the copy of a
+       graphed module run?
+    A: Its own module, eagerly.  Graphs cannot be copied: they replay into
+       memory of their own and read the original's parameters (torch's
+       make_graphed_callables sets forward to a closure, which deepcopy
+       shares: its copy silently replays the original's graphs, and pickle
+       refuses it).  A module whose forward cgraph set (graph_layers'
+       blocks, the drop-in's modules, a module with hooks) is copied with
+       the forward it had before graphing (``_reduce_installed``, registered
+       with copyreg, which both use), the class's bound to the copy; a
+       GraphedModule is copied as an EagerCopy of its module, so state_dict
+       keys and parameter order match the original's.  A graphed function
+       raises, naming the fix.  Graph the copy to graph it.
+    """
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def _new_eager_copy() -> EagerCopy:
+    """An EagerCopy without state yet, which the copy's state fills."""
+    return EagerCopy.__new__(EagerCopy)
 
 
 

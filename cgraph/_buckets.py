@@ -126,7 +126,8 @@ class Bucketed:
         # T = 100: a replay of the 128 graph, out sliced back to (B, 100, d)
     """
 
-    __slots__ = ("graphed", "buckets", "module")
+    # __weakref__: a module whose forward it is keeps it weakly (_api._Installed).
+    __slots__ = ("graphed", "buckets", "module", "__weakref__")
 
     def __init__(self, graphed: _C.Graphed, buckets: dict[int, tuple[int, ...]],
                  module: nn.Module | None):

@@ -211,9 +211,7 @@ def test_modules_are_watched_by_identity():
     """The registration hooks run for every module anywhere: one whose class
     has a value __eq__ and so no __hash__ (a dataclass) is still built and
     given submodules while cgraph is imported."""
-    import dataclasses
-
-    import cgraph._describe  # noqa: F401  (the hooks are installed)
+    import dataclasses  # (import cgraph installed the hooks: cgraph._describe)
 
     @dataclasses.dataclass(eq=True)
     class Scaled(torch.nn.Module):
@@ -610,3 +608,95 @@ def test_a_seed_during_a_capture_is_refused_naming_the_call(monkeypatch):
             torch.manual_seed(4)
         assert info.value.args[1] == _C.FAILURE_RNG_CHANGED
     assert torch.initial_seed() == 3
+
+
+# ---- copies of graphed models: Note [Copying a graphed model] ----------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x).relu()
+
+
+class _Hooked(_Block):
+    """A block whose own forward is an instance attribute (as a compiled
+    forward is), not the class's."""
+
+    def __init__(self):
+        super().__init__()
+        self.forward = self.doubled
+
+    def doubled(self, x):
+        return 2 * _Block.forward(self, x)
+
+
+_HOOK_CALLS = []
+
+
+def _count_call(module, args, out):
+    _HOOK_CALLS.append(module)
+
+
+def _copies(model):
+    import copy
+    import pickle
+    return {"deepcopy": copy.deepcopy(model), "pickle": pickle.loads(pickle.dumps(model))}
+
+
+def _eager_out(block, x):
+    """What `block` computes eagerly, graphed or not."""
+    return (block.__dict__.get("_cgraph_own_forward") or type(block).forward.__get__(block))(x)
+
+
+@pytest.mark.parametrize("kind", ["in place", "in place with buckets", "own forward"])
+def test_a_copy_of_a_model_with_graphed_blocks_runs_its_own_blocks_eagerly(monkeypatch, kind):
+    """copy.deepcopy (an EMA copy) and pickle (torch.save(model)) of a model
+    whose blocks graph_layers graphed: each copied block runs the forward it
+    had before graphing, on the copy's parameters, and is not graphed; the
+    original keeps its graphs."""
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    model = torch.nn.Sequential(_Hooked() if kind == "own forward" else _Block(), _Block())
+    for block in model:
+        cgraph._api.graphed_in_place(block, **({"buckets": [8]} if "buckets" in kind else {}))
+    x = torch.randn(3, 4)
+    for how, twin in _copies(model).items():
+        assert not any(cgraph._api.is_graphed(b) for b in twin), how
+        assert all(cgraph._api.is_graphed(b) for b in model), how
+        for block, theirs in zip(twin, model):
+            assert block.linear.weight is not theirs.linear.weight
+            assert block.forward.__self__ is block, how  # bound to the copy, not the original
+            assert_equal(block(x), _eager_out(theirs, x), f"{how}: copied block")
+        with torch.no_grad():
+            twin[0].linear.weight.add_(1.0)  # the copy's own parameters
+        assert not torch.equal(twin[0](x), _eager_out(model[0], x)), how
+
+
+def test_a_copy_of_a_graphed_module_is_an_eager_copy_with_its_names(monkeypatch):
+    """make_graphed's GraphedModule, with and without hooks on the module:
+    its copy is an EagerCopy of the copied module (the hooks run around it),
+    with the original's state_dict keys; a graphed function refuses to be
+    copied, naming the fix."""
+    import copy
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    plain, hooked = _Block(), _Block()
+    _HOOK_CALLS.clear()
+    hooked.register_forward_hook(_count_call)  # a module-level function: picklable
+    x = torch.randn(3, 4)
+    for module in (plain, hooked):
+        graphed = cgraph.make_graphed(module)
+        for how, twin in _copies(graphed).items():
+            assert type(twin) is _api.EagerCopy and not cgraph._api.is_graphed(twin.module), how
+            assert list(twin.state_dict()) == list(graphed.state_dict()), how
+            assert twin.linear is twin.module.linear  # attributes read through, as the original's
+            assert_equal(twin(x), _Block.forward(module, x), how)
+    assert len(_HOOK_CALLS) == 2  # the copies' calls went through the copied hooks
+    fn = cgraph.make_graphed(lambda t: t * 2)
+    with pytest.raises(TypeError, match="cannot be copied or pickled.*state_dict"):
+        copy.deepcopy(fn)
+

@@ -317,3 +317,36 @@ def test_a_graphed_training_script_prints_no_warning():
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "trained True"
     assert done.stderr == "", done.stderr
+
+
+# ---- copies: Note [Copying a graphed model] -----------------------------------
+
+
+def test_an_ema_copy_of_a_trained_graphed_model_runs_eagerly_on_its_own_weights():
+    """copy.deepcopy after graphed training (an EMA model; Lightning's
+    WeightAveraging copies the module so): the copy computes what the
+    original computes, eagerly, on parameters of its own; the original
+    keeps replaying its graphs. torch's drop-in shares the graphed forward
+    with the copy, which replays the original's graphs on its weights."""
+    torch.manual_seed(31)
+    model = nn.Sequential(stack(), nn.Linear(64, 8).to(CUDA))
+    x = torch.randn(16, 64, device=CUDA, requires_grad=True)
+    cgraph.make_graphed_callables(model[0], (x,))  # the module itself, forward replaced
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(3):
+        model(torch.randn(16, 64, device=CUDA)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    ema = copy.deepcopy(model)
+    replays = model[0].forward.stats["forward"]
+    y = torch.randn(16, 64, device=CUDA)
+    assert_equal(ema(y), model(y), "the copy against the graphed original")
+    assert model[0].forward.stats["forward"] == replays + 1  # the original still replays
+    assert not isinstance(ema[0].__dict__.get("forward"), cgraph.Graphed)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    fresh = nn.Sequential(stack(), nn.Linear(64, 8).to(CUDA))
+    fresh.load_state_dict(ema.state_dict())
+    assert_equal(ema(y), fresh(y), "the copy on its own weights")
+    assert not torch.equal(ema(y), model(y))
