@@ -199,7 +199,13 @@ def _cudagraph_trees_refused():
     if manager is None or not hasattr(manager, "_run"):
         return contextlib.nullcontext()
 
-    def refuse(*args, **kwargs):
+    run = manager._run
+
+    def refuse(self, *args, **kwargs):
+        # Another thread's compiled model (one training while this one sets
+        # up) is not inside the set-up: it runs as it would.
+        if threading.get_ident() != _SetUp.thread and not torch.cuda.is_current_stream_capturing():
+            return run(self, *args, **kwargs)
         raise _C.Refusal("cgraph: torch.compile(mode='reduce-overhead') ran its own CUDA "
                          "graphs inside cgraph's capture.", _C.FAILURE_NESTED_GRAPHS)
 
@@ -319,6 +325,11 @@ def _reentrant_regions_checked(specs):
         return detached
 
     def checked_backward(tensors, *args, **kwargs):
+        # A reentrant region's .backward() runs inside the backward being
+        # warmed up or captured; one started outside every backward (another
+        # thread training while this one sets up) is not the set-up's.
+        if torch._C._current_graph_task_id() == -1:
+            return backward(tensors, *args, **kwargs)
         roots = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         for leaf in _C.autograd_leaves([t for t in roots if isinstance(t, torch.Tensor)]):
             if id(leaf) not in known and id(leaf) not in region_inputs:

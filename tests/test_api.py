@@ -700,3 +700,68 @@ def test_a_copy_of_a_graphed_module_is_an_eager_copy_with_its_names(monkeypatch)
     with pytest.raises(TypeError, match="cannot be copied or pickled.*state_dict"):
         copy.deepcopy(fn)
 
+
+# ---- another thread while one sets up: Note [One set-up at a time] -----------
+
+
+def _on_a_thread(fn):
+    """fn() on another thread: what it raised, or None."""
+    import threading
+    raised = []
+
+    def run():
+        try:
+            fn()
+        except BaseException as e:  # noqa: B036 (handed back to the test)
+            raised.append(e)
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return raised[0] if raised else None
+
+
+def test_another_threads_backward_during_a_set_up_is_not_checked_as_a_region():
+    """The reentrant-region check (Note [Reentrant regions]) patches
+    torch.autograd.backward for the whole process during a set-up: another
+    thread's loss.backward() then is not the set-up's, and trains as
+    always; a .backward() inside a backward (a reentrant region's) is still
+    checked."""
+    import types
+    from cgraph import _capture
+    w = torch.randn(3, requires_grad=True)  # neither an argument nor a parameter
+    x = torch.randn(3, requires_grad=True)
+
+    class Region(torch.autograd.Function):  # what a reentrant checkpoint's backward does
+        @staticmethod
+        def forward(ctx, t):
+            return t.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            with torch.enable_grad():
+                torch.autograd.backward((w * 3).sum())
+            return grad
+
+    with _capture._reentrant_regions_checked([types.SimpleNamespace(tensors=(x,), params=())]):
+        assert _on_a_thread(lambda: (w * 2).sum().backward()) is None
+        assert_equal(w.grad, torch.full((3,), 2.0), "the other thread's grad")
+        with pytest.raises(cgraph._C.Refusal, match="use_reentrant"):
+            Region.apply(x).sum().backward()
+
+
+def test_another_threads_reduce_overhead_model_runs_during_a_set_up(monkeypatch):
+    """torch.compile's cudagraph trees are refused inside a set-up (item 7
+    of Note [Patches during capture]); on another thread, not capturing,
+    they run."""
+    from torch._inductor import cudagraph_trees
+    from cgraph import _capture
+    ran = []
+    monkeypatch.setattr(cudagraph_trees.CUDAGraphTreeManager, "_run",
+                        lambda self, *args: ran.append(args) or "ran", raising=True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # no GPU here
+    manager = object.__new__(cudagraph_trees.CUDAGraphTreeManager)
+    with _capture.one_setup_at_a_time(), _capture._cudagraph_trees_refused():
+        assert _on_a_thread(lambda: cudagraph_trees.CUDAGraphTreeManager._run(manager, 1)) is None
+        with pytest.raises(cgraph._C.Refusal, match="reduce-overhead"):
+            cudagraph_trees.CUDAGraphTreeManager._run(manager, 2)
+    assert ran == [(1,)]
