@@ -4,7 +4,32 @@
     trainer = lightning.Trainer(callbacks=[CUDAGraphs()])              # each block
     trainer = lightning.Trainer(callbacks=[CUDAGraphs(scope="step")])  # the whole step
 
-Needs ``lightning`` (``pip install cgraph[lightning]``).
+Needs ``lightning`` (``pip install cgraph[lightning]``) or the standalone
+``pytorch_lightning``; the callback works with either's Trainer (Note [Two
+namespaces of Lightning]).
+
+Note [Two namespaces of Lightning]
+Q: Lightning ships the same code twice, as ``lightning.pytorch`` and as
+   ``pytorch_lightning``, with distinct classes; a user imports either, and
+   may have both installed.  How does one CUDAGraphs serve both Trainers?
+A: CUDAGraphs derives from the Callback of each package installed
+   (_PACKAGES), lightning.pytorch's first.  A Trainer calls its callbacks'
+   hooks by name; it looks at their class only where given one callback
+   alone (callbacks=CUDAGraphs(): an isinstance against its own Callback,
+   without which it takes the callback for a list) and where it checks that
+   stateful callbacks have distinct state_keys (is_overridden("state_dict",
+   callback, its own Callback), which compares code objects).  The step
+   scope's checks (Note [Lightning's step graphed whole]) compare with the
+   classes of the package the trainer comes from (_package_of): the
+   strategy's and the precision plugin's types, the module's hooks against
+   its LightningModule, another callback's hooks against the Callback that
+   callback derives from (a Trainer takes the other package's callbacks in
+   a list too).  Against the other package's classes the types never match,
+   and the code objects match only while both packages are the same
+   version (CPython's code equality leaves out the file name); so with two
+   versions installed, a pytorch_lightning Trainer also takes CUDAGraphs
+   for a stateful callback, and refuses two of them (one is all a fit
+   needs).
 
 Note [Lightning's step graphed whole]
 Q: scope="step" graphs what Lightning's automatic optimization does for one
@@ -61,16 +86,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 from collections import OrderedDict
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
-from lightning.pytorch import LightningModule
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils import _pytree as pytree
 
 from ._capture import patched
@@ -93,7 +114,45 @@ _CALLBACK_HOOKS_INSIDE = ("on_before_backward", "on_after_backward", "on_before_
                           "on_before_zero_grad")
 
 
-class CUDAGraphs(Callback):
+class _Package(NamedTuple):
+    """The classes of one of Lightning's two namespaces that the callback
+    compares with (Note [Two namespaces of Lightning])."""
+
+    Trainer: type
+    LightningModule: type
+    Callback: type
+    strategies: tuple  # those the step scope graphs
+    precisions: tuple  # the precision plugins it graphs
+    is_overridden: Callable
+
+
+def _load(name: str) -> _Package | None:
+    """The package's classes, or None where it is not installed.  One that
+    is installed but fails to import raises its own error."""
+    try:
+        root = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name not in (name, name.split(".")[0]):
+            raise
+        return None
+    precision = importlib.import_module(f"{name}.plugins.precision")
+    strategies = importlib.import_module(f"{name}.strategies")
+    helpers = importlib.import_module(f"{name}.utilities.model_helpers")
+    return _Package(root.Trainer, root.LightningModule, root.Callback,
+                    (strategies.SingleDeviceStrategy, strategies.DDPStrategy),
+                    (precision.Precision, precision.MixedPrecision, precision.HalfPrecision),
+                    helpers.is_overridden)
+
+
+_PACKAGES = tuple(p for p in map(_load, ("lightning.pytorch", "pytorch_lightning")) if p)
+if not _PACKAGES:
+    raise ImportError("cgraph: cgraph.lightning needs Lightning: pip install lightning (or "
+                      "pip install cgraph[lightning]); the standalone pytorch_lightning "
+                      "works as well.")
+_CALLBACK_BASES = tuple(package.Callback for package in _PACKAGES)
+
+
+class CUDAGraphs(*_CALLBACK_BASES):
     """Graphs the LightningModule's training when training starts (after
     the strategy has set the module up, DDP wrapping it, and after the
     sanity-check validation, which runs under ``torch.inference_mode``,
@@ -118,7 +177,10 @@ class CUDAGraphs(Callback):
     ``training_step`` runs once, at capture, as in any graphed step.  Where
     the loop cannot be graphed whole (manual optimization, a hook overridden
     inside the step, another strategy), it graphs the layers instead and
-    logs why; the keywords then go to :func:`cgraph.graph_layers`."""
+    logs why; the keywords then go to :func:`cgraph.graph_layers`.
+
+    One class for ``lightning.Trainer`` and ``pytorch_lightning.Trainer``
+    alike (Note [Two namespaces of Lightning])."""
 
     def __init__(self, scope: str = "layers", **graph_layers_kwargs):
         if scope not in SCOPES:
@@ -181,8 +243,12 @@ def _why_not_the_step(trainer, module, callback) -> str | None:
     if not module.automatic_optimization:
         return ("the module optimizes manually (automatic_optimization=False), with its own "
                 "Python between the kernels")
+    package = _package_of(trainer)
+    if package is None:
+        return (f"the trainer is a {type(trainer).__name__}, not a lightning.Trainer or a "
+                "pytorch_lightning.Trainer")
     strategy, precision = trainer.strategy, trainer.precision_plugin
-    if type(strategy) not in (SingleDeviceStrategy, DDPStrategy):
+    if type(strategy) not in package.strategies:
         return f"the step graphs one device or DDP, not the {type(strategy).__name__} strategy"
     if (getattr(strategy, "_ddp_comm_hook", None) is not None
             or getattr(strategy, "_model_averager", None) is not None):
@@ -190,19 +256,26 @@ def _why_not_the_step(trainer, module, callback) -> str | None:
                 "iteration count), which a replay would not move")
     if strategy.handles_gradient_accumulation:
         return f"the {type(strategy).__name__} strategy accumulates gradients itself"
-    if type(precision) not in (Precision, MixedPrecision, HalfPrecision):
+    if type(precision) not in package.precisions:
         return (f"the step graphs autocast, half or full precision, not the "
                 f"{type(precision).__name__} plugin")
     for hook in _MODULE_HOOKS_INSIDE:
-        if is_overridden(hook, module, LightningModule):
+        if package.is_overridden(hook, module, package.LightningModule):
             return (f"{type(module).__name__}.{hook} is overridden, and its Python would run "
                     "only once, at capture")
     for other in trainer.callbacks:
+        # A Trainer takes a list holding the other package's callbacks too.
+        base = next((c for c in type(other).__mro__ if c in _CALLBACK_BASES), package.Callback)
         for hook in _CALLBACK_HOOKS_INSIDE:
-            if other is not callback and is_overridden(hook, other, Callback):
+            if other is not callback and package.is_overridden(hook, other, base):
                 return (f"the {type(other).__name__} callback's {hook} would run only once, "
                         "at capture")
     return None
+
+
+def _package_of(trainer) -> _Package | None:
+    """The namespace the trainer's class comes from (a subclass's too)."""
+    return next((p for p in _PACKAGES if isinstance(trainer, p.Trainer)), None)
 
 
 class _Phase(NamedTuple):

@@ -507,3 +507,159 @@ def test_lightning_step_scope_follows_an_accumulation_schedule_and_an_unfreezing
         assert torch.equal(g, e), f"parameter {i}"
     assert graphed[1] == eager[1]
     assert callback.stats["captures"] >= 2 and callback.stats["replays"] >= 2, callback.stats
+
+# ---- Lightning's two namespaces: lightning.pytorch and pytorch_lightning ------
+
+PACKAGES = ["lightning", "pytorch_lightning"]
+
+
+def lightning_package(name):
+    """The package `name` as step_module and lightning_run use it
+    (lightning.Trainer, lightning.pytorch.loggers...): pytorch_lightning is
+    lightning.pytorch's code under a name of its own (Note [Two namespaces
+    of Lightning] in cgraph/lightning.py)."""
+    if name == "lightning":
+        return pytest.importorskip("lightning")
+    pl = pytest.importorskip("pytorch_lightning")
+    return SimpleNamespace(Trainer=pl.Trainer, LightningModule=pl.LightningModule,
+                           Callback=pl.Callback, pytorch=pl)
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_lightning_callback_is_taken_by_both_trainers(package, stand_in):
+    """One CUDAGraphs class for either Trainer: given alone (the Trainer
+    tests it against its own Callback, else takes it for a list) or in a
+    list, and it graphs the blocks when the fit starts."""
+    lightning = lightning_package(package)
+    from cgraph.lightning import CUDAGraphs
+    callback = CUDAGraphs()
+    assert isinstance(callback, lightning.Callback)
+    trainer = lightning.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False,
+                                callbacks=callback)
+    assert callback in trainer.callbacks
+    lightning_run(lightning, [callback], max_steps=2)
+    assert len(stand_in) == 3
+
+
+def test_lightning_step_scope_graphs_a_pytorch_lightning_trainer_s_step(stand_in, caplog):
+    """scope="step" in a pytorch_lightning Trainer is not refused at train
+    start for its namespace: the step's warm-up calls run, then its capture
+    fails on the CPU, and the fit ends where the one without the callback
+    does (as test_lightning_step_scope_keeps_lightning_s_books_then_falls_back
+    checks with lightning.Trainer)."""
+    lightning = lightning_package("pytorch_lightning")
+    from cgraph.lightning import CUDAGraphs
+    eager = lightning_run(lightning, [])
+    callback = CUDAGraphs(scope="step")
+    with caplog.at_level("INFO", logger="cgraph"):
+        graphed = lightning_run(lightning, [callback])
+    assert graphed[1] == eager[1] and graphed[2] == eager[2] == 8
+    for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
+        assert torch.equal(g, e), f"parameter {i}"
+    assert "the step's capture failed" in caplog.text and "strategy" not in caplog.text
+    assert callback.stats == {"phases": 1, "eager": 3, "captures": 0, "replays": 0}
+    assert len(stand_in) == 3  # after the capture failed
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+@pytest.mark.parametrize("case, why", [
+    (None, None),
+    ("automatic_optimization", "the module optimizes manually"),
+    ("on_after_backward", "Module.on_after_backward is overridden"),
+    ("ddp_comm_hook", "DDP's communication hook or model averaging"),
+    ("strategy", "not the Mine strategy"),
+    ("64-true", "not the DoublePrecision plugin"),
+    ("callback", "the Probe callback's on_before_optimizer_step"),
+    ("other package's callback", "the Probe callback's on_before_optimizer_step"),
+    ("other package's plain callback", None)])
+def test_lightning_step_scope_decides_alike_in_both_packages(package, case, why):
+    """The step scope's decision at train start in either namespace: the
+    same reasons to graph the layers instead, and none that is only the
+    namespace.  The trainer takes a list holding the other package's
+    callbacks as well; theirs are compared with their own Callback."""
+    lightning = lightning_package(package)
+    from cgraph.lightning import CUDAGraphs, _why_not_the_step
+    callbacks_from = lightning
+    if case is not None and case.startswith("other package's"):
+        callbacks_from = lightning_package(PACKAGES[1 - PACKAGES.index(package)])
+
+    class Module(step_module(lightning)):
+        def on_after_backward(self):
+            pass
+
+    class Probe(callbacks_from.Callback):
+        def on_before_optimizer_step(self, trainer, module, optimizer):
+            pass
+
+    class Plain(callbacks_from.Callback):
+        def on_train_epoch_end(self, trainer, module):
+            pass
+
+    class Mine(lightning.pytorch.strategies.SingleDeviceStrategy):
+        pass
+
+    module = (Module if case == "on_after_backward" else step_module(lightning))("sgd")
+    module.automatic_optimization = case != "automatic_optimization"
+    callback = CUDAGraphs(scope="step")
+    other = {"callback": Probe, "other package's callback": Probe,
+             "other package's plain callback": Plain}.get(case)
+    kwargs = {"callbacks": [callback] + ([other()] if other else [])}
+    if case == "ddp_comm_hook":
+        kwargs["strategy"] = lightning.pytorch.strategies.DDPStrategy(
+            ddp_comm_hook=lambda state, bucket: None)
+    elif case == "strategy":
+        kwargs["strategy"] = Mine(device=torch.device("cpu"))
+    elif case == "64-true":
+        kwargs["precision"] = "64-true"
+    trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False,
+                                enable_checkpointing=False, **kwargs)
+    found = _why_not_the_step(trainer, module, callback)
+    assert (found is None) if why is None else (why in found), found
+
+
+@pytest.mark.parametrize("hidden", [("pytorch_lightning",), ("lightning",),
+                                    ("lightning", "pytorch_lightning")])
+def test_lightning_callback_imports_with_either_package_alone(hidden):
+    """cgraph.lightning where a package is not installed (hidden: None in
+    sys.modules, whose import fails as an absent package's does): the
+    callback derives from the other's Callback; with neither, the
+    ImportError says what to install."""
+    for name in {"lightning", "pytorch_lightning"} - set(hidden):
+        pytest.importorskip(name)
+    code = (f"import sys\nfor name in {hidden!r}: sys.modules[name] = None\n"
+            "from cgraph.lightning import CUDAGraphs\n"
+            "print([base.__module__ for base in CUDAGraphs.__bases__])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=root)
+    if len(hidden) == 2:
+        assert run.returncode != 0 and "ImportError: cgraph: " in run.stderr, run.stderr
+        assert "pip install lightning" in run.stderr, run.stderr
+        return
+    assert run.returncode == 0, run.stderr[-3000:]
+    left = "pytorch_lightning" if hidden == ("lightning",) else "lightning.pytorch"
+    assert run.stdout.split("\n")[-2] == f"['{left}.callbacks.callback']", run.stdout
+
+
+@pytest.mark.gpu
+def test_lightning_step_scope_in_a_pytorch_lightning_trainer_trains_as_eager():
+    """The whole step graphed in a pytorch_lightning Trainer (bf16-mixed:
+    its MixedPrecision plugin; accumulation in three phases; fused AdamW with
+    an LR schedule), against the same fit without the callback: parameters
+    bitwise, every logged value, global_step, the grads after each batch."""
+    lightning = lightning_package("pytorch_lightning")
+    from cgraph.lightning import CUDAGraphs
+    kwargs = dict(accelerator="gpu", precision="bf16-mixed", optimizer="adamw-fused",
+                  accumulate=2, max_steps=16)
+    eager = lightning_run(lightning, [], **kwargs)
+    callback = CUDAGraphs(scope="step")
+    graphed = lightning_run(lightning, [callback], **kwargs)
+    assert graphed[2] == eager[2] == 16
+    for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
+        assert torch.equal(g, e), f"parameter {i}"
+    assert graphed[1] == eager[1]
+    assert len(graphed[3]) == len(eager[3])
+    for i, (g, e) in enumerate(zip(graphed[3], eager[3])):
+        assert (g is None and e is None) or torch.equal(g, e), f"grad after batch {i}"
+    assert callback.stats["captures"] >= 1 and callback.stats["replays"] >= 8, callback.stats
+
