@@ -13,11 +13,15 @@ does too.
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
+import weakref
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
 
 from . import _fsdp
 from ._api import graph_pool_handle, graphed_in_place, is_graphed
@@ -53,9 +57,14 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     (``buckets``, ``max_graphs``, ``num_warmup_iters``...).
 
     For FSDP2, ``fully_shard`` each block and the root first, as in the
-    README's recipe; under DDP, either order works.  A Hugging Face model's
-    KV cache is turned off (``config.use_cache = False``, logged): a graph
-    replay cannot append to it.  Logs what it graphed (logger ``cgraph``).
+    README's recipe; under DDP, either order works.  A Hugging Face model
+    whose ``config.use_cache`` is on would build a KV cache in every forward
+    and hand it to every block, and a graph replay cannot append to it: while
+    the blocks are graphed, a forward call that leaves ``use_cache`` unset
+    (training, evaluation) runs without a cache (logged); the config stays
+    as it is, so checkpoints save it unchanged, and a call passing
+    ``use_cache=True`` (``generate()``) keeps its cache and runs the blocks
+    eagerly.  Logs what it graphed (logger ``cgraph``).
 
     Example::
 
@@ -73,7 +82,7 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     if pool == "shared":
         pool = graph_pool_handle()
     _graph_each(found.blocks, pool, make_graphed_kwargs)
-    _cache_off(root)
+    _cache_off(root, found.blocks)
     share = _parameter_count(found.blocks) / max(_parameter_count(root), 1)
     log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
              "%s; each captures on its first call", len(found.blocks),
@@ -177,17 +186,87 @@ def _refuse(root: nn.Module, found: Blocks) -> None:
             "the root, then call graph_layers (README, Sharded models).")
 
 
-def _cache_off(root: nn.Module) -> None:
+# Each module graph_layers turned the cache off for, and that hook's handle:
+# one hook a module however often its blocks are graphed again.  Weakly: a
+# dropped model takes its hook along.
+_cache_hooks: "weakref.WeakKeyDictionary[nn.Module, RemovableHandle]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _cache_off(root: nn.Module, blocks: nn.Module) -> None:
     """Hugging Face models (the root, or inside a LightningModule) build a
     KV cache per forward when config.use_cache is on, and hand it to every
-    block; make_graphed refuses it (a replay cannot append to it)."""
+    block, whose graphs cannot append to it (such a call runs the block
+    eagerly).  Each module outside the blocks whose config says use_cache
+    and whose forward takes it gets a forward pre-hook that turns the cache
+    off in a call leaving use_cache unset, while the blocks are graphed.
+    The config stays as it is: save_pretrained writes it to checkpoints,
+    and generate() from them should keep its cache.  The hook checks the
+    first block at each call rather than being removed at the blocks'
+    reset, which runs in the native core and knows nothing of it; a weak
+    reference and an isinstance per model call cost nothing beside the
+    model's forward."""
+    inside = {id(m) for m in blocks.modules()}
+    hooked = []
     for module in root.modules():
         config = getattr(module, "config", None)
-        if getattr(config, "use_cache", False) is True:
-            config.use_cache = False
-            log.info("cgraph: graph_layers set %s.config.use_cache = False: a graphed block "
-                     "cannot append to a KV cache (training does not use one)",
-                     type(module).__name__)
+        if id(module) in inside or getattr(config, "use_cache", False) is not True:
+            continue
+        position = _use_cache_position(module)
+        if position is None:
+            continue
+        earlier = _cache_hooks.pop(module, None)
+        if earlier is not None:  # blocks graphed again after a reset
+            earlier.remove()
+        hook = functools.partial(_no_cache_unless_asked, weakref.ref(blocks[0]), position)
+        _cache_hooks[module] = module.register_forward_pre_hook(hook, with_kwargs=True)
+        hooked.append(type(module).__name__)
+    if hooked:
+        log.info("cgraph: graph_layers: calls of %s that leave use_cache unset run without a "
+                 "KV cache while the blocks are graphed (a graphed block cannot append to "
+                 "one); config.use_cache stays True, and a call passing use_cache=True "
+                 "(generate()) keeps its cache and runs the blocks eagerly",
+                 ", ".join(hooked))
+
+
+def _use_cache_position(module: nn.Module) -> int | None:
+    """Where ``use_cache`` sits among the positional parameters of
+    `module`'s forward (sys.maxsize where it is keyword-only), or None
+    where the forward does not name it: a forward that takes it only
+    through ``**kwargs`` may hand it on to code that does not."""
+    try:
+        parameters = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):  # a forward inspect cannot read
+        return None
+    for position, parameter in enumerate(parameters):
+        if parameter.name == "use_cache":
+            if parameter.kind is parameter.POSITIONAL_OR_KEYWORD:
+                return position
+            return sys.maxsize if parameter.kind is parameter.KEYWORD_ONLY else None
+    return None
+
+
+def _no_cache_unless_asked(first_block: "weakref.ref[nn.Module]", position: int,
+                           module: nn.Module, args: tuple, kwargs: dict):
+    """The forward pre-hook of _cache_off: ``use_cache=False`` where the call
+    leaves it unset (absent, or None positionally or by keyword), while
+    the first block is graphed; once it is not (reset, or dropped), the
+    hook removes itself.  It holds the block weakly: a list of blocks the
+    user swapped out keeps no graphs alive through it, and the module it
+    hooks is not held at all (no reference cycle)."""
+    block = first_block()
+    if block is None or not is_graphed(block):
+        handle = _cache_hooks.pop(module, None)
+        if handle is not None:
+            handle.remove()
+        return None
+    if len(args) > position:  # passed positionally
+        if args[position] is not None:
+            return None
+        return args[:position] + (False,) + args[position + 1:], kwargs
+    if kwargs.get("use_cache") is not None:
+        return None
+    return args, {**kwargs, "use_cache": False}
 
 
 def _checkpointing_inside(block: nn.Module) -> None:

@@ -9,9 +9,14 @@ Needs ``transformers`` (``pip install cgraph[transformers]``).
 
 from __future__ import annotations
 
+import gc
+import weakref
+
+import torch
 from transformers import TrainerCallback
 
-from ._layers import graph_layers_once
+from . import _layers
+from ._log import log
 
 __all__ = ["CUDAGraphsCallback"]
 
@@ -22,22 +27,65 @@ class CUDAGraphsCallback(TrainerCallback):
 
     Each block captures on its first call, one graph per shape, train and
     eval mode, and autocast state, so mixed precision, gradient accumulation,
-    gradient checkpointing and evaluation keep working; the cache is turned
-    off (logged).  Batches padded to varying lengths make a graph per length,
-    up to ``max_graphs`` (then eager, logged): pad to a fixed length, or pass
-    ``buckets=`` through to :func:`cgraph.make_graphed`.
+    gradient checkpointing and evaluation keep working; the Trainer's
+    forwards, which leave ``use_cache`` unset, run without a KV cache
+    (logged), and ``config.use_cache`` stays as the Trainer set it
+    (``TrainingArguments.use_cache``), as do the checkpoints.  Batches
+    padded to varying lengths make a graph per length, up to ``max_graphs``
+    (then eager, logged): pad to a fixed length, or pass ``buckets=``
+    through to :func:`cgraph.make_graphed`.
+
+    A second ``train()`` keeps the graphs.  With ``auto_find_batch_size``,
+    the Trainer's retry at a smaller batch size after running out of memory
+    frees the graphs the callback captured (each block's ``forward.reset()``)
+    and graphs the blocks again (logged), so the retry does not run beside
+    the failed size's graphs.  Blocks graphed before training are left as
+    they are.
 
     Keywords go to :func:`cgraph.graph_layers` (``layers=``, ``pool=``,
     ``buckets=``, ``max_graphs=``...)."""
 
     def __init__(self, **graph_layers_kwargs):
         self.graph_layers_kwargs = graph_layers_kwargs
+        # The blocks this callback graphed and the batch size then; weakly:
+        # the graphs go with the model.
+        self._graphed: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+        self._batch_size = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             return
         _refuse_what_cannot_be_graphed(args)
-        graph_layers_once(model, "CUDAGraphsCallback", **self.graph_layers_kwargs)
+        batch_size = getattr(state, "train_batch_size", None)
+        if (getattr(args, "auto_find_batch_size", False) and len(self._graphed)
+                and batch_size != self._batch_size):
+            log.info("cgraph: CUDAGraphsCallback: the Trainer starts again at batch size %s, "
+                     "after running out of memory at %s (auto_find_batch_size): the graphs "
+                     "the callback captured are freed and the blocks graphed again",
+                     batch_size, self._batch_size)
+            self._reset_graphed()
+        graphed_before = _graphed_blocks(model)
+        _layers.graph_layers_once(model, "CUDAGraphsCallback", **self.graph_layers_kwargs)
+        if not graphed_before:  # the callback's graphs, not the user's
+            self._graphed.update(_graphed_blocks(model))
+            self._batch_size = batch_size
+
+    def _reset_graphed(self) -> None:
+        """Reset each block this callback graphed (which gives it its own
+        forward back) and let the graphs' memory go, so that a retry at a
+        smaller batch size does not run beside them."""
+        for block in list(self._graphed):
+            if _layers.is_graphed(block):
+                block.forward.reset()
+        self._graphed.clear()
+        self._batch_size = None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _graphed_blocks(model: torch.nn.Module) -> list:
+    return [m for m in model.modules() if _layers.is_graphed(m)]
 
 
 def _refuse_what_cannot_be_graphed(args) -> None:

@@ -9,6 +9,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import weakref
 
 import torch
 from torch import nn
@@ -126,12 +127,25 @@ class StandIn:
     class's), counting its calls."""
 
     def __init__(self, block):
-        self.forward = block.__dict__.get("forward", type(block).forward.__get__(block))
+        self.own = block.__dict__.get("forward")
+        self.forward = (self.own if self.own is not None
+                        else type(block).forward.__get__(block))
+        self.block = weakref.ref(block)
         self.calls = 0
+        self.is_reset = False
 
     def __call__(self, *args, **kwargs):
         self.calls += 1
         return self.forward(*args, **kwargs)
+
+    def reset(self):
+        """As a graphed forward's reset(): the block gets its own forward back."""
+        self.is_reset = True
+        block = self.block()
+        if block is not None and block.__dict__.get("forward") is self:
+            del block.forward
+            if self.own is not None:
+                block.forward = self.own
 
 
 @contextlib.contextmanager

@@ -4,6 +4,7 @@ refuses.  Training equality on a GPU is in tests/test_transformers.py."""
 
 import functools
 import inspect
+import json
 import logging
 from types import SimpleNamespace
 
@@ -89,6 +90,8 @@ def test_ddp_models_are_graphed_inside(stand_in, mesh):
 
 
 def test_a_hugging_face_cache_is_turned_off_and_logged(stand_in, caplog):
+    """Off in the calls that leave use_cache unset (tested below), not in
+    the config, which checkpoints save."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
                                       num_hidden_layers=2, num_attention_heads=4,
@@ -96,11 +99,12 @@ def test_a_hugging_face_cache_is_turned_off_and_logged(stand_in, caplog):
     model = transformers.LlamaForCausalLM(config)
     with caplog.at_level(logging.INFO, logger="cgraph"):
         cgraph.graph_layers(model)
-    assert model.config.use_cache is False
+    assert model.config.use_cache is True
     assert [b for b, _ in stand_in] == list(model.model.layers)
     text = caplog.text
-    assert "use_cache = False" in text and "graphed 2 LlamaDecoderLayer blocks at " \
-        "'model.layers'" in text, text
+    assert text.count("leave use_cache unset run without a KV cache") == 1, text
+    assert "calls of LlamaForCausalLM, LlamaModel that" in text, text
+    assert "graphed 2 LlamaDecoderLayer blocks at 'model.layers'" in text, text
 
 
 @pytest.mark.parametrize("build, path", [
@@ -495,3 +499,156 @@ def test_a_reset_gives_fsdp_its_parameters_back_even_if_logging_fails(monkeypatc
     with pytest.raises(RuntimeError, match="log failed"):
         _api._on_event("reset", graphed)
     assert released == [graphed]
+
+
+# ---- the KV cache: off in calls that leave use_cache unset, the config kept ----
+
+
+def tiny_llama(transformers):
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, use_cache=True)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def caches_seen(layers) -> list:
+    """For each call of each layer from now on: whether it carried a Cache,
+    and the use_cache it was given."""
+    seen = []
+
+    def record(layer, args, kwargs):
+        seen.append((cgraph._describe.holds_cache((args, kwargs)), kwargs.get("use_cache")))
+
+    for layer in layers:
+        layer.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
+
+
+def test_a_hugging_face_forward_leaving_use_cache_unset_gives_the_blocks_no_cache(
+        stand_in, tmp_path):
+    """Training and evaluation forwards (use_cache absent, or None by keyword
+    or positionally) hand the graphed blocks no cache; a call asking for one
+    (use_cache=True, as generate() passes it) gets it; the config keeps
+    use_cache=True, and so does the checkpoint save_pretrained writes."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_llama(transformers)
+    cgraph.graph_layers(model)
+    assert model.config.use_cache is True
+    seen = caches_seen(model.model.layers)
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()
+    model(ids, use_cache=None)
+    with torch.no_grad():
+        model.eval()(ids, None, None, None, None, None, None)  # use_cache=None positionally
+    assert seen == [(False, False)] * 6
+    seen.clear()
+    model(ids, use_cache=True)
+    model(ids, None, None, None, None, None, True)
+    assert seen == [(True, True)] * 4
+    assert all(layer.forward.calls == 5 for layer in model.model.layers)
+    model.save_pretrained(tmp_path)
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["use_cache"] is True
+
+
+
+def test_generate_through_graphed_hugging_face_layers_keeps_its_cache(stand_in):
+    """generate() passes use_cache itself (True by default), so the hook
+    leaves its calls be: every layer call carries the cache (and runs the
+    block eagerly on a GPU)."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_llama(transformers).eval()
+    cgraph.graph_layers(model)
+    seen = caches_seen(model.model.layers[:1])
+    ids = torch.randint(0, 64, (1, 5))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                   do_sample=False, pad_token_id=0)
+    assert seen == [(True, True)] * 3
+
+class CacheModel(nn.Module):
+    """As a Hugging Face model: a config saying use_cache, and a cache built
+    per call and handed to each block where use_cache (or, unset, the
+    config) says so."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = SimpleNamespace(use_cache=True)
+        self.blocks = nn.ModuleList(CachedBlock() for _ in range(2))
+
+    def forward(self, x, use_cache=None):
+        cache = DynamicCache() if (self.config.use_cache if use_cache is None
+                                   else use_cache) else None
+        for block in self.blocks:
+            x = block(x, past_key_values=cache)
+        return x, cache
+
+
+def test_the_cache_hook_leaves_a_call_that_asks_and_goes_after_a_reset(stand_in):
+    """Positionally or by keyword, a use_cache the caller gave is kept.
+    Graphed again after a reset, the model has one hook, not two; once the
+    blocks are reset, calls get the config's cache again and the hook
+    removes itself."""
+    model, x = CacheModel(), torch.randn(2, 8)
+    cgraph.graph_layers(model)
+    assert model(x)[1] is None and model(x, None)[1] is None
+    assert model(x, use_cache=True)[1].appended == 2 and model(x, True)[1].appended == 2
+    assert model(x, False)[1] is None
+    for block in model.blocks:
+        block.forward.reset()
+    cgraph.graph_layers(model)
+    assert len(model._forward_pre_hooks) == 1 and model(x)[1] is None
+    for block in model.blocks:
+        block.forward.reset()
+    assert model(x)[1].appended == 2  # the config's cache: the blocks run their own forward
+    assert len(model._forward_pre_hooks) == 0 and model not in _layers._cache_hooks
+
+
+def test_the_cache_hook_keeps_no_model_alive(stand_in):
+    """The hook holds the first block weakly, and the model not at all: a
+    dropped model goes without the garbage collector (its blocks' stand-ins
+    are bound to them, a cycle of their own)."""
+    import gc
+    import weakref
+    model = CacheModel()
+    cgraph.graph_layers(model)
+    model(torch.randn(2, 8))
+    dropped = weakref.ref(model)
+    gc.disable()
+    try:
+        del model
+        assert dropped() is None
+    finally:
+        gc.enable()
+
+
+def test_a_model_without_use_cache_in_its_forward_or_config_gets_no_hook(stand_in):
+    """Only a forward naming use_cache takes it (one with **kwargs alone may
+    hand it to code that does not); blocks never get the hook."""
+    model = GPT()
+    model.config = SimpleNamespace(use_cache=True)
+    cgraph.graph_layers(model)
+    cached = CacheModel()
+    cached.config.use_cache = False
+    cgraph.graph_layers(cached)
+    assert not model._forward_pre_hooks and not cached._forward_pre_hooks
+    assert not any(block._forward_pre_hooks for block in [*model.blocks, *cached.blocks])
+
+
+@pytest.mark.parametrize("wrap", ["ddp", "fsdp"])
+def test_the_cache_hook_works_under_ddp_and_on_an_fsdp_root(wrap, mesh, stand_in):
+    """DDP calls the module it wraps, whose hook turns the cache off; an
+    FSDP2 root keeps its own hooks beside it, and nothing refuses a hooked
+    root (only a graphed module's hooks matter to cgraph)."""
+    from torch.distributed.fsdp import fully_shard
+    model, x = CacheModel(), torch.randn(2, 8)
+    if wrap == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    cgraph.graph_layers(model)
+    assert model(x)[1] is None and model(x, use_cache=True)[1].appended == 2
+    inner = model.module if wrap == "ddp" else model
+    assert inner.config.use_cache is True and len(stand_in) == 2

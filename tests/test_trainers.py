@@ -52,7 +52,7 @@ def test_hf_trainer_callback_graphs_the_decoder_layers_at_train_start(stand_in, 
                                    eval_dataset=Tokens(), callbacks=[CUDAGraphsCallback()])
     trainer.train()
     assert [type(layer.forward) for layer in model.model.layers] == [StandIn, StandIn]
-    assert model.config.use_cache is False
+    assert model.config.use_cache is args.use_cache  # the Trainer's setting, not cgraph's
     # 2 steps x 2 micro-batches, then evaluation: 4 batches of 2.
     assert [layer.forward.calls for layer in model.model.layers] == [8, 8]
     trainer.train()  # a second run: the graphed blocks are kept
@@ -508,6 +508,7 @@ def test_lightning_step_scope_follows_an_accumulation_schedule_and_an_unfreezing
     assert graphed[1] == eager[1]
     assert callback.stats["captures"] >= 2 and callback.stats["replays"] >= 2, callback.stats
 
+
 # ---- Lightning's two namespaces: lightning.pytorch and pytorch_lightning ------
 
 PACKAGES = ["lightning", "pytorch_lightning"]
@@ -663,3 +664,112 @@ def test_lightning_step_scope_in_a_pytorch_lightning_trainer_trains_as_eager():
         assert (g is None and e is None) or torch.equal(g, e), f"grad after batch {i}"
     assert callback.stats["captures"] >= 1 and callback.stats["replays"] >= 8, callback.stats
 
+
+# ---- auto_find_batch_size: a retry at a smaller batch size graphs again ------
+
+
+def test_hf_callback_graphs_again_when_the_batch_size_changes_under_auto_find(stand_in, caplog):
+    """The Trainer's retry after running out of memory begins training again
+    at a smaller batch size: the callback's graphs for the failed size are
+    reset (each block's own forward back) and the blocks graphed again,
+    logged; at the same size, or without auto_find_batch_size, they are kept."""
+    transformers = pytest.importorskip("transformers")
+    from cgraph.transformers import CUDAGraphsCallback
+    model, callback = tiny_llama(transformers), CUDAGraphsCallback()
+    args = SimpleNamespace(n_gpu=1, torch_compile=False, auto_find_batch_size=True)
+
+    def begin(batch_size, **setting):
+        callback.on_train_begin(SimpleNamespace(**{**vars(args), **setting}),
+                                SimpleNamespace(train_batch_size=batch_size), None, model=model)
+        return [layer.forward for layer in model.model.layers]
+
+    first = begin(8)
+    assert begin(8) == first and begin(7, auto_find_batch_size=False) == first
+    with caplog.at_level("INFO", logger="cgraph"):
+        again = begin(7)
+    assert all(f.is_reset for f in first) and not any(f.is_reset for f in again)
+    assert all(isinstance(f, StandIn) and f not in first for f in again)
+    assert [b for b, _ in stand_in] == list(model.model.layers) * 2
+    assert caplog.text.count("starts again at batch size 7, after running out of memory "
+                             "at 8") == 1, caplog.text
+    assert begin(7) == again
+
+
+def test_hf_callback_leaves_blocks_the_user_graphed_at_any_batch_size(stand_in):
+    transformers = pytest.importorskip("transformers")
+    import cgraph
+    from cgraph.transformers import CUDAGraphsCallback
+    model, callback = tiny_llama(transformers), CUDAGraphsCallback()
+    cgraph.graph_layers(model)
+    mine = [layer.forward for layer in model.model.layers]
+    args = SimpleNamespace(n_gpu=1, torch_compile=False, auto_find_batch_size=True)
+    for batch_size in (8, 7):
+        callback.on_train_begin(args, SimpleNamespace(train_batch_size=batch_size), None,
+                                model=model)
+    assert [layer.forward for layer in model.model.layers] == mine
+    assert not any(f.is_reset for f in mine) and len(stand_in) == 2
+
+
+def test_hf_trainer_retrying_a_smaller_batch_graphs_the_blocks_again(stand_in, tmp_path):
+    """Inside the real Trainer: the first step at batch size 4 raises an
+    out-of-memory error, the Trainer (auto_find_batch_size) trains again at
+    a smaller size, and the blocks the callback graphed at 4 are reset and
+    graphed again; the retry's calls go to the new graphs alone."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from cgraph.transformers import CUDAGraphsCallback
+
+    class OutOfMemoryOnce(transformers.TrainerCallback):
+        sizes = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.sizes.append(state.train_batch_size)
+            if len(self.sizes) == 1:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    model = tiny_llama(transformers)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=1, per_device_train_batch_size=4,
+        auto_find_batch_size=True, report_to=[], save_strategy="no")
+    oom = OutOfMemoryOnce()
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   callbacks=[CUDAGraphsCallback(), oom])
+    trainer.train()
+    assert oom.sizes[0] == 4 and 0 < oom.sizes[1] < 4, oom.sizes
+    first, again = stand_in[:2], stand_in[2:]
+    assert [b for b, _ in first] == [b for b, _ in again] == list(model.model.layers)
+    assert all(layer.forward.calls == 1 and not layer.forward.is_reset
+               for layer in model.model.layers)
+
+
+def test_hf_trainer_with_use_cache_keeps_it_in_the_config_and_gives_the_blocks_none(
+        stand_in, tmp_path):
+    """TrainingArguments(use_cache=True) sets the model's config.use_cache;
+    the callback leaves it, so the checkpoint says use_cache true, while the
+    Trainer's training and evaluation forwards (use_cache unset) hand the
+    graphed blocks no cache."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import json
+
+    from cgraph._describe import holds_cache
+    from cgraph.transformers import CUDAGraphsCallback
+    model = tiny_llama(transformers)
+    caches = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(
+            lambda m, args, kwargs: caches.append(holds_cache((args, kwargs))), with_kwargs=True)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=1, per_device_train_batch_size=2,
+        per_device_eval_batch_size=2, use_cache=True, report_to=[], save_strategy="no",
+        eval_strategy="steps", eval_steps=1)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=Tokens(),
+                                   eval_dataset=Tokens(), callbacks=[CUDAGraphsCallback()])
+    trainer.train()
+    assert model.config.use_cache is True
+    # One training batch, then 4 evaluation batches, through each of 2 layers.
+    assert caches == [False] * 10
+    assert [layer.forward.calls for layer in model.model.layers] == [5, 5]
+    trainer.save_model(str(tmp_path / "saved"))
+    with open(tmp_path / "saved" / "config.json") as f:
+        assert json.load(f)["use_cache"] is True

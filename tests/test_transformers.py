@@ -135,7 +135,7 @@ def test_a_llama_generating_through_graphed_layers_runs_them_eagerly_as_eager():
     torch.manual_seed(55)
     model = transformers.LlamaForCausalLM(config).to(CUDA)
     eager = copy.deepcopy(model)
-    eager.config.use_cache = False  # as graph_layers sets it for training
+    eager.config.use_cache = False  # as graph_layers' hook makes the training calls
     cgraph.graph_layers(model)
     assert_training_equal(train(model, llama_step, 910), train(eager, llama_step, 910))
     ids = torch.randint(0, 128, (1, 8), device=CUDA)
@@ -202,7 +202,7 @@ def test_graph_layers_finds_and_graphs_llamas_decoder_layers_in_one_pool():
     eager = copy.deepcopy(model)
     eager.config.use_cache = False
     names = [name for name, _ in model.named_parameters()]
-    assert cgraph.graph_layers(model) is model and model.config.use_cache is False
+    assert cgraph.graph_layers(model) is model and model.config.use_cache is True
     assert [name for name, _ in model.named_parameters()] == names  # blocks stay in place
     assert_training_equal(train(model, llama_step, 900), train(eager, llama_step, 900))
     pools = {tuple(p) for layer in model.model.layers for p in layer.forward.pools}
