@@ -74,20 +74,37 @@ def _reduce_installed(call) -> tuple:
     graphed = call.graphed if isinstance(call, Bucketed) else call
     installed = _installed.get(graphed)
     module = installed.module() if installed is not None else None
-    if module is None or module.__dict__.get("forward") is not installed.call():
+    if module is None:  # a graphed function, or one whose module is gone
         raise TypeError(
             "cgraph: a graphed callable cannot be copied or pickled: its graphs replay into "
             "memory of its own and read the original's parameters. Copy or save what it "
             "graphs (the function, or the module) and graph the copy, or save a model's "
             "state_dict().")
     own = module.__dict__.get(_OWN_FORWARD)
-    # The class's forward, looked up on the copy (an instance attribute bound to it):
-    # a copy's __dict__ is still empty while its attributes are copied.
-    return (_same, (own,)) if own is not None else (getattr, (module, "forward"))
+    return (_same, (own,)) if own is not None else (ClassForward, (module,))
 
 
 def _same(value):
     return value
+
+
+class ClassForward:
+    """The forward of a copy of a module that cgraph had graphed in place:
+    its class's forward, called on the copy (Note [Copying a graphed
+    model]).  The copy is held weakly, so that it has no reference cycle
+    through its own forward and goes when dropped, as a module does."""
+
+    __slots__ = ("module", "__weakref__")
+
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+
+    def __call__(self, *args, **kwargs):
+        module = self.module()
+        return type(module).forward(module, *args, **kwargs)
+
+    def __reduce__(self) -> tuple:
+        return ClassForward, (self.module(),)
 
 
 copyreg.pickle(_C.Graphed, _reduce_installed)
@@ -316,7 +333,8 @@ def make_graphed(
 
     ``buckets`` (opt-in): sizes for the leading dimension (``[8, 16, 32]``)
     or per dimension (``{0: [8, 16], 1: [128, 256, 512]}``).  A call is
-    padded with zeros up to the next bucket, replays that bucket's graph,
+    padded up to the next bucket (Note [What padded rows hold] and Note
+    [Attention masks under sequence buckets] in cgraph/_buckets.py), replays that bucket's graph,
     and its outputs are sliced back; grads of the padded rows are dropped.
     This is exact only when padded rows cannot change the real ones: rows
     no op mixes (BatchNorm in training mode does: refused), or positions
@@ -436,7 +454,7 @@ class _Wrapper(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            module = self.__dict__["_modules"].get("module")
+            module = self.__dict__.get("_modules", {}).get("module")  # {}: while unpickled
             if module is None:
                 raise
             return getattr(module, name)
@@ -539,10 +557,15 @@ class EagerCopy(_Wrapper):
        refuses it).  A module whose forward cgraph set (graph_layers'
        blocks, the drop-in's modules, a module with hooks) is copied with
        the forward it had before graphing (``_reduce_installed``, registered
-       with copyreg, which both use), the class's bound to the copy; a
+       with copyreg, which both use): its own, copied (a method rebound to
+       the copy), or the class's, called on the copy (a ClassForward set as
+       the copy's forward; the copy also carries the key _cgraph_own_forward
+       where the original had one, which a later graphing of it replaces); a
        GraphedModule is copied as an EagerCopy of its module, so state_dict
        keys and parameter order match the original's.  A graphed function
-       raises, naming the fix.  Graph the copy to graph it.
+       raises, naming the fix.  Graph the copy to graph it.  cgraph's other
+       additions to a module copy as eager ones: graph_layers' cache hook as
+       none (cgraph/_layers.py), its checkpointing class as the block's own.
     """
 
     def forward(self, *args, **kwargs):
@@ -552,7 +575,6 @@ class EagerCopy(_Wrapper):
 def _new_eager_copy() -> EagerCopy:
     """An EagerCopy without state yet, which the copy's state fills."""
     return EagerCopy.__new__(EagerCopy)
-
 
 
 def _unwrap_ddp(fn):

@@ -17,17 +17,20 @@ and NaN * 0 = NaN reaches the parameter grads where eager's are finite.  So
 floating-point (and complex) tensors are padded with copies of their last
 real row along the padded dimension: finite wherever the real rows are, and
 inside the range the callable already handles.  A call of size 0 has no last
-row: zeros.
+row, and is not padded (it gets a graph of its own).
 
-Why zeros for integer and bool tensors?  There 0 carries a meaning the
-padding needs: a padding mask's 0 (or False) masks a position, so padded
-keys stay out of the real rows' attention; token ids and labels of 0 are
-valid values that no op divides by.  Copying the last row of a (batch, seq)
-padding mask would let real queries attend to padded keys.  A padding mask
-must therefore be integer or bool (as tokenizers return it): a float one of
-ones and zeros is padded with its last column.  Under batch buckets a bool
-4-D mask of zeros masks every key of a padded batch row: torch's SDPA gives
-zeros there (torch >= 2.5), a hand-written ``masked_fill(-inf).softmax`` NaN.
+Why zeros for integer and bool tensors along positions?  There 0 carries a
+meaning the padding needs: a padding mask's 0 (or False) masks a position,
+so padded keys stay out of the real rows' attention; token ids and labels
+of 0 are valid values that no op divides by.  Copying the last column of a
+(batch, seq) padding mask would let real queries attend to padded keys.  A
+padding mask must therefore be integer or bool (as tokenizers return it): a
+float one of ones and zeros is padded with its last column.  Along the
+batch (dimension 0) every tensor is padded with copies of its last real
+row, integers and bools too: a padded batch row then holds a real row's
+tokens and mask, where zeros would mask every key of it (a hand-written
+``masked_fill(-inf).softmax`` is NaN there, and the NaN reaches the
+parameter grads).
 
 Note [Attention masks under sequence buckets]
 ---------------------------------------------
@@ -71,6 +74,7 @@ sliced back in both of its last two dimensions.
 from __future__ import annotations
 
 import bisect
+import weakref
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -127,22 +131,31 @@ class Bucketed:
     """
 
     # __weakref__: a module whose forward it is keeps it weakly (_api._Installed).
-    __slots__ = ("graphed", "buckets", "module", "__weakref__")
+    __slots__ = ("graphed", "buckets", "_module", "__weakref__")
 
     def __init__(self, graphed: _C.Graphed, buckets: dict[int, tuple[int, ...]],
                  module: nn.Module | None):
         self.graphed = graphed
         self.buckets = buckets
-        self.module = module if module is not None and _mixes_rows(module) else None
+        # Weakly: it is often the module whose forward this is (graph_layers),
+        # and a cycle would keep the graphs and their pool until a collection.
+        self._module = (weakref.ref(module) if module is not None and _mixes_rows(module)
+                        else None)
+
+    @property
+    def module(self) -> nn.Module | None:
+        """The graphed module where it has BatchNorm (its mode is checked), else None."""
+        return self._module() if self._module is not None else None
 
     def __call__(self, *args, **kwargs) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         padding = self._padding(leaves)
         if not padding:
             return self.graphed(*args, **kwargs)
-        if 0 in padding and self.module is not None and self.module.training:
+        module = self.module
+        if 0 in padding and module is not None and module.training:
             raise ValueError(
-                f"cgraph: {type(self.module).__name__} has BatchNorm in training mode, whose "
+                f"cgraph: {type(module).__name__} has BatchNorm in training mode, whose "
                 "statistics mix the rows of a batch: padded rows would change the real ones. "
                 "Leave out buckets for dimension 0, or graph it without buckets.")
         leaves = [_pad(t, padding) if isinstance(t, torch.Tensor) else t for t in leaves]
@@ -154,18 +167,22 @@ class Bucketed:
         """{dim: (size, bucket)} for the dimensions this call pads."""
         padding = {}
         for dim, sizes in self.buckets.items():
-            first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > dim),
-                         None)
-            if first is None:
-                continue
-            n = first.shape[dim]
+            n = _size_at(leaves, dim)
             k = bisect.bisect_left(sizes, n)
-            if k < len(sizes) and sizes[k] != n:
+            if n > 0 and k < len(sizes) and sizes[k] != n:  # 0: no last row to copy
                 padding[dim] = (n, sizes[k])
         return padding
 
     def __getattr__(self, name: str):
         return getattr(self.graphed, name)  # stats, num_graphs, pool, reset, ...
+
+
+def _size_at(leaves: list, dim: int) -> int:
+    """The call's size at `dim`: the first tensor's that does not broadcast
+    there (size 1: a (B, 1, T, T) mask passed before the hidden states), or
+    the first's where all do; 0 where no tensor has `dim`."""
+    sizes = [t.shape[dim] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > dim]
+    return next((n for n in sizes if n != 1), sizes[0] if sizes else 0)
 
 
 def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]]) -> torch.Tensor:
@@ -181,7 +198,7 @@ def _pad_rows(t: torch.Tensor, dim: int, n: int, bucket: int) -> torch.Tensor:
     """`t` padded at `dim` from `n` to `bucket` rows: Note [What padded rows hold]."""
     shape = list(t.shape)
     shape[dim] = bucket - n
-    if n > 0 and (t.is_floating_point() or t.is_complex()):
+    if dim == 0 or t.is_floating_point() or t.is_complex():
         # Detached: a stand-in value, whose grads are dropped as zeros' were.
         fill = t.narrow(dim, n - 1, 1).detach().expand(shape)
     else:
@@ -193,7 +210,9 @@ def _is_mask(t: torch.Tensor, dim: int, n: int) -> bool:
     """Whether `t` is laid out (..., queries, keys) for the `n` positions at
     the bucketed `dim`: Note [Attention masks under sequence buckets]."""
     return (1 <= dim < t.dim() - 2 and t.shape[-1] == n and t.shape[-2] in (n, 1)
-            and (t.shape[dim] == 1 or (t.dim() == 4 and t.shape[dim] != n)))
+            and (t.shape[dim] == 1
+                 # one mask per head; as many heads as positions, read as a mask too
+                 or (t.dim() == 4 and (t.shape[dim] != n or t.shape[-2] == n))))
 
 
 def _pad_mask(t: torch.Tensor, n: int, bucket: int) -> torch.Tensor:

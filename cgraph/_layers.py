@@ -218,7 +218,7 @@ def _cache_off(root: nn.Module, blocks: nn.Module) -> None:
         earlier = _cache_hooks.pop(module, None)
         if earlier is not None:  # blocks graphed again after a reset
             earlier.remove()
-        hook = functools.partial(_no_cache_unless_asked, weakref.ref(blocks[0]), position)
+        hook = _NoCacheUnlessAsked(blocks[0], position)
         _cache_hooks[module] = module.register_forward_pre_hook(hook, with_kwargs=True)
         hooked.append(type(module).__name__)
     if hooked:
@@ -246,27 +246,52 @@ def _use_cache_position(module: nn.Module) -> int | None:
     return None
 
 
-def _no_cache_unless_asked(first_block: "weakref.ref[nn.Module]", position: int,
-                           module: nn.Module, args: tuple, kwargs: dict):
+class _NoCacheUnlessAsked:
     """The forward pre-hook of _cache_off: ``use_cache=False`` where the call
     leaves it unset (absent, or None positionally or by keyword), while
     the first block is graphed; once it is not (reset, or dropped), the
     hook removes itself.  It holds the block weakly: a list of blocks the
     user swapped out keeps no graphs alive through it, and the module it
-    hooks is not held at all (no reference cycle)."""
-    block = first_block()
-    if block is None or not is_graphed(block):
-        handle = _cache_hooks.pop(module, None)
-        if handle is not None:
-            handle.remove()
-        return None
-    if len(args) > position:  # passed positionally
-        if args[position] is not None:
+    hooks is not held at all (no reference cycle).  A copy of the model
+    (copy.deepcopy, pickle) runs its blocks eagerly (Note [Copying a graphed
+    model] in cgraph/_api.py), so the hook is copied as one that does
+    nothing."""
+
+    __slots__ = ("first_block", "position")
+
+    def __init__(self, first_block: nn.Module, position: int):
+        self.first_block, self.position = weakref.ref(first_block), position
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
+        block = self.first_block()
+        if block is None or not is_graphed(block):
+            handle = _cache_hooks.pop(module, None)
+            if handle is not None:
+                handle.remove()
             return None
-        return args[:position] + (False,) + args[position + 1:], kwargs
-    if kwargs.get("use_cache") is not None:
-        return None
-    return args, {**kwargs, "use_cache": False}
+        at = self.position
+        if len(args) > at:  # passed positionally
+            return None if args[at] is not None else (args[:at] + (False,) + args[at + 1:],
+                                                      kwargs)
+        if kwargs.get("use_cache") is not None:
+            return None
+        return args, {**kwargs, "use_cache": False}
+
+    def __reduce__(self) -> tuple:
+        return _copied, ()
+
+    def __deepcopy__(self, memo: dict):
+        return _copied_cache_hook
+
+
+def _copied_cache_hook(*args, **kwargs) -> None:
+    """_NoCacheUnlessAsked in a copy of the model: nothing to do."""
+    return None
+
+
+def _copied():
+    """What unpickling a _NoCacheUnlessAsked gives."""
+    return _copied_cache_hook
 
 
 def _checkpointing_inside(block: nn.Module) -> None:
@@ -287,10 +312,15 @@ def _checkpointing_inside(block: nn.Module) -> None:
     block.__class__ = _checkpointing_in_forward(cls)
     own = block.__dict__.get("forward")
     if own is not None:
-        block.forward = functools.wraps(own)(
-            lambda *args, **kwargs: _maybe_checkpointed(block, own, args, kwargs))
+        # A partial, not a closure: copy.deepcopy and pickle copy its block and
+        # forward with the model (a closure would be shared with a copy).
+        block.forward = functools.wraps(own)(functools.partial(_checkpointed_call, block, own))
     log.info("cgraph: graph_layers: %s checkpoints inside its graphs (transformers' gradient "
              "checkpointing, moved from around the call into forward)", cls.__name__)
+
+
+def _checkpointed_call(block: nn.Module, forward, *args, **kwargs):
+    return _maybe_checkpointed(block, forward, args, kwargs)
 
 
 def _maybe_checkpointed(block: nn.Module, forward, args: tuple, kwargs: dict):
@@ -317,11 +347,23 @@ def _checkpointing_in_forward(cls: type) -> type:
     def forward_with_checkpointing(self, *args, **kwargs):
         return _maybe_checkpointed(self, functools.partial(cls.forward, self), args, kwargs)
 
+    def __reduce_ex__(self, protocol):
+        # A copy (copy.deepcopy, pickle) is of cls itself, which checkpoints
+        # around its call as transformers does; this class, made here under
+        # cls's name, cannot be pickled by name.
+        return _new_of, (cls,), self.__dict__
+
     namespace = {"__call__": nn.Module.__call__, "__module__": cls.__module__,
-                 "__qualname__": cls.__qualname__, "forward": forward_with_checkpointing}
+                 "__qualname__": cls.__qualname__, "forward": forward_with_checkpointing,
+                 "__reduce_ex__": __reduce_ex__}
     if hasattr(cls, "_orig_cls_mro_index"):  # FSDP2's FSDP<cls>: its original class sits
         namespace["_orig_cls_mro_index"] = cls._orig_cls_mro_index + 1  # one further now
     return type(cls.__name__, (cls,), namespace)
+
+
+def _new_of(cls: type):
+    """An instance of `cls` without state yet, which the copy's state fills."""
+    return cls.__new__(cls)
 
 
 def _parameter_count(module: nn.Module) -> int:

@@ -144,11 +144,32 @@ def _load(name: str) -> _Package | None:
                     helpers.is_overridden)
 
 
-_PACKAGES = tuple(p for p in map(_load, ("lightning.pytorch", "pytorch_lightning")) if p)
-if not _PACKAGES:
-    raise ImportError("cgraph: cgraph.lightning needs Lightning: pip install lightning (or "
-                      "pip install cgraph[lightning]); the standalone pytorch_lightning "
-                      "works as well.")
+def _packages() -> tuple[_Package, ...]:
+    """The namespaces installed.  One that fails to import beside one that
+    works (a stale pytorch_lightning next to lightning) is left out, logged;
+    where none works, the first failure is raised."""
+    loaded, failures = [], []
+    for name in ("lightning.pytorch", "pytorch_lightning"):
+        try:
+            package = _load(name)
+        except Exception as e:  # noqa: BLE001 (kept, and raised where nothing loads)
+            failures.append((name, e))
+            continue
+        if package is not None:
+            loaded.append(package)
+    if not loaded and failures:
+        raise failures[0][1]
+    if not loaded:
+        raise ImportError("cgraph: cgraph.lightning needs Lightning: pip install lightning "
+                          "(or pip install cgraph[lightning]); the standalone "
+                          "pytorch_lightning works as well.")
+    for name, e in failures:
+        log.debug("cgraph.lightning: %s did not import (%s: %s); left out", name,
+                  type(e).__name__, e)
+    return tuple(loaded)
+
+
+_PACKAGES = _packages()
 _CALLBACK_BASES = tuple(package.Callback for package in _PACKAGES)
 
 

@@ -27,10 +27,11 @@ class CUDAGraphsCallback(TrainerCallback):
 
     Each block captures on its first call, one graph per shape, train and
     eval mode, and autocast state, so mixed precision, gradient accumulation,
-    gradient checkpointing and evaluation keep working; the Trainer's
-    forwards, which leave ``use_cache`` unset, run without a KV cache
-    (logged), and ``config.use_cache`` stays as the Trainer set it
-    (``TrainingArguments.use_cache``), as do the checkpoints.  Batches
+    gradient checkpointing and evaluation keep working.  The Trainer sets
+    ``config.use_cache`` from ``TrainingArguments.use_cache`` (False by
+    default); where that is on, the Trainer's forwards, which leave
+    ``use_cache`` unset, run without a KV cache (logged), and the config
+    and checkpoints keep it on.  Batches
     padded to varying lengths make a graph per length, up to ``max_graphs``
     (then eager, logged): pad to a fixed length, or pass ``buckets=``
     through to :func:`cgraph.make_graphed`.

@@ -68,13 +68,59 @@ def test_floats_are_padded_with_their_last_row_ints_and_bools_with_zeros():
         assert torch.equal(o, arg)
 
 
-def test_batch_padding_copies_the_last_row_and_a_call_of_size_zero_gets_zeros():
+def test_batch_padding_copies_the_last_row_of_every_dtype_and_a_call_of_size_zero_is_not_padded():
+    """Along the batch, integers and bools too: a padded row holds a real
+    row's tokens and mask (zeros would mask all of its keys).  A call of
+    size 0 has no row to copy and is left as it is (its own graph), where
+    zeros would be NaN through a norm."""
     x = torch.arange(6.0).view(3, 2)
+    mask = torch.tensor([[1, 1], [1, 0], [1, 1]])
     recorder = Recorder()
-    bucketed(recorder, [4])(x)
+    bucketed(recorder, [4])(x, mask, mask.bool())
     assert torch.equal(recorder.args[0], torch.tensor([[0., 1.], [2., 3.], [4., 5.], [4., 5.]]))
+    assert torch.equal(recorder.args[1], torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]]))
+    assert torch.equal(recorder.args[2], recorder.args[1].bool())
     bucketed(recorder, [4])(torch.empty(0, 2))
-    assert torch.equal(recorder.args[0], torch.zeros(4, 2))
+    assert recorder.args[0].shape == (0, 2)
+
+
+def test_a_mask_passed_before_the_hidden_states_does_not_set_the_length():
+    """The call's length is read from a tensor that does not broadcast at the
+    bucketed dimension: a (B, 1, T, T) mask passed first has 1 there."""
+    mask, hidden = padding_mask([5, 3], 5), torch.randn(2, 5, 3)
+    recorder = Recorder()
+    bucketed(recorder, {1: [8]})(mask, hidden)
+    assert recorder.args[0].shape == (2, 1, 8, 8) and recorder.args[1].shape == (2, 8, 3)
+
+
+def test_attention_weights_with_as_many_heads_as_positions_are_sliced_in_their_positions():
+    """(B, H, T', T') weights with H equal to the bucket (or a mask with H
+    equal to the length) are read as laid out (..., queries, keys), not cut
+    along their heads."""
+    out = bucketed(lambda h, m: (h, torch.zeros(2, 8, 8, 8)), {1: [8]})(
+        torch.randn(2, 5, 3), torch.ones(2, 5, 5, 5, dtype=torch.bool))
+    assert out[0].shape == (2, 5, 3) and out[1].shape == (2, 8, 5, 5)
+    recorder = Recorder()
+    bucketed(recorder, {1: [8]})(torch.randn(2, 5, 3), torch.ones(2, 5, 5, 5, dtype=torch.bool))
+    assert recorder.args[1].shape == (2, 5, 8, 8)
+
+
+def test_a_bucketed_module_is_not_kept_alive_through_its_forward():
+    """graph_layers sets a block's forward to its Bucketed, which knows the
+    block (its BatchNorm's mode): weakly, so the block, and with it its
+    graphs, goes when dropped, with the collector off."""
+    import gc
+    import weakref
+    block = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    block.forward = Bucketed(Recorder(), normalize([4]), block)
+    assert block.forward.module is block
+    gone = weakref.ref(block)
+    gc.disable()
+    try:
+        del block
+        assert gone() is None
+    finally:
+        gc.enable()
 
 
 def test_grads_of_padded_rows_are_dropped_not_added_to_the_last_row():
@@ -207,10 +253,11 @@ def test_tensors_that_merely_have_the_length_are_not_read_as_masks():
     for shape in [(64, 64),          # a weight passed as an argument: 2 dimensions
                   (2, 64, 64),       # (B, T, T): the bucketed dimension is the queries'
                   (2, 64, 4, 64),    # (B, T, H, hd): the length at the bucketed dimension
+                  (2, 64, 1, 64),    # (B, T, 1, hd)
                   (2, 3, 64, 16),    # (B, H, T, hd)
                   (2, 3, 5, 64, 64)]:  # 5 dimensions, 3 heads at the bucketed dimension
         assert not _is_mask(torch.empty(shape), 1, t), shape
-    for shape in [(2, 1, 64, 64), (2, 4, 64, 64), (1, 1, 64, 64), (2, 1, 1, 64),
+    for shape in [(2, 1, 64, 64), (2, 4, 64, 64), (1, 1, 64, 64), (2, 1, 1, 64), (2, 64, 64, 64),
                   (2, 1, 3, 64, 64)]:
         assert _is_mask(torch.empty(shape), 1, t), shape
     assert not _is_mask(torch.empty(2, 1, 64, 64), 0, t)  # batch buckets: no mask rule

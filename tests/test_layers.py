@@ -652,3 +652,92 @@ def test_the_cache_hook_works_under_ddp_and_on_an_fsdp_root(wrap, mesh, stand_in
     assert model(x)[1] is None and model(x, use_cache=True)[1].appended == 2
     inner = model.module if wrap == "ddp" else model
     assert inner.config.use_cache is True and len(stand_in) == 2
+
+
+# ---- copies of a model with graphed blocks: Note [Copying a graphed model] ----
+
+
+def _copies(model):
+    import copy
+    import io
+    import pickle
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return {"deepcopy": copy.deepcopy(model), "pickle": pickle.loads(pickle.dumps(model)),
+            "torch.save": torch.load(buffer, weights_only=False)}
+
+
+def _copies_go_without_the_collector(model) -> bool:
+    """Whether each kind of copy of `model`, dropped, is freed at once (no
+    reference cycle through its forwards)."""
+    import gc
+    import weakref
+    gone = [weakref.ref(twin) for twin in _copies(model).values()]
+    gc.disable()
+    try:
+        return all(g() is None for g in gone)
+    finally:
+        gc.enable()
+
+
+def test_a_hugging_face_model_with_graphed_layers_copies_and_saves_as_eager(monkeypatch):
+    """torch.save(model) and copy.deepcopy after graph_layers (really
+    graphed, not stand-ins; nothing is called on the original, so nothing
+    captures): the copy's layers run eagerly, its cache hook does nothing,
+    its logits are eager's, bitwise, and it goes when dropped, without the
+    collector."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    model = tiny_llama(transformers)
+    eager = copy.deepcopy(model)
+    cgraph.graph_layers(model, pool=None)
+    ids = torch.randint(0, 64, (2, 6))
+    for how, twin in _copies(model).items():
+        assert not any(_api.is_graphed(layer) for layer in twin.model.layers), how
+        assert all(_api.is_graphed(layer) for layer in model.model.layers), how
+        assert twin.config.use_cache is True, how
+        hooks = [h for m in twin.modules() for h in m._forward_pre_hooks.values()]
+        assert hooks and all(h is _layers._copied_cache_hook for h in hooks), how
+        out = twin(ids, use_cache=True)
+        assert out.past_key_values is not None, how  # the copy keeps its cache
+        assert torch.equal(out.logits, eager(ids).logits), how
+    del twin, out
+    assert _copies_go_without_the_collector(model)
+
+
+def _doubled(block, x):
+    return 2 * Block.forward(block, x)
+
+
+def test_checkpointed_blocks_copy_as_their_own_class_and_forward(monkeypatch):
+    """transformers before 5.23: graph_layers moves checkpointing into a
+    class made for the block, and wraps an instance forward.  A copy (and a
+    pickle, which cannot name the made class) is of the block's own class,
+    and its own forward runs on the copy's weights, not the original's."""
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    holder = nn.Module()
+    holder.blocks = nn.Sequential(*(CheckpointedAroundCall() for _ in range(2)))
+    for block in holder.blocks:
+        block.gradient_checkpointing = True
+        block._gradient_checkpointing_func = functools.partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    holder.blocks[0].forward = functools.partial(_doubled, holder.blocks[0])  # picklable
+    cgraph.graph_layers(holder, pool=None)
+    assert type(holder.blocks[0]) is not CheckpointedAroundCall  # the made class
+    x = torch.randn(3, 8, requires_grad=True)
+    for how, twin in _copies(holder).items():
+        blocks = twin.blocks
+        assert all(type(b) is CheckpointedAroundCall for b in blocks), how
+        with torch.no_grad():
+            for b in blocks:
+                b.linear.weight.zero_()
+        expected = [2 * (blocks[0].linear.bias.relu() + x), blocks[1].linear.bias.relu() + x]
+        for i, b in enumerate(blocks):
+            out = b(x)
+            out.sum().backward()  # checkpointed as transformers does it, around the call
+            torch.testing.assert_close(out, expected[i].expand_as(out), rtol=0, atol=0,
+                                       msg=f"{how}: block {i}")

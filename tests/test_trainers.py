@@ -642,6 +642,26 @@ def test_lightning_callback_imports_with_either_package_alone(hidden):
     assert run.stdout.split("\n")[-2] == f"['{left}.callbacks.callback']", run.stdout
 
 
+def test_lightning_callback_imports_beside_a_broken_second_package():
+    """A pytorch_lightning that fails to import (a stale install: here a
+    module without its submodules) beside a working lightning is left out;
+    alone, its failure is raised."""
+    pytest.importorskip("lightning")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    broken = "import sys, types\nsys.modules['pytorch_lightning'] = types.ModuleType('pytorch_lightning')\n"
+    for hide_lightning in (False, True):
+        code = (broken + ("sys.modules['lightning'] = None\n" if hide_lightning else "") +
+                "from cgraph.lightning import CUDAGraphs\n"
+                "print([base.__module__ for base in CUDAGraphs.__bases__])\n")
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300, cwd=root)
+        if hide_lightning:
+            assert run.returncode != 0 and "pytorch_lightning.plugins" in run.stderr, run.stderr
+        else:
+            assert run.returncode == 0, run.stderr[-3000:]
+            assert run.stdout.split("\n")[-2] == "['lightning.pytorch.callbacks.callback']"
+
+
 @pytest.mark.gpu
 def test_lightning_step_scope_in_a_pytorch_lightning_trainer_trains_as_eager():
     """The whole step graphed in a pytorch_lightning Trainer (bf16-mixed:
