@@ -153,11 +153,14 @@ class Bucketed:
         if not padding:
             return self.graphed(*args, **kwargs)
         module = self.module
-        if 0 in padding and module is not None and module.training:
+        mixing = _mixing_batchnorm(module) if module is not None else None
+        if mixing is not None:
             raise ValueError(
-                f"cgraph: {type(module).__name__} has BatchNorm in training mode, whose "
-                "statistics mix the rows of a batch: padded rows would change the real ones. "
-                "Leave out buckets for dimension 0, or graph it without buckets.")
+                f"cgraph: {type(module).__name__} has BatchNorm in training mode ({mixing!r}, "
+                "or one without running statistics), whose statistics mix the rows of a "
+                "batch and the positions of a sequence: padded rows or positions would "
+                "change the real ones. Call it unpadded (a size in the buckets), or graph "
+                "it without buckets.")
         leaves = [_pad(t, padding) if isinstance(t, torch.Tensor) else t for t in leaves]
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         out = self.graphed(*args, **kwargs)
@@ -242,3 +245,16 @@ def _unpad(t: torch.Tensor, padding: dict[int, tuple[int, int]]) -> torch.Tensor
 
 def _mixes_rows(module: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def _mixing_batchnorm(module: nn.Module) -> str | None:
+    """The name of a BatchNorm inside `module` that normalizes with the
+    call's own statistics now (training mode, or no running statistics),
+    or None.  Its statistics run over every dimension but the channels', so
+    a padded dimension of any bucket changes them; each submodule's mode
+    is read at the call (a root in eval mode may hold one in training)."""
+    for name, m in module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (
+                m.training or not m.track_running_stats):
+            return name or type(m).__name__
+    return None

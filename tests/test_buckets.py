@@ -343,3 +343,28 @@ def test_a_llama_layer_graphed_with_sequence_buckets_takes_its_padding_mask(atte
     graphed = cgraph.make_graphed(layer, buckets={1: [16, 32]})
     assert_layer_as_eager(graphed, layer, eager, rope, attention, CUDA)
     assert graphed.num_graphs == 2 and graphed.stats["eager_on_miss"] == 0, graphed.stats
+
+
+def test_a_batchnorm_normalizing_with_the_calls_statistics_refuses_padding_of_any_dimension():
+    """BatchNorm's statistics run over every dimension but the channels':
+    padding positions (dimension 2 of a (B, C, L) input) changes them as
+    padding rows does.  Each BatchNorm's own mode counts (the root's may
+    differ), and one without running statistics uses the call's in eval
+    mode too."""
+    model = nn.Sequential(nn.Conv1d(2, 2, 1), nn.BatchNorm1d(2))
+    x = torch.randn(3, 2, 5)
+    for buckets in ([4], {2: [8]}):
+        recorder = Recorder()
+        model.train()
+        with pytest.raises(ValueError, match="BatchNorm in training mode.*'1'.*mix the rows"):
+            Bucketed(recorder, normalize(buckets), model)(x)
+        model.eval()
+        model[1].train()  # the root in eval mode, its BatchNorm not
+        with pytest.raises(ValueError, match="BatchNorm in training mode"):
+            Bucketed(recorder, normalize(buckets), model)(x)
+        model[1].eval()
+        Bucketed(recorder, normalize(buckets), model)(x)  # running statistics: padded
+        assert recorder.args[0].shape != x.shape
+    untracked = nn.Sequential(nn.BatchNorm1d(2, track_running_stats=False)).eval()
+    with pytest.raises(ValueError, match="without running statistics"):
+        Bucketed(Recorder(), normalize({2: [8]}), untracked)(x)
