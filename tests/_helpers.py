@@ -6,6 +6,7 @@ helper that one file alone uses lives in that file; torchrun runs the
 examples that several test files launch on several GPUs."""
 
 import contextlib
+import gc
 import os
 import subprocess
 import sys
@@ -175,3 +176,23 @@ def inductor_deterministic(on=True):
     if not on or not hasattr(inductor, "deterministic"):
         return contextlib.nullcontext()
     return inductor.patch(deterministic=True)
+
+
+@contextlib.contextmanager
+def collector_off():
+    """The garbage collector off inside: what is dropped there goes by its
+    reference counts alone, so whatever is still alive is in a cycle."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def tiny_llama(transformers):
+    """A Hugging Face LlamaForCausalLM of two layers, its KV cache on, seeded."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, use_cache=True)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)

@@ -109,18 +109,16 @@ def test_a_bucketed_module_is_not_kept_alive_through_its_forward():
     """graph_layers sets a block's forward to its Bucketed, which knows the
     block (its BatchNorm's mode): weakly, so the block, and with it its
     graphs, goes when dropped, with the collector off."""
-    import gc
     import weakref
+
+    from _helpers import collector_off
     block = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
     block.forward = Bucketed(Recorder(), normalize([4]), block)
     assert block.forward.module is block
     gone = weakref.ref(block)
-    gc.disable()
-    try:
+    with collector_off():
         del block
         assert gone() is None
-    finally:
-        gc.enable()
 
 
 def test_grads_of_padded_rows_are_dropped_not_added_to_the_last_row():

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import cgraph
-from _helpers import StandIn
+from _helpers import StandIn, collector_off, tiny_llama
 from cgraph import _layers
 
 
@@ -435,12 +435,9 @@ def test_a_dropped_model_drops_its_graphed_blocks_without_gc(monkeypatch):
     model.blocks[0].forward = functools.partial(Block.forward, model.blocks[0])  # a cycle
     cgraph.graph_layers(model, pool=None)
     graphed = [weakref.ref(block.forward) for block in model.blocks]
-    gc.disable()
-    try:
+    with collector_off():
         del model
         alive = [g() is not None for g in graphed]
-    finally:
-        gc.enable()
     # Block 0's own forward is bound to it (a reference cycle, as eager's is): the collector's.
     assert alive == [True, False, False, False]
     gc.collect()
@@ -502,14 +499,6 @@ def test_a_reset_gives_fsdp_its_parameters_back_even_if_logging_fails(monkeypatc
 
 
 # ---- the KV cache: off in calls that leave use_cache unset, the config kept ----
-
-
-def tiny_llama(transformers):
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, use_cache=True)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def caches_seen(layers) -> list:
@@ -608,18 +597,14 @@ def test_the_cache_hook_keeps_no_model_alive(stand_in):
     """The hook holds the first block weakly, and the model not at all: a
     dropped model goes without the garbage collector (its blocks' stand-ins
     are bound to them, a cycle of their own)."""
-    import gc
     import weakref
     model = CacheModel()
     cgraph.graph_layers(model)
     model(torch.randn(2, 8))
     dropped = weakref.ref(model)
-    gc.disable()
-    try:
+    with collector_off():
         del model
         assert dropped() is None
-    finally:
-        gc.enable()
 
 
 def test_a_model_without_use_cache_in_its_forward_or_config_gets_no_hook(stand_in):
@@ -671,14 +656,10 @@ def _copies(model):
 def _copies_go_without_the_collector(model) -> bool:
     """Whether each kind of copy of `model`, dropped, is freed at once (no
     reference cycle through its forwards)."""
-    import gc
     import weakref
-    gone = [weakref.ref(twin) for twin in _copies(model).values()]
-    gc.disable()
-    try:
+    with collector_off():  # from before the copies: a cycle must not be collected early
+        gone = [weakref.ref(twin) for twin in _copies(model).values()]
         return all(g() is None for g in gone)
-    finally:
-        gc.enable()
 
 
 def test_a_hugging_face_model_with_graphed_layers_copies_and_saves_as_eager(monkeypatch):

@@ -19,15 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from _helpers import StandIn, torchrun
-
-
-def tiny_llama(transformers):
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, use_cache=True)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+from _helpers import StandIn, tiny_llama, torchrun
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -456,7 +448,15 @@ def test_lightning_step_scope_trains_as_eager(precision, optimizer, accumulate):
     after each epoch's validation has set them to None; the short last batch of 1 runs eagerly where
     its phase was graphed with batches of 2; 16-mixed's GradScaler skips
     through a conditional node with SGD unfused."""
-    lightning = pytest.importorskip("lightning")
+    assert_step_scope_trains_as_eager(pytest.importorskip("lightning"), precision, optimizer,
+                                      accumulate)
+
+
+def assert_step_scope_trains_as_eager(lightning, precision: str, optimizer: str,
+                                      accumulate: int) -> None:
+    """A fit of 16 steps with CUDAGraphs(scope="step") against the same fit
+    without it, in `lightning`'s namespace: parameters bitwise, every logged
+    value, global_step, the grads after each batch."""
     from cgraph.lightning import CUDAGraphs
     kwargs = dict(accelerator="gpu", precision=precision, optimizer=optimizer,
                   accumulate=accumulate, max_steps=16)
@@ -668,21 +668,8 @@ def test_lightning_step_scope_in_a_pytorch_lightning_trainer_trains_as_eager():
     its MixedPrecision plugin; accumulation in three phases; fused AdamW with
     an LR schedule), against the same fit without the callback: parameters
     bitwise, every logged value, global_step, the grads after each batch."""
-    lightning = lightning_package("pytorch_lightning")
-    from cgraph.lightning import CUDAGraphs
-    kwargs = dict(accelerator="gpu", precision="bf16-mixed", optimizer="adamw-fused",
-                  accumulate=2, max_steps=16)
-    eager = lightning_run(lightning, [], **kwargs)
-    callback = CUDAGraphs(scope="step")
-    graphed = lightning_run(lightning, [callback], **kwargs)
-    assert graphed[2] == eager[2] == 16
-    for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
-        assert torch.equal(g, e), f"parameter {i}"
-    assert graphed[1] == eager[1]
-    assert len(graphed[3]) == len(eager[3])
-    for i, (g, e) in enumerate(zip(graphed[3], eager[3])):
-        assert (g is None and e is None) or torch.equal(g, e), f"grad after batch {i}"
-    assert callback.stats["captures"] >= 1 and callback.stats["replays"] >= 8, callback.stats
+    assert_step_scope_trains_as_eager(lightning_package("pytorch_lightning"), "bf16-mixed",
+                                      "adamw-fused", 2)
 
 
 # ---- auto_find_batch_size: a retry at a smaller batch size graphs again ------
