@@ -678,6 +678,22 @@ def test_a_copy_of_a_model_with_graphed_blocks_runs_its_own_blocks_eagerly(monke
         assert not torch.equal(twin[0](x), _eager_out(model[0], x)), how
 
 
+def test_a_copy_of_a_block_graphed_twice_runs_its_class_forward(monkeypatch):
+    """A block graphed in place twice without a reset keeps the first
+    graphed callable as its own forward: its copy does not recurse through
+    it, and runs the class's forward."""
+    import copy
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    block = _Block()
+    for _ in range(2):
+        _api.graphed_in_place(block)
+    twin = copy.deepcopy(block)
+    x = torch.randn(3, 4)
+    assert isinstance(twin.forward, _api.ClassForward)
+    assert_equal(twin(x), _Block.forward(block, x), "the copy's output")
+
+
 def test_a_copy_of_a_graphed_module_is_an_eager_copy_with_its_names(monkeypatch):
     """make_graphed's GraphedModule, with and without hooks on the module:
     its copy is an EagerCopy of the copied module (the hooks run around it),
