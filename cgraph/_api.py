@@ -81,9 +81,7 @@ def _reduce_installed(call) -> tuple:
             "graphs (the function, or the module) and graph the copy, or save a model's "
             "state_dict().")
     own = module.__dict__.get(_OWN_FORWARD)
-    if own is None or isinstance(own, (_C.Graphed, Bucketed)):  # a module graphed twice
-        return ClassForward, (module,)
-    return _same, (own,)
+    return (_same, (own,)) if own is not None else (ClassForward, (module,))
 
 
 def _same(value):

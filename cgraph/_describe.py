@@ -298,6 +298,9 @@ def _target_fields(index: int, fn) -> dict:
             "may be trainable in a graphed module (make it an nn.Parameter)."
         )
     own = fn.__dict__.get("forward")
+    if is_graphed_callable(own):
+        raise ValueError(f"cgraph: module {index} ({type(fn).__name__}) {GRAPHED_ALREADY}; "
+                         f"{GRAPHED_ALREADY_FIX}")
     eager, takes_module = (type(fn).forward, True) if own is None else (own, False)
     if any(map(_dtensor.is_dtensor, fn.parameters())):
         # Note [DTensor parameters in per-layer graphs] (cgraph/_dtensor.py),
@@ -330,6 +333,22 @@ def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
         sample = sample.detach().requires_grad_()
     claimed.add(key)
     return sample
+
+
+# A module whose forward cgraph set to a graphed callable (graph_layers, the
+# drop-in, a module with hooks), graphed again without a reset: the new
+# graphs' warm-up and capture would run the old graphs inside them.
+GRAPHED_ALREADY = ("is graphed already: its forward is a graphed callable, which new graphs "
+                   "would replay inside their capture")
+GRAPHED_ALREADY_FIX = ("use the module as it is (a drop-in cell run twice in a notebook), or "
+                       "reset its graphs first (module.forward.reset(), or cgraph.reset_all()), "
+                       "which gives it its own forward back, then graph it again.")
+
+
+def is_graphed_callable(value) -> bool:
+    """Whether `value` is a graphed callable, bare or padded to buckets."""
+    from ._buckets import Bucketed
+    return isinstance(value, (_C.Graphed, Bucketed))
 
 
 class StateCheck:

@@ -40,7 +40,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _C, _fsdp
+from . import _C, _describe, _fsdp
 from ._capture import patched
 from ._describe import _CONTAINERS, CONSTANT_TYPES, leaf_names
 
@@ -285,6 +285,9 @@ def _module_problems(fn) -> Iterator[Problem]:
     if not isinstance(fn, nn.Module):
         return
     where = f"module {type(fn).__name__}"
+    if _describe.is_graphed_callable(fn.__dict__.get("forward")):
+        yield Problem("module", "", where, f"the module {_describe.GRAPHED_ALREADY}.",
+                      _describe.GRAPHED_ALREADY_FIX)
     for name, buffer in fn.named_buffers():
         if buffer.requires_grad:
             yield Problem(

@@ -678,22 +678,6 @@ def test_a_copy_of_a_model_with_graphed_blocks_runs_its_own_blocks_eagerly(monke
         assert not torch.equal(twin[0](x), _eager_out(model[0], x)), how
 
 
-def test_a_copy_of_a_block_graphed_twice_runs_its_class_forward(monkeypatch):
-    """A block graphed in place twice without a reset keeps the first
-    graphed callable as its own forward: its copy does not recurse through
-    it, and runs the class's forward."""
-    import copy
-    from cgraph import _api
-    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
-    block = _Block()
-    for _ in range(2):
-        _api.graphed_in_place(block)
-    twin = copy.deepcopy(block)
-    x = torch.randn(3, 4)
-    assert isinstance(twin.forward, _api.ClassForward)
-    assert_equal(twin(x), _Block.forward(block, x), "the copy's output")
-
-
 def test_a_copy_of_a_graphed_module_is_an_eager_copy_with_its_names(monkeypatch):
     """make_graphed's GraphedModule, with and without hooks on the module:
     its copy is an EagerCopy of the copied module (the hooks run around it),
@@ -783,3 +767,23 @@ def test_another_threads_reduce_overhead_model_runs_during_a_set_up(monkeypatch)
         with pytest.raises(cgraph._C.Refusal, match="reduce-overhead"):
             cudagraph_trees.CUDAGraphTreeManager._run(manager, 2)
     assert ran == [(1,)]
+
+
+def test_a_module_graphed_in_place_is_refused_when_graphed_again_without_a_reset(monkeypatch):
+    """A drop-in cell run twice in a notebook: the module's forward is a
+    graphed callable, whose graphs new ones would replay inside their
+    capture. Refused before anything runs, naming the fix, and reported by
+    explain; after a reset it graphs again."""
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    block = _Block()
+    _api.graphed_in_place(block)
+    for graph_again in (lambda: cgraph.make_graphed(block),
+                        lambda: cgraph.make_graphed_callables(block, (torch.randn(3, 4),))):
+        with pytest.raises(ValueError, match=r"module 0 \(_Block\) is graphed already.*reset"):
+            graph_again()
+    problems = cgraph.explain(block, (torch.randn(3, 4),)).problems
+    assert any("graphed already" in p.message and "reset" in p.fix for p in problems)
+    block.forward.reset()
+    assert "forward" not in block.__dict__
+    cgraph.make_graphed(block)  # its own forward again: graphed anew
