@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import copy
 import copyreg
+import inspect
 import sys
 import time
 import weakref
@@ -81,7 +82,9 @@ def _reduce_installed(call) -> tuple:
             "graphs (the function, or the module) and graph the copy, or save a model's "
             "state_dict().")
     own = module.__dict__.get(_OWN_FORWARD)
-    return (_same, (own,)) if own is not None else (ClassForward, (module,))
+    if own is None or isinstance(own, (_C.Graphed, Bucketed)):  # installed twice (the drop-in's
+        return ClassForward, (module,)                          # (m, m)): the class's forward
+    return _same, (own,)
 
 
 def _same(value):
@@ -102,6 +105,13 @@ class ClassForward:
     def __call__(self, *args, **kwargs):
         module = self.module()
         return type(module).forward(module, *args, **kwargs)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The class forward's, bound: what binds a call (the Trainer's
+        column pruning, a later graphing of the copy) reads it."""
+        module = self.module()
+        return inspect.signature(type(module).forward.__get__(module))
 
     def __reduce__(self) -> tuple:
         return ClassForward, (self.module(),)
@@ -278,6 +288,11 @@ def make_graphed_callables(
     targets = tuple(_unwrap_ddp(fn) for fn in callables)
     for i, target in enumerate(targets):
         _fsdp.refuse_in_drop_in(i, target)
+        if isinstance(target, nn.Module) and any(t is target for t in targets[:i]):
+            raise ValueError(
+                f"cgraph: callable {i} is the module callable {targets.index(target)} is (or "
+                "the module a DistributedDataParallel there wraps); a module has one forward "
+                "to replace. Pass it once, and call it as often as the model does.")
     options = _options(num_warmup_iters, allow_unused_input, capture_error_mode,
                        _kept_outputs(kept_outputs, guard_outputs))
     limit = 1 if max_graphs is None else _max_graphs(max_graphs)

@@ -131,7 +131,7 @@ class Bucketed:
     """
 
     # __weakref__: a module whose forward it is keeps it weakly (_api._Installed).
-    __slots__ = ("graphed", "buckets", "_module", "__weakref__")
+    __slots__ = ("graphed", "buckets", "_module", "_batchnorms", "__weakref__")
 
     def __init__(self, graphed: _C.Graphed, buckets: dict[int, tuple[int, ...]],
                  module: nn.Module | None):
@@ -139,8 +139,10 @@ class Bucketed:
         self.buckets = buckets
         # Weakly: it is often the module whose forward this is (graph_layers),
         # and a cycle would keep the graphs and their pool until a collection.
-        self._module = (weakref.ref(module) if module is not None and _mixes_rows(module)
-                        else None)
+        batchnorms = _batchnorms(module) if module is not None else []
+        self._module = weakref.ref(module) if batchnorms else None
+        # Found once: a padded call reads only their modes.
+        self._batchnorms = tuple((name, weakref.ref(m)) for name, m in batchnorms)
 
     @property
     def module(self) -> nn.Module | None:
@@ -153,7 +155,7 @@ class Bucketed:
         if not padding:
             return self.graphed(*args, **kwargs)
         module = self.module
-        mixing = _mixing_batchnorm(module) if module is not None else None
+        mixing = _mixing_batchnorm(self._batchnorms)
         if mixing is not None:
             raise ValueError(
                 f"cgraph: {type(module).__name__} has BatchNorm in training mode ({mixing!r}, "
@@ -181,11 +183,15 @@ class Bucketed:
 
 
 def _size_at(leaves: list, dim: int) -> int:
-    """The call's size at `dim`: the first tensor's that does not broadcast
-    there (size 1: a (B, 1, T, T) mask passed before the hidden states), or
-    the first's where all do; 0 where no tensor has `dim`."""
-    sizes = [t.shape[dim] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > dim]
-    return next((n for n in sizes if n != 1), sizes[0] if sizes else 0)
+    """The call's size at `dim`: the first tensor's, passing over masks that
+    broadcast there (a (B, 1, T, T) mask passed before the hidden states:
+    size 1 at a dimension d >= 1 with two more after it); 0 where no tensor
+    has `dim`."""
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > dim]
+    if not tensors:
+        return 0
+    unmasked = (t for t in tensors if not (dim >= 1 and t.shape[dim] == 1 and t.dim() > dim + 2))
+    return next(unmasked, tensors[0]).shape[dim]
 
 
 def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]]) -> torch.Tensor:
@@ -243,18 +249,21 @@ def _unpad(t: torch.Tensor, padding: dict[int, tuple[int, int]]) -> torch.Tensor
     return t
 
 
-def _mixes_rows(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+def _batchnorms(module: nn.Module) -> list:
+    """(name, module) of each BatchNorm inside `module`."""
+    return [(name or type(m).__name__, m) for name, m in module.named_modules()
+            if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def _mixing_batchnorm(module: nn.Module) -> str | None:
-    """The name of a BatchNorm inside `module` that normalizes with the
-    call's own statistics now (training mode, or no running statistics),
-    or None.  Its statistics run over every dimension but the channels', so
-    a padded dimension of any bucket changes them; each submodule's mode
-    is read at the call (a root in eval mode may hold one in training)."""
-    for name, m in module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and (
-                m.training or not m.track_running_stats):
-            return name or type(m).__name__
+def _mixing_batchnorm(batchnorms: tuple) -> str | None:
+    """The name of one of these BatchNorms (name, weak reference) that
+    normalizes with the call's own statistics now (training mode, or no
+    running statistics), or None.  Its statistics run over every dimension
+    but the channels', so a padded dimension of any bucket changes them;
+    each one's mode is read at the call (a root in eval mode may hold one
+    in training)."""
+    for name, ref in batchnorms:
+        m = ref()
+        if m is not None and (m.training or not m.track_running_stats):
+            return name
     return None

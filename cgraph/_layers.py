@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from . import _fsdp
-from ._api import graph_pool_handle, graphed_in_place, is_graphed
+from ._api import _same, graph_pool_handle, graphed_in_place, is_graphed
 from ._log import log
 
 
@@ -94,6 +94,9 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
 def _graph_each(blocks: nn.Module, pool, make_graphed_kwargs: dict) -> None:
     """Every block graphed in place, or none: a failure puts each block back
     as it was (its class and its own forward)."""
+    # Each distinct block once: a list may hold one block several times
+    # (shared weights), graphed once and called at each place.
+    blocks = list({id(block): block for block in blocks}.values())
     before = [(type(block), block.__dict__.get("forward")) for block in blocks]
     try:
         for block in blocks:
@@ -314,13 +317,27 @@ def _checkpointing_inside(block: nn.Module) -> None:
     if own is not None:
         # A partial, not a closure: copy.deepcopy and pickle copy its block and
         # forward with the model (a closure would be shared with a copy).
-        block.forward = functools.wraps(own)(functools.partial(_checkpointed_call, block, own))
+        block.forward = _CheckpointedForward(block, own)
     log.info("cgraph: graph_layers: %s checkpoints inside its graphs (transformers' gradient "
              "checkpointing, moved from around the call into forward)", cls.__name__)
 
 
-def _checkpointed_call(block: nn.Module, forward, *args, **kwargs):
-    return _maybe_checkpointed(block, forward, args, kwargs)
+class _CheckpointedForward:
+    """A block's own instance forward (a compiled one), checkpointed as
+    transformers' GradientCheckpointingLayer.__call__ does it, with the
+    forward's signature.  A copy of the block (copy.deepcopy, pickle) is of
+    the block's own class, which checkpoints around its call, so it gets
+    the forward itself back: checkpointing it again would nest."""
+
+    def __init__(self, block: nn.Module, forward):
+        functools.update_wrapper(self, forward)
+        self._block, self._forward = block, forward
+
+    def __call__(self, *args, **kwargs):
+        return _maybe_checkpointed(self._block, self._forward, args, kwargs)
+
+    def __reduce__(self) -> tuple:
+        return _same, (self._forward,)
 
 
 def _maybe_checkpointed(block: nn.Module, forward, args: tuple, kwargs: dict):
@@ -351,7 +368,7 @@ def _checkpointing_in_forward(cls: type) -> type:
         # A copy (copy.deepcopy, pickle) is of cls itself, which checkpoints
         # around its call as transformers does; this class, made here under
         # cls's name, cannot be pickled by name.
-        return _new_of, (cls,), self.__dict__
+        return _new_of, (cls,), self.__getstate__()
 
     namespace = {"__call__": nn.Module.__call__, "__module__": cls.__module__,
                  "__qualname__": cls.__qualname__, "forward": forward_with_checkpointing,

@@ -787,3 +787,42 @@ def test_a_module_graphed_in_place_is_refused_when_graphed_again_without_a_reset
     block.forward.reset()
     assert "forward" not in block.__dict__
     cgraph.make_graphed(block)  # its own forward again: graphed anew
+
+
+def test_one_module_twice_in_the_drop_in_is_refused_and_copies_of_a_twice_installed_one_work(
+        monkeypatch):
+    """make_graphed_callables((m, m), ...) would replace m's forward twice,
+    keeping the first graphed callable as its own forward: refused, naming
+    the fix, before anything runs. A module installed twice anyway copies
+    with its class's forward rather than recursing through the first."""
+    import copy
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    block = _Block()
+    x = torch.randn(3, 4)
+    with pytest.raises(ValueError, match="callable 1 is the module callable 0 is.*Pass it once"):
+        cgraph.make_graphed_callables((block, block), ((x,), (x,)))
+    for _ in range(2):
+        graphed = cgraph.make_graphed(lambda t: t)
+        _api._install_forward(block, graphed, graphed)
+    twin = copy.deepcopy(block)
+    assert isinstance(twin.forward, _api.ClassForward)
+    assert_equal(twin(x), _Block.forward(block, x), "the copy's output")
+
+
+def test_a_copied_blocks_forward_keeps_the_class_forwards_signature(monkeypatch):
+    """What binds a call to the copy (the Trainer's column pruning, a later
+    graphing of it) reads the class forward's signature."""
+    import copy
+    import inspect
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+
+    class Masked(_Block):
+        def forward(self, x, mask=None, use_cache=False):
+            return _Block.forward(self, x)
+
+    block = Masked()
+    _api.graphed_in_place(block)
+    twin = copy.deepcopy(block)
+    assert list(inspect.signature(twin.forward).parameters) == ["x", "mask", "use_cache"]

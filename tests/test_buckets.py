@@ -366,3 +366,15 @@ def test_a_batchnorm_normalizing_with_the_calls_statistics_refuses_padding_of_an
     untracked = nn.Sequential(nn.BatchNorm1d(2, track_running_stats=False)).eval()
     with pytest.raises(ValueError, match="without running statistics"):
         Bucketed(Recorder(), normalize({2: [8]}), untracked)(x)
+
+
+def test_a_batch_of_one_takes_its_size_from_the_first_tensor():
+    """Batch buckets, a batch of 1 and a (T, d) table or a weight passed
+    beside it (gpt-fast's freqs_cis): size 1, a bucket itself, so nothing
+    is padded; only a mask layout at a dimension d >= 1 is passed over."""
+    recorder = Recorder()
+    x, table = torch.randn(1, 6, 4), torch.randn(6, 4)
+    bucketed(recorder, [1, 2, 4, 8])(x, table)
+    assert recorder.args[0] is x and recorder.args[1] is table
+    bucketed(recorder, [2, 4])(x, table)
+    assert recorder.args[0].shape == (2, 6, 4) and recorder.args[1].shape == (6, 4)

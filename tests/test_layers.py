@@ -722,3 +722,38 @@ def test_checkpointed_blocks_copy_as_their_own_class_and_forward(monkeypatch):
             out.sum().backward()  # checkpointed as transformers does it, around the call
             torch.testing.assert_close(out, expected[i].expand_as(out), rtol=0, atol=0,
                                        msg=f"{how}: block {i}")
+
+
+def test_a_copied_checkpointed_block_with_its_own_forward_checkpoints_once(monkeypatch):
+    """Its copy is of the block's own class, which checkpoints around its
+    call, and gets the own forward itself back, not the forward graph_layers
+    checkpointed: one checkpoint per call, as an uncopied eager block."""
+    import copy
+    from cgraph import _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    checkpointed = []
+    holder = checkpointed_blocks(2, True, checkpointed)
+    holder.blocks[0].forward = functools.partial(_doubled, holder.blocks[0])
+    cgraph.graph_layers(holder, pool=None)
+    twin = copy.deepcopy(holder)
+    x = torch.randn(3, 8, requires_grad=True)
+    checkpointed.clear()
+    twin.blocks(x).sum().backward()
+    assert len(checkpointed) == 2  # once per block
+    import pickle
+    block = holder.blocks[1]
+    block._gradient_checkpointing_func = functools.partial(  # picklable
+        torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    block.compile()  # a compiled call after graph_layers: still picklable
+    assert type(pickle.loads(pickle.dumps(block))) is CheckpointedAroundCall
+
+
+def test_a_block_listed_twice_is_graphed_once(stand_in):
+    """nn.ModuleList([block] * 2), one block with shared weights: graphed
+    once, called at each place."""
+    block = Block()
+    holder = nn.Module()
+    holder.blocks = nn.ModuleList([block, block])
+    cgraph.graph_layers(holder)
+    assert len(stand_in) == 1 and isinstance(block.forward, StandIn)
+
