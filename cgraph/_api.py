@@ -348,9 +348,10 @@ def make_graphed(
 
     ``buckets`` (opt-in): sizes for the leading dimension (``[8, 16, 32]``)
     or per dimension (``{0: [8, 16], 1: [128, 256, 512]}``).  A call is
-    padded up to the next bucket (Note [What padded rows hold] and Note
-    [Attention masks under sequence buckets] in cgraph/_buckets.py), replays that bucket's graph,
-    and its outputs are sliced back; grads of the padded rows are dropped.
+    padded up to the next bucket (Notes [What padded rows hold] and
+    [Attention masks under sequence buckets] in cgraph/_buckets.py),
+    replays that bucket's graph, and its outputs are sliced back; grads of
+    the padded rows are dropped.
     This is exact only when padded rows cannot change the real ones: rows
     no op mixes (BatchNorm in training mode does: refused), or positions
     after the real ones under causal attention.  A size above the largest

@@ -648,7 +648,8 @@ def test_lightning_callback_imports_beside_a_broken_second_package():
     alone, its failure is raised."""
     pytest.importorskip("lightning")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    broken = "import sys, types\nsys.modules['pytorch_lightning'] = types.ModuleType('pytorch_lightning')\n"
+    broken = ("import sys, types\n"
+              "sys.modules['pytorch_lightning'] = types.ModuleType('pytorch_lightning')\n")
     for hide_lightning in (False, True):
         code = (broken + ("sys.modules['lightning'] = None\n" if hide_lightning else "") +
                 "from cgraph.lightning import CUDAGraphs\n"
