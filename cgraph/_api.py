@@ -82,8 +82,8 @@ def _reduce_installed(call) -> tuple:
             "graphs (the function, or the module) and graph the copy, or save a model's "
             "state_dict().")
     own = module.__dict__.get(_OWN_FORWARD)
-    if own is None or isinstance(own, (_C.Graphed, Bucketed)):  # installed twice (the drop-in's
-        return ClassForward, (module,)                          # (m, m)): the class's forward
+    if own is None or _describe.is_graphed_callable(own):  # installed twice (the drop-in's
+        return ClassForward, (module,)                      # (m, m)): the class's forward
     return _same, (own,)
 
 
@@ -456,8 +456,8 @@ def graphed_in_place(module: nn.Module, **make_graphed_kwargs) -> nn.Module:
 
 def is_graphed(module: nn.Module) -> bool:
     """Whether make_graphed, the drop-in or graph_layers graphed `module`."""
-    return isinstance(module, GraphedModule) or isinstance(
-        module.__dict__.get("forward"), (_C.Graphed, Bucketed))
+    return isinstance(module, GraphedModule) or _describe.is_graphed_callable(
+        module.__dict__.get("forward"))
 
 
 class _Wrapper(nn.Module):
@@ -608,8 +608,7 @@ def _through_hooks(module: nn.Module, graphed: _C.Graphed):
     does instead of running the module eagerly."""
     def forward(*args, **kwargs):
         if graphed.is_reset:
-            raise RuntimeError("cgraph: this graphed callable was reset(); graph the "
-                               "callable again to use it.")
+            return graphed(*args, **kwargs)  # raises the reset error (csrc/graphed.c)
         return module(*args, **kwargs)
     return forward
 
