@@ -25,7 +25,8 @@ so padded keys stay out of the real rows' attention; token ids and labels
 of 0 are valid values that no op divides by.  Copying the last column of a
 (batch, seq) padding mask would let real queries attend to padded keys.  A
 padding mask must therefore be integer or bool (as tokenizers return it): a
-float one of ones and zeros is padded with its last column.  Along the
+float one of ones and zeros is padded with its last column (under a mask
+keyword too: Note [Attention masks under sequence buckets]).  Along the
 batch (dimension 0) every tensor is padded with copies of its last real
 row, integers and bools too: a padded batch row then holds a real row's
 tokens and mask, where zeros would mask every key of it (a hand-written
@@ -39,29 +40,73 @@ Which tensors are read as attention masks?  For a bucketed dimension ``d >=
 queries, keys)`` for those positions, as Hugging Face passes its decoder
 layers a ``(B, 1, T, T)`` mask, or T5 a ``(B, H, T, T)`` position bias.
 Those positions are not at ``d`` in it, so the rule "pad every tensor with
-size ``n`` at ``d``" misses them.  ``t`` is read as such a mask when all of:
+size ``n`` at ``d``" misses them.  Names first, then shape:
 
-- ``d < t.dim() - 2``: the bucketed dimension comes before the last two (a
-  ``(B, T, T)`` mask under ``{1: ...}`` has its queries at ``d`` and is padded
-  there alone, as any tensor: pass masks with a head dimension);
-- ``t.shape[-1] == n`` and ``t.shape[-2]`` is ``n`` or 1 (a key-padding mask
-  ``(B, 1, 1, T)`` that broadcasts over the queries);
-- ``t.shape[d] == 1`` (broadcast over heads), or ``t`` has 4 dimensions and
-  ``t.shape[d] != n`` (one mask per head).
+- passed under a keyword of ``MASK_KEYWORDS`` (anywhere in that keyword's
+  value), ``t`` is a mask when it has 2 or more dimensions and
+  ``t.shape[-1] == n``, whatever its rank and its size at ``d``: ``(B, T)``
+  key padding, ``(B, 1, T)`` and ``(B, 1, 1, T)`` key masks, ``(B, T, T)``,
+  ``(B, 1, T, T)``, ``(B, H, T, T)``.  A 2-D one is read as (batch, keys),
+  even when the batch is ``n`` too;
+- passed under any other keyword, ``t`` is not a mask: it is padded at ``d``
+  like any tensor (a heads-first ``(B, H, T, hd)`` query with ``hd == T``
+  is left as it is; its positions are not at ``d``);
+- passed positionally (pytree keeps no names), ``t`` is a mask by its shape
+  alone, when all of:
 
-These keep a weight ``(64, 64)`` passed as an argument at ``T = 64`` (2
-dimensions), a ``(B, T, d)`` activation and a ``(B, T, H, hd)`` one (size
-``n`` at ``d``) from being read as masks.  A heads-first ``(B, H, T, hd)``
-tensor with ``hd == T`` is misread as one (and, returned at the bucket's
-size, sliced in ``hd`` too): pass and return such tensors positions-first.
+  - ``d < t.dim() - 2``: the bucketed dimension comes before the last two
+    (a ``(B, T, T)`` mask under ``{1: ...}`` has its queries at ``d`` and is
+    padded there alone, as any tensor);
+  - ``t.shape[-1] == n`` and ``t.shape[-2]`` is ``n`` or 1 (a key-padding
+    mask ``(B, 1, 1, T)`` that broadcasts over the queries);
+  - ``t.shape[d] == 1`` (broadcast over heads), or ``t`` has 4 dimensions
+    and ``t.shape[d] != n`` (one mask per head).
 
-How is a mask padded?  The new key columns are masked (False, 0, or the
-dtype's min for a float additive mask, as transformers fills them:
-``torch.finfo(dtype).min``), so the real queries' attention is unchanged.
-The new query rows attend to every key (True, 1, 0.0): a fully masked row is
-NaN in a hand-written softmax over -inf (and zeros or a uniform average in
-others), and a NaN there would reach the parameter grads through NaN * 0
-(Note [What padded rows hold]); a row that attends to real keys is finite in
+  These keep a weight ``(64, 64)`` passed as an argument at ``T = 64`` (2
+  dimensions), a ``(B, T, d)`` activation and a ``(B, T, H, hd)`` one (size
+  ``n`` at ``d``) from being read as masks.  A heads-first ``(B, H, T, hd)``
+  tensor with ``hd == T`` passed positionally is misread as one (and,
+  returned at the bucket's size, sliced in ``hd`` too).
+
+Why names?  Shape alone cannot tell a per-head mask ``(B, H, T, T)`` from a
+heads-first ``(B, H, T, hd)`` tensor at ``hd == T``, nor a ``(B, T, T)`` mask
+from a ``(B, T, d)`` activation at ``d == T``; the keyword can, and masks
+are passed under these ones (``attention_mask=`` to Hugging Face's layers,
+``attn_mask=`` as ``F.scaled_dot_product_attention`` and
+``nn.MultiheadAttention`` take it, ``key_padding_mask=`` as
+``nn.MultiheadAttention`` and fairseq do, ``mask=`` in gpt-fast).  Outputs
+have no names: they are sliced by the positional rule.  Pass a mask of
+another keyword positionally.
+
+How is a mask padded?  The new key columns are masked, so the real queries'
+attention is unchanged, and the new query rows (where ``t.shape[-2] == n``,
+never in a 2-D mask) attend to every key.  Values as
+``F.scaled_dot_product_attention`` and transformers read them: True or a
+nonzero integer attends, False or 0 masks, and a float mask is added to the
+scores (0.0 attends, the dtype's min masks, as transformers fills them:
+``torch.finfo(dtype).min``).  Two exceptions, by name:
+
+- ``key_padding_mask``: True (nonzero) masks, as ``nn.MultiheadAttention``
+  and fairseq define it, so its new keys are True (1), and a float one is
+  added to the scores at any rank (its new keys the dtype's min).
+  ``nn.MultiheadAttention``'s bool ``attn_mask`` masks with True too, which
+  the name cannot tell from ``F.scaled_dot_product_attention``'s: pass it
+  as a float mask, which both add;
+- a 2-D float mask under another name is padded with copies of its last
+  column (Note [What padded rows hold]).  Hugging Face's 2-D
+  ``attention_mask`` is 1.0 attend / 0.0 masked where an additive one is
+  0.0 attend / min masked: 0.0 masks in the first and attends in the
+  second, and min the reverse (transformers casts a 2-D mask to bool), so
+  no value is right for both, and telling them apart means reading the
+  values (a device sync on every call).  Copies are exact for the real
+  positions under causal attention (no real query sees a later key); under
+  bidirectional attention pass it as integer or bool, as tokenizers return
+  it.
+
+Why must the new queries attend?  A fully masked row is NaN in a
+hand-written softmax over -inf (and zeros or a uniform average in others),
+and a NaN there would reach the parameter grads through NaN * 0 (Note
+[What padded rows hold]); a row that attends to real keys is finite in
 every implementation, and rows of attention are independent, so it touches
 only its own padded query, whose output is sliced off.  (A real query row
 that is fully masked, a left-padding token's under a float mask, averages
@@ -82,6 +127,15 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import _C
+
+# Keywords under which a tensor is an attention mask under sequence buckets,
+# whatever its shape; under any other keyword a tensor is not one: Note
+# [Attention masks under sequence buckets].
+MASK_KEYWORDS = frozenset({"attention_mask", "attn_mask", "mask", "causal_mask",
+                           "encoder_attention_mask", "key_padding_mask"})
+# Those of them whose True (or nonzero) masks, and whose floats are added to
+# the scores at any rank (nn.MultiheadAttention's, fairseq's).
+_TRUE_MASKS = frozenset({"key_padding_mask"})
 
 
 def normalize(buckets) -> dict[int, tuple[int, ...]]:
@@ -111,16 +165,17 @@ class Bucketed:
     Face's models do); every tensor argument with that size there is
     padded to the next bucket (floats with copies of their last real row,
     integers and bools with zeros: Note [What padded rows hold]), an
-    attention mask ``(..., T, T)`` under sequence buckets in its last two
-    dimensions (Note [Attention masks under sequence buckets]), and every
-    output with the bucket's size in that same dimension is sliced back (an
-    output laid out otherwise, heads before positions, is not: return
-    (batch, seq, ...)).  Grads of padded rows are dropped (the slice's
-    backward).  A size above the largest bucket is not padded: it gets a
-    graph of its own, or runs eagerly past ``max_graphs``.  A tensor that
-    broadcasts along a bucketed dimension is padded like the others when
-    the call's size there is 1 (Llama's (1, T, d) rotary tables under a
-    batch of 1), which costs that call a graph of its own.
+    attention mask under sequence buckets (a tensor passed under a keyword
+    of ``MASK_KEYWORDS``, or a positional one laid out ``(..., T, T)``) in
+    its keys and queries (Note [Attention masks under sequence buckets]),
+    and every output with the bucket's size in that same dimension is
+    sliced back (an output laid out otherwise, heads before positions, is
+    not: return (batch, seq, ...)).  Grads of padded rows are dropped (the
+    slice's backward).  A size above the largest bucket is not padded: it
+    gets a graph of its own, or runs eagerly past ``max_graphs``.  A tensor
+    that broadcasts along a bucketed dimension is padded like the others
+    when the call's size there is 1 (Llama's (1, T, d) rotary tables under
+    a batch of 1), which costs that call a graph of its own.
 
     Example (``layer`` a Hugging Face decoder layer, ``mask`` its
     ``(B, 1, T, T)`` attention mask, ``rotary`` its ``(cos, sin)``)::
@@ -163,7 +218,9 @@ class Bucketed:
                 "batch and the positions of a sequence: padded rows or positions would "
                 "change the real ones. Call it unpadded (a size in the buckets), or graph "
                 "it without buckets.")
-        leaves = [_pad(t, padding) if isinstance(t, torch.Tensor) else t for t in leaves]
+        keywords = _keywords(len(leaves), kwargs)
+        leaves = [_pad(t, padding, keyword) if isinstance(t, torch.Tensor) else t
+                  for t, keyword in zip(leaves, keywords)]
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         out = self.graphed(*args, **kwargs)
         return pytree.tree_map_only(torch.Tensor, lambda t: _unpad(t, padding), out)
@@ -194,10 +251,23 @@ def _size_at(leaves: list, dim: int) -> int:
     return next(unmasked, tensors[0]).shape[dim]
 
 
-def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]]) -> torch.Tensor:
+def _keywords(count: int, kwargs: dict) -> list[str | None]:
+    """The keyword each of a call's `count` leaves was passed under (None:
+    positionally), in the order pytree flattens ``(args, kwargs)``: the
+    arguments' leaves, then each keyword's value's, in the dict's order.
+    Read only for padded calls."""
+    named = [k for k, v in kwargs.items()
+             for _ in ((v,) if isinstance(v, torch.Tensor) else pytree.tree_leaves(v))]
+    return [None] * (count - len(named)) + named
+
+
+def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]],
+         keyword: str | None = None) -> torch.Tensor:
+    """`t`, passed under `keyword` (None: positionally), padded for every
+    dimension of `padding`."""
     for dim, (n, bucket) in padding.items():
-        if _is_mask(t, dim, n):
-            t = _pad_mask(t, n, bucket)
+        if _is_mask(t, dim, n, keyword):
+            t = _pad_mask(t, n, bucket, keyword)
         elif t.dim() > dim and t.shape[dim] == n:
             t = _pad_rows(t, dim, n, bucket)
     return t
@@ -215,25 +285,34 @@ def _pad_rows(t: torch.Tensor, dim: int, n: int, bucket: int) -> torch.Tensor:
     return torch.cat([t, fill], dim)
 
 
-def _is_mask(t: torch.Tensor, dim: int, n: int) -> bool:
-    """Whether `t` is laid out (..., queries, keys) for the `n` positions at
-    the bucketed `dim`: Note [Attention masks under sequence buckets]."""
+def _is_mask(t: torch.Tensor, dim: int, n: int, keyword: str | None = None) -> bool:
+    """Whether `t`, passed under `keyword` (None: positionally, or an
+    output), is an attention mask (..., queries, keys) for the `n` positions
+    at the bucketed `dim`: by name, else by shape (Note [Attention masks
+    under sequence buckets])."""
+    if keyword is not None:
+        return keyword in MASK_KEYWORDS and dim >= 1 and t.dim() >= 2 and t.shape[-1] == n
     return (1 <= dim < t.dim() - 2 and t.shape[-1] == n and t.shape[-2] in (n, 1)
             and (t.shape[dim] == 1
                  # one mask per head; as many heads as positions, read as a mask too
                  or (t.dim() == 4 and (t.shape[dim] != n or t.shape[-2] == n))))
 
 
-def _pad_mask(t: torch.Tensor, n: int, bucket: int) -> torch.Tensor:
-    """Mask `t` padded to `bucket` keys, masked, and (unless its queries
-    broadcast) to `bucket` queries that attend to every key, so that no
-    row is fully masked: Note [Attention masks under sequence buckets]."""
+def _pad_mask(t: torch.Tensor, n: int, bucket: int, keyword: str | None = None) -> torch.Tensor:
+    """Mask `t`, passed under `keyword`, padded to `bucket` keys, masked,
+    and (unless it is 2-D or its queries broadcast) to `bucket` queries that
+    attend to every key, so that no row is fully masked: Note [Attention
+    masks under sequence buckets]."""
     if t.is_floating_point():
+        if t.dim() == 2 and keyword not in _TRUE_MASKS:  # 1/0 or additive: unknowable
+            return _pad_rows(t, 1, n, bucket)
         attend, masked = 0.0, torch.finfo(t.dtype).min  # additive, as transformers'
+    elif keyword in _TRUE_MASKS:
+        attend, masked = 0, 1  # True masks: nn.MultiheadAttention's key_padding_mask
     else:
-        attend, masked = 1, 0  # bool or 0/1 integers
+        attend, masked = 1, 0  # bool or 0/1 integers, True attends
     t = torch.cat([t, t.new_full((*t.shape[:-1], bucket - n), masked)], -1)
-    if t.shape[-2] == n:
+    if t.dim() > 2 and t.shape[-2] == n:
         t = torch.cat([t, t.new_full((*t.shape[:-2], bucket - n, bucket), attend)], -2)
     return t
 

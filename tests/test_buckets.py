@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from cgraph._buckets import Bucketed, _is_mask, normalize
+from cgraph._buckets import MASK_KEYWORDS, Bucketed, _is_mask, normalize
 
 
 def bucketed(fn, buckets):
@@ -24,13 +24,13 @@ def bucketed(fn, buckets):
 
 class Recorder:
     """A stand-in for a graphed callable: keeps the arguments it was called
-    with and returns them."""
+    with and returns the positional ones."""
 
     def __init__(self):
-        self.args = None
+        self.args = self.kwargs = None
 
-    def __call__(self, *args):
-        self.args = args
+    def __call__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
         return args
 
 
@@ -259,6 +259,153 @@ def test_tensors_that_merely_have_the_length_are_not_read_as_masks():
                   (2, 1, 3, 64, 64)]:
         assert _is_mask(torch.empty(shape), 1, t), shape
     assert not _is_mask(torch.empty(2, 1, 64, 64), 0, t)  # batch buckets: no mask rule
+
+
+# ---- masks recognised by the keyword they are passed under ----------------------
+
+
+def test_the_keyword_decides_before_the_shape():
+    """Under a mask keyword any tensor of 2 or more dimensions whose last
+    is the length; under another keyword none; positionally (and for
+    outputs), the shape rule."""
+    assert {"attention_mask", "attn_mask", "mask", "causal_mask", "encoder_attention_mask",
+            "key_padding_mask"} == MASK_KEYWORDS
+    for shape in [(2, 64), (2, 1, 64), (2, 64, 64), (2, 1, 64, 64), (2, 3, 64, 64)]:
+        assert _is_mask(torch.empty(shape), 1, 64, "mask"), shape
+    for shape in [(64,), (2, 64, 3), (2, 1, 64, 3)]:
+        assert not _is_mask(torch.empty(shape), 1, 64, "attention_mask"), shape
+    heads_first = torch.empty(2, 3, 64, 64)  # (B, H, T, hd) at hd == T
+    assert not _is_mask(heads_first, 1, 64, "hidden_states")
+    assert _is_mask(heads_first, 1, 64)  # positionally, by shape: misread
+    assert not _is_mask(torch.empty(2, 1, 64, 64), 0, 64, "mask")  # batch buckets: no mask rule
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_a_mask_without_a_head_dimension_is_padded_as_one_under_its_keyword(dtype):
+    """A (B, T, T) mask under mask=, after a tuple and a None of other
+    keywords: its new keys masked and its new queries attending to every
+    key, as a (B, 1, T, T) one's.  By shape its queries are at the
+    bucketed dimension: padded there alone, its keys left at 11."""
+    mask = padding_mask([11, 7], 11)[:, 0]
+    if dtype == torch.float32:
+        mask = additive(mask)
+    masked, attend = (False, True) if dtype == torch.bool else (torch.finfo().min, 0.0)
+    rotary = (torch.randn(1, 11, 4), torch.randn(1, 11, 4))
+    recorder = Recorder()
+    bucketed(recorder, {1: [16, 32]})(torch.randn(2, 11, 8), position_embeddings=rotary,
+                                      past_key_values=None, mask=mask)
+    padded = recorder.kwargs["mask"]
+    assert padded.dtype == dtype and padded.shape == (2, 16, 16)
+    assert torch.equal(padded[:, :11, :11], mask)
+    assert (padded[:, :11, 11:] == masked).all() and (padded[:, 11:, :] == attend).all()
+    assert [t.shape for t in recorder.kwargs["position_embeddings"]] == [(1, 16, 4)] * 2
+
+
+def block(linear):
+    """A Linear, then attention under a (B, T, T) mask passed as mask=."""
+    def forward(x, mask=None):
+        return layer(linear(x), mask[:, None])  # one mask for both heads
+    return forward
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_attention_under_a_keyword_mask_without_heads_trains_as_eager(kind):
+    """Output, attention weights (sliced back in both positions) and the
+    Linear's grads as the unpadded eager call's; the padded queries' rows
+    finite."""
+    torch.manual_seed(6)
+    linear = nn.Linear(8, 8)
+    eager = copy.deepcopy(linear)
+    mask = padding_mask([20, 13], 20)[:, 0]
+    if kind == "float":
+        mask = additive(mask)
+    x, upstream = torch.randn(2, 20, 8), torch.randn(2, 20, 8)
+    seen = {}
+
+    def spy(x, mask=None):
+        seen["out"] = block(linear)(x, mask=mask)
+        return seen["out"]
+
+    out, weights = bucketed(spy, {1: [16, 32]})(x, mask=mask)
+    out_e, weights_e = block(eager)(x, mask=mask)
+    assert seen["out"][0].shape == (2, 32, 8) and weights.shape == weights_e.shape
+    assert all(t.isfinite().all() for t in seen["out"]), "padded rows are not finite"
+    torch.testing.assert_close(out, out_e)
+    torch.testing.assert_close(weights, weights_e)
+    (out * upstream).sum().backward()
+    (out_e * upstream).sum().backward()
+    for p, q in zip(linear.parameters(), eager.parameters()):
+        assert p.grad.isfinite().all()
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_key_masks_under_their_keywords_pad_their_keys_masked_in_their_convention():
+    """(B, T) and (B, 1, T) masks, a batch of 5 at a length of 5: only the
+    keys padded (the batch is not read as queries), masked as each keyword
+    means it: False or 0 where True attends, True under key_padding_mask
+    (nn.MultiheadAttention's: True masks), whose float is added to the
+    scores (the dtype's min masks).  A 2-D float under another keyword, 1/0
+    or additive, is padded with its last column (Note [Attention masks
+    under sequence buckets]): here it attends in row 0 and masks in row 1."""
+    keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]).repeat(3, 1)[:5]
+    masks = {"attention_mask": keep.bool(), "attn_mask": keep[:, None],
+             "key_padding_mask": ~keep.bool(), "causal_mask": additive(keep.bool()),
+             "encoder_attention_mask": keep.float()}
+    recorder = Recorder()
+    bucketed(recorder, {1: [8]})(torch.randn(5, 5, 4), **masks)
+    for name, row_0, row_1 in [("attention_mask", False, False), ("attn_mask", 0, 0),
+                               ("key_padding_mask", True, True),
+                               ("causal_mask", 0.0, torch.finfo().min),
+                               ("encoder_attention_mask", 1.0, 0.0)]:
+        mask, padded = masks[name], recorder.kwargs[name]
+        assert padded.shape == (*mask.shape[:-1], 8), name
+        assert torch.equal(padded[..., :5], mask), name
+        assert (padded[0, ..., 5:] == row_0).all() and (padded[1, ..., 5:] == row_1).all(), name
+    float_keys = additive(keep.bool())  # a float key_padding_mask is added: min masks
+    bucketed(recorder, {1: [8]})(torch.randn(5, 5, 4), key_padding_mask=float_keys)
+    assert (recorder.kwargs["key_padding_mask"][:, 5:] == torch.finfo().min).all()
+
+
+def test_key_padding_mask_under_multihead_attention_keeps_the_real_outputs():
+    """nn.MultiheadAttention (batch first) with a bool key_padding_mask,
+    True = ignore: the padded keys are ignored as the real padding is, so
+    the real outputs and the grads are eager's."""
+    torch.manual_seed(7)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    eager = copy.deepcopy(mha)
+    x, upstream = torch.randn(2, 11, 8), torch.randn(2, 11, 8)
+    ignore = torch.arange(11)[None, :] >= torch.tensor([[11], [7]])
+
+    def call(model):
+        return lambda x, key_padding_mask: model(x, x, x, key_padding_mask=key_padding_mask,
+                                                 need_weights=False)[0]
+
+    out = bucketed(call(mha), {1: [16]})(x, key_padding_mask=ignore)
+    out_e = call(eager)(x, key_padding_mask=ignore)
+    torch.testing.assert_close(out, out_e)
+    (out * upstream).sum().backward()
+    (out_e * upstream).sum().backward()
+    for p, q in zip(mha.parameters(), eager.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_a_heads_first_tensor_under_another_keyword_is_not_read_as_a_mask():
+    """(B, H, T, hd) at hd == T, and (B, H, 1, hd), under hidden_states= and
+    query=: left as they are (their positions are not at the bucketed
+    dimension), where by shape each reads as a mask and gains hd columns of
+    the dtype's min.  Beside them a positional (B, 1, T, T) mask is padded
+    as one, and positionally the heads-first tensor is still misread
+    (README Limits)."""
+    x, mask = torch.randn(2, 11, 8), padding_mask([11, 7], 11)
+    heads_first, per_head = torch.randn(2, 3, 11, 11), torch.randn(2, 3, 1, 11)
+    recorder = Recorder()
+    bucketed(recorder, {1: [16]})(x, mask, hidden_states=heads_first, query=per_head)
+    assert recorder.kwargs["hidden_states"] is heads_first and recorder.kwargs["query"] is per_head
+    padded = recorder.args[1]
+    assert padded.shape == (2, 1, 16, 16) and torch.equal(padded[..., :11, :11], mask)
+    assert not padded[..., :11, 11:].any() and padded[..., 11:, :].all()
+    bucketed(recorder, {1: [16]})(x, heads_first)
+    assert recorder.args[1].shape == (2, 3, 16, 16)
 
 
 # ---- a Hugging Face decoder layer ------------------------------------------------
