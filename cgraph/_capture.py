@@ -60,7 +60,7 @@ import torch
 import torch.utils.checkpoint as checkpoint_module
 
 from . import _C, _log
-from ._describe import Draft, device_of
+from ._describe import Draft, StateCheck, device_of
 
 
 class CaptureOptions(NamedTuple):
@@ -89,8 +89,13 @@ def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
     specs = tuple(_C.CallableSpec(**d.fields, device=device) for d in drafts)
     what = "the training step" if step else None
     with capture_session(specs, reentrant_checked=not step), _log.progress(len(specs)):
-        return _C.graph_callables(specs, pool, *options, warm_in_pool, keep_activations,
-                                   what)
+        graphed = _C.graph_callables(specs, pool, *options, warm_in_pool, keep_activations,
+                                     what)
+    for spec in specs:
+        module = spec.module() if spec.module is not None else None
+        if module is not None and isinstance(spec.verify, StateCheck):
+            spec.verify.adopt(module)
+    return graphed
 
 
 @contextlib.contextmanager

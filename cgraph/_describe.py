@@ -391,6 +391,18 @@ class StateCheck:
         self.cls, self.walked = type(module), _replacing[0]
         _watch(module)  # a submodule added since: its registrations too
 
+    def adopt(self, module: nn.Module) -> None:
+        """After a capture of `module` (its warm-up and capture calls): a
+        parameter or buffer its forward registered there under a new name
+        (a cache made on the first call) is one the new graphs read, and no
+        earlier graph read anything under that name, so it joins the
+        captured state instead of raising at the next call.  A tensor
+        replaced under a name the state had does not: graphs captured
+        before may read the old one, and the next call raises."""
+        for name, tensor in _named_state(module):
+            self.captured.setdefault(name, tensor)
+        _watch(module)
+
 
 def _named_state(module: nn.Module):
     yield from module.named_parameters()

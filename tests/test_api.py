@@ -183,6 +183,32 @@ def test_a_graphed_module_walks_its_parameters_only_when_one_may_have_been_repla
             check(fresh)
 
 
+def test_a_tensor_the_forward_registered_during_its_capture_is_adopted_a_later_one_raises():
+    """StateCheck.adopt, called after each capture: a buffer the forward
+    registered under a new name there (a cache made on the first call) is
+    one the graphs read, not a replacement; a name added after that capture,
+    or a tensor replaced under a name it had, still raises.  The GPU test:
+    tests/test_replay.py, buffer_registered_on_the_first_call."""
+    from cgraph import _describe
+    block = torch.nn.Linear(4, 4)
+    check = _describe.StateCheck(0, block)
+    block.register_buffer("cache", torch.ones(4))  # in warm-up or capture
+    check.adopt(block)
+    check(block)
+    check(block)
+    block.register_buffer("later", torch.ones(4))  # after the capture
+    with pytest.raises(RuntimeError, match=r"'later' of graphed module 0"):
+        check(block)
+    other = torch.nn.Linear(4, 4)
+    check = _describe.StateCheck(1, other)
+    other.register_buffer("cache", torch.ones(4))
+    check.adopt(other)
+    other.register_buffer("cache", torch.zeros(4))  # a second capture replaced it
+    check.adopt(other)
+    with pytest.raises(RuntimeError, match=r"'cache' of graphed module 1"):
+        check(other)
+
+
 def test_tensors_swapped_in_by_functional_call_are_seen_by_the_check():
     """Note [Tensors swapped in without registration] (cgraph/_describe.py):
     torch.func.functional_call swaps parameters in without a registration

@@ -631,3 +631,40 @@ def test_deleting_the_module_returns_pool_memory_without_gc(how):
         assert pool_segments(pool) == []
     finally:
         gc.enable()
+
+
+class _CachesOnFirstCall(nn.Module):
+    """A forward that registers a buffer on its first call, as older rotary
+    embeddings made their cos/sin tables."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x):
+        if not hasattr(self, "table"):
+            self.register_buffer("table", torch.linspace(0, 1, 16, device=x.device))
+        return self.linear(x) * self.table
+
+
+@pytest.mark.parametrize("samples", [True, False], ids=["with_samples", "first_call"])
+def test_a_buffer_registered_on_the_first_call_is_read_by_every_replay(samples):
+    """The buffer the forward registers in warm-up is the graphs' own, not a
+    replacement: every later call replays (it used to raise 'replaced after
+    capture' on each), equal to eager's; a buffer registered after the
+    capture still raises."""
+    torch.manual_seed(0)
+    model = _CachesOnFirstCall().to(CUDA)
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 16, device=CUDA, requires_grad=True)
+    graphed = cgraph.make_graphed(model, (x,) if samples else None)
+    for step in range(3):
+        xs = torch.randn(4, 16, device=CUDA)
+        out, out_e = graphed(xs), eager(xs)
+        assert_equal(out, out_e, f"call {step}")
+        backward_as_eager(out, out_e)
+        assert_grads_equal(model, eager, step)
+    assert graphed.stats["forward"] == 3 and graphed.num_graphs == 1, graphed.stats
+    model.register_buffer("later", torch.ones(1, device=CUDA))
+    with pytest.raises(RuntimeError, match="'later' of graphed module 0"):
+        graphed(torch.randn(4, 16, device=CUDA))
