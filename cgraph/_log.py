@@ -207,6 +207,22 @@ def step_optimizer_replaced(step, optimizer) -> None:
              "steps the optimizers' tensors as they are now.", step, what)
 
 
+def step_params_changed(step, what: str, how: str) -> None:
+    """A parameter a step's graph steps, or a module's mode, changed since its
+    capture (Note [What a graphed step checks before a replay] in
+    cgraph/_step.py)."""
+    log.info("%r: %s: %s since capture: this call steps eagerly and the next captures again, "
+             "so that the graph runs the step as it is now.", step, what, how)
+
+
+def step_state_made_at_capture(step, optimizer, count: int) -> None:
+    """A step's capture made optimizer state, which every replay would make again."""
+    log.info("%r: its capture made %s's state for %d parameter(s) (they had no grad in the "
+             "warm-up: unfrozen, or first used now), which every replay would make again: "
+             "this call steps eagerly and the next captures again.", step,
+             type(optimizer).__name__, count)
+
+
 def step_reset(step) -> None:
     """A graphed training step reset by its user."""
     log.info("%r: reset: its graph freed; the next call captures again.", step)

@@ -84,6 +84,34 @@ A: While the step is captured, the scaler's host test is replaced by a CUDA
    skipped (inf grads, common at fp16's first scales) therefore does not
    count: warm-up goes on until every such optimizer has stepped once.
 
+Note [What a graphed step checks before a replay]
+Q: A step's graph steps the parameters in the memory they had at capture,
+   makes grads for those that required grad then, and steps the optimizer
+   state the capture found.  What if one of these changes between calls?
+A: Before each replay, one native call (``_C.params_are``: a pointer and a
+   flag per parameter of the step's optimizers, about 17 ns each on the CI
+   machine) compares each parameter's memory (a DTensor's local shard's)
+   and ``requires_grad`` with the capture's.  A parameter moved to other
+   memory (``.to()``, ``p.data = ...``) would leave the graph writing
+   memory freed since; one frozen since would still be stepped (eager's
+   optimizer skips a parameter whose grad is None), one unfrozen never.
+   On any change the graph is freed, the call steps eagerly (creating the
+   state of a parameter unfrozen), and the next one captures, logged.  A
+   capture that made optimizer state (a parameter without grad in every
+   warm-up call gets one at the capture: unfrozen between them, or the
+   first capture after a ``reset()``) would make it again at every replay:
+   Adam's first step at every step, an SGD momentum buffer never
+   accumulating.  That capture is undone, on its rank alone (its graph
+   freed, the state it made dropped: captured kernels never ran), the call
+   steps eagerly, and the next one captures.  An lr that changes inside
+   the step after its optimizer stepped (``scheduler.step()`` in the step)
+   is refused at the first warm-up call: the scheduler would fill the
+   graph's device lr once, at capture, and every replay would step with
+   that lr.  Not seen: a module switched between ``train()`` and ``eval()``
+   after capture (README, Limits), and parameters replaced by new objects
+   (``load_state_dict(assign=True)``), which the optimizer no longer steps
+   in eager mode either.
+
 Note [RNG inside a graphed step]
 Q: How do dropout masks inside torch.utils.checkpoint (preserve_rng_state=
    True) come out as eager's in a graphed step?
@@ -115,6 +143,7 @@ import contextlib
 import dataclasses
 import functools
 import operator
+import threading
 import time
 import warnings
 import weakref
@@ -131,6 +160,7 @@ from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donate
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
 from ._step_grads import StepGrads
+from ._step_modes import StepModes
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
@@ -372,6 +402,12 @@ class GraphedStep:
         # whether that was warned of: Note [Capturable optimizers].
         self.stale_in_a_row, self._warned_stale = 0, False
         self.grads: StepGrads | None = None  # Note [Grads around a graphed step]
+        # Each parameter's memory and requires_grad at capture (_C.param_marks):
+        # Note [What a graphed step checks before a replay].
+        self.marks: tuple = ()
+        # The modes of the modules it names, at capture: Note [The modules a
+        # graphed step's modes are read from] (cgraph/_step_modes.py).
+        self.modes: StepModes | None = None
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
         self._waited = False  # logged that warm-up waits for a scaler's first step
         # The last warm-up call's CallableSpec.rng_warmup: Note [RNG inside a graphed step].
@@ -399,7 +435,8 @@ class GraphedStep:
         self._optimizer_replaced()  # since a reset() or reset_all(): Note [Capturable optimizers]
         if self.graphed is None and self.stats["eager"] < self.num_warmup_iters:
             return self._run_eagerly(args, kwargs)
-        self._capture(leaves, spec)
+        if not self._capture(leaves, spec):  # the capture made optimizer state
+            return self._run_eagerly(args, kwargs)
         out = self._replay(self.graphed, args, kwargs)
         self.stats["replays"] += 1
         return out
@@ -407,9 +444,15 @@ class GraphedStep:
     # -- 1. warm-up: real eager steps, optimizers found ----------------------
 
     def _run_eagerly(self, args, kwargs):
-        handle = register_optimizer_step_pre_hook(self._found)
-        scaler_step = torch.amp.GradScaler.step
         step = self
+        lrs: dict = {}  # each optimizer's lrs as its step began: _refuse_lrs_moved_inside
+
+        def found(optimizer, args, kwargs):
+            step.optimizers.add(optimizer)
+            lrs[optimizer] = _lrs(optimizer)
+
+        handle = register_optimizer_step_pre_hook(found)
+        scaler_step = torch.amp.GradScaler.step
 
         def noted_scaler_step(scaler, optimizer, *a, **k):
             step.scaled.add(optimizer)
@@ -424,6 +467,8 @@ class GraphedStep:
         finally:
             torch.amp.GradScaler.step = scaler_step
             handle.remove()
+        _refuse_lrs_moved_inside(lrs)
+        _refuse_scalers_updated_outside(list(self.scalers))
         self.stats["eager"] += 1
         self.num_warmup_iters = self.ddp.warmup_iters(self)
         if self._unstepped():  # Note [GradScaler with any optimizer]
@@ -458,7 +503,8 @@ class GraphedStep:
         guarded on them compiles now, not at capture.  Without CUDA (a
         test's CPU stand-in), nothing is noted."""
         if step_device is None:
-            with one_setup_at_a_time(), _autocast_cache_off(), _donated_buffers_off():
+            with one_setup_at_a_time(), _autocast_cache_off(), _donated_buffers_off(), \
+                    _schedulers_refused():
                 yield
             return
         generator = torch.cuda.default_generators[step_device]
@@ -471,12 +517,9 @@ class GraphedStep:
             return torch_get(device)
 
         with one_setup_at_a_time(), patched({(torch.cuda, "get_rng_state"): get_rng_state}), \
-                _autocast_cache_off(), _donated_buffers_off():
+                _autocast_cache_off(), _donated_buffers_off(), _schedulers_refused():
             yield
         self.rng_warmup = (tuple(offsets), generator.get_offset() - start)
-
-    def _found(self, optimizer, args, kwargs):
-        self.optimizers.add(optimizer)
 
     def _unstepped(self) -> list:
         """Optimizers a GradScaler has skipped at every warm-up call so far:
@@ -513,11 +556,14 @@ class GraphedStep:
 
     # -- 2. capture ----------------------------------------------------------
 
-    def _capture(self, leaves: list, spec) -> None:
+    def _capture(self, leaves: list, spec) -> bool:
         """Captures the step, called with copies of this call's tensors
         (they become the static inputs), by the native capture session;
         where the ranks capture it together, after they agreed that every
-        one did (Note [A capture that fails on one rank], cgraph/_ranks.py)."""
+        one did (Note [A capture that fails on one rank], cgraph/_ranks.py).
+        False where the capture made optimizer state (Note [What a graphed
+        step checks before a replay]): nothing captured, the state it made
+        dropped, and this call is to step eagerly."""
         started = time.perf_counter()
         recapture = self.graphed is not None
         together = self._holds_collectives(leaves)  # before anything can fail
@@ -525,8 +571,9 @@ class GraphedStep:
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         grads: list[StepGrads] = []  # the grads as the capture left them, as a record
         failure = self._captured(leaves, spec, returned, grads)
+        made = failure if isinstance(failure, _StateMadeAtCapture) else None
         try:
-            _ranks.agree(failure, "the training step's capture", together)
+            _ranks.agree(None if made else failure, "the training step's capture", together)
         except BaseException:
             # This rank's graph too, if it has one (another rank failed): a
             # caller going on replays nothing the others do not, and its
@@ -534,11 +581,20 @@ class GraphedStep:
             self._free()
             put_back()
             raise
+        if made is not None:
+            self._free()
+            put_back()
+            made.drop()
+            self._warm_up_again(None)
+            return False
         self.outputs, self.grads = returned[0], grads[0]
+        self.marks = _C.param_marks(self.grads.params)
+        self.modes = StepModes.of(self.fn, self.ddp.models())
         self.containers = [_Containers.of(opt) for opt in list(self.optimizers)]
         _live.add(self.graphed)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
+        return True
 
     def _holds_collectives(self, leaves: list) -> bool:
         """Whether the ranks capture this step together, and so agree on its
@@ -570,9 +626,12 @@ class GraphedStep:
             drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
             drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
             # The SGD check of device_resident_steps runs kernels: first, eagerly.
+            state_before = _StateMadeAtCapture.keys(self.optimizers)
             with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
-                    _scaler_steps_on_the_device(), StepGrads.noted(list(self.optimizers), grads):
+                    _scaler_steps_on_the_device(), StepGrads.noted(list(self.optimizers), grads), \
+                    _schedulers_refused():
                 (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
+            _StateMadeAtCapture.check(self, state_before)
         except _C.CaptureError as exc:
             if exc.kind != _RNG_REGIONS:
                 return exc
@@ -661,7 +720,7 @@ class GraphedStep:
         state were replaced (then the step is captured again), after
         refreshing the device lrs.  Counts the calls in a row it found a
         changed value (_recaptures); a replay starts them again."""
-        if self._optimizer_replaced():
+        if self._optimizer_replaced() or self._params_changed() or self._modes_changed():
             return True
         for g in self.groups:
             group = g.group
@@ -695,19 +754,52 @@ class GraphedStep:
         capture, or it is gone; if so, warmed up again (_warm_up_again)."""
         for held in self.containers:
             if held.replaced():
-                self._warm_up_again(held.optimizer())
+                optimizer = held.optimizer()
+                _log.step_optimizer_replaced(self, optimizer)
+                self._warm_up_again(optimizer)
                 return True
         return False
 
+    def _params_changed(self) -> bool:
+        """Whether a parameter of the step's optimizers moved to other memory
+        or was frozen or unfrozen since capture; if so, warmed up again:
+        Note [What a graphed step checks before a replay]."""
+        if not self.marks or _C.params_are(self.grads.params, self.marks):
+            return False
+        params = self.grads.params
+        now = _C.param_marks(params)
+        k = next(k for k, (was, got) in enumerate(zip(self.marks, now)) if was != got)
+        if now[k][1] != self.marks[k][1]:
+            what = "was unfrozen" if now[k][1] else "was frozen"
+        else:
+            what = "moved to other memory (.to(), .data = ...)"
+        _log.step_params_changed(self, self.grads.label(params[k]), what)
+        self._warm_up_again(None)
+        return True
+
+    def _modes_changed(self) -> bool:
+        """Whether a module the step names was switched between train and
+        eval since capture; if so, warmed up again (compiled code compiles
+        for the new mode in that eager step, not inside the capture): Note
+        [The modules a graphed step's modes are read from]."""
+        if self.modes is None or self.modes.same():
+            return False
+        _log.step_params_changed(self, "a module it calls", self.modes.first_changed())
+        self._warm_up_again(None)
+        return True
+
     def _warm_up_again(self, optimizer) -> None:
-        """An optimizer's containers were replaced or grown, or it is gone:
-        the graph is freed, and the next call is an eager step, which creates
-        the state of parameters added since (created inside a capture, it
+        """What the graph steps is not what the optimizers step now: an
+        optimizer's containers were replaced or grown, or it is gone
+        (`optimizer` it, or None), a parameter or a module's mode changed
+        (_params_changed, _modes_changed), or the capture made optimizer
+        state.  The graph
+        is freed, and the next call is an eager step, which creates the state
+        of parameters added or unfrozen since (created inside a capture, it
         would be zeroed again at every replay), before the call after it
-        captures.  The optimizer counts as not found until it steps again,
-        so a GradScaler skipping that step prolongs the warm-up (Note
+        captures.  An optimizer given counts as not found until it steps
+        again, so a GradScaler skipping that step prolongs the warm-up (Note
         [GradScaler with any optimizer])."""
-        _log.step_optimizer_replaced(self, optimizer)
         self._free()
         self.containers = []
         if optimizer is not None:
@@ -738,6 +830,7 @@ class GraphedStep:
         if self.graphed is not None:
             self.graphed.reset()
         self.graphed, self.static, self.outputs, self.groups = None, None, None, []
+        self.marks, self.modes = (), None
         self.grads, self.scaler_factors = None, []
 
     def __repr__(self) -> str:
@@ -746,6 +839,42 @@ class GraphedStep:
                  else "not captured yet")
         return (f"GraphedStep({name}, {state}, eager={self.stats['eager']}, "
                 f"captures={self.stats['captures']}, replays={self.stats['replays']})")
+
+
+class _StateMadeAtCapture(Exception):
+    """The capture made optimizer state (Note [What a graphed step checks
+    before a replay]): not an error, but a capture to undo, on this rank
+    alone.  ``made``: (optimizer, parameter, the state keys it had before)."""
+
+    def __init__(self, made: list):
+        super().__init__("the capture made optimizer state")
+        self.made = made
+
+    @staticmethod
+    def keys(optimizers) -> dict:
+        """The state keys of every parameter of `optimizers` with state, by id."""
+        return {id(p): set(state) for opt in list(optimizers)
+                for p, state in opt.state.items()}
+
+    @classmethod
+    def check(cls, step, before: dict) -> None:
+        """Raises one if any optimizer of `step` has state keys the
+        capture made (those not in `before`)."""
+        made = [(opt, p, before.get(id(p), set())) for opt in list(step.optimizers)
+                for p, state in opt.state.items() if not set(state) <= before.get(id(p), set())]
+        if made:
+            _log.step_state_made_at_capture(step, made[0][0], len(made))
+            raise cls(made)
+
+    def drop(self) -> None:
+        """The state the capture made, taken out again (its tensors were
+        never written: captured kernels do not run)."""
+        for opt, p, kept in self.made:
+            state = opt.state[p]
+            for key in [k for k in state if k not in kept]:
+                del state[key]
+            if not state:
+                del opt.state[p]
 
 
 class _Outputs:
@@ -833,6 +962,74 @@ def _device_lr(optimizer, group: dict) -> torch.Tensor | None:
     if not reads_device_lr or (isinstance(lr, torch.Tensor) and lr.device == device):
         return None
     return torch.tensor(float(lr), device=device)
+
+
+def _lrs(optimizer) -> list[float]:
+    return [float(group["lr"]) for group in optimizer.param_groups]
+
+
+def _refuse_lrs_moved_inside(lrs: dict) -> None:
+    """Raises if an optimizer's lr changed inside a warm-up call after its
+    step began (`lrs`: each one's as it began): a scheduler stepped inside
+    the step.  A capture would bake that change into the graph (a scheduler
+    fills the device lr the graph reads, with the capture's value), and
+    every replay would step with the lr of the capture's call."""
+    for optimizer, before in lrs.items():
+        now = _lrs(optimizer)[:len(before)]  # a group added inside: the others compared
+        if now != before:
+            raise RuntimeError(
+                f"cgraph: the learning rate of {type(optimizer).__name__} changed inside the "
+                f"graphed step after its step (from {before} to {now}): a scheduler.step() "
+                "inside the step? Every replay would step with the lr its capture saw. Call "
+                "scheduler.step() after the graphed step (loss = step(x, y); "
+                "scheduler.step()): cgraph reads each group's lr before every replay (Note "
+                "[Capturable optimizers] in cgraph/_step.py).")
+
+
+_SCHEDULER_INSIDE = (
+    "cgraph: scheduler.step() was called inside the graphed step: a replay runs no Python, "
+    "so the scheduler would step once, at capture, and every replay would step with that "
+    "lr. Call scheduler.step() after the graphed step (loss = step(x, y); scheduler.step()): "
+    "cgraph reads each group's lr before every replay (Note [Capturable optimizers] in "
+    "cgraph/_step.py).")
+
+
+@contextlib.contextmanager
+def _schedulers_refused():
+    """While the step warms up or is captured, on this thread, every LR
+    scheduler's step() raises, naming the fix (Note [What a graphed step
+    checks before a replay]); other threads' step as before."""
+    me = threading.get_ident()
+
+    def refusing(step):
+        @functools.wraps(step)
+        def refused(scheduler, *args, **kwargs):
+            if threading.get_ident() == me:
+                raise RuntimeError(_SCHEDULER_INSIDE)
+            return step(scheduler, *args, **kwargs)
+        return refused
+
+    classes = [torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau]
+    for cls in classes:  # a user's subclasses too, as they are now
+        classes.extend(c for c in cls.__subclasses__() if c not in classes)
+    with patched({(cls, "step"): refusing(vars(cls)["step"]) for cls in classes
+                  if "step" in vars(cls)}):
+        yield
+
+
+def _refuse_scalers_updated_outside(scalers: list) -> None:
+    """Raises if a GradScaler stepped inside a warm-up call still holds that
+    step's inf checks when the call returns: its update() runs outside the
+    step.  A replay runs no Python, so the scaler would hold no checks at
+    the update after it (torch raises "No inf checks were recorded"), and
+    the scale would never follow the replayed steps' infs."""
+    for scaler in scalers:
+        if scaler.is_enabled() and scaler._per_optimizer_states:
+            raise RuntimeError(
+                "cgraph: a GradScaler steps inside the graphed step, but its update() runs "
+                "outside it: a replay runs no Python, so the scaler would not see the "
+                "replayed steps' inf checks. Call scaler.update() inside the step, right "
+                "after scaler.step(optimizer), as torch's AMP recipe does.")
 
 
 def _as_they_are(optimizers: list) -> Callable[[], None]:

@@ -145,7 +145,7 @@ class StepGrads:
         for p in self.skipped:
             if p.grad is not None:
                 raise ValueError(
-                    f"cgraph: the grad of {self._label(p)} was None when the graphed "
+                    f"cgraph: the grad of {self.label(p)} was None when the graphed "
                     "step's optimizer ran at capture, so the graph never steps that "
                     "parameter, but it has one at this call. Give it a grad before the call "
                     "that captures, or reset the step (step.reset()) to capture it again.")
@@ -155,7 +155,7 @@ class StepGrads:
             if got is None:
                 raise ValueError(
                     f"cgraph: the graphed step's optimizer reads the grad of "
-                    f"{self._label(p)}, made outside the step, but it is None at this "
+                    f"{self.label(p)}, made outside the step, but it is None at this "
                     "call: an eager step would skip that parameter, the graph cannot. Give it "
                     "a grad before every call (zero it with optimizer.zero_grad("
                     "set_to_none=False) outside the step), or make the grads inside the step "
@@ -163,7 +163,7 @@ class StepGrads:
                     "optimizer's or module's zero_grad() are taken for grads made outside).")
             if _layout(got) != _layout(held):
                 raise ValueError(
-                    f"cgraph: the grad of {self._label(p)} is {_describe(got)} at this "
+                    f"cgraph: the grad of {self.label(p)} is {_describe(got)} at this "
                     f"call, but the graphed step reads one of {_describe(held)}. Pass grads as "
                     "at the capture, or reset the step (step.reset()) to capture it again.")
         if not moved:  # a skipped parameter's grad differed, and raised above
@@ -176,7 +176,7 @@ class StepGrads:
             self.copied = True
             _log.step_grads_copied(len(moved), len(self.held))
 
-    def _label(self, p) -> str:
+    def label(self, p) -> str:
         return self.labels.get(id(p), "a parameter of another optimizer")
 
     def leave(self) -> None:

@@ -2,13 +2,17 @@
 // accumulators moved onto the current stream for the length of its capture,
 // then given their own streams back (Note [DDP inside a graphed step] in
 // cgraph/_ddp.py); their grads compared with the ones its graph uses, around
-// each replay (Note [Grads around a graphed step] in cgraph/_step_grads.py).
+// each replay (Note [Grads around a graphed step] in cgraph/_step_grads.py);
+// their memory and requires_grad compared with the capture's (Note [What a
+// graphed step checks before a replay] in cgraph/_step.py).
 #include "aten_engine.hpp"
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 #include <torch/csrc/autograd/input_metadata.h>
 #include <c10/core/StreamGuard.h>
+#include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/object_ptr.h>
 
 #include <utility>
 #include <vector>
@@ -108,6 +112,82 @@ bool grads_are(PyObject* params, PyObject* grads) {
                      " is neither a tensor nor None");
     if (!grad.defined() ||
         grad.unsafeGetTensorImpl() != THPVariable_Unpack(want).unsafeGetTensorImpl()) {
+      return false;
+    }
+  }
+  return true;
+}
+
+namespace {
+
+// The memory a parameter's kernels read: its own, or, for a tensor subclass
+// that holds another tensor (a DTensor's local shard), that one's; null for
+// another subclass, whose memory is not compared.
+const void* memory_of(PyObject* param, const at::Tensor& t) {
+  if (!t.key_set().has(c10::DispatchKey::Python)) {
+    return t.const_data_ptr();
+  }
+  PyObject* local = PyObject_GetAttrString(param, "_local_tensor");
+  if (local == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  const void* data =
+      THPVariable_Check(local) ? THPVariable_Unpack(local).const_data_ptr() : nullptr;
+  Py_DECREF(local);
+  return data;
+}
+
+const at::Tensor& param_at(PyObject* params, Py_ssize_t k, const char* who) {
+  PyObject* param = PyTuple_GET_ITEM(params, k);
+  TORCH_CHECK_TYPE(THPVariable_Check(param), "cgraph: ", who, ": parameter ", k,
+                   " is not a tensor");
+  return THPVariable_Unpack(param);
+}
+
+}  // namespace
+
+PyObject* param_marks(PyObject* params) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(params);
+  THPObjectPtr marks(PyTuple_New(n));
+  if (!marks) {
+    throw python_error();
+  }
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    const at::Tensor& t = param_at(params, k, "param_marks");
+    PyObject* mark = Py_BuildValue("(NO)", PyLong_FromVoidPtr(const_cast<void*>(
+                                                memory_of(PyTuple_GET_ITEM(params, k), t))),
+                                   t.requires_grad() ? Py_True : Py_False);
+    if (mark == nullptr) {
+      throw python_error();
+    }
+    PyTuple_SET_ITEM(marks.get(), k, mark);
+  }
+  return marks.release();
+}
+
+// A pointer and a flag compared per parameter (a DTensor's attribute read
+// too): about as much as grads_are, once before each replay.
+bool params_are(PyObject* params, PyObject* marks) {
+  const Py_ssize_t n = PyTuple_GET_SIZE(params);
+  TORCH_CHECK(PyTuple_GET_SIZE(marks) == n, "cgraph: params_are: ", n, " parameters but ",
+              PyTuple_GET_SIZE(marks), " marks");
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    const at::Tensor& t = param_at(params, k, "params_are");
+    PyObject* mark = PyTuple_GET_ITEM(marks, k);
+    TORCH_CHECK_TYPE(PyTuple_Check(mark) && PyTuple_GET_SIZE(mark) == 2,
+                     "cgraph: params_are: mark ", k, " is not one of param_marks'");
+    if (t.requires_grad() != (PyTuple_GET_ITEM(mark, 1) == Py_True)) {
+      return false;
+    }
+    const void* data = PyLong_AsVoidPtr(PyTuple_GET_ITEM(mark, 0));
+    if (data == nullptr && PyErr_Occurred()) {
+      throw python_error();
+    }
+    if (memory_of(PyTuple_GET_ITEM(params, k), t) != data) {
+      if (PyErr_Occurred()) {
+        throw python_error();
+      }
       return false;
     }
   }

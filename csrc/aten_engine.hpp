@@ -829,6 +829,10 @@ void restore_accumulators(cg_moved_accumulators* moved) noexcept;
 // (None: no grad); TypeError for a parameter that is not a tensor
 // (aten_accumulators.cpp).
 bool grads_are(PyObject* params, PyObject* grads);
+// A NEW reference: per parameter, (its memory's address, requires_grad).
+PyObject* param_marks(PyObject* params);
+// Whether every parameter still has the mark param_marks gave it.
+bool params_are(PyObject* params, PyObject* marks);
 
 // Points the storage of `t` at `home`'s memory, keeping `home` alive
 // (aten_lend.cpp, Note [FSDP2's unsharded parameters in per-layer graphs] in

@@ -295,6 +295,18 @@ int cg_grads_are(PyObject* params, PyObject* grads) {
   END_HANDLE_TH_ERRORS_RET(-1)
 }
 
+PyObject* cg_param_marks(PyObject* params) {
+  HANDLE_TH_ERRORS
+  return cgraph::param_marks(params);
+  END_HANDLE_TH_ERRORS
+}
+
+int cg_params_are(PyObject* params, PyObject* marks) {
+  HANDLE_TH_ERRORS
+  return cgraph::params_are(params, marks) ? 1 : 0;
+  END_HANDLE_TH_ERRORS_RET(-1)
+}
+
 // ---- conditional regions -----------------------------------------------------
 
 int cg_conditional_nodes(void) {

@@ -276,6 +276,15 @@ void cg_accumulators_restore(cg_moved_accumulators *moved);
  * [Grads around a graphed step] in cgraph/_step_grads.py. */
 int cg_grads_are(PyObject *params, PyObject *grads);
 
+/* A NEW reference to a tuple, one mark per tensor of the tuple `params`:
+ * (the address of the memory its kernels read, a DTensor's local shard's;
+ * whether it requires grad); NULL with an exception set.  And whether each
+ * parameter still has its mark: 1, 0, or -1 with an exception set.  The
+ * check before each replay of a graphed step: Note [What a graphed step
+ * checks before a replay] in cgraph/_step.py. */
+PyObject *cg_param_marks(PyObject *params);
+int cg_params_are(PyObject *params, PyObject *marks);
+
 /* ---- conditional regions of a capture (aten_conditional.cpp) ------------ */
 
 /* An open conditional region of the capture on the current stream. */

@@ -43,6 +43,11 @@
  *         # what it records replayed only where flag holds: aten_conditional.cpp
  *     def grads_are(params: tuple, grads: tuple) -> bool: ...  # each param's
  *         # grad is the grad (or None) at its place: aten_accumulators.cpp
+ *     def param_marks(params: tuple) -> tuple: ...  # (memory, requires_grad)
+ *     def params_are(params: tuple, marks: tuple) -> bool: ...  # as marked:
+ *         # aten_accumulators.cpp
+ *     def modes_are(modules: tuple, modes: tuple) -> bool: ...  # each module's
+ *         # training flag is the bool at its place
  *
  * Laid out as CPython's Modules/xxlimited.c: state in the module (multi-phase
  * initialization), heap types, and PyInit__C the only exported symbol.
@@ -474,6 +479,84 @@ cgm_grads_are(PyObject *module, PyObject *args)
     return same < 0 ? NULL : PyBool_FromLong(same);
 }
 
+PyDoc_STRVAR(cgm_param_marks_doc,
+"param_marks(params) -> tuple\n\n"
+"Per tensor of the tuple `params`: (the address of the memory its kernels\n"
+"read, a DTensor's local shard's; whether it requires grad).  Note [What a\n"
+"graphed step checks before a replay] in cgraph/_step.py.  Not a public API.");
+
+/* Returns a NEW reference to a tuple, or NULL with an exception set. */
+static PyObject *
+cgm_param_marks(PyObject *module, PyObject *params)
+{
+    if (!PyTuple_Check(params)) {
+        PyErr_SetString(PyExc_TypeError, "cgraph: param_marks takes a tuple of tensors");
+        return NULL;
+    }
+    return cg_param_marks(params);
+}
+
+PyDoc_STRVAR(cgm_params_are_doc,
+"params_are(params, marks) -> bool\n\n"
+"Whether each tensor of the tuple `params` still has the mark param_marks\n"
+"gave it.  Not a public API.");
+
+/* Returns a NEW reference to a bool, or NULL with an exception set. */
+static PyObject *
+cgm_params_are(PyObject *module, PyObject *args)
+{
+    PyObject *params, *marks;
+    int same;
+
+    if (!PyArg_ParseTuple(args, "O!O!:params_are", &PyTuple_Type, &params, &PyTuple_Type,
+                          &marks)) {
+        return NULL;
+    }
+    same = cg_params_are(params, marks);
+    return same < 0 ? NULL : PyBool_FromLong(same);
+}
+
+PyDoc_STRVAR(cgm_modes_are_doc,
+"modes_are(modules, modes) -> bool\n\n"
+"Whether each module of the tuple `modules` has as its `training` flag the\n"
+"bool at the same place of the tuple `modes`.  Note [What a graphed step\n"
+"checks before a replay] in cgraph/_step.py.  Not a public API.");
+
+/* Returns a NEW reference to a bool, or NULL with an exception set.  An
+ * attribute read and a pointer compare per module: nn.Module.train()
+ * stores a bool, one of two objects. */
+static PyObject *
+cgm_modes_are(PyObject *module, PyObject *args)
+{
+    PyObject *modules, *modes, *flag;
+    PyObject *training = get_state(module)->str_training;
+    Py_ssize_t n, k;
+    int same;
+
+    if (!PyArg_ParseTuple(args, "O!O!:modes_are", &PyTuple_Type, &modules, &PyTuple_Type,
+                          &modes)) {
+        return NULL;
+    }
+    n = PyTuple_GET_SIZE(modules);
+    if (PyTuple_GET_SIZE(modes) != n) {
+        PyErr_Format(PyExc_ValueError, "cgraph: modes_are: %zd modules but %zd modes", n,
+                     PyTuple_GET_SIZE(modes));
+        return NULL;
+    }
+    for (k = 0; k < n; k++) {
+        flag = PyObject_GetAttr(PyTuple_GET_ITEM(modules, k), training);
+        if (flag == NULL) {
+            return NULL;
+        }
+        same = flag == PyTuple_GET_ITEM(modes, k);
+        Py_DECREF(flag);
+        if (!same) {
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
 PyDoc_STRVAR(cgm_lend_memory_doc,
 "lend_memory(tensors, homes) -> None\n\n"
 "Points the storage of each tensor at the memory of its home (same\n"
@@ -563,6 +646,9 @@ static PyMethodDef cgm_methods[] = {
     {"conditional_nodes", cgm_conditional_nodes, METH_NOARGS, cgm_conditional_nodes_doc},
     {"call_if", cgm_call_if, METH_VARARGS, cgm_call_if_doc},
     {"grads_are", cgm_grads_are, METH_VARARGS, cgm_grads_are_doc},
+    {"param_marks", cgm_param_marks, METH_O, cgm_param_marks_doc},
+    {"params_are", cgm_params_are, METH_VARARGS, cgm_params_are_doc},
+    {"modes_are", cgm_modes_are, METH_VARARGS, cgm_modes_are_doc},
     {NULL, NULL, 0, NULL}
 };
 

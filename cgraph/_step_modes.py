@@ -1,0 +1,120 @@
+"""The train/eval modes a graphed step was captured in, compared before each
+replay: Note [The modules a graphed step's modes are read from]."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Callable, Iterator, NamedTuple
+
+from torch import nn
+
+from . import _C
+
+# Note [The modules a graphed step's modes are read from]
+# Q: A graph bakes in every `if self.training` of the step's modules
+#    (dropout on or off, BatchNorm's batch statistics and running-stat
+#    updates).  A step is a plain function: which modules' modes does a
+#    replay compare with the capture's, without a walk of every module?
+# A: The modules the step's code names, found once per capture: the values
+#    of its closure and of the globals it reads (a model, a loss module),
+#    a bound method's object and the modules among its attributes (a
+#    LightningModule's step, a trainer object's), a functools.partial's
+#    arguments, one call deeper into the functions it names (a
+#    compute_loss(model, x) helper's own globals), and the DDP models it
+#    calls; with their submodules.  Of those, only the modules whose own
+#    methods (their class's, below nn.Module) name ``training`` are kept,
+#    with every root: Dropout, BatchNorm, an attention block's dropout; a
+#    Linear's or a LayerNorm's mode changes nothing.  Before each replay one
+#    native call (_C.modes_are) compares their flags with the capture's: an
+#    attribute read and a pointer compare per module, about 24 ns each on
+#    the CI machine.  A change (``model.eval()`` then a graphed training
+#    step; ``bn.eval()`` to freeze BatchNorm mid-training) captures again.
+#    Not seen: a module reached only through a container or deeper calls,
+#    and ``training`` read by code outside such a module's methods; after
+#    switching those, reset the step (README, Limits).
+_DEPTH = 2  # the step, and the functions it names
+
+
+class StepModes(NamedTuple):
+    """The modules whose modes a step's graph baked in, and those modes."""
+
+    modules: tuple
+    modes: tuple
+
+    @classmethod
+    def of(cls, fn: Callable, models: list) -> "StepModes":
+        """Those of `fn` (the step) and `models` (the DDP models it calls)."""
+        roots = {id(m): m for m in (*_modules_named_by(fn, _DEPTH, set()), *models)}
+        modules: dict = {}
+        for root in roots.values():
+            for m in root.modules():
+                if m is root or _reads_training(type(m)):
+                    modules.setdefault(id(m), m)
+        found = tuple(modules.values())
+        return cls(found, tuple(m.training for m in found))
+
+    def same(self) -> bool:
+        return _C.modes_are(self.modules, self.modes)
+
+    def first_changed(self) -> str:
+        """The first module whose mode changed, for the log."""
+        for m, mode in zip(self.modules, self.modes):
+            if m.training is not mode:
+                return f"{type(m).__name__} was switched to {'train' if m.training else 'eval'}"
+        return "nothing"
+
+
+def _modules_named_by(fn, depth: int, seen: set) -> Iterator[nn.Module]:
+    """The modules `fn`'s code names, and those of the functions it names,
+    `depth` levels deep."""
+    if depth == 0 or id(fn) in seen:
+        return
+    seen.add(id(fn))
+    if isinstance(fn, functools.partial):
+        yield from _named_values((*fn.args, *fn.keywords.values()), depth, seen)
+        fn = fn.func
+    if inspect.ismethod(fn):
+        owner = fn.__self__
+        yield from _named_values((owner, *getattr(owner, "__dict__", {}).values()), depth, seen)
+        fn = fn.__func__
+    fn = inspect.unwrap(fn)
+    if not inspect.isfunction(fn):
+        if isinstance(fn, nn.Module):
+            yield fn
+        return
+    try:
+        names = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):  # no code to read
+        return
+    yield from _named_values((*names.nonlocals.values(), *names.globals.values()), depth, seen)
+
+
+def _named_values(values, depth: int, seen: set) -> Iterator[nn.Module]:
+    for value in values:
+        if isinstance(value, nn.Module):
+            yield value
+        elif callable(value) and not isinstance(value, type):
+            yield from _modules_named_by(value, depth - 1, seen)
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_training(cls: type) -> bool:
+    """Whether a method of `cls` below nn.Module names ``training``."""
+    for klass in cls.__mro__:
+        if klass is nn.Module or klass is object:
+            continue
+        for value in vars(klass).values():
+            code = getattr(inspect.unwrap(value) if callable(value) else value, "__code__", None)
+            if code is not None and "training" in _names_in(code):
+                return True
+    return False
+
+
+def _names_in(code) -> set:
+    """The names `code` and the functions defined in it read."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if inspect.iscode(const):
+            names |= _names_in(const)
+    return names

@@ -1,0 +1,518 @@
+"""What a graphed step checks before a replay (Note [What a graphed step
+checks before a replay] in cgraph/_step.py): a parameter frozen, unfrozen
+or moved to other memory since capture, a capture that made optimizer
+state, and an lr changed inside the step.  The GPU tests train a graphed
+step and its eager twin (a deep copy, a second optimizer) on the same
+batches and compare after every call: bitwise, except foreach AdamW, which
+the step makes capturable (step sizes in float32 on the device, eager's in
+float64 on the host: test_adam_is_made_capturable in tests/test_step.py),
+compared with assert_close's float32 tolerance.  The CPU tests drive the
+checks themselves, without a capture."""
+
+import copy
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cgraph
+from _helpers import CUDA, assert_equal
+from cgraph import _C
+from cgraph._step import _lrs, _refuse_lrs_moved_inside, _StateMadeAtCapture
+from cgraph._step_grads import StepGrads
+
+OPTIMIZERS = {
+    "adamw-foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+    "adamw-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "sgd-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+}
+# Made capturable by the step: float32 step sizes on the device (module docstring).
+NOT_BITWISE = {"adamw-foreach"}
+
+
+def model_and_batches(n=7, seed=0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32), nn.Tanh(),
+                          nn.Linear(32, 8)).to(CUDA)
+    batches = [(torch.randn(16, 32, device=CUDA), torch.randint(0, 8, (16,), device=CUDA))
+               for _ in range(n)]
+    return model, batches
+
+
+def train_step(model, opt, scheduler=None):
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        return loss
+    return step
+
+
+class Twins:
+    """A graphed step (num_warmup_iters=1) and its eager twin: a model each,
+    an optimizer each, the same batches."""
+
+    def __init__(self, name, frozen=False, scheduled=False):
+        self.model, self.batches = model_and_batches()
+        if frozen:
+            self.model[0].requires_grad_(False)
+        self.eager = copy.deepcopy(self.model)
+        self.opts = [OPTIMIZERS[name](m.parameters()) for m in self.models]
+        self.schedulers = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+                           for o in self.opts] if scheduled else []
+        self.step = cgraph.make_graphed_step(train_step(self.model, self.opts[0]),
+                                             self.batches[0], num_warmup_iters=1)
+        self.plain = train_step(self.eager, self.opts[1])
+        self.check = check_of(name)
+
+    @property
+    def models(self):
+        return self.model, self.eager
+
+    def call(self, i):
+        """Call i of both, then their schedulers; the losses compared."""
+        losses = [fn(*self.batches[i]) for fn in (self.step, self.plain)]
+        self.check(*losses, f"loss of call {i}")
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def each(self, change):
+        for model in self.models:
+            change(model)
+
+    def assert_same_training(self, with_state=True):
+        """Parameters, grads and (with_state) optimizer state: eager's."""
+        for (n, p), q in zip(self.model.named_parameters(), self.eager.parameters()):
+            self.check(p, q, f"parameter {n}")
+            if p.grad is not None or q.grad is not None:
+                self.check(p.grad, q.grad, f"grad of {n}")
+            if with_state:
+                self.assert_same_state(p, q, n)
+
+    def assert_same_state(self, p, q, n):
+        state, state_e = (o.state.get(t, {}) for o, t in zip(self.opts, (p, q)))
+        assert set(state) == set(state_e), f"state of {n}: {set(state)} != {set(state_e)}"
+        for key, value in state_e.items():
+            if isinstance(value, torch.Tensor):
+                self.check(state[key].to(value.device, value.dtype), value,
+                           f"state {key!r} of {n}")
+
+
+def check_of(name):
+    if name not in NOT_BITWISE:
+        return assert_equal
+
+    def close(actual, expected, what):
+        torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}")
+    return close
+
+
+def assert_logged(caplog, *parts):
+    """One of cgraph's log records says every one of `parts`."""
+    messages = [r.getMessage() for r in caplog.records if r.name == "cgraph"]
+    assert any(all(part in m for part in parts) for m in messages), (parts, messages)
+
+
+def snapshot(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+# ---- a parameter frozen, unfrozen or moved after capture (GPU) ---------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_layer_frozen_after_capture_is_no_longer_stepped(name, caplog):
+    """model[0] frozen after the capture and two replays: eager's optimizer
+    skips its parameters (their grads are None), so the step runs eagerly
+    once and captures again.  Before, the graph went on making model[0]'s
+    grads and stepping it, frozen or not."""
+    t = Twins(name)
+    for i in range(4):  # warm-up, capture, two replays
+        t.call(i)
+    assert t.step.stats == {"eager": 1, "captures": 1, "replays": 3}, t.step.stats
+    t.each(lambda m: m[0].requires_grad_(False))
+    frozen = snapshot(t.model[0])
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for i in range(4, 7):
+            t.call(i)
+    t.assert_same_training()
+    for p, was in zip(t.model[0].parameters(), frozen):
+        assert_equal(p, was, "a parameter of model[0], frozen")
+        assert p.grad is None
+    assert t.step.stats == {"eager": 2, "captures": 2, "replays": 5}, t.step.stats
+    label = f"parameter 0 of param group 0 of {type(t.opts[0]).__name__}"
+    assert_logged(caplog, label, "was frozen since capture")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_layer_unfrozen_after_capture_is_stepped_from_then_on(name, caplog):
+    """model[0] frozen (but in the optimizer) until after the capture and two
+    replays, then unfrozen: the next call steps eagerly, creating its
+    optimizer state (Adam's moments, SGD's momentum buffers), and the one
+    after captures again.  Before, the graph, captured without model[0]'s
+    grads, never stepped it."""
+    t = Twins(name, frozen=True)
+    for i in range(4):
+        t.call(i)
+    assert t.step.stats == {"eager": 1, "captures": 1, "replays": 3}, t.step.stats
+    assert not any(t.opts[0].state.get(p) for p in t.model[0].parameters())
+    before = snapshot(t.model[0])
+    t.each(lambda m: m[0].requires_grad_(True))
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for i in range(4, 7):
+            t.call(i)
+    t.assert_same_training()
+    assert all(t.opts[0].state.get(p) for p in t.model[0].parameters())
+    assert not any(torch.equal(p, b) for p, b in zip(t.model[0].parameters(), before))
+    assert t.step.stats == {"eager": 2, "captures": 2, "replays": 5}, t.step.stats
+    label = f"parameter 0 of param group 0 of {type(t.opts[0]).__name__}"
+    assert_logged(caplog, label, "was unfrozen since capture")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_layer_unfrozen_between_warm_up_and_capture_gets_its_state_eagerly(name, caplog):
+    """model[0] frozen in the one warm-up call, unfrozen before the next:
+    that call's capture would make model[0]'s optimizer state inside the
+    graph, so it is undone and the call steps eagerly; the next captures.
+    Before, every replay made that state again: Adam's first step at every
+    step (moments and step count zeroed), an SGD momentum buffer that never
+    accumulated."""
+    t = Twins(name, frozen=True)
+    t.call(0)
+    t.each(lambda m: m[0].requires_grad_(True))
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        t.call(1)
+    assert t.step.stats == {"eager": 2, "captures": 0, "replays": 0}, t.step.stats
+    assert_logged(caplog, f"its capture made {type(t.opts[0]).__name__}'s state for 2 "
+                  "parameter(s)")
+    t.assert_same_training()
+    for i in range(2, 7):
+        t.call(i)
+    t.assert_same_training()
+    assert t.step.stats == {"eager": 2, "captures": 1, "replays": 5}, t.step.stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_parameters_moved_to_other_memory_after_capture_are_stepped_there(name, caplog):
+    """p.data = p.data.clone() on every parameter after the capture and a
+    replay: the next call steps eagerly and the one after captures again.
+    Before, the graph went on reading and stepping the parameters' old
+    memory, freed since, and the parameters kept their values."""
+    t = Twins(name)
+    for i in range(3):  # warm-up, capture, one replay
+        t.call(i)
+
+    def moved(model):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.clone()
+
+    was = [p.data_ptr() for p in t.model.parameters()]
+    t.each(moved)
+    assert all(p.data_ptr() != w for p, w in zip(t.model.parameters(), was))
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for i in range(3, 7):
+            t.call(i)
+    t.assert_same_training()
+    assert t.step.stats == {"eager": 2, "captures": 2, "replays": 5}, t.step.stats
+    assert_logged(caplog, "parameter 0 of param group 0 of", "moved to other memory")
+
+
+# ---- schedulers: outside the step, never inside ------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw-fused", "adamw-foreach"])
+def test_a_scheduler_stepped_after_each_call_matches_eager(name):
+    """StepLR halves lr after every call: the graph reads it from the device,
+    refilled before each replay, with no capture again."""
+    t = Twins(name, scheduled=True)
+    for i in range(5):
+        t.call(i)
+    t.assert_same_training()
+    assert t.step.stats == {"eager": 1, "captures": 1, "replays": 4}, t.step.stats
+    assert _lrs(t.opts[0]) == _lrs(t.opts[1]) == [1e-2 * 0.5**5]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("fused", [False, True], ids=["adamw-foreach", "adamw-fused"])
+@pytest.mark.parametrize("step_size", [1, 100], ids=["lr-moves", "lr-flat-in-warm-up"])
+def test_a_scheduler_stepped_inside_the_step_is_refused_naming_the_fix(device, fused,
+                                                                         step_size):
+    """A capture would bake the lr of its own call into every replay: the
+    first (eager) call refuses it, saying where scheduler.step() goes, even
+    where the lr does not move in the warm-up calls (step_size=100)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=step_size, gamma=0.5)
+    x, y = torch.randn(4, 8, device=device), torch.randint(0, 4, (4,), device=device)
+    step = cgraph.make_graphed_step(train_step(model, opt, scheduler), (x, y))
+    with pytest.raises(RuntimeError, match=r"scheduler\.step\(\) was called inside the "
+                                           r"graphed step.*after the graphed step"):
+        step(x, y)
+    scheduler.step()  # outside a set-up, it steps as ever
+    assert scheduler.last_epoch == 1
+
+
+# ---- the checks themselves, on the CPU -----------------------------------------
+
+def test_an_lr_changed_since_its_optimizer_stepped_is_refused():
+    """_refuse_lrs_moved_inside: each optimizer's lrs as its step began
+    against now.  A float lr or a tensor lr filled in place is refused; a
+    group added since (add_param_group) is not compared, nor are lrs that
+    did not change."""
+    a, b = nn.Parameter(torch.zeros(2)), nn.Parameter(torch.zeros(2))
+    sgd = torch.optim.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
+    adamw = torch.optim.AdamW([nn.Parameter(torch.zeros(2))], lr=torch.tensor(1e-3))
+    began = {sgd: _lrs(sgd), adamw: _lrs(adamw)}
+    assert began[sgd] == [0.1, 0.5]
+    _refuse_lrs_moved_inside(began)  # nothing changed
+    sgd.param_groups[1]["lr"] = 0.25
+    with pytest.raises(RuntimeError, match=r"learning rate of SGD changed inside the graphed "
+                                           r"step after its step \(from \[0\.1, 0\.5\] to "
+                                           r"\[0\.1, 0\.25\]\): a scheduler\.step\(\)"):
+        _refuse_lrs_moved_inside(began)
+    sgd.param_groups[1]["lr"] = 0.5
+    adamw.param_groups[0]["lr"].fill_(5e-4)  # as a scheduler changes a tensor lr
+    with pytest.raises(RuntimeError, match="learning rate of AdamW changed"):
+        _refuse_lrs_moved_inside(began)
+    adamw.param_groups[0]["lr"].fill_(1e-3)
+    sgd.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": 0.7})
+    _refuse_lrs_moved_inside(began)  # a group added: the others compared, unchanged
+    sgd.param_groups[0]["lr"] = 0.2
+    with pytest.raises(RuntimeError, match="learning rate of SGD changed"):
+        _refuse_lrs_moved_inside(began)
+
+
+def test_a_scheduler_inside_a_cpu_step_is_refused_and_one_after_each_call_is_not():
+    """The refusal comes from the warm-up call itself (on the CPU, no
+    capture ever), and a scheduler stepped after the call is not refused."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    x, y = torch.randn(3, 4), torch.randint(0, 2, (3,))
+    outside = cgraph.make_graphed_step(train_step(model, opt), (x, y), num_warmup_iters=2)
+    for _ in range(2):
+        outside(x, y)
+        scheduler.step()
+    assert outside.stats["eager"] == 2 and _lrs(opt) == [0.025]
+    inside = cgraph.make_graphed_step(train_step(model, opt, scheduler), (x, y))
+    with pytest.raises(RuntimeError, match=r"scheduler\.step\(\) was called inside"):
+        inside(x, y)
+
+
+def adamw_with_state():
+    """A CPU AdamW over two parameters, one of which (`old`) has stepped."""
+    old, new = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))
+    opt = torch.optim.AdamW([old, new], lr=1e-2)
+    old.grad = torch.full((3,), 0.5)
+    opt.step()
+    return opt, old, new
+
+
+def test_state_made_at_capture_is_named_and_dropped(caplog):
+    """_StateMadeAtCapture: the state keys before the capture, the state an
+    optimizer step made since (raised, logged), and that state dropped
+    again, the state from before left as it was."""
+    opt, old, new = adamw_with_state()
+    step = cgraph.make_graphed_step(lambda: None)
+    step.optimizers.add(opt)
+    before = _StateMadeAtCapture.keys(step.optimizers)
+    assert before == {id(old): {"step", "exp_avg", "exp_avg_sq"}}
+    kept = dict(opt.state[old])
+    _StateMadeAtCapture.check(step, before)  # nothing made: no raise
+    new.grad = torch.full((2,), 0.25)
+    opt.step()  # as the capture would step it: new's state is made
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        with pytest.raises(_StateMadeAtCapture) as made:
+            _StateMadeAtCapture.check(step, before)
+    assert made.value.made == [(opt, new, set())]
+    assert_logged(caplog, "its capture made AdamW's state for 1 parameter(s)")
+    made.value.drop()
+    assert new not in opt.state
+    assert set(opt.state[old]) == set(kept)
+    assert all(opt.state[old][k] is v for k, v in kept.items()), "the old state's own tensors"
+
+
+def test_state_keys_made_beside_older_ones_are_dropped_alone():
+    """A parameter that had state gets a key more at the capture: that key
+    alone goes (an SGD momentum buffer beside an entry that existed)."""
+    p = nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    opt.state[p]["kept"] = torch.zeros(1)
+    step = cgraph.make_graphed_step(lambda: None)
+    step.optimizers.add(opt)
+    before = _StateMadeAtCapture.keys(step.optimizers)
+    p.grad = torch.ones(3)
+    opt.step()
+    assert set(opt.state[p]) == {"kept", "momentum_buffer"}
+    with pytest.raises(_StateMadeAtCapture) as made:
+        _StateMadeAtCapture.check(step, before)
+    assert made.value.made == [(opt, p, {"kept"})]
+    made.value.drop()
+    assert set(opt.state[p]) == {"kept"}
+
+
+def as_captured(step, model, opt):
+    """The grads and parameter marks a capture of `step` leaves, set on the
+    CPU: the step called eagerly inside StepGrads.noted, as the capture
+    calls it."""
+    step.optimizers.add(opt)
+    into = []
+    with StepGrads.noted([opt], into):
+        train_step(model, opt)(torch.randn(3, 4), torch.randint(0, 2, (3,)))
+    step.grads = into[0]
+    step.marks = _C.param_marks(step.grads.params)
+
+
+def moved(p):
+    with torch.no_grad():
+        p.data = p.data.clone()
+
+
+def in_place(p):
+    with torch.no_grad():
+        p.mul_(2.0)
+    p.data.add_(1.0)
+    p.grad = None
+
+
+CHANGES = {
+    "was frozen": (None, lambda p: p.requires_grad_(False)),
+    "was unfrozen": (lambda p: p.requires_grad_(False), lambda p: p.requires_grad_(True)),
+    "moved to other memory": (None, moved),
+    None: (None, in_place),  # the same memory, the same flag: nothing to see
+}
+
+
+@pytest.mark.parametrize("what", list(CHANGES), ids=str)
+def test_a_parameter_frozen_unfrozen_or_moved_since_capture_warms_the_step_up_again(
+        what, caplog):
+    """_params_changed through _stale, without a GPU: a change of a
+    parameter's memory or requires_grad is named (logged) and the step is
+    to run eagerly once more; values changed in place are not a change."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    before, change = CHANGES[what]
+    if before is not None:
+        before(model.weight)
+    step = cgraph.make_graphed_step(lambda: None)
+    as_captured(step, model, opt)
+    assert not step._stale()
+    change(model.weight)
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        stale = step._stale()
+    if what is None:
+        assert not stale and step.grads is not None and not caplog.records
+        return
+    assert stale and step.grads is None
+    assert step.num_warmup_iters == step.stats["eager"] + 1
+    assert_logged(caplog, "parameter 0 of param group 0 of SGD", f"{what} ")
+
+
+def test_a_dtensor_parameter_is_marked_by_its_local_shard(mesh):
+    """A DTensor's own tensor has no memory: the marks compare its local
+    shard's, and its requires_grad."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    param = nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+    marks = _C.param_marks((param,))
+    assert marks == ((param._local_tensor.data_ptr(), True),)
+    assert _C.params_are((param,), marks)
+    param.requires_grad_(False)
+    assert not _C.params_are((param,), marks)
+
+
+def test_param_marks_refuse_what_they_cannot_compare_with_a_cgraph_message():
+    """param_marks and params_are take the tuples the step hands them; any
+    other argument is refused, naming the function, rather than read."""
+    with pytest.raises(TypeError, match="cgraph: param_marks takes a tuple"):
+        _C.param_marks([torch.zeros(1)])
+    marks = _C.param_marks((torch.zeros(1),))
+    with pytest.raises(RuntimeError, match="cgraph: params_are: 2 parameters but 1 marks"):
+        _C.params_are((torch.zeros(1), torch.zeros(1)), marks)
+    with pytest.raises(TypeError, match="cgraph: params_are: mark 0 is not one"):
+        _C.params_are((torch.zeros(1),), ((1, 2, 3),))
+    with pytest.raises(TypeError, match="cgraph: params_are: parameter 0 is not a tensor"):
+        _C.params_are((1,), marks)
+
+
+# ---- train/eval modes (Note [The modules a graphed step's modes are read from]) ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw-fused", "sgd-momentum"])
+def test_a_batchnorm_switched_to_eval_after_capture_is_replayed_in_eval(name):
+    """bn.eval() after capture (freezing BatchNorm mid-training): the step
+    warms up and captures again, in eval mode; the old code kept replaying
+    batch statistics and updating the running ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.Tanh(),
+                          nn.Linear(64, 8)).to(CUDA)
+    eager = copy.deepcopy(model)
+    opts = [OPTIMIZERS[name](m.parameters()) for m in (model, eager)]
+    step = cgraph.make_graphed_step(train_step(model, opts[0]), num_warmup_iters=1)
+    plain = train_step(eager, opts[1])
+    batches = [(torch.randn(16, 32, device=CUDA), torch.randint(0, 8, (16,), device=CUDA))
+               for _ in range(7)]
+    for i, (x, y) in enumerate(batches):
+        if i == 4:
+            model[1].eval()
+            eager[1].eval()
+            frozen = model[1].running_mean.clone()
+        assert_equal(step(x, y), plain(x, y), f"loss of call {i}")
+    for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert_equal(p, q, f"parameter {n}")
+    for n in ("running_mean", "running_var", "num_batches_tracked"):
+        assert_equal(getattr(model[1], n), getattr(eager[1], n), n)
+    assert_equal(model[1].running_mean, frozen, "running mean after eval()")
+    assert step.stats == {"eager": 2, "captures": 2, "replays": 5}, step.stats
+
+
+def test_the_modes_compared_are_those_of_the_modules_the_step_names():
+    """StepModes.of: the step's closure and globals, a bound method's
+    object's modules, a helper one call deeper; of their submodules, the
+    roots and those whose methods read `training`."""
+    from cgraph._step_modes import StepModes
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.LayerNorm(4),
+                          nn.BatchNorm1d(4))
+    loss_module = nn.MSELoss()
+
+    def loss_of(x):  # a helper the step names: its modules count too
+        return loss_module(model(x), x)
+
+    def step(x):
+        return loss_of(x)
+
+    modes = StepModes.of(step, [])
+    assert sorted(type(m).__name__ for m in modes.modules) == ["BatchNorm1d", "Dropout",
+                                                                "MSELoss", "Sequential"]
+    assert modes.same()
+    model[3].eval()
+    assert not modes.same() and modes.first_changed() == "BatchNorm1d was switched to eval"
+    model[3].train()
+    assert modes.same()
+
+    class Runner:
+        def __init__(self):
+            self.net = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+
+        def step(self, x):
+            return self.net(x)
+
+    runner = Runner()
+    modes = StepModes.of(runner.step, [])
+    assert [type(m).__name__ for m in modes.modules] == ["Sequential", "Dropout"]
+    runner.net.eval()
+    assert not modes.same()
+    with pytest.raises(ValueError, match="cgraph: modes_are: 1 modules but 0 modes"):
+        _C.modes_are((model,), ())
