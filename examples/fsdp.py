@@ -406,8 +406,8 @@ def whole_step(rank, micro=1, checkpointed=False, resumed=False):
                 o.load_state_dict(opt_state)
         tokens, targets = data(step)
         same(graphed(tokens, targets), eager(tokens, targets), f"step {step} loss", rank, name)
-    if resumed and graphed.stats["captures"] != 2:
-        raise SystemExit(f"rank {rank} {name}: {graphed.stats}, not captured again")
+    if graphed.stats["captures"] != (2 if resumed else 1):  # resumed: captured again
+        raise SystemExit(f"rank {rank} {name}: {graphed.stats}, captures unlike the plan's")
     for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
         same(p, q, f"parameter {k}", rank, name)
     print(f"rank {rank} {name}: losses and parameters equal to eager FSDP2 over "

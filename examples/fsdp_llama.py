@@ -112,6 +112,8 @@ def run(how, data):
             if how == "layers" else {tuple(p) for p in step.graphed.pools}
         print(f"{how}: allocated now {torch.cuda.memory_allocated() / 2**30:.2f} GiB, "
               f"graph pools {cgraph._log.pool_mib(pools) / 1024:.2f} GiB", flush=True)
+    if how == "step" and step.stats["captures"] != 1:  # shards and modes as captured
+        raise SystemExit(f"rank {dist.get_rank()} step: {step.stats}, captured more than once")
     if graphed:
         cgraph.reset_all()
     del model, opt, step

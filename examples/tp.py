@@ -255,6 +255,8 @@ def whole_step(rank, name, meshes, dp_rank, sp=False):
         same(graphed(tokens, targets), eager(tokens, targets), f"step {step} loss", rank, name)
     for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
         same(p, q, f"parameter {k}", rank, name)
+    if graphed.stats["captures"] != 1:  # DTensor shards and modes as captured: no recapture
+        raise SystemExit(f"rank {rank} {name}: {graphed.stats}, captured more than once")
     print(f"rank {rank} {name}: losses and parameters equal to eager over {steps} steps, "
           f"{graphed.stats}: OK", flush=True)
     graphed.reset()
