@@ -42,17 +42,20 @@ layers a ``(B, 1, T, T)`` mask, or T5 a ``(B, H, T, T)`` position bias.
 Those positions are not at ``d`` in it, so the rule "pad every tensor with
 size ``n`` at ``d``" misses them.  Names first, then shape:
 
-- passed under a keyword of ``MASK_KEYWORDS`` (anywhere in that keyword's
-  value), ``t`` is a mask when it has 2 or more dimensions and
+- passed under a keyword of ``MASK_KEYWORDS``, or one ending in
+  ``key_padding_mask`` (``nn.Transformer``'s ``src_key_padding_mask``,
+  anywhere in that keyword's value), ``t`` is a mask when it has 2 or more dimensions and
   ``t.shape[-1] == n``, whatever its rank and its size at ``d``: ``(B, T)``
   key padding, ``(B, 1, T)`` and ``(B, 1, 1, T)`` key masks, ``(B, T, T)``,
   ``(B, 1, T, T)``, ``(B, H, T, T)``.  A 2-D one is read as (batch, keys),
   even when the batch is ``n`` too;
-- passed under any other keyword, ``t`` is not a mask: it is padded at ``d``
-  like any tensor (a heads-first ``(B, H, T, hd)`` query with ``hd == T``
-  is left as it is; its positions are not at ``d``);
-- passed positionally (pytree keeps no names), ``t`` is a mask by its shape
-  alone, when all of:
+- passed under a keyword of ``NOT_MASK_KEYWORDS`` (the activations of
+  attention: ``hidden_states``, ``query``, ``key_states``, ...), ``t`` is
+  not a mask: it is padded at ``d`` like any tensor (a heads-first
+  ``(B, H, T, hd)`` query with ``hd == T`` is left as it is);
+- passed under any other keyword (T5's ``position_bias=``) or
+  positionally (pytree keeps no names), ``t`` is a mask by its shape alone,
+  when all of:
 
   - ``d < t.dim() - 2``: the bucketed dimension comes before the last two
     (a ``(B, T, T)`` mask under ``{1: ...}`` has its queries at ``d`` and is
@@ -86,8 +89,8 @@ nonzero integer attends, False or 0 masks, and a float mask is added to the
 scores (0.0 attends, the dtype's min masks, as transformers fills them:
 ``torch.finfo(dtype).min``).  Two exceptions, by name:
 
-- ``key_padding_mask``: True (nonzero) masks, as ``nn.MultiheadAttention``
-  and fairseq define it, so its new keys are True (1), and a float one is
+- ``key_padding_mask`` (and ``*_key_padding_mask``): True (nonzero) masks,
+  as ``nn.MultiheadAttention``, ``nn.Transformer`` and fairseq define it, so its new keys are True (1), and a float one is
   added to the scores at any rank (its new keys the dtype's min).
   ``nn.MultiheadAttention``'s bool ``attn_mask`` masks with True too, which
   the name cannot tell from ``F.scaled_dot_product_attention``'s: pass it
@@ -129,13 +132,18 @@ from torch.utils import _pytree as pytree
 from . import _C
 
 # Keywords under which a tensor is an attention mask under sequence buckets,
-# whatever its shape; under any other keyword a tensor is not one: Note
+# whatever its shape (and any ending in _TRUE_MASK); under those of
+# NOT_MASK_KEYWORDS it is not one; under others its shape decides: Note
 # [Attention masks under sequence buckets].
 MASK_KEYWORDS = frozenset({"attention_mask", "attn_mask", "mask", "causal_mask",
                            "encoder_attention_mask", "key_padding_mask"})
-# Those of them whose True (or nonzero) masks, and whose floats are added to
-# the scores at any rank (nn.MultiheadAttention's, fairseq's).
-_TRUE_MASKS = frozenset({"key_padding_mask"})
+NOT_MASK_KEYWORDS = frozenset({"hidden_states", "encoder_hidden_states", "x", "input",
+                               "query", "key", "value", "query_states", "key_states",
+                               "value_states", "q", "k", "v"})
+# Masks whose True (or nonzero) masks, and whose floats are added to the
+# scores at any rank (nn.MultiheadAttention's, nn.Transformer's, fairseq's):
+# a keyword ending so.
+_TRUE_MASK = "key_padding_mask"
 
 
 def normalize(buckets) -> dict[int, tuple[int, ...]]:
@@ -290,12 +298,18 @@ def _is_mask(t: torch.Tensor, dim: int, n: int, keyword: str | None = None) -> b
     output), is an attention mask (..., queries, keys) for the `n` positions
     at the bucketed `dim`: by name, else by shape (Note [Attention masks
     under sequence buckets])."""
-    if keyword is not None:
-        return keyword in MASK_KEYWORDS and dim >= 1 and t.dim() >= 2 and t.shape[-1] == n
+    if keyword in MASK_KEYWORDS or _masks_with_true(keyword):
+        return dim >= 1 and t.dim() >= 2 and t.shape[-1] == n
+    if keyword in NOT_MASK_KEYWORDS:
+        return False
     return (1 <= dim < t.dim() - 2 and t.shape[-1] == n and t.shape[-2] in (n, 1)
             and (t.shape[dim] == 1
                  # one mask per head; as many heads as positions, read as a mask too
                  or (t.dim() == 4 and (t.shape[dim] != n or t.shape[-2] == n))))
+
+
+def _masks_with_true(keyword: str | None) -> bool:
+    return keyword is not None and keyword.endswith(_TRUE_MASK)
 
 
 def _pad_mask(t: torch.Tensor, n: int, bucket: int, keyword: str | None = None) -> torch.Tensor:
@@ -304,10 +318,10 @@ def _pad_mask(t: torch.Tensor, n: int, bucket: int, keyword: str | None = None) 
     attend to every key, so that no row is fully masked: Note [Attention
     masks under sequence buckets]."""
     if t.is_floating_point():
-        if t.dim() == 2 and keyword not in _TRUE_MASKS:  # 1/0 or additive: unknowable
+        if t.dim() == 2 and not _masks_with_true(keyword):  # 1/0 or additive: unknowable
             return _pad_rows(t, 1, n, bucket)
         attend, masked = 0.0, torch.finfo(t.dtype).min  # additive, as transformers'
-    elif keyword in _TRUE_MASKS:
+    elif _masks_with_true(keyword):
         attend, masked = 0, 1  # True masks: nn.MultiheadAttention's key_padding_mask
     else:
         attend, masked = 1, 0  # bool or 0/1 integers, True attends

@@ -215,12 +215,14 @@ def step_params_changed(step, what: str, how: str) -> None:
              "so that the graph runs the step as it is now.", step, what, how)
 
 
-def step_state_made_at_capture(step, optimizer, count: int) -> None:
-    """A step's capture made optimizer state, which every replay would make again."""
-    log.info("%r: its capture made %s's state for %d parameter(s) (they had no grad in the "
-             "warm-up: unfrozen, or first used now), which every replay would make again: "
-             "this call steps eagerly and the next captures again.", step,
-             type(optimizer).__name__, count)
+def step_state_made_at_capture(step, made: list) -> None:
+    """A step's capture made optimizer state (`made`: an optimizer per
+    parameter, on this rank), which every replay would make again."""
+    what = (f"made {type(made[0]).__name__}'s state for {len(made)} parameter(s) (they had "
+            "no grad in the warm-up calls: unfrozen, or first used now)" if made else
+            "made optimizer state on another rank")
+    log.info("%r: its capture %s, which every replay would make again: it replays for this "
+             "call, as a first step, and the next call captures again.", step, what)
 
 
 def step_reset(step) -> None:

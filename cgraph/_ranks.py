@@ -71,3 +71,14 @@ def agree(failure: BaseException | None, what: str, together: bool = True) -> No
         failure.add_note(message)
         raise failure
     raise RuntimeError(message)
+
+
+def anywhere(holds: bool, together: bool = True) -> bool:
+    """Whether `holds` on any rank, where the ranks run a step `together`
+    (one all_gather_object, once per capture); else whether it holds here."""
+    if not (together and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1):
+        return holds
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, holds)
+    return any(everyone)

@@ -101,16 +101,22 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    warm-up call gets one at the capture: unfrozen between them, or the
    first capture after a ``reset()``) would make it again at every replay:
    Adam's first step at every step, an SGD momentum buffer never
-   accumulating.  That capture is undone, on its rank alone (its graph
-   freed, the state it made dropped: captured kernels never ran), the call
-   steps eagerly, and the next one captures.  An lr that changes inside
+   accumulating.  Its graph is that first step, so it replays for the
+   capturing call, as any capture does, and the next call captures again,
+   with the state there; where the ranks capture together, they agree on
+   that (one all_gather_object per capture), so that none captures while
+   the others replay.  The modes are those the capturing call found (a
+   step that calls ``model.train()`` itself, run between ``model.eval()``
+   calls, keeps its graph).  An lr that changes inside
    the step after its optimizer stepped (``scheduler.step()`` in the step)
    is refused at the first warm-up call: the scheduler would fill the
    graph's device lr once, at capture, and every replay would step with
-   that lr.  Not seen: a module switched between ``train()`` and ``eval()``
-   after capture (README, Limits), and parameters replaced by new objects
+   that lr.  Modes: Note [The modules a graphed step's modes are read from]
+   (cgraph/_step_modes.py).  Not seen: parameters replaced by new objects
    (``load_state_dict(assign=True)``), which the optimizer no longer steps
-   in eager mode either.
+   in eager mode either, and the memory of a tensor subclass other than
+   DTensor (float8 weights).  A change before every call captures at every
+   call: warned once, at the third in a row, as a baked value is.
 
 Note [RNG inside a graphed step]
 Q: How do dropout masks inside torch.utils.checkpoint (preserve_rng_state=
@@ -408,6 +414,9 @@ class GraphedStep:
         # The modes of the modules it names, at capture: Note [The modules a
         # graphed step's modes are read from] (cgraph/_step_modes.py).
         self.modes: StepModes | None = None
+        # Its capture made optimizer state: the next call captures again (Note
+        # [What a graphed step checks before a replay]).
+        self.captures_again = False
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
         self._waited = False  # logged that warm-up waits for a scaler's first step
         # The last warm-up call's CallableSpec.rng_warmup: Note [RNG inside a graphed step].
@@ -435,8 +444,7 @@ class GraphedStep:
         self._optimizer_replaced()  # since a reset() or reset_all(): Note [Capturable optimizers]
         if self.graphed is None and self.stats["eager"] < self.num_warmup_iters:
             return self._run_eagerly(args, kwargs)
-        if not self._capture(leaves, spec):  # the capture made optimizer state
-            return self._run_eagerly(args, kwargs)
+        self._capture(leaves, spec)
         out = self._replay(self.graphed, args, kwargs)
         self.stats["replays"] += 1
         return out
@@ -556,24 +564,24 @@ class GraphedStep:
 
     # -- 2. capture ----------------------------------------------------------
 
-    def _capture(self, leaves: list, spec) -> bool:
+    def _capture(self, leaves: list, spec) -> None:
         """Captures the step, called with copies of this call's tensors
         (they become the static inputs), by the native capture session;
         where the ranks capture it together, after they agreed that every
-        one did (Note [A capture that fails on one rank], cgraph/_ranks.py).
-        False where the capture made optimizer state (Note [What a graphed
-        step checks before a replay]): nothing captured, the state it made
-        dropped, and this call is to step eagerly."""
+        one did (Note [A capture that fails on one rank], cgraph/_ranks.py),
+        and whether any made optimizer state (Note [What a graphed step
+        checks before a replay])."""
         started = time.perf_counter()
         recapture = self.graphed is not None
         together = self._holds_collectives(leaves)  # before anything can fail
         put_back = _as_they_are(list(self.optimizers))
+        modes = StepModes.of(self.fn, self.ddp.models())  # as the call found them
+        state = _state_keys(self.optimizers)
         returned: list[_Outputs | None] = []  # what the captured call returned, as a record
         grads: list[StepGrads] = []  # the grads as the capture left them, as a record
         failure = self._captured(leaves, spec, returned, grads)
-        made = failure if isinstance(failure, _StateMadeAtCapture) else None
         try:
-            _ranks.agree(None if made else failure, "the training step's capture", together)
+            _ranks.agree(failure, "the training step's capture", together)
         except BaseException:
             # This rank's graph too, if it has one (another rank failed): a
             # caller going on replays nothing the others do not, and its
@@ -581,20 +589,16 @@ class GraphedStep:
             self._free()
             put_back()
             raise
-        if made is not None:
-            self._free()
-            put_back()
-            made.drop()
-            self._warm_up_again(None)
-            return False
         self.outputs, self.grads = returned[0], grads[0]
-        self.marks = _C.param_marks(self.grads.params)
-        self.modes = StepModes.of(self.fn, self.ddp.models())
+        self.marks, self.modes = _C.param_marks(self.grads.params), modes
+        made = _state_made(self.optimizers, state)
+        self.captures_again = _ranks.anywhere(bool(made), together)
+        if self.captures_again:
+            _log.step_state_made_at_capture(self, made)
         self.containers = [_Containers.of(opt) for opt in list(self.optimizers)]
         _live.add(self.graphed)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
-        return True
 
     def _holds_collectives(self, leaves: list) -> bool:
         """Whether the ranks capture this step together, and so agree on its
@@ -626,12 +630,10 @@ class GraphedStep:
             drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
             drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
             # The SGD check of device_resident_steps runs kernels: first, eagerly.
-            state_before = _StateMadeAtCapture.keys(self.optimizers)
             with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
                     _scaler_steps_on_the_device(), StepGrads.noted(list(self.optimizers), grads), \
                     _schedulers_refused():
                 (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
-            _StateMadeAtCapture.check(self, state_before)
         except _C.CaptureError as exc:
             if exc.kind != _RNG_REGIONS:
                 return exc
@@ -720,6 +722,10 @@ class GraphedStep:
         state were replaced (then the step is captured again), after
         refreshing the device lrs.  Counts the calls in a row it found a
         changed value (_recaptures); a replay starts them again."""
+        if self.captures_again:  # the capture made optimizer state: replayed once
+            self.captures_again = False
+            self._free()
+            return True
         if self._optimizer_replaced() or self._params_changed() or self._modes_changed():
             return True
         for g in self.groups:
@@ -742,12 +748,17 @@ class GraphedStep:
         """A value baked into the graph changed (the `owner`'s `key`): logged,
         and the step is captured again.  A change before every call makes
         every call a capture: warned once per step, at the third in a row."""
-        self.stale_in_a_row += 1
         _log.step_stale(self, owner, key)
+        self._changed_in_a_row(owner, key)
+        return True
+
+    def _changed_in_a_row(self, owner: str, key: str) -> None:
+        """Counts a call that found the `owner`'s `key` changed since capture;
+        warns once per step at the third such call in a row."""
+        self.stale_in_a_row += 1
         if self.stale_in_a_row == _STALE_WARNING_AT and not self._warned_stale:
             self._warned_stale = True
             _log.step_stale_every_call(self, owner, key, self.stale_in_a_row)
-        return True
 
     def _optimizer_replaced(self) -> bool:
         """Whether an optimizer's groups or state were replaced or grown since
@@ -774,6 +785,7 @@ class GraphedStep:
         else:
             what = "moved to other memory (.to(), .data = ...)"
         _log.step_params_changed(self, self.grads.label(params[k]), what)
+        self._changed_in_a_row("step", "parameters")
         self._warm_up_again(None)
         return True
 
@@ -785,15 +797,15 @@ class GraphedStep:
         if self.modes is None or self.modes.same():
             return False
         _log.step_params_changed(self, "a module it calls", self.modes.first_changed())
+        self._changed_in_a_row("step", "modes")
         self._warm_up_again(None)
         return True
 
     def _warm_up_again(self, optimizer) -> None:
         """What the graph steps is not what the optimizers step now: an
         optimizer's containers were replaced or grown, or it is gone
-        (`optimizer` it, or None), a parameter or a module's mode changed
-        (_params_changed, _modes_changed), or the capture made optimizer
-        state.  The graph
+        (`optimizer` it, or None), or a parameter or a module's mode
+        changed (_params_changed, _modes_changed).  The graph
         is freed, and the next call is an eager step, which creates the state
         of parameters added or unfrozen since (created inside a capture, it
         would be zeroed again at every replay), before the call after it
@@ -841,40 +853,16 @@ class GraphedStep:
                 f"captures={self.stats['captures']}, replays={self.stats['replays']})")
 
 
-class _StateMadeAtCapture(Exception):
-    """The capture made optimizer state (Note [What a graphed step checks
-    before a replay]): not an error, but a capture to undo, on this rank
-    alone.  ``made``: (optimizer, parameter, the state keys it had before)."""
+def _state_keys(optimizers) -> dict:
+    """The state keys of every parameter of `optimizers` that has state, by id."""
+    return {id(p): set(state) for opt in list(optimizers) for p, state in opt.state.items()}
 
-    def __init__(self, made: list):
-        super().__init__("the capture made optimizer state")
-        self.made = made
 
-    @staticmethod
-    def keys(optimizers) -> dict:
-        """The state keys of every parameter of `optimizers` with state, by id."""
-        return {id(p): set(state) for opt in list(optimizers)
-                for p, state in opt.state.items()}
-
-    @classmethod
-    def check(cls, step, before: dict) -> None:
-        """Raises one if any optimizer of `step` has state keys the
-        capture made (those not in `before`)."""
-        made = [(opt, p, before.get(id(p), set())) for opt in list(step.optimizers)
-                for p, state in opt.state.items() if not set(state) <= before.get(id(p), set())]
-        if made:
-            _log.step_state_made_at_capture(step, made[0][0], len(made))
-            raise cls(made)
-
-    def drop(self) -> None:
-        """The state the capture made, taken out again (its tensors were
-        never written: captured kernels do not run)."""
-        for opt, p, kept in self.made:
-            state = opt.state[p]
-            for key in [k for k in state if k not in kept]:
-                del state[key]
-            if not state:
-                del opt.state[p]
+def _state_made(optimizers, before: dict) -> list:
+    """The optimizers of `optimizers` whose state has keys not in `before`
+    (_state_keys), once per parameter: state a capture made."""
+    return [opt for opt in list(optimizers) for p, state in opt.state.items()
+            if not set(state) <= before.get(id(p), set())]
 
 
 class _Outputs:
@@ -1004,7 +992,9 @@ def _schedulers_refused():
     def refusing(step):
         @functools.wraps(step)
         def refused(scheduler, *args, **kwargs):
-            if threading.get_ident() == me:
+            # _step_count 0: the step a scheduler's __init__ takes (a scheduler
+            # made inside the step), which moves no lr the graph reads.
+            if threading.get_ident() == me and getattr(scheduler, "_step_count", 1) != 0:
                 raise RuntimeError(_SCHEDULER_INSIDE)
             return step(scheduler, *args, **kwargs)
         return refused

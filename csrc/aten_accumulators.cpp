@@ -127,7 +127,12 @@ const void* memory_of(PyObject* param, const at::Tensor& t) {
   if (!t.key_set().has(c10::DispatchKey::Python)) {
     return t.const_data_ptr();
   }
-  PyObject* local = PyObject_GetAttrString(param, "_local_tensor");
+  // Interned once and kept for the process, as CPython keeps its own
+  // identifiers: a string made per parameter per replay costs more than the
+  // lookup.
+  static PyObject* const name = PyUnicode_InternFromString("_local_tensor");
+  TORCH_CHECK(name != nullptr, "cgraph: out of memory");
+  PyObject* local = PyObject_GetAttr(param, name);
   if (local == nullptr) {
     PyErr_Clear();
     return nullptr;

@@ -266,8 +266,9 @@ def test_tensors_that_merely_have_the_length_are_not_read_as_masks():
 
 def test_the_keyword_decides_before_the_shape():
     """Under a mask keyword any tensor of 2 or more dimensions whose last
-    is the length; under another keyword none; positionally (and for
-    outputs), the shape rule."""
+    is the length; under an activation's keyword none; under another
+    keyword (T5's position_bias=), positionally and for outputs, the shape
+    rule."""
     assert {"attention_mask", "attn_mask", "mask", "causal_mask", "encoder_attention_mask",
             "key_padding_mask"} == MASK_KEYWORDS
     for shape in [(2, 64), (2, 1, 64), (2, 64, 64), (2, 1, 64, 64), (2, 3, 64, 64)]:
@@ -278,6 +279,19 @@ def test_the_keyword_decides_before_the_shape():
     assert not _is_mask(heads_first, 1, 64, "hidden_states")
     assert _is_mask(heads_first, 1, 64)  # positionally, by shape: misread
     assert not _is_mask(torch.empty(2, 1, 64, 64), 0, 64, "mask")  # batch buckets: no mask rule
+    bias = torch.empty(1, 4, 64, 64)  # T5's position bias, passed by keyword
+    assert _is_mask(bias, 1, 64, "position_bias") and not _is_mask(bias, 1, 64, "query")
+    assert _is_mask(torch.empty(2, 64), 1, 64, "src_key_padding_mask")  # nn.Transformer's
+
+
+def test_key_padding_masks_of_nn_transformer_mask_their_new_keys_with_true():
+    """nn.Transformer's src_/tgt_/memory_key_padding_mask mask with True, as
+    nn.MultiheadAttention's key_padding_mask: their new keys are True."""
+    mask = torch.zeros(2, 11, dtype=torch.bool)
+    recorder = Recorder()
+    bucketed(recorder, {1: [16]})(torch.randn(2, 11, 8), src_key_padding_mask=mask)
+    padded = recorder.kwargs["src_key_padding_mask"]
+    assert padded.shape == (2, 16) and not padded[:, :11].any() and padded[:, 11:].all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float32])

@@ -20,7 +20,8 @@ from torch import nn
 import cgraph
 from _helpers import CUDA, assert_equal
 from cgraph import _C
-from cgraph._step import _lrs, _refuse_lrs_moved_inside, _StateMadeAtCapture
+from cgraph._step import (_lrs, _refuse_lrs_moved_inside, _refuse_scalers_updated_outside,
+                          _state_keys, _state_made)
 from cgraph._step_grads import StepGrads
 
 OPTIMIZERS = {
@@ -177,26 +178,26 @@ def test_a_layer_unfrozen_after_capture_is_stepped_from_then_on(name, caplog):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_layer_unfrozen_between_warm_up_and_capture_gets_its_state_eagerly(name, caplog):
+def test_a_layer_unfrozen_between_warm_up_and_capture_gets_its_state_once(name, caplog):
     """model[0] frozen in the one warm-up call, unfrozen before the next:
-    that call's capture would make model[0]'s optimizer state inside the
-    graph, so it is undone and the call steps eagerly; the next captures.
-    Before, every replay made that state again: Adam's first step at every
-    step (moments and step count zeroed), an SGD momentum buffer that never
-    accumulated."""
+    that call's capture makes model[0]'s optimizer state inside the graph,
+    which is right for its own replay (a first step) only, so the next call
+    captures again, with the state there.  Before, every replay made that
+    state again: Adam's first step at every step (moments and step count
+    zeroed), an SGD momentum buffer that never accumulated."""
     t = Twins(name, frozen=True)
     t.call(0)
     t.each(lambda m: m[0].requires_grad_(True))
     with caplog.at_level(logging.INFO, logger="cgraph"):
         t.call(1)
-    assert t.step.stats == {"eager": 2, "captures": 0, "replays": 0}, t.step.stats
+    assert t.step.stats == {"eager": 1, "captures": 1, "replays": 1}, t.step.stats
     assert_logged(caplog, f"its capture made {type(t.opts[0]).__name__}'s state for 2 "
                   "parameter(s)")
     t.assert_same_training()
     for i in range(2, 7):
         t.call(i)
     t.assert_same_training()
-    assert t.step.stats == {"eager": 2, "captures": 1, "replays": 5}, t.step.stats
+    assert t.step.stats == {"eager": 1, "captures": 2, "replays": 6}, t.step.stats
 
 
 @pytest.mark.gpu
@@ -319,47 +320,55 @@ def adamw_with_state():
     return opt, old, new
 
 
-def test_state_made_at_capture_is_named_and_dropped(caplog):
-    """_StateMadeAtCapture: the state keys before the capture, the state an
-    optimizer step made since (raised, logged), and that state dropped
-    again, the state from before left as it was."""
+def test_state_made_since_the_keys_were_taken_is_found_per_parameter():
+    """_state_keys before a capture, _state_made after it: an optimizer
+    per parameter whose state gained keys (a new parameter's state, or an
+    SGD momentum buffer beside an entry that existed); none where a step
+    only updated state in place."""
     opt, old, new = adamw_with_state()
-    step = cgraph.make_graphed_step(lambda: None)
-    step.optimizers.add(opt)
-    before = _StateMadeAtCapture.keys(step.optimizers)
+    before = _state_keys([opt])
     assert before == {id(old): {"step", "exp_avg", "exp_avg_sq"}}
-    kept = dict(opt.state[old])
-    _StateMadeAtCapture.check(step, before)  # nothing made: no raise
+    old.grad = torch.full((3,), 0.5)
+    opt.step()  # old's state updated, none made
+    assert _state_made([opt], before) == []
     new.grad = torch.full((2,), 0.25)
-    opt.step()  # as the capture would step it: new's state is made
-    with caplog.at_level(logging.INFO, logger="cgraph"):
-        with pytest.raises(_StateMadeAtCapture) as made:
-            _StateMadeAtCapture.check(step, before)
-    assert made.value.made == [(opt, new, set())]
-    assert_logged(caplog, "its capture made AdamW's state for 1 parameter(s)")
-    made.value.drop()
-    assert new not in opt.state
-    assert set(opt.state[old]) == set(kept)
-    assert all(opt.state[old][k] is v for k, v in kept.items()), "the old state's own tensors"
-
-
-def test_state_keys_made_beside_older_ones_are_dropped_alone():
-    """A parameter that had state gets a key more at the capture: that key
-    alone goes (an SGD momentum buffer beside an entry that existed)."""
+    opt.step()  # as a capture would step it: new's state is made
+    assert _state_made([opt], before) == [opt]
     p = nn.Parameter(torch.ones(3))
-    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
-    opt.state[p]["kept"] = torch.zeros(1)
-    step = cgraph.make_graphed_step(lambda: None)
-    step.optimizers.add(opt)
-    before = _StateMadeAtCapture.keys(step.optimizers)
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    sgd.state[p]["kept"] = torch.zeros(1)
+    before = _state_keys([sgd])
     p.grad = torch.ones(3)
-    opt.step()
-    assert set(opt.state[p]) == {"kept", "momentum_buffer"}
-    with pytest.raises(_StateMadeAtCapture) as made:
-        _StateMadeAtCapture.check(step, before)
-    assert made.value.made == [(opt, p, {"kept"})]
-    made.value.drop()
-    assert set(opt.state[p]) == {"kept"}
+    sgd.step()
+    assert _state_made([sgd], before) == [sgd]
+
+
+def test_a_grad_scaler_updated_outside_the_step_is_refused_naming_the_fix():
+    """A scaler that still holds its step's inf checks when the warm-up call
+    returns is updated outside the step: refused (a replay would leave it no
+    checks, and torch's update() would raise "No inf checks were
+    recorded"); one updated inside passes."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(3, 4)
+    for inside in (True, False):
+        scaler = torch.amp.GradScaler("cpu")
+
+        def step(x):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            scaler.step(opt)
+            if inside:
+                scaler.update()
+
+        graphed = cgraph.make_graphed_step(step, (x,))
+        if inside:
+            graphed(x)
+            _refuse_scalers_updated_outside([scaler])
+            continue
+        with pytest.raises(RuntimeError, match=r"update\(\) runs outside it.*inside the step"):
+            graphed(x)
 
 
 def as_captured(step, model, opt):
