@@ -525,3 +525,29 @@ def test_the_modes_compared_are_those_of_the_modules_the_step_names():
     assert not modes.same()
     with pytest.raises(ValueError, match="cgraph: modes_are: 1 modules but 0 modes"):
         _C.modes_are((model,), ())
+
+
+def _anywhere_on_rank(rank: int, port: int, results) -> None:
+    import torch.distributed as dist
+    from cgraph import _ranks
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        results[rank] = (_ranks.anywhere(rank == 1), _ranks.anywhere(False),
+                         _ranks.anywhere(rank == 1, together=False))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_capture_together_agree_whether_any_made_optimizer_state():
+    """_ranks.anywhere over two gloo processes: state made on rank 1 alone
+    makes both capture again (one capturing while the other replays would
+    hang their collectives); not together, each rank answers for itself."""
+    import socket
+    import torch.multiprocessing as mp
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    results = mp.Manager().dict()
+    mp.spawn(_anywhere_on_rank, args=(port, results), nprocs=2, join=True)
+    assert dict(results) == {0: (True, False, False), 1: (True, False, True)}
