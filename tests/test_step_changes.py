@@ -113,6 +113,15 @@ def check_of(name):
     return close
 
 
+def assert_warmed_up_again(t, caplog, change):
+    """After a capture, two replays and a change of model[0] before call 4:
+    call 4 stepped eagerly, call 5 captured again (logged, naming the
+    parameter and the change)."""
+    assert t.step.stats == {"eager": 2, "captures": 2, "replays": 5}, t.step.stats
+    label = f"parameter 0 of param group 0 of {type(t.opts[0]).__name__}"
+    assert_logged(caplog, label, f"{change} since capture")
+
+
 def assert_logged(caplog, *parts):
     """One of cgraph's log records says every one of `parts`."""
     messages = [r.getMessage() for r in caplog.records if r.name == "cgraph"]
@@ -145,9 +154,7 @@ def test_a_layer_frozen_after_capture_is_no_longer_stepped(name, caplog):
     for p, was in zip(t.model[0].parameters(), frozen):
         assert_equal(p, was, "a parameter of model[0], frozen")
         assert p.grad is None
-    assert t.step.stats == {"eager": 2, "captures": 2, "replays": 5}, t.step.stats
-    label = f"parameter 0 of param group 0 of {type(t.opts[0]).__name__}"
-    assert_logged(caplog, label, "was frozen since capture")
+    assert_warmed_up_again(t, caplog, "was frozen")
 
 
 @pytest.mark.gpu
@@ -171,9 +178,7 @@ def test_a_layer_unfrozen_after_capture_is_stepped_from_then_on(name, caplog):
     t.assert_same_training()
     assert all(t.opts[0].state.get(p) for p in t.model[0].parameters())
     assert not any(torch.equal(p, b) for p, b in zip(t.model[0].parameters(), before))
-    assert t.step.stats == {"eager": 2, "captures": 2, "replays": 5}, t.step.stats
-    label = f"parameter 0 of param group 0 of {type(t.opts[0]).__name__}"
-    assert_logged(caplog, label, "was unfrozen since capture")
+    assert_warmed_up_again(t, caplog, "was unfrozen")
 
 
 @pytest.mark.gpu
