@@ -90,8 +90,9 @@ scores (0.0 attends, the dtype's min masks, as transformers fills them:
 ``torch.finfo(dtype).min``).  Two exceptions, by name:
 
 - ``key_padding_mask`` (and ``*_key_padding_mask``): True (nonzero) masks,
-  as ``nn.MultiheadAttention``, ``nn.Transformer`` and fairseq define it, so its new keys are True (1), and a float one is
-  added to the scores at any rank (its new keys the dtype's min).
+  as ``nn.MultiheadAttention``, ``nn.Transformer`` and fairseq define it,
+  so its new keys are True (1), and a float one is added to the scores at
+  any rank (its new keys the dtype's min).
   ``nn.MultiheadAttention``'s bool ``attn_mask`` masks with True too, which
   the name cannot tell from ``F.scaled_dot_product_attention``'s: pass it
   as a float mask, which both add;

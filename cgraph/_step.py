@@ -103,7 +103,11 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    Adam's first step at every step, an SGD momentum buffer never
    accumulating.  Its graph is that first step, so it replays for the
    capturing call, as any capture does, and the next call captures again,
-   with the state there; where the ranks capture together, they agree on
+   with the state there, copied out of the first graph's pool before that
+   pool goes (it lives as long as the optimizer: a released pool whose
+   blocks are still allocated is unsafe under expandable segments, Note [A
+   step's warm-up in its pool] in csrc/aten_setup.cpp, and keeps its
+   segments reserved otherwise); where the ranks capture together, they agree on
    that (one all_gather_object per capture), so that none captures while
    the others replay.  The modes are those the capturing call found (a
    step that calls ``model.train()`` itself, run between ``model.eval()``
@@ -414,9 +418,11 @@ class GraphedStep:
         # The modes of the modules it names, at capture: Note [The modules a
         # graphed step's modes are read from] (cgraph/_step_modes.py).
         self.modes: StepModes | None = None
-        # Its capture made optimizer state: the next call captures again (Note
-        # [What a graphed step checks before a replay]).
+        # Its capture made optimizer state (on some rank: captures_again; here:
+        # made_at_capture): the next call captures again (Note [What a graphed
+        # step checks before a replay]).
         self.captures_again = False
+        self.made_at_capture: list[_Made] = []
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
         self._waited = False  # logged that warm-up waits for a scaler's first step
         # The last warm-up call's CallableSpec.rng_warmup: Note [RNG inside a graphed step].
@@ -591,10 +597,10 @@ class GraphedStep:
             raise
         self.outputs, self.grads = returned[0], grads[0]
         self.marks, self.modes = _C.param_marks(self.grads.params), modes
-        made = _state_made(self.optimizers, state)
-        self.captures_again = _ranks.anywhere(bool(made), together)
+        self.made_at_capture = _state_made(self.optimizers, state)
+        self.captures_again = _ranks.anywhere(bool(self.made_at_capture), together)
         if self.captures_again:
-            _log.step_state_made_at_capture(self, made)
+            _log.step_state_made_at_capture(self, [m.optimizer for m in self.made_at_capture])
         self.containers = [_Containers.of(opt) for opt in list(self.optimizers)]
         _live.add(self.graphed)
         self.stats["captures"] += 1
@@ -724,7 +730,9 @@ class GraphedStep:
         changed value (_recaptures); a replay starts them again."""
         if self.captures_again:  # the capture made optimizer state: replayed once
             self.captures_again = False
-            self._free()
+            # A change since counts as ever: an eager step first, then the capture.
+            if not (self._params_changed() or self._modes_changed()):
+                self._free()
             return True
         if self._optimizer_replaced() or self._params_changed() or self._modes_changed():
             return True
@@ -839,6 +847,8 @@ class GraphedStep:
         self._free()  # keeps self.containers: a change before the next call is still seen
 
     def _free(self) -> None:
+        _out_of_the_pool(self.made_at_capture)  # before that pool goes
+        self.made_at_capture = []
         if self.graphed is not None:
             self.graphed.reset()
         self.graphed, self.static, self.outputs, self.groups = None, None, None, []
@@ -858,11 +868,35 @@ def _state_keys(optimizers) -> dict:
     return {id(p): set(state) for opt in list(optimizers) for p, state in opt.state.items()}
 
 
-def _state_made(optimizers, before: dict) -> list:
-    """The optimizers of `optimizers` whose state has keys not in `before`
-    (_state_keys), once per parameter: state a capture made."""
-    return [opt for opt in list(optimizers) for p, state in opt.state.items()
+class _Made(NamedTuple):
+    """Optimizer state a capture made for one parameter: the keys of its
+    `state` dict that were not there before."""
+
+    optimizer: Any
+    state: dict
+    keys: tuple
+
+
+def _state_made(optimizers, before: dict) -> list[_Made]:
+    """The state `optimizers` have now under keys not in `before`
+    (_state_keys): state a capture made."""
+    return [_Made(opt, state, tuple(set(state) - before.get(id(p), set())))
+            for opt in list(optimizers) for p, state in opt.state.items()
             if not set(state) <= before.get(id(p), set())]
+
+
+def _out_of_the_pool(made: list[_Made]) -> None:
+    """State a capture made, moved out of its graph's pool into memory of its
+    own, with the values the replay gave it, before that graph is freed:
+    it lives as long as the optimizer, and a pool released while blocks of
+    it are still allocated is unsafe under expandable segments (Note [A
+    step's warm-up in its pool], csrc/aten_setup.cpp) and keeps its
+    segments reserved under the default allocator."""
+    for m in made:
+        for key in m.keys:
+            value = m.state.get(key)
+            if isinstance(value, torch.Tensor):
+                m.state[key] = value.clone()
 
 
 class _Outputs:
@@ -988,22 +1022,35 @@ def _schedulers_refused():
     scheduler's step() raises, naming the fix (Note [What a graphed step
     checks before a replay]); other threads' step as before."""
     me = threading.get_ident()
+    base = torch.optim.lr_scheduler.LRScheduler
+    made_now: set = set()  # ids of schedulers inside their __init__'s own step
 
     def refusing(step):
         @functools.wraps(step)
         def refused(scheduler, *args, **kwargs):
-            # _step_count 0: the step a scheduler's __init__ takes (a scheduler
-            # made inside the step), which moves no lr the graph reads.
-            if threading.get_ident() == me and getattr(scheduler, "_step_count", 1) != 0:
+            if threading.get_ident() == me and id(scheduler) not in made_now:
                 raise RuntimeError(_SCHEDULER_INSIDE)
             return step(scheduler, *args, **kwargs)
         return refused
 
-    classes = [torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau]
+    def initial_step(scheduler, *args, **kwargs):
+        # A scheduler made lazily in the step's first (eager) call sets its
+        # first lr in its __init__: let that step through.
+        made_now.add(id(scheduler))
+        try:
+            return own_initial_step(scheduler, *args, **kwargs)
+        finally:
+            made_now.discard(id(scheduler))
+
+    classes = [base, torch.optim.lr_scheduler.ReduceLROnPlateau]
     for cls in classes:  # a user's subclasses too, as they are now
         classes.extend(c for c in cls.__subclasses__() if c not in classes)
-    with patched({(cls, "step"): refusing(vars(cls)["step"]) for cls in classes
-                  if "step" in vars(cls)}):
+    patches = {(cls, "step"): refusing(vars(cls)["step"]) for cls in classes
+               if "step" in vars(cls)}
+    own_initial_step = vars(base).get("_initial_step")
+    if own_initial_step is not None:
+        patches[(base, "_initial_step")] = initial_step
+    with patched(patches):
         yield
 
 

@@ -71,23 +71,39 @@ def _modules_named_by(fn, depth: int, seen: set) -> Iterator[nn.Module]:
     if depth == 0 or id(fn) in seen:
         return
     seen.add(id(fn))
+    fn = inspect.unwrap(fn)  # functools.wraps, a torch.compile'd function or method
+    if isinstance(fn, nn.Module):
+        yield fn
+        return
     if isinstance(fn, functools.partial):
         yield from _named_values((*fn.args, *fn.keywords.values()), depth, seen)
-        fn = fn.func
+        yield from _modules_named_by(fn.func, depth, seen)
+        return
     if inspect.ismethod(fn):
-        owner = fn.__self__
-        yield from _named_values((owner, *getattr(owner, "__dict__", {}).values()), depth, seen)
+        yield from _named_values((fn.__self__, *_attributes(fn.__self__)), depth, seen)
         fn = fn.__func__
-    fn = inspect.unwrap(fn)
-    if not inspect.isfunction(fn):
-        if isinstance(fn, nn.Module):
-            yield fn
+    if not inspect.isfunction(fn):  # a callable object: its attributes, its __call__
+        yield from _named_values(_attributes(fn), depth, seen)
+        call = getattr(type(fn), "__call__", None)
+        if inspect.isfunction(call):
+            yield from _modules_named_by(call, depth, seen)
         return
     try:
         names = inspect.getclosurevars(fn)
     except (TypeError, ValueError):  # no code to read
         return
-    yield from _named_values((*names.nonlocals.values(), *names.globals.values()), depth, seen)
+    defaults = (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values())
+    yield from _named_values((*names.nonlocals.values(), *names.globals.values(), *defaults),
+                             depth, seen)
+
+
+def _attributes(obj) -> list:
+    """The values of `obj`'s instance attributes; none where it has none to
+    read (slots, a builtin, a __dict__ that raises)."""
+    try:
+        return list(vars(obj).values())
+    except Exception:  # noqa: BLE001 -- what it holds is a guess either way
+        return []
 
 
 def _named_values(values, depth: int, seen: set) -> Iterator[nn.Module]:

@@ -20,8 +20,9 @@ from torch import nn
 import cgraph
 from _helpers import CUDA, assert_equal
 from cgraph import _C
-from cgraph._step import (_lrs, _refuse_lrs_moved_inside, _refuse_scalers_updated_outside,
-                          _state_keys, _state_made)
+from cgraph._step import (_lrs, _out_of_the_pool, _refuse_lrs_moved_inside,
+                          _refuse_scalers_updated_outside, _schedulers_refused, _state_keys,
+                          _state_made)
 from cgraph._step_grads import StepGrads
 
 OPTIMIZERS = {
@@ -338,14 +339,23 @@ def test_state_made_since_the_keys_were_taken_is_found_per_parameter():
     assert _state_made([opt], before) == []
     new.grad = torch.full((2,), 0.25)
     opt.step()  # as a capture would step it: new's state is made
-    assert _state_made([opt], before) == [opt]
+    (made,) = _state_made([opt], before)
+    assert made.optimizer is opt and made.state is opt.state[new]
+    assert set(made.keys) == {"step", "exp_avg", "exp_avg_sq"}
+    kept = dict(opt.state[old])
+    values = {k: v.clone() for k, v in opt.state[new].items()}
+    was = dict(opt.state[new])
+    _out_of_the_pool([made])  # before the graph's pool goes: copies, same values
+    for k, v in opt.state[new].items():
+        assert v is not was[k] and torch.equal(v, values[k]), k
+    assert all(opt.state[old][k] is v for k, v in kept.items()), "state from before stays"
     p = nn.Parameter(torch.ones(3))
     sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
     sgd.state[p]["kept"] = torch.zeros(1)
     before = _state_keys([sgd])
     p.grad = torch.ones(3)
     sgd.step()
-    assert _state_made([sgd], before) == [sgd]
+    assert [m.keys for m in _state_made([sgd], before)] == [("momentum_buffer",)]
 
 
 def test_a_grad_scaler_updated_outside_the_step_is_refused_naming_the_fix():
@@ -556,3 +566,67 @@ def test_ranks_that_capture_together_agree_whether_any_made_optimizer_state():
     results = mp.Manager().dict()
     mp.spawn(_anywhere_on_rank, args=(port, results), nprocs=2, join=True)
     assert dict(results) == {0: (True, False, False), 1: (True, False, True)}
+
+
+def test_a_scheduler_made_in_the_step_passes_its_own_first_step_and_no_other():
+    """_schedulers_refused: a scheduler made lazily in the step's first call
+    sets its first lr in its __init__ (let through); any step after, a
+    subclass's own step that skips super().step() and ReduceLROnPlateau's
+    included, is refused; outside the set-up every one steps as ever."""
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+
+    class Own(torch.optim.lr_scheduler.LRScheduler):
+        def get_lr(self):
+            return [0.1]
+
+        def step(self, epoch=None):  # never calls super().step()
+            pass
+
+    with _schedulers_refused():
+        made = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5)
+        assert _lrs(opt) == [0.05]
+        own, plateau = Own(opt), torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+        for step in (made.step, own.step, lambda: plateau.step(1.0)):
+            with pytest.raises(RuntimeError, match=r"scheduler\.step\(\) was called inside"):
+                step()
+    made.step()
+    own.step()
+    plateau.step(1.0)
+
+
+def test_modes_are_read_from_callable_objects_compiled_methods_and_defaults():
+    """StepModes.of through a callable object (its attributes), a
+    torch.compile'd bound method, functools.wraps and a lambda's default;
+    an object whose __dict__ raises names none, without raising."""
+    import functools
+    from cgraph._step_modes import StepModes
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+
+    class Runner:
+        def __init__(self):
+            self.net = model
+
+        def __call__(self, x):
+            return self.net(x)
+
+        def step(self, x):
+            return self.net(x)
+
+    runner = Runner()
+
+    @functools.wraps(runner.step)
+    def wrapped(x):
+        return runner.step(x)
+
+    class Opaque:
+        @property
+        def __dict__(self):
+            raise RuntimeError("no attributes to read")
+
+        def __call__(self, x):
+            return x
+
+    for step in (runner, torch.compile(runner.step), wrapped, lambda x, m=model: m(x)):
+        assert [type(m).__name__ for m in StepModes.of(step, []).modules] == [
+            "Sequential", "Dropout"], step
+    assert StepModes.of(Opaque(), []).modules == ()
