@@ -91,9 +91,8 @@ def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
     with capture_session(specs, reentrant_checked=not step), _log.progress(len(specs)):
         graphed = _C.graph_callables(specs, pool, *options, warm_in_pool, keep_activations,
                                      what)
-    for spec in specs:
-        module = spec.module() if spec.module is not None else None
-        if module is not None and isinstance(spec.verify, StateCheck):
+    for spec in specs:  # a module's spec has a StateCheck and a weakref to it
+        if isinstance(spec.verify, StateCheck) and (module := spec.module()) is not None:
             spec.verify.adopt(module)
     return graphed
 

@@ -53,14 +53,11 @@ def agree(failure: BaseException | None, what: str, together: bool = True) -> No
     error, or None), where the ranks run it `together`; otherwise, or
     without a process group of several ranks, raises `failure` if there is
     one."""
-    if not (together and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() > 1):
+    if not _several(together):
         if failure is not None:
             raise failure
         return
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, None if failure is None
-                           else f"{type(failure).__name__}: {failure}")
+    everyone = _gathered(None if failure is None else f"{type(failure).__name__}: {failure}")
     failed = {rank: why for rank, why in enumerate(everyone) if why is not None}
     if not failed:
         return
@@ -76,9 +73,18 @@ def agree(failure: BaseException | None, what: str, together: bool = True) -> No
 def anywhere(holds: bool, together: bool = True) -> bool:
     """Whether `holds` on any rank, where the ranks run a step `together`
     (one all_gather_object, once per capture); else whether it holds here."""
-    if not (together and dist.is_available() and dist.is_initialized()
-            and dist.get_world_size() > 1):
-        return holds
+    return any(_gathered(holds)) if _several(together) else holds
+
+
+def _several(together: bool) -> bool:
+    """Whether ranks running something `together` are several, in an
+    initialized process group."""
+    return (together and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1)
+
+
+def _gathered(value) -> list:
+    """Every rank's `value`, by rank (one all_gather_object on the default group)."""
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, holds)
-    return any(everyone)
+    dist.all_gather_object(everyone, value)
+    return everyone
