@@ -13,7 +13,10 @@ A: After a whole-step capture, where torch.distributed is initialized with
    replay.  A collective captured into a graph does not run at capture, so
    no rank is inside one then.  If any rank failed, every rank raises,
    naming each failed rank and its error; a failed rank raises its own
-   error with that note.  A failure before the capture (a refusal, the
+   error with that note.  The same gather tells whether any rank's capture
+   made optimizer state: then every rank replays once and captures again
+   (Note [What a graphed step checks before a replay], cgraph/_step.py),
+   for one rank capturing while another replays would hang them both.  A failure before the capture (a refusal, the
    static inputs' memory) is agreed on too: each rank calls agree once per
    capture, wherever it stopped.
    Only a step that may hold collectives is agreed on: one that calls a
@@ -48,19 +51,22 @@ def may_hold_collectives(ddp_models: list, tensors: Iterable) -> bool:
     return bool(ddp_models) or any(is_dtensor(t) for t in tensors)
 
 
-def agree(failure: BaseException | None, what: str, together: bool = True) -> None:
+def agree(failure: BaseException | None, what: str, together: bool = True, *,
+          holds: bool = False) -> bool:
     """Raises on every rank if `what` failed on any (`failure`: this rank's
     error, or None), where the ranks run it `together`; otherwise, or
     without a process group of several ranks, raises `failure` if there is
-    one."""
+    one.  Else returns whether `holds` on any rank running it together
+    (here only, otherwise), told in the same gather: one per capture."""
     if not _several(together):
         if failure is not None:
             raise failure
-        return
-    everyone = _gathered(None if failure is None else f"{type(failure).__name__}: {failure}")
-    failed = {rank: why for rank, why in enumerate(everyone) if why is not None}
+        return holds
+    why = None if failure is None else f"{type(failure).__name__}: {failure}"
+    everyone = _gathered((why, holds))
+    failed = {rank: why for rank, (why, _) in enumerate(everyone) if why is not None}
     if not failed:
-        return
+        return any(held for _, held in everyone)
     message = (f"cgraph: {what} failed on rank(s) {sorted(failed)}, so every rank stops here "
                "instead of replaying collectives that the failed rank(s) would never join. "
                + " ".join(f"Rank {rank}: {why}" for rank, why in sorted(failed.items())))
@@ -68,12 +74,6 @@ def agree(failure: BaseException | None, what: str, together: bool = True) -> No
         failure.add_note(message)
         raise failure
     raise RuntimeError(message)
-
-
-def anywhere(holds: bool, together: bool = True) -> bool:
-    """Whether `holds` on any rank, where the ranks run a step `together`
-    (one all_gather_object, once per capture); else whether it holds here."""
-    return any(_gathered(holds)) if _several(together) else holds
 
 
 def _several(together: bool) -> bool:

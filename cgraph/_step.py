@@ -107,9 +107,12 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    pool goes (it lives as long as the optimizer: a released pool whose
    blocks are still allocated is unsafe under expandable segments, Note [A
    step's warm-up in its pool] in csrc/aten_setup.cpp, and keeps its
-   segments reserved otherwise); where the ranks capture together, they agree on
-   that (one all_gather_object per capture), so that none captures while
-   the others replay.  The modes are those the capturing call found (a
+   segments reserved otherwise); where the ranks capture together, they
+   agree on that in the gather that agrees on the capture (Note [A capture
+   that fails on one rank], cgraph/_ranks.py), so that none captures while
+   the others replay.  A capture that failed, here or on another rank,
+   drops the state it made (never written: a capture runs no kernel), and
+   an eager step makes it again.  The modes are those the capturing call found (a
    step that calls ``model.train()`` itself, run between ``model.eval()``
    calls, keeps its graph).  An lr that changes inside
    the step after its optimizer stepped (``scheduler.step()`` in the step)
@@ -574,31 +577,30 @@ class GraphedStep:
         """Captures the step, called with copies of this call's tensors
         (they become the static inputs), by the native capture session;
         where the ranks capture it together, after they agreed that every
-        one did (Note [A capture that fails on one rank], cgraph/_ranks.py),
-        and whether any made optimizer state (Note [What a graphed step
+        one did, and on whether any made optimizer state (Note [A capture
+        that fails on one rank], cgraph/_ranks.py; Note [What a graphed step
         checks before a replay])."""
         started = time.perf_counter()
         recapture = self.graphed is not None
         together = self._holds_collectives(leaves)  # before anything can fail
         put_back = _as_they_are(list(self.optimizers))
-        modes = StepModes.of(self.fn, self.ddp.models())  # as the call found them
-        state = _state_keys(self.optimizers)
-        returned: list[_Outputs | None] = []  # what the captured call returned, as a record
-        grads: list[StepGrads] = []  # the grads as the capture left them, as a record
-        failure = self._captured(leaves, spec, returned, grads)
+        took = _Took()
+        self._captured(leaves, spec, took)
         try:
-            _ranks.agree(failure, "the training step's capture", together)
+            self.captures_again = _ranks.agree(took.failure, "the training step's capture",
+                                               together, holds=bool(took.made))
         except BaseException:
             # This rank's graph too, if it has one (another rank failed): a
             # caller going on replays nothing the others do not, and its
-            # optimizers step eagerly as before.
+            # optimizers step eagerly as before, without the state this
+            # capture made (never written: the capture ran no kernel).
+            _forget(took.made)
             self._free()
             put_back()
             raise
-        self.outputs, self.grads = returned[0], grads[0]
-        self.marks, self.modes = _C.param_marks(self.grads.params), modes
-        self.made_at_capture = _state_made(self.optimizers, state)
-        self.captures_again = _ranks.anywhere(bool(self.made_at_capture), together)
+        self.outputs, self.grads = took.returned[0], took.grads[0]
+        self.marks, self.modes = _C.param_marks(self.grads.params), took.modes
+        self.made_at_capture = took.made
         if self.captures_again:
             _log.step_state_made_at_capture(self, [m.optimizer for m in self.made_at_capture])
         self.containers = [_Containers.of(opt) for opt in list(self.optimizers)]
@@ -613,13 +615,14 @@ class GraphedStep:
                   for p in g["params"]]
         return _ranks.may_hold_collectives(self.ddp.models(), [*params, *leaves])
 
-    def _captured(self, leaves: list, spec, returned: list, grads: list
-                  ) -> BaseException | None:
-        """Refusals, static inputs, and the capture into ``self.graphed``:
-        the error that stopped them (every rank hears of it before it is
-        raised), or None."""
+    def _captured(self, leaves: list, spec, took: _Took) -> None:
+        """Refusals, static inputs, and the capture into ``self.graphed``,
+        noting in `took` what it gave, or the error that stopped it (every
+        rank hears of it before it is raised)."""
         warm = None
         try:
+            took.modes = StepModes.of(self.fn, self.ddp.models())  # as the call found them
+            state = _state_keys(self.optimizers)
             self._refuse_what_no_graph_can_step()
             self._free()
             static = [_static_copy(x) if isinstance(x, torch.Tensor) else _constant(i, x)
@@ -633,26 +636,28 @@ class GraphedStep:
                            for g in opt.param_groups]
             self.scaler_factors = _ScalerFactors.of_enabled(list(self.scalers))
             args, kwargs = pytree.tree_unflatten(static, spec)
-            drafted = draft(Target.of(0, self._captured_call(returned)), args, kwargs, set())
+            drafted = draft(Target.of(0, self._captured_call(took.returned)), args, kwargs,
+                            set())
             drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
             # The SGD check of device_resident_steps runs kernels: first, eagerly.
-            with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
-                    _scaler_steps_on_the_device(), StepGrads.noted(list(self.optimizers), grads), \
-                    _schedulers_refused():
-                (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
+            try:
+                with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
+                        _scaler_steps_on_the_device(), \
+                        StepGrads.noted(list(self.optimizers), took.grads), _schedulers_refused():
+                    (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
+            finally:  # made by a failed capture too: forgotten then
+                took.made = _state_made(self.optimizers, state)
         except _C.CaptureError as exc:
-            if exc.kind != _RNG_REGIONS:
-                return exc
-            failure = _rng_state_refused(exc)
-            failure.__cause__ = exc.__cause__
-            return failure
+            took.failure = exc
+            if exc.kind == _RNG_REGIONS:
+                took.failure = _rng_state_refused(exc)
+                took.failure.__cause__ = exc.__cause__
         except Exception as exc:  # noqa: BLE001 -- every rank hears of it, then it is raised
-            return exc
+            took.failure = exc
         finally:
             # The graph holds its pool now, if it was captured; else the
             # pool goes back, not kept by the error's traceback (this frame).
             warm = None  # noqa: F841
-        return None
 
     def _refuse_what_no_graph_can_step(self) -> None:
         """Raises, naming the fix, before the capture copies its inputs and
@@ -873,6 +878,7 @@ class _Made(NamedTuple):
     `state` dict that were not there before."""
 
     optimizer: Any
+    param: Any
     state: dict
     keys: tuple
 
@@ -880,9 +886,21 @@ class _Made(NamedTuple):
 def _state_made(optimizers, before: dict) -> list[_Made]:
     """The state `optimizers` have now under keys not in `before`
     (_state_keys): state a capture made."""
-    return [_Made(opt, state, tuple(set(state) - before.get(id(p), set())))
+    return [_Made(opt, p, state, tuple(set(state) - before.get(id(p), set())))
             for opt in list(optimizers) for p, state in opt.state.items()
             if not set(state) <= before.get(id(p), set())]
+
+
+def _forget(made: list[_Made]) -> None:
+    """State a capture made, dropped after that capture failed (here or on
+    another rank): its tensors were never written (a capture runs no
+    kernel), so an eager step after it makes that state again, as it would
+    have without the capture."""
+    for m in made:
+        for key in m.keys:
+            m.state.pop(key, None)
+        if not m.state:
+            m.optimizer.state.pop(m.param, None)
 
 
 def _out_of_the_pool(made: list[_Made]) -> None:
@@ -897,6 +915,18 @@ def _out_of_the_pool(made: list[_Made]) -> None:
             value = m.state.get(key)
             if isinstance(value, torch.Tensor):
                 m.state[key] = value.clone()
+
+
+@dataclasses.dataclass
+class _Took:
+    """What one capture of a step gave on this rank, noted as it goes
+    (GraphedStep._captured), or the error that stopped it."""
+
+    returned: list = dataclasses.field(default_factory=list)  # _captured_call's _Outputs
+    grads: list = dataclasses.field(default_factory=list)  # StepGrads.noted's record
+    modes: StepModes | None = None  # the modes of the modules it names, as the call found them
+    made: list[_Made] = dataclasses.field(default_factory=list)  # optimizer state it made
+    failure: BaseException | None = None
 
 
 class _Outputs:

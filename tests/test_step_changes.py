@@ -20,7 +20,7 @@ from torch import nn
 import cgraph
 from _helpers import CUDA, assert_equal
 from cgraph import _C
-from cgraph._step import (_lrs, _out_of_the_pool, _refuse_lrs_moved_inside,
+from cgraph._step import (_forget, _lrs, _out_of_the_pool, _refuse_lrs_moved_inside,
                           _refuse_scalers_updated_outside, _schedulers_refused, _state_keys,
                           _state_made)
 from cgraph._step_grads import StepGrads
@@ -208,6 +208,32 @@ def test_a_layer_unfrozen_between_warm_up_and_capture_gets_its_state_once(name, 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_state_a_failed_capture_made_is_dropped_and_eager_steps_make_it_again(name):
+    """As above, but the capture fails after the optimizer stepped (an error
+    planted in the step): the state it made for model[0] was never written
+    (a capture runs no kernel), so it is dropped with the error, and the
+    caller stepping eagerly from there trains as eager."""
+    t = Twins(name, frozen=True)
+    inner = train_step(t.model, t.opts[0])
+
+    def planted(x, y):
+        loss = inner(x, y)
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("planted after opt.step()")
+        return loss
+    step = cgraph.make_graphed_step(planted, t.batches[0], num_warmup_iters=1)
+    t.check(step(*t.batches[0]), t.plain(*t.batches[0]), "loss of the warm-up call")
+    t.each(lambda m: m[0].requires_grad_(True))
+    with pytest.raises(RuntimeError, match="planted after opt.step"):
+        step(*t.batches[1])
+    assert all(p not in t.opts[0].state for p in t.model[0].parameters())
+    for i in range(1, 7):
+        t.check(inner(*t.batches[i]), t.plain(*t.batches[i]), f"loss of eager call {i}")
+    t.assert_same_training()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_parameters_moved_to_other_memory_after_capture_are_stepped_there(name, caplog):
     """p.data = p.data.clone() on every parameter after the capture and a
     replay: the next call steps eagerly and the one after captures again.
@@ -356,6 +382,26 @@ def test_state_made_since_the_keys_were_taken_is_found_per_parameter():
     p.grad = torch.ones(3)
     sgd.step()
     assert [m.keys for m in _state_made([sgd], before)] == [("momentum_buffer",)]
+
+
+def test_state_a_failed_capture_made_is_forgotten_and_no_other():
+    """_forget, after a capture that failed: the keys it made go, and a
+    parameter's entry with them where the capture made all of it; the
+    state that was there before stays, the same tensors."""
+    opt, old, new = adamw_with_state()
+    p = nn.Parameter(torch.ones(3))
+    sgd = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    sgd.state[p]["kept"] = kept = torch.zeros(1)
+    before = _state_keys([opt, sgd])
+    was = dict(opt.state[old])
+    for q in (old, new, p):
+        q.grad = torch.ones_like(q)
+    opt.step()
+    sgd.step()
+    _forget(_state_made([opt, sgd], before))
+    assert new not in opt.state and set(opt.state) == {old}
+    assert set(opt.state[old]) == set(was)
+    assert dict(sgd.state[p]) == {"kept": kept}
 
 
 def test_a_grad_scaler_updated_outside_the_step_is_refused_naming_the_fix():
@@ -542,20 +588,22 @@ def test_the_modes_compared_are_those_of_the_modules_the_step_names():
         _C.modes_are((model,), ())
 
 
-def _anywhere_on_rank(rank: int, port: int, results) -> None:
+def _agree_on_rank(rank: int, port: int, results) -> None:
     import torch.distributed as dist
     from cgraph import _ranks
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=2)
     try:
-        results[rank] = (_ranks.anywhere(rank == 1), _ranks.anywhere(False),
-                         _ranks.anywhere(rank == 1, together=False))
+        what = "a test capture"
+        results[rank] = (_ranks.agree(None, what, holds=rank == 1),
+                         _ranks.agree(None, what, holds=False),
+                         _ranks.agree(None, what, together=False, holds=rank == 1))
     finally:
         dist.destroy_process_group()
 
 
 def test_ranks_that_capture_together_agree_whether_any_made_optimizer_state():
-    """_ranks.anywhere over two gloo processes: state made on rank 1 alone
+    """_ranks.agree over two gloo processes: state made on rank 1 alone
     makes both capture again (one capturing while the other replays would
     hang their collectives); not together, each rank answers for itself."""
     import socket
@@ -564,7 +612,7 @@ def test_ranks_that_capture_together_agree_whether_any_made_optimizer_state():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     results = mp.Manager().dict()
-    mp.spawn(_anywhere_on_rank, args=(port, results), nprocs=2, join=True)
+    mp.spawn(_agree_on_rank, args=(port, results), nprocs=2, join=True)
     assert dict(results) == {0: (True, False, False), 1: (True, False, True)}
 
 

@@ -304,10 +304,11 @@ def test_a_refusal_before_capture_goes_through_the_ranks_agreement(argument, mes
 
     agreed = []
 
-    def agree(failure, what, together=True):
+    def agree(failure, what, together=True, *, holds=False):
         agreed.append((type(failure), together))
         if failure is not None:
             raise failure
+        return holds
 
     monkeypatch.setattr(_ranks, "agree", agree)
     model = nn.Linear(4, 2)
