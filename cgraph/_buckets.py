@@ -24,9 +24,10 @@ meaning the padding needs: a padding mask's 0 (or False) masks a position,
 so padded keys stay out of the real rows' attention; token ids and labels
 of 0 are valid values that no op divides by.  Copying the last column of a
 (batch, seq) padding mask would let real queries attend to padded keys.  A
-padding mask must therefore be integer or bool (as tokenizers return it): a
-float one of ones and zeros is padded with its last column (under a mask
-keyword too: Note [Attention masks under sequence buckets]).  Along the
+padding mask passed positionally must therefore be integer or bool (as
+tokenizers return it): a float one there is padded with its last column, as
+any float tensor; under a mask keyword a float one is padded masked (Note
+[Attention masks under sequence buckets]).  Along the
 batch (dimension 0) every tensor is padded with copies of its last real
 row, integers and bools too: a padded batch row then holds a real row's
 tokens and mask, where zeros would mask every key of it (a hand-written
@@ -48,7 +49,10 @@ size ``n`` at ``d``" misses them.  Names first, then shape:
   ``t.shape[-1] == n``, whatever its rank and its size at ``d``: ``(B, T)``
   key padding, ``(B, 1, T)`` and ``(B, 1, 1, T)`` key masks, ``(B, T, T)``,
   ``(B, 1, T, T)``, ``(B, H, T, T)``.  A 2-D one is read as (batch, keys),
-  even when the batch is ``n`` too;
+  unless it is ``(n, n)`` beside a batch (the call's size at dimension 0)
+  of another size: then as (queries, keys), as ``nn.MultiheadAttention``'s
+  and ``F.scaled_dot_product_attention``'s 2-D ``attn_mask``.  Where the
+  batch is ``n`` too it is read as (batch, keys);
 - passed under a keyword of ``NOT_MASK_KEYWORDS`` (the activations of
   attention: ``hidden_states``, ``query``, ``key_states``, ...), ``t`` is
   not a mask: it is padded at ``d`` like any tensor (a heads-first
@@ -96,16 +100,14 @@ scores (0.0 attends, the dtype's min masks, as transformers fills them:
   ``nn.MultiheadAttention``'s bool ``attn_mask`` masks with True too, which
   the name cannot tell from ``F.scaled_dot_product_attention``'s: pass it
   as a float mask, which both add;
-- a 2-D float mask under another name is padded with copies of its last
-  column (Note [What padded rows hold]).  Hugging Face's 2-D
+- a 2-D float (batch, keys) mask under another name: Hugging Face's 2-D
   ``attention_mask`` is 1.0 attend / 0.0 masked where an additive one is
   0.0 attend / min masked: 0.0 masks in the first and attends in the
   second, and min the reverse (transformers casts a 2-D mask to bool), so
-  no value is right for both, and telling them apart means reading the
-  values (a device sync on every call).  Copies are exact for the real
-  positions under causal attention (no real query sees a later key); under
-  bidirectional attention pass it as integer or bool, as tokenizers return
-  it.
+  no one value masks in both.  Its new keys get 0.0 where the mask holds a
+  positive value (a 1/0 mask: some key attends), else the dtype's min (an
+  additive mask, all zeros included: nothing masked), chosen on the device
+  (one reduction and a ``where``, no sync).
 
 Why must the new queries attend?  A fully masked row is NaN in a
 hand-written softmax over -inf (and zeros or a uniform average in others),
@@ -228,7 +230,8 @@ class Bucketed:
                 "change the real ones. Call it unpadded (a size in the buckets), or graph "
                 "it without buckets.")
         keywords = _keywords(len(leaves), kwargs)
-        leaves = [_pad(t, padding, keyword) if isinstance(t, torch.Tensor) else t
+        batch = _size_at(leaves, 0)
+        leaves = [_pad(t, padding, keyword, batch) if isinstance(t, torch.Tensor) else t
                   for t, keyword in zip(leaves, keywords)]
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         out = self.graphed(*args, **kwargs)
@@ -271,12 +274,14 @@ def _keywords(count: int, kwargs: dict) -> list[str | None]:
 
 
 def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]],
-         keyword: str | None = None) -> torch.Tensor:
-    """`t`, passed under `keyword` (None: positionally), padded for every
-    dimension of `padding`."""
+         keyword: str | None = None, batch: int | None = None) -> torch.Tensor:
+    """`t`, passed under `keyword` (None: positionally) in a call of
+    `batch` rows, padded for every dimension of `padding`."""
     for dim, (n, bucket) in padding.items():
         if _is_mask(t, dim, n, keyword):
-            t = _pad_mask(t, n, bucket, keyword)
+            # (T, T) beside a batch of another size: queries and keys.
+            square = t.dim() == 2 and t.shape[0] == n and batch != n
+            t = _pad_mask(t, n, bucket, keyword, square)
         elif t.dim() > dim and t.shape[dim] == n:
             t = _pad_rows(t, dim, n, bucket)
     return t
@@ -313,23 +318,39 @@ def _masks_with_true(keyword: str | None) -> bool:
     return keyword is not None and keyword.endswith(_TRUE_MASK)
 
 
-def _pad_mask(t: torch.Tensor, n: int, bucket: int, keyword: str | None = None) -> torch.Tensor:
+def _pad_mask(t: torch.Tensor, n: int, bucket: int, keyword: str | None = None,
+              square: bool = False) -> torch.Tensor:
     """Mask `t`, passed under `keyword`, padded to `bucket` keys, masked,
-    and (unless it is 2-D or its queries broadcast) to `bucket` queries that
-    attend to every key, so that no row is fully masked: Note [Attention
-    masks under sequence buckets]."""
+    and (where it is 3-D or more, or `square`: (queries, keys), and its
+    queries do not broadcast) to `bucket` queries that attend to every key,
+    so that no row is fully masked: Note [Attention masks under sequence
+    buckets]."""
+    if t.is_floating_point() and t.dim() == 2 and not (square or _masks_with_true(keyword)):
+        return _pad_keys(t, n, bucket, _float_key_mask_masked(t))
     if t.is_floating_point():
-        if t.dim() == 2 and not _masks_with_true(keyword):  # 1/0 or additive: unknowable
-            return _pad_rows(t, 1, n, bucket)
         attend, masked = 0.0, torch.finfo(t.dtype).min  # additive, as transformers'
     elif _masks_with_true(keyword):
         attend, masked = 0, 1  # True masks: nn.MultiheadAttention's key_padding_mask
     else:
         attend, masked = 1, 0  # bool or 0/1 integers, True attends
-    t = torch.cat([t, t.new_full((*t.shape[:-1], bucket - n), masked)], -1)
-    if t.dim() > 2 and t.shape[-2] == n:
+    t = _pad_keys(t, n, bucket, t.new_full((), masked))
+    if (t.dim() > 2 or square) and t.shape[-2] == n:
         t = torch.cat([t, t.new_full((*t.shape[:-2], bucket - n, bucket), attend)], -2)
     return t
+
+
+def _pad_keys(t: torch.Tensor, n: int, bucket: int, masked: torch.Tensor) -> torch.Tensor:
+    """`t` with `bucket - n` new keys (last dimension) of the value `masked` (0-D)."""
+    return torch.cat([t, masked.expand(*t.shape[:-1], bucket - n)], -1)
+
+
+def _float_key_mask_masked(t: torch.Tensor) -> torch.Tensor:
+    """The value that masks a key in `t`, a 2-D float mask (batch, keys)
+    under a mask keyword, as a 0-D tensor on its device, read there (no
+    sync): Hugging Face's 1.0-attends / 0.0-masks mask holds a positive
+    value (a row attends somewhere); an additive one (0.0 attends, negative
+    masks) holds none, all zeros included (nothing masked)."""
+    return torch.where(t.amax() > 0, 0.0, torch.finfo(t.dtype).min).to(t.dtype)
 
 
 def _unpad(t: torch.Tensor, padding: dict[int, tuple[int, int]]) -> torch.Tensor:

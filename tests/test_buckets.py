@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cgraph._buckets import MASK_KEYWORDS, Bucketed, _is_mask, normalize
@@ -358,9 +359,10 @@ def test_key_masks_under_their_keywords_pad_their_keys_masked_in_their_conventio
     keys padded (the batch is not read as queries), masked as each keyword
     means it: False or 0 where True attends, True under key_padding_mask
     (nn.MultiheadAttention's: True masks), whose float is added to the
-    scores (the dtype's min masks).  A 2-D float under another keyword, 1/0
-    or additive, is padded with its last column (Note [Attention masks
-    under sequence buckets]): here it attends in row 0 and masks in row 1."""
+    scores (the dtype's min masks).  A 2-D float under another keyword masks
+    its new keys in its own convention, told on the device (Note [Attention
+    masks under sequence buckets]): 0.0 in a 1/0 mask, min in an additive
+    one."""
     keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]).repeat(3, 1)[:5]
     masks = {"attention_mask": keep.bool(), "attn_mask": keep[:, None],
              "key_padding_mask": ~keep.bool(), "causal_mask": additive(keep.bool()),
@@ -369,8 +371,8 @@ def test_key_masks_under_their_keywords_pad_their_keys_masked_in_their_conventio
     bucketed(recorder, {1: [8]})(torch.randn(5, 5, 4), **masks)
     for name, row_0, row_1 in [("attention_mask", False, False), ("attn_mask", 0, 0),
                                ("key_padding_mask", True, True),
-                               ("causal_mask", 0.0, torch.finfo().min),
-                               ("encoder_attention_mask", 1.0, 0.0)]:
+                               ("causal_mask", torch.finfo().min, torch.finfo().min),
+                               ("encoder_attention_mask", 0.0, 0.0)]:
         mask, padded = masks[name], recorder.kwargs[name]
         assert padded.shape == (*mask.shape[:-1], 8), name
         assert torch.equal(padded[..., :5], mask), name
@@ -378,6 +380,54 @@ def test_key_masks_under_their_keywords_pad_their_keys_masked_in_their_conventio
     float_keys = additive(keep.bool())  # a float key_padding_mask is added: min masks
     bucketed(recorder, {1: [8]})(torch.randn(5, 5, 4), key_padding_mask=float_keys)
     assert (recorder.kwargs["key_padding_mask"][:, 5:] == torch.finfo().min).all()
+
+
+@pytest.mark.parametrize("convention", ["1/0", "additive", "additive, nothing masked"])
+def test_a_2d_float_mask_under_a_mask_keyword_keeps_bidirectional_attention_exact(convention):
+    """Hugging Face's 2-D float attention_mask (1.0 attends) and an additive
+    one (0.0 attends), under bidirectional attention, where every real
+    query sees every key: the new keys are masked in each convention, so
+    the real outputs and weights are eager's.  An all-zeros additive mask
+    masks nothing, and its new keys get min too.  Copying the last column
+    (before) let row 0 attend to them."""
+    torch.manual_seed(5)
+    lengths = [11, 11] if convention == "additive, nothing masked" else [11, 7]
+    keep = torch.arange(11)[None, :] < torch.tensor(lengths)[:, None]
+    mask = keep.float() if convention == "1/0" else additive(keep)
+
+    def bidirectional(x, attention_mask):
+        m = attention_mask.bool() if convention == "1/0" else attention_mask
+        return layer(x, m[:, None, None, :])
+
+    x = torch.randn(2, 11, 8)
+    out, weights = bucketed(bidirectional, {1: [16]})(x, attention_mask=mask)
+    out_e, weights_e = bidirectional(x, mask)
+    torch.testing.assert_close(out, out_e)
+    torch.testing.assert_close(weights, weights_e)
+
+
+def test_a_square_mask_under_a_mask_keyword_pads_queries_and_keys_beside_another_batch():
+    """A (T, T) attn_mask, as F.scaled_dot_product_attention and
+    nn.MultiheadAttention take it: beside a batch of 2 it is (queries,
+    keys), padded in both, and the real outputs are eager's; beside a batch
+    of T it is read as (batch, keys), its keys padded only."""
+    torch.manual_seed(6)
+    causal = torch.ones(11, 11, dtype=torch.bool).tril()
+
+    def sdpa(x, attn_mask):
+        q = heads(x)
+        y = F.scaled_dot_product_attention(q, q * 0.5, q + 1, attn_mask=attn_mask)
+        return y.transpose(1, 2).reshape(x.shape)
+
+    x = torch.randn(2, 11, 8)
+    torch.testing.assert_close(bucketed(sdpa, {1: [16]})(x, attn_mask=causal), sdpa(x, causal))
+    recorder = Recorder()
+    bucketed(recorder, {1: [16]})(torch.randn(2, 11, 8), attn_mask=causal)
+    padded = recorder.kwargs["attn_mask"]
+    assert padded.shape == (16, 16) and torch.equal(padded[:11, :11], causal)
+    assert not padded[:11, 11:].any() and padded[11:].all()
+    bucketed(recorder, {1: [16]})(torch.randn(11, 11, 8), attn_mask=causal)
+    assert recorder.kwargs["attn_mask"].shape == (11, 16)
 
 
 def test_key_padding_mask_under_multihead_attention_keeps_the_real_outputs():
