@@ -464,15 +464,33 @@ PyDoc_STRVAR(cgm_grads_are_doc,
 "same place of the tuple `grads` (None: no grad).  Note [Grads around a\n"
 "graphed step] in cgraph/_step_grads.py.  Not a public API.");
 
+/* The two tuples a comparison before or after each replay of a graphed
+ * step takes (grads_are, params_are, modes_are), as borrowed references in
+ * *first and *second: 0, or -1 with an exception set.  METH_FASTCALL: these
+ * run several times per replay, where building an argument tuple and
+ * parsing a format string would cost more than the comparison of a small
+ * model's parameters. */
+static int
+two_tuples(PyObject *const *args, Py_ssize_t nargs, const char *name, PyObject **first,
+           PyObject **second)
+{
+    if (nargs != 2 || !PyTuple_Check(args[0]) || !PyTuple_Check(args[1])) {
+        PyErr_Format(PyExc_TypeError, "cgraph: %s takes two tuples", name);
+        return -1;
+    }
+    *first = args[0];
+    *second = args[1];
+    return 0;
+}
+
 /* Returns a NEW reference to a bool, or NULL with an exception set. */
 static PyObject *
-cgm_grads_are(PyObject *module, PyObject *args)
+cgm_grads_are(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *params, *grads;
     int same;
 
-    if (!PyArg_ParseTuple(args, "O!O!:grads_are", &PyTuple_Type, &params, &PyTuple_Type,
-                          &grads)) {
+    if (two_tuples(args, nargs, "grads_are", &params, &grads) < 0) {
         return NULL;
     }
     same = cg_grads_are(params, grads);
@@ -503,13 +521,12 @@ PyDoc_STRVAR(cgm_params_are_doc,
 
 /* Returns a NEW reference to a bool, or NULL with an exception set. */
 static PyObject *
-cgm_params_are(PyObject *module, PyObject *args)
+cgm_params_are(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *params, *marks;
     int same;
 
-    if (!PyArg_ParseTuple(args, "O!O!:params_are", &PyTuple_Type, &params, &PyTuple_Type,
-                          &marks)) {
+    if (two_tuples(args, nargs, "params_are", &params, &marks) < 0) {
         return NULL;
     }
     same = cg_params_are(params, marks);
@@ -526,15 +543,14 @@ PyDoc_STRVAR(cgm_modes_are_doc,
  * attribute read and a pointer compare per module: nn.Module.train()
  * stores a bool, one of two objects. */
 static PyObject *
-cgm_modes_are(PyObject *module, PyObject *args)
+cgm_modes_are(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
     PyObject *modules, *modes, *flag;
     PyObject *training = get_state(module)->str_training;
     Py_ssize_t n, k;
     int same;
 
-    if (!PyArg_ParseTuple(args, "O!O!:modes_are", &PyTuple_Type, &modules, &PyTuple_Type,
-                          &modes)) {
+    if (two_tuples(args, nargs, "modes_are", &modules, &modes) < 0) {
         return NULL;
     }
     n = PyTuple_GET_SIZE(modules);
@@ -645,10 +661,13 @@ static PyMethodDef cgm_methods[] = {
     {"lend_memory", cgm_lend_memory, METH_VARARGS, cgm_lend_memory_doc},
     {"conditional_nodes", cgm_conditional_nodes, METH_NOARGS, cgm_conditional_nodes_doc},
     {"call_if", cgm_call_if, METH_VARARGS, cgm_call_if_doc},
-    {"grads_are", cgm_grads_are, METH_VARARGS, cgm_grads_are_doc},
+    {"grads_are", (PyCFunction)(void (*)(void))cgm_grads_are, METH_FASTCALL,
+     cgm_grads_are_doc},
     {"param_marks", cgm_param_marks, METH_O, cgm_param_marks_doc},
-    {"params_are", cgm_params_are, METH_VARARGS, cgm_params_are_doc},
-    {"modes_are", cgm_modes_are, METH_VARARGS, cgm_modes_are_doc},
+    {"params_are", (PyCFunction)(void (*)(void))cgm_params_are, METH_FASTCALL,
+     cgm_params_are_doc},
+    {"modes_are", (PyCFunction)(void (*)(void))cgm_modes_are, METH_FASTCALL,
+     cgm_modes_are_doc},
     {NULL, NULL, 0, NULL}
 };
 
