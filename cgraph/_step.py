@@ -111,8 +111,8 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    agree on that in the gather that agrees on the capture (Note [A capture
    that fails on one rank], cgraph/_ranks.py), so that none captures while
    the others replay.  A capture that failed, here or on another rank,
-   drops the state it made (never written: a capture runs no kernel), and
-   an eager step makes it again.  The modes are those the capturing call found (a
+   drops the state it made (never written: a capture runs no kernel); the
+   optimizer's next step, eager or captured, makes it again.  The modes are those the capturing call found (a
    step that calls ``model.train()`` itself, run between ``model.eval()``
    calls, keeps its graph).  An lr that changes inside
    the step after its optimizer stepped (``scheduler.step()`` in the step)
@@ -652,9 +652,11 @@ class GraphedStep:
             if exc.kind == _RNG_REGIONS:
                 took.failure = _rng_state_refused(exc)
                 took.failure.__cause__ = exc.__cause__
-        except Exception as exc:  # noqa: BLE001 -- every rank hears of it, then it is raised
-            took.failure = exc
+        except BaseException as exc:  # noqa: BLE001 -- every rank hears of it, then it is raised
+            took.failure = exc  # KeyboardInterrupt too: the others would wait in agree
         finally:
+            if took.failure is not None:  # before the warm-up pool can go, below
+                _forget(took.made)
             # The graph holds its pool now, if it was captured; else the
             # pool goes back, not kept by the error's traceback (this frame).
             warm = None  # noqa: F841

@@ -327,3 +327,46 @@ def test_a_refusal_before_capture_goes_through_the_ranks_agreement(argument, mes
     with pytest.raises(ValueError, match="no capturable form"):
         step(x)
     assert agreed == [(ValueError, argument == "dtensor")]
+
+
+def test_an_interrupted_capture_is_agreed_on_and_drops_the_state_it_made(monkeypatch):
+    """A KeyboardInterrupt inside the capture goes through the ranks'
+    agreement as any failure (the others would otherwise wait there), and
+    the optimizer state the capture made (never written: a capture runs no
+    kernel) is dropped with it.  The capture is faked on the CPU: it steps
+    the optimizer, as a captured step would, then is interrupted."""
+    agreed = []
+
+    def agree(failure, what, together=True, *, holds=False):
+        agreed.append(type(failure))
+        if failure is not None:
+            raise failure
+        return holds
+
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def interrupted(*args, **kwargs):
+        model.bias.grad = torch.ones(2)
+        opt.step()  # makes the bias's momentum buffer, as the captured step would
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_ranks, "agree", agree)
+    monkeypatch.setattr(cgraph._step, "_require_cuda", lambda: None)
+    monkeypatch.setattr(cgraph._step, "_check_on_the_gpu", lambda opt: None)
+    monkeypatch.setattr(cgraph._step, "graph", interrupted)
+    model.bias.requires_grad_(False)
+
+    def train_step(x):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+
+    x = torch.randn(3, 4)
+    step = cgraph.make_graphed_step(train_step, (x,), num_warmup_iters=1)
+    step(x)  # warm-up: the bias is frozen, so it has no state
+    model.bias.requires_grad_(True)
+    with pytest.raises(KeyboardInterrupt):
+        step(x)
+    assert agreed == [KeyboardInterrupt]
+    assert model.bias not in opt.state and "momentum_buffer" in opt.state[model.weight]
