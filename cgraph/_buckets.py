@@ -49,10 +49,12 @@ size ``n`` at ``d``" misses them.  Names first, then shape:
   ``t.shape[-1] == n``, whatever its rank and its size at ``d``: ``(B, T)``
   key padding, ``(B, 1, T)`` and ``(B, 1, 1, T)`` key masks, ``(B, T, T)``,
   ``(B, 1, T, T)``, ``(B, H, T, T)``.  A 2-D one is read as (batch, keys),
-  unless it is ``(n, n)`` beside a batch (the call's size at dimension 0)
-  of another size: then as (queries, keys), as ``nn.MultiheadAttention``'s
-  and ``F.scaled_dot_product_attention``'s 2-D ``attn_mask``.  Where the
-  batch is ``n`` too it is read as (batch, keys);
+  unless it is ``(n, n)`` beside a batch of another size (the size at
+  dimension 0 of the call's first tensor of 2 or more dimensions not under
+  a mask keyword, one of size 1 there passed over): then as (queries,
+  keys), as ``nn.MultiheadAttention``'s and
+  ``F.scaled_dot_product_attention``'s 2-D ``attn_mask``.  Where the batch
+  is ``n`` too it is read as (batch, keys);
 - passed under a keyword of ``NOT_MASK_KEYWORDS`` (the activations of
   attention: ``hidden_states``, ``query``, ``key_states``, ...), ``t`` is
   not a mask: it is padded at ``d`` like any tensor (a heads-first
@@ -86,8 +88,9 @@ have no names: they are sliced by the positional rule.  Pass a mask of
 another keyword positionally.
 
 How is a mask padded?  The new key columns are masked, so the real queries'
-attention is unchanged, and the new query rows (where ``t.shape[-2] == n``,
-never in a 2-D mask) attend to every key.  Values as
+attention is unchanged, and the new query rows (where ``t.shape[-2] == n``:
+never in a 2-D mask but a ``(T, T)`` one read as queries and keys) attend
+to every key.  Values as
 ``F.scaled_dot_product_attention`` and transformers read them: True or a
 nonzero integer attends, False or 0 masks, and a float mask is added to the
 scores (0.0 attends, the dtype's min masks, as transformers fills them:
@@ -97,9 +100,11 @@ scores (0.0 attends, the dtype's min masks, as transformers fills them:
   as ``nn.MultiheadAttention``, ``nn.Transformer`` and fairseq define it,
   so its new keys are True (1), and a float one is added to the scores at
   any rank (its new keys the dtype's min).
-  ``nn.MultiheadAttention``'s bool ``attn_mask`` masks with True too, which
-  the name cannot tell from ``F.scaled_dot_product_attention``'s: pass it
-  as a float mask, which both add;
+  ``nn.MultiheadAttention``'s bool ``attn_mask`` masks with True too: read
+  so where the graphed module is an ``nn.MultiheadAttention`` (``_TRUE_MASKS_OF``);
+  passed to another module that hands it on, the name cannot tell it from
+  ``F.scaled_dot_product_attention``'s (True attends): pass it as a float
+  mask, which both add;
 - a 2-D float (batch, keys) mask under another name: Hugging Face's 2-D
   ``attention_mask`` is 1.0 attend / 0.0 masked where an additive one is
   0.0 attend / min masked: 0.0 masks in the first and attends in the
@@ -107,7 +112,8 @@ scores (0.0 attends, the dtype's min masks, as transformers fills them:
   no one value masks in both.  Its new keys get 0.0 where the mask holds a
   positive value (a 1/0 mask: some key attends), else the dtype's min (an
   additive mask, all zeros included: nothing masked), chosen on the device
-  (one reduction and a ``where``, no sync).
+  (one reduction and a ``where``, no sync).  An additive mask with a
+  positive value (a bias, not a mask) is read as a 1/0 one.
 
 Why must the new queries attend?  A fully masked row is NaN in a
 hand-written softmax over -inf (and zeros or a uniform average in others),
@@ -126,7 +132,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -147,6 +153,9 @@ NOT_MASK_KEYWORDS = frozenset({"hidden_states", "encoder_hidden_states", "x", "i
 # scores at any rank (nn.MultiheadAttention's, nn.Transformer's, fairseq's):
 # a keyword ending so.
 _TRUE_MASK = "key_padding_mask"
+# Modules whose own forward reads a bool mask under these keywords with True
+# masking (a float one is added, as every convention adds it).
+_TRUE_MASKS_OF = {nn.MultiheadAttention: frozenset({"attn_mask"})}
 
 
 def normalize(buckets) -> dict[int, tuple[int, ...]]:
@@ -197,7 +206,7 @@ class Bucketed:
     """
 
     # __weakref__: a module whose forward it is keeps it weakly (_api._Installed).
-    __slots__ = ("graphed", "buckets", "_module", "_batchnorms", "__weakref__")
+    __slots__ = ("graphed", "buckets", "_module", "_batchnorms", "_true_masks", "__weakref__")
 
     def __init__(self, graphed: _C.Graphed, buckets: dict[int, tuple[int, ...]],
                  module: nn.Module | None):
@@ -209,6 +218,9 @@ class Bucketed:
         self._module = weakref.ref(module) if batchnorms else None
         # Found once: a padded call reads only their modes.
         self._batchnorms = tuple((name, weakref.ref(m)) for name, m in batchnorms)
+        # Keywords whose masks mask with True in this module's own forward.
+        self._true_masks = next((keywords for cls, keywords in _TRUE_MASKS_OF.items()
+                                 if isinstance(module, cls)), frozenset())
 
     @property
     def module(self) -> nn.Module | None:
@@ -230,8 +242,8 @@ class Bucketed:
                 "change the real ones. Call it unpadded (a size in the buckets), or graph "
                 "it without buckets.")
         keywords = _keywords(len(leaves), kwargs)
-        batch = _size_at(leaves, 0)
-        leaves = [_pad(t, padding, keyword, batch) if isinstance(t, torch.Tensor) else t
+        call = _Call(_batch_of(leaves, keywords), self._true_masks)
+        leaves = [_pad(t, padding, keyword, call) if isinstance(t, torch.Tensor) else t
                   for t, keyword in zip(leaves, keywords)]
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         out = self.graphed(*args, **kwargs)
@@ -263,6 +275,16 @@ def _size_at(leaves: list, dim: int) -> int:
     return next(unmasked, tensors[0]).shape[dim]
 
 
+def _batch_of(leaves: list, keywords: list) -> int | None:
+    """A padded call's batch, its size at dimension 0, for telling a (T, T)
+    mask from a (batch, keys) one: that of its first tensor of 2 or more
+    dimensions that is not under a mask keyword, passing over those of size
+    1 there (a (1, T) position table); None where there is none."""
+    sizes = [t.shape[0] for t, keyword in zip(leaves, keywords)
+             if isinstance(t, torch.Tensor) and t.dim() >= 2 and not _named_mask(keyword)]
+    return next((b for b in sizes if b != 1), sizes[0] if sizes else None)
+
+
 def _keywords(count: int, kwargs: dict) -> list[str | None]:
     """The keyword each of a call's `count` leaves was passed under (None:
     positionally), in the order pytree flattens ``(args, kwargs)``: the
@@ -273,15 +295,24 @@ def _keywords(count: int, kwargs: dict) -> list[str | None]:
     return [None] * (count - len(named)) + named
 
 
-def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]],
-         keyword: str | None = None, batch: int | None = None) -> torch.Tensor:
-    """`t`, passed under `keyword` (None: positionally) in a call of
-    `batch` rows, padded for every dimension of `padding`."""
+class _Call(NamedTuple):
+    """How a padded call's masks are read: its batch (_batch_of), and the
+    keywords whose masks mask with True in the graphed module (_TRUE_MASKS_OF)."""
+
+    batch: int | None
+    true_masks: frozenset
+
+
+def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]], keyword: str | None = None,
+         call: _Call = _Call(None, frozenset())) -> torch.Tensor:
+    """`t`, passed under `keyword` (None: positionally) in `call`, padded
+    for every dimension of `padding`."""
     for dim, (n, bucket) in padding.items():
         if _is_mask(t, dim, n, keyword):
             # (T, T) beside a batch of another size: queries and keys.
-            square = t.dim() == 2 and t.shape[0] == n and batch != n
-            t = _pad_mask(t, n, bucket, keyword, square)
+            square = t.dim() == 2 and t.shape[0] == n and call.batch != n
+            true = _masks_with_true(keyword) or keyword in call.true_masks
+            t = _pad_mask(t, n, bucket, true, square)
         elif t.dim() > dim and t.shape[dim] == n:
             t = _pad_rows(t, dim, n, bucket)
     return t
@@ -304,7 +335,7 @@ def _is_mask(t: torch.Tensor, dim: int, n: int, keyword: str | None = None) -> b
     output), is an attention mask (..., queries, keys) for the `n` positions
     at the bucketed `dim`: by name, else by shape (Note [Attention masks
     under sequence buckets])."""
-    if keyword in MASK_KEYWORDS or _masks_with_true(keyword):
+    if _named_mask(keyword):
         return dim >= 1 and t.dim() >= 2 and t.shape[-1] == n
     if keyword in NOT_MASK_KEYWORDS:
         return False
@@ -314,22 +345,27 @@ def _is_mask(t: torch.Tensor, dim: int, n: int, keyword: str | None = None) -> b
                  or (t.dim() == 4 and (t.shape[dim] != n or t.shape[-2] == n))))
 
 
+def _named_mask(keyword: str | None) -> bool:
+    """Whether a tensor passed under `keyword` is a mask by its name."""
+    return keyword in MASK_KEYWORDS or _masks_with_true(keyword)
+
+
 def _masks_with_true(keyword: str | None) -> bool:
     return keyword is not None and keyword.endswith(_TRUE_MASK)
 
 
-def _pad_mask(t: torch.Tensor, n: int, bucket: int, keyword: str | None = None,
+def _pad_mask(t: torch.Tensor, n: int, bucket: int, true: bool = False,
               square: bool = False) -> torch.Tensor:
-    """Mask `t`, passed under `keyword`, padded to `bucket` keys, masked,
-    and (where it is 3-D or more, or `square`: (queries, keys), and its
-    queries do not broadcast) to `bucket` queries that attend to every key,
-    so that no row is fully masked: Note [Attention masks under sequence
-    buckets]."""
-    if t.is_floating_point() and t.dim() == 2 and not (square or _masks_with_true(keyword)):
+    """Mask `t` (whose True masks, if `true`) padded to `bucket` keys,
+    masked, and (where it is 3-D or more, or `square`: (queries, keys), and
+    its queries do not broadcast) to `bucket` queries that attend to every
+    key, so that no row is fully masked: Note [Attention masks under
+    sequence buckets]."""
+    if t.is_floating_point() and t.dim() == 2 and not (square or true):
         return _pad_keys(t, n, bucket, _float_key_mask_masked(t))
     if t.is_floating_point():
         attend, masked = 0.0, torch.finfo(t.dtype).min  # additive, as transformers'
-    elif _masks_with_true(keyword):
+    elif true:
         attend, masked = 0, 1  # True masks: nn.MultiheadAttention's key_padding_mask
     else:
         attend, masked = 1, 0  # bool or 0/1 integers, True attends
@@ -349,8 +385,10 @@ def _float_key_mask_masked(t: torch.Tensor) -> torch.Tensor:
     under a mask keyword, as a 0-D tensor on its device, read there (no
     sync): Hugging Face's 1.0-attends / 0.0-masks mask holds a positive
     value (a row attends somewhere); an additive one (0.0 attends, negative
-    masks) holds none, all zeros included (nothing masked)."""
-    return torch.where(t.amax() > 0, 0.0, torch.finfo(t.dtype).min).to(t.dtype)
+    masks) holds none, all zeros included (nothing masked).  An empty one
+    (a batch of 0) has no value to read: its new keys are empty too."""
+    masked = t.new_full((), torch.finfo(t.dtype).min)
+    return masked if t.numel() == 0 else torch.where(t.amax() > 0, t.new_zeros(()), masked)
 
 
 def _unpad(t: torch.Tensor, padding: dict[int, tuple[int, int]]) -> torch.Tensor:

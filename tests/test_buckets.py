@@ -430,6 +430,48 @@ def test_a_square_mask_under_a_mask_keyword_pads_queries_and_keys_beside_another
     assert recorder.kwargs["attn_mask"].shape == (11, 16)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_a_2d_float_mask_keeps_its_dtype_s_own_masking_value_and_an_empty_one_pads(dtype):
+    """The masking value is made in the mask's dtype (float64's min does
+    not fit a float32); a batch of 0 has no value to read, and pads."""
+    recorder = Recorder()
+    keep = torch.tensor([[1, 1, 1, 0, 0]]).bool()
+    bucketed(recorder, {1: [8]})(torch.randn(1, 5, 4), attention_mask=additive(keep, dtype))
+    padded = recorder.kwargs["attention_mask"]
+    assert padded.dtype == dtype and (padded[:, 5:] == torch.finfo(dtype).min).all()
+    bucketed(recorder, {1: [8]})(torch.randn(0, 5, 4), attention_mask=torch.ones(0, 5, dtype=dtype))
+    assert recorder.kwargs["attention_mask"].shape == (0, 8)
+
+
+def test_multihead_attention_graphed_itself_reads_its_bool_attn_mask_with_true_masking():
+    """nn.MultiheadAttention's bool attn_mask masks with True, the other way
+    round from F.scaled_dot_product_attention's: where the graphed module
+    is one, its (T, T) causal mask's new keys are True (masked), and the
+    real outputs are eager's."""
+    torch.manual_seed(8)
+    mha = nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 11, 8)
+    future = torch.ones(11, 11, dtype=torch.bool).triu(1)  # True: not allowed to attend
+
+    def forward(query, key, value, attn_mask):
+        return mha(query, key, value, attn_mask=attn_mask, need_weights=False)[0]
+
+    out = Bucketed(forward, normalize({1: [16]}), mha)(x, x, x, attn_mask=future)
+    torch.testing.assert_close(out, forward(x, x, x, future))
+
+
+def test_the_batch_beside_a_square_mask_is_read_past_masks_and_broadcast_tables():
+    """The batch that tells a (T, T) mask from a (batch, keys) one: not the
+    mask's own rows when it comes first, not a (1, T) position table's."""
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    recorder = Recorder()
+    bucketed(recorder, {1: [8]})(attn_mask=causal, x=torch.randn(2, 5, 4))
+    assert recorder.kwargs["attn_mask"].shape == (8, 8)
+    keep = torch.ones(5, 5, dtype=torch.bool)  # a (batch, keys) mask, batch 5
+    bucketed(recorder, {1: [8]})(torch.arange(5)[None], torch.randn(5, 5, 4), attention_mask=keep)
+    assert recorder.kwargs["attention_mask"].shape == (5, 8)
+
+
 def test_key_padding_mask_under_multihead_attention_keeps_the_real_outputs():
     """nn.MultiheadAttention (batch first) with a bool key_padding_mask,
     True = ignore: the padded keys are ignored as the real padding is, so
