@@ -486,13 +486,28 @@ class GraphedModule(_Wrapper):
     """
 
     def __setattr__(self, name: str, value) -> None:
-        """fully_shard(graphed_module) swaps this module's class, then the
+        """A name the wrapped module has (``graphed.head = nn.Linear(...)``,
+        as its attributes are read through) is written there, where the
+        graphs' own check sees it (a submodule, parameter or buffer replaced
+        after capture is refused, naming the fix); written on the wrapper,
+        it would shadow the module's and never reach the graphs.  And
+        fully_shard(graphed_module) swaps this module's class, then the
         wrapped module's parameters without registering them: the graphed
         modules are checked again on their next call (StateCheck), which
         refuses it, naming the recipe (shard first, then graph)."""
         if name == "__class__":
             _describe.replaced_inside()
+        if self._read_through(name):
+            setattr(self.__dict__["_modules"]["module"], name, value)
+            return
         super().__setattr__(name, value)
+
+    def _read_through(self, name: str) -> bool:
+        """Whether `name` is the wrapped module's, read through __getattr__:
+        not the wrapper's own (its training flag, its module, _graphed)."""
+        modules = self.__dict__.get("_modules", {})
+        return ("module" in modules and name not in self.__dict__ and name not in modules
+                and hasattr(modules["module"], name))
 
     def __init__(self, module: nn.Module, graphed: _C.Graphed, forward=None):
         super().__init__()

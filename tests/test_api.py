@@ -852,3 +852,24 @@ def test_a_copied_blocks_forward_keeps_the_class_forwards_signature(monkeypatch)
     _api.graphed_in_place(block)
     twin = copy.deepcopy(block)
     assert list(inspect.signature(twin.forward).parameters) == ["x", "mask", "use_cache"]
+
+
+def test_a_graphed_module_writes_the_wrapped_module_s_names_through():
+    """graphed.head = nn.Linear(...) used to land on the wrapper, shadowing
+    the wrapped module's head, which the graphs kept using, and adding a
+    second set of keys to state_dict.  Written through, the graphs' check
+    of the wrapped module sees it (and refuses a replacement after
+    capture); the wrapper's own names (its mode, its module) stay its own,
+    and a new name goes on the wrapper."""
+    from cgraph._api import GraphedModule
+    model = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    model.scale = 2.0
+    graphed = GraphedModule(model, cgraph._C.new_graphed(lambda *a: False))
+    graphed.scale = 3.0
+    setattr(graphed, "0", head := torch.nn.Linear(4, 3))
+    assert model.scale == 3.0 and model[0] is head and "scale" not in graphed.__dict__
+    assert list(graphed.state_dict()) == ["module.0.weight", "module.0.bias"]
+    graphed.eval()
+    assert not graphed.training and not model.training
+    graphed.note = "mine"
+    assert graphed.__dict__["note"] == "mine" and not hasattr(model, "note")
