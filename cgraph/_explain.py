@@ -627,6 +627,8 @@ class _DispatchChecks(TorchDispatchMode):
                     "the device.", "allocate pinned buffers once, outside the graphed "
                     "callable.", site)
         elif name in _COPY_OPS:
+            if any(rec.is_device(t) for t in _tensors((args, kwargs))):
+                self._check_argument_written(func, name, args, kwargs, site)  # buf[:, 0] = x
             if rec.device == _GPU:
                 self._check_copy(name, args, kwargs, site)
         elif any(rec.is_device(t) for t in _tensors((args, kwargs))):

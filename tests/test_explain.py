@@ -337,6 +337,23 @@ def test_an_argument_written_in_place_is_found_and_put_back():
     assert torch.equal(total, torch.zeros(8))
 
 
+def test_an_argument_written_by_a_copy_or_a_slice_assignment_is_found():
+    """A KV cache filled in place (cache[:, pos] = x) or a buffer copied into
+    (.copy_): both are aten.copy_, which explain read only for device moves."""
+    def fill(cache, x):
+        cache[:, 0] = x  # @slice-assigned
+        return cache.sum(0)
+
+    def copy(buf, x):
+        buf.copy_(x)  # @copied
+        return x * 2
+
+    for fn, line in [(fill, "slice-assigned"), (copy, "copied")]:
+        report = cgraph.explain(fn, (torch.zeros(4, 8) if fn is fill else torch.zeros(8),
+                                     torch.ones(4) if fn is fill else torch.ones(8)))
+        assert ("input_mutation", "aten.copy_", line_of(line)) in found(report, on_cpu=True)
+
+
 def test_an_output_that_is_an_argument_is_found():
     report = cgraph.explain(lambda x, y: (x[0], y * 2), (torch.randn(8), torch.randn(8)))
     assert found(report, on_cpu=True) == [("output_alias", "", None)]
