@@ -504,10 +504,12 @@ class GraphedModule(_Wrapper):
 
     def _read_through(self, name: str) -> bool:
         """Whether `name` is the wrapped module's, read through __getattr__:
-        not the wrapper's own (its training flag, its module, _graphed)."""
+        public, and not the wrapper's own (its training flag, its module).
+        Private names stay the wrapper's: fully_shard's ``__class__`` swap
+        and its markers (``_is_fsdp_managed_module``) are about the wrapper."""
         modules = self.__dict__.get("_modules", {})
-        return ("module" in modules and name not in self.__dict__ and name not in modules
-                and hasattr(modules["module"], name))
+        return (not name.startswith("_") and "module" in modules and name not in self.__dict__
+                and name not in modules and hasattr(modules["module"], name))
 
     def __init__(self, module: nn.Module, graphed: _C.Graphed, forward=None):
         super().__init__()

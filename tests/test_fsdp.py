@@ -169,6 +169,19 @@ def test_sharding_a_graphed_module_names_the_recipe(mesh):
         check(layer)
 
 
+def test_sharding_a_graphed_module_wrapper_swaps_the_wrapper_s_class_only(mesh):
+    """fully_shard(make_graphed(layer)) swaps the GraphedModule's class and
+    marks it: a wrapper writing its module's public names through
+    (GraphedModule.__setattr__) must keep those, so the wrapped layer keeps
+    its class and its graphs are still the wrapper's."""
+    from cgraph._api import GraphedModule
+    layer = nn.Linear(4, 4)
+    graphed = GraphedModule(layer, cgraph._C.new_graphed(lambda *a: False))
+    fully_shard(graphed, mesh=mesh)
+    assert type(layer) is nn.Linear and isinstance(graphed, GraphedModule)
+    assert "_graphed" in graphed.__dict__ and "GraphedModule" in repr(graphed)
+
+
 @pytest.mark.parametrize("sharded", ["the root only", "a module inside"])
 def test_sharding_around_a_graphed_module_after_graphing_names_the_recipe(mesh, sharded):
     """Note [Sharding after graphing] (cgraph/_describe.py): fully_shard of the
