@@ -62,7 +62,11 @@ A: Four things, kept by the callback's wrapper of run (_GraphedRun):
       at the cost of a memset and of an add per parameter.  With k = 1 the
       one graph zeroes as the module asks.  A batch of another shape than
       its phase's graph took (a short last batch) runs eagerly, zeroing in
-      place too, so the grads stay the ones the graphs use.
+      place too, so the grads stay the ones the graphs use.  A frozen
+      parameter's grad is set to None there, as eager's zero_grad leaves it,
+      so that no step moves it (AdamW's weight decay would); a trainable one
+      that no micro-batch of a window used keeps a zero grad, which the
+      optimizer steps where eager's skips it (README, Limits).
    4. The grads stay the graphs'.  Lightning sets them to None before each
       validation (on_validation_model_zero_grad), and so may a user's hook;
       a graph would then write grads nobody holds, into memory that may
@@ -480,6 +484,10 @@ class _GraphedRun:
 
         def in_place(set_to_none: bool = True):
             zero_grad(set_to_none=False)
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if not p.requires_grad:  # frozen: no grad, so the step skips it
+                        p.grad = None
 
         return patched({(optimizer, "zero_grad"): in_place})
 

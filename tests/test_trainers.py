@@ -509,6 +509,32 @@ def test_lightning_step_scope_follows_an_accumulation_schedule_and_an_unfreezing
     assert callback.stats["captures"] >= 2 and callback.stats["replays"] >= 2, callback.stats
 
 
+@pytest.mark.gpu
+def test_lightning_step_scope_with_accumulation_leaves_a_frozen_layer_where_eager_does():
+    """With accumulate_grad_batches=2 the step zeroes grads in place; a head
+    frozen at epoch 1 must lose its grad there as eager's zero_grad makes it
+    None, or AdamW's weight decay would go on moving it at every replay."""
+    lightning = pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+
+    class Freeze(lightning.Callback):
+        def on_train_epoch_start(self, trainer, module):
+            if trainer.current_epoch == 1:
+                module.head.requires_grad_(False)
+
+    def fit(callbacks):
+        return lightning_run(lightning, [*callbacks, Freeze()], accelerator="gpu",
+                             optimizer="adamw-fused", accumulate=2, max_steps=16)
+
+    eager = fit([])
+    callback = CUDAGraphs(scope="step")
+    graphed = fit([callback])
+    assert graphed[2] == eager[2] == 16
+    for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
+        assert torch.equal(g, e), f"parameter {i}"
+    assert callback.stats["replays"] >= 4, callback.stats
+
+
 # ---- Lightning's two namespaces: lightning.pytorch and pytorch_lightning ------
 
 PACKAGES = ["lightning", "pytorch_lightning"]
