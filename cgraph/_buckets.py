@@ -138,7 +138,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import _C
+from . import _C, _log
 
 # Keywords under which a tensor is an attention mask under sequence buckets,
 # whatever its shape (and any ending in _TRUE_MASK); under those of
@@ -206,7 +206,8 @@ class Bucketed:
     """
 
     # __weakref__: a module whose forward it is keeps it weakly (_api._Installed).
-    __slots__ = ("graphed", "buckets", "_module", "_batchnorms", "_true_masks", "__weakref__")
+    __slots__ = ("graphed", "buckets", "_module", "_batchnorms", "_true_masks",
+                 "_bidirectional", "__weakref__")
 
     def __init__(self, graphed: _C.Graphed, buckets: dict[int, tuple[int, ...]],
                  module: nn.Module | None):
@@ -221,6 +222,11 @@ class Bucketed:
         # Keywords whose masks mask with True in this module's own forward.
         self._true_masks = next((keywords for cls, keywords in _TRUE_MASKS_OF.items()
                                  if isinstance(module, cls)), frozenset())
+        # The module's name where it holds attention it says is not causal
+        # (is_causal False, as Hugging Face's encoders' self-attention), else
+        # None: Note [A padded sequence with no mask].
+        self._bidirectional = type(module).__name__ if module is not None and any(
+            getattr(m, "is_causal", None) is False for m in module.modules()) else None
 
     @property
     def module(self) -> nn.Module | None:
@@ -242,6 +248,9 @@ class Bucketed:
                 "change the real ones. Call it unpadded (a size in the buckets), or graph "
                 "it without buckets.")
         keywords = _keywords(len(leaves), kwargs)
+        if self._bidirectional is not None and not _has_mask(leaves, keywords, padding):
+            _unmasked_bidirectional(self)
+            return self.graphed(*args, **kwargs)  # unpadded: a graph of its own size
         call = _Call(_batch_of(leaves, keywords), self._true_masks)
         leaves = [_pad(t, padding, keyword, call) if isinstance(t, torch.Tensor) else t
                   for t, keyword in zip(leaves, keywords)]
@@ -273,6 +282,41 @@ def _size_at(leaves: list, dim: int) -> int:
         return 0
     unmasked = (t for t in tensors if not (dim >= 1 and t.shape[dim] == 1 and t.dim() > dim + 2))
     return next(unmasked, tensors[0]).shape[dim]
+
+
+# Note [A padded sequence with no mask]
+# Q: Why is a call of a module with bidirectional attention not padded along
+#    a sequence when it passes no mask?
+# A: Nothing would mask the new keys, and every real query attends to every
+#    key: the real positions' outputs change.  Hugging Face's encoders
+#    (BERT, with sdpa) pass their layers no mask for a batch without padding
+#    (an all-ones mask, dropped), which buckets= would have padded unmasked.
+#    Causal attention needs no mask (no real query sees a later key), and a
+#    mask, where one is passed, masks them (Note [Attention masks under
+#    sequence buckets]).  So a module holding attention whose ``is_causal``
+#    is False runs such a call at its own size (a graph of its own, or
+#    eagerly past max_graphs), logged once; other modules, whose attention
+#    says nothing, are padded as before.
+def _has_mask(leaves: list, keywords: list, padding: dict) -> bool:
+    """Whether a call padded along a sequence (`padding` beyond dimension
+    0) passes an attention mask for it; True when it pads the batch only."""
+    sequences = [(d, n) for d, (n, _) in padding.items() if d >= 1]
+    return not sequences or any(
+        isinstance(t, torch.Tensor) and _is_mask(t, d, n, keyword)
+        for t, keyword in zip(leaves, keywords) for d, n in sequences)
+
+
+_told_unmasked: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def _unmasked_bidirectional(bucketed: "Bucketed") -> None:
+    if bucketed not in _told_unmasked:
+        _told_unmasked.add(bucketed)
+        _log.log.info(
+            "cgraph: a call of %s with no attention mask is not padded to a bucket: its "
+            "attention is not causal, so nothing would mask the new positions (Note [A "
+            "padded sequence with no mask] in cgraph/_buckets.py). Pass a mask to pad such "
+            "calls; logged once.", bucketed._bidirectional)
 
 
 def _batch_of(leaves: list, keywords: list) -> int | None:

@@ -258,12 +258,15 @@ class _NoCacheUnlessAsked:
     hooks is not held at all (no reference cycle).  A copy of the model
     (copy.deepcopy, pickle) runs its blocks eagerly (Note [Copying a graphed
     model] in cgraph/_api.py), so the hook is copied as one that does
-    nothing."""
+    nothing.  The first such call without grad (evaluation, or the prefill
+    of a hand-written decoding loop, whose next call would find no cache
+    and lose the context) warns, once per model, naming use_cache=True."""
 
-    __slots__ = ("first_block", "position")
+    __slots__ = ("first_block", "position", "warned")
 
     def __init__(self, first_block: nn.Module, position: int):
         self.first_block, self.position = weakref.ref(first_block), position
+        self.warned = False
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         block = self.first_block()
@@ -274,11 +277,24 @@ class _NoCacheUnlessAsked:
             return None
         at = self.position
         if len(args) > at:  # passed positionally
-            return None if args[at] is not None else (args[:at] + (False,) + args[at + 1:],
-                                                      kwargs)
+            if args[at] is not None:
+                return None
+            self._warn_without_grad(module)
+            return args[:at] + (False,) + args[at + 1:], kwargs
         if kwargs.get("use_cache") is not None:
             return None
+        self._warn_without_grad(module)
         return args, {**kwargs, "use_cache": False}
+
+    def _warn_without_grad(self, module: nn.Module) -> None:
+        if not self.warned and not torch.is_grad_enabled():
+            self.warned = True
+            log.warning(
+                "cgraph: graph_layers: %s was called without grad and with use_cache unset: "
+                "while its blocks are graphed such a call runs without a KV cache, so its "
+                "output's past_key_values is None. A decoding loop that keeps the cache "
+                "must pass use_cache=True (those calls run the blocks eagerly); an "
+                "evaluation needs nothing. Warned once per model.", type(module).__name__)
 
     def __reduce__(self) -> tuple:
         return _copied, ()

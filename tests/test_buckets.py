@@ -9,6 +9,7 @@ float32 tolerances (rtol 1.3e-6, atol 1e-5) unless another is stated
 tests graph that layer for real."""
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -470,6 +471,33 @@ def test_the_batch_beside_a_square_mask_is_read_past_masks_and_broadcast_tables(
     keep = torch.ones(5, 5, dtype=torch.bool)  # a (batch, keys) mask, batch 5
     bucketed(recorder, {1: [8]})(torch.arange(5)[None], torch.randn(5, 5, 4), attention_mask=keep)
     assert recorder.kwargs["attention_mask"].shape == (5, 8)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_call_with_no_mask_is_padded_only_where_attention_is_causal(causal, caplog):
+    """Note [A padded sequence with no mask]: BERT's layers get no mask for
+    a batch without padding; padded, every real query would attend to the
+    new keys.  A module whose attention says is_causal=False runs such a
+    call unpadded (logged once), and pads it when a mask comes; a causal
+    one pads either way."""
+    class Attention(nn.Module):
+        is_causal = causal
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = Attention()
+
+    recorder = Recorder()
+    layer = Bucketed(recorder, normalize({1: [16]}), Layer())
+    x = torch.randn(2, 11, 8)
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        layer(x, attention_mask=None)
+        layer(x, attention_mask=None)
+    assert recorder.args[0].shape == (2, 16 if causal else 11, 8)
+    assert caplog.text.count("is not padded to a bucket") == (0 if causal else 1), caplog.text
+    layer(x, attention_mask=torch.ones(2, 11, dtype=torch.bool))
+    assert recorder.args[0].shape == (2, 16, 8)
 
 
 def test_key_padding_mask_under_multihead_attention_keeps_the_real_outputs():

@@ -542,6 +542,26 @@ def test_a_hugging_face_forward_leaving_use_cache_unset_gives_the_blocks_no_cach
 
 
 
+def test_a_call_without_grad_that_leaves_use_cache_unset_warns_once_naming_the_fix(
+        stand_in, caplog):
+    """A hand-written decoding loop's prefill (no grad, use_cache unset)
+    would get no cache back, and its next call would lose the context:
+    the first such call warns, once per model, naming use_cache=True;
+    training calls do not."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_llama(transformers)
+    cgraph.graph_layers(model)
+    ids = torch.randint(0, 64, (2, 8))
+    with caplog.at_level(logging.WARNING, logger="cgraph"):
+        model(input_ids=ids, labels=ids).loss.backward()
+        assert "use_cache unset" not in caplog.text
+        with torch.no_grad():
+            out = model(ids)
+            model(ids)
+    assert out.past_key_values is None
+    assert caplog.text.count("must pass use_cache=True") == 1, caplog.text
+
+
 def test_generate_through_graphed_hugging_face_layers_keeps_its_cache(stand_in):
     """generate() passes use_cache itself (True by default), so the hook
     leaves its calls be: every layer call carries the cache (and runs the
