@@ -482,7 +482,6 @@ def test_lightning_step_scope_follows_an_accumulation_schedule_and_an_unfreezing
     cover it from then on): the step is graphed again for each, and the fit
     ends where eager's does."""
     lightning = pytest.importorskip("lightning")
-    from cgraph.lightning import CUDAGraphs
 
     class Frozen(step_module(lightning)):
         def __init__(self, optimizer):
@@ -499,6 +498,14 @@ def test_lightning_step_scope_follows_an_accumulation_schedule_and_an_unfreezing
         return lightning_run(lightning, [*callbacks, Unfreeze(), schedule], accelerator="gpu",
                              optimizer="adamw-fused", max_steps=16, module_class=Frozen)
 
+    assert_fits_alike(fit, captures=2, replays=2)
+
+
+def assert_fits_alike(fit, captures: int, replays: int) -> None:
+    """fit(callbacks) of 16 steps without cgraph and with CUDAGraphs(scope=
+    "step"): parameters bitwise, every logged value, and at least so many
+    captures and replays."""
+    from cgraph.lightning import CUDAGraphs
     eager = fit([])
     callback = CUDAGraphs(scope="step")
     graphed = fit([callback])
@@ -506,7 +513,8 @@ def test_lightning_step_scope_follows_an_accumulation_schedule_and_an_unfreezing
     for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
         assert torch.equal(g, e), f"parameter {i}"
     assert graphed[1] == eager[1]
-    assert callback.stats["captures"] >= 2 and callback.stats["replays"] >= 2, callback.stats
+    stats = callback.stats
+    assert stats["captures"] >= captures and stats["replays"] >= replays, stats
 
 
 @pytest.mark.gpu
@@ -515,7 +523,6 @@ def test_lightning_step_scope_with_accumulation_leaves_a_frozen_layer_where_eage
     frozen at epoch 1 must lose its grad there as eager's zero_grad makes it
     None, or AdamW's weight decay would go on moving it at every replay."""
     lightning = pytest.importorskip("lightning")
-    from cgraph.lightning import CUDAGraphs
 
     class Freeze(lightning.Callback):
         def on_train_epoch_start(self, trainer, module):
@@ -526,13 +533,7 @@ def test_lightning_step_scope_with_accumulation_leaves_a_frozen_layer_where_eage
         return lightning_run(lightning, [*callbacks, Freeze()], accelerator="gpu",
                              optimizer="adamw-fused", accumulate=2, max_steps=16)
 
-    eager = fit([])
-    callback = CUDAGraphs(scope="step")
-    graphed = fit([callback])
-    assert graphed[2] == eager[2] == 16
-    for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
-        assert torch.equal(g, e), f"parameter {i}"
-    assert callback.stats["replays"] >= 4, callback.stats
+    assert_fits_alike(fit, captures=1, replays=4)
 
 
 # ---- Lightning's two namespaces: lightning.pytorch and pytorch_lightning ------
