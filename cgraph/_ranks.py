@@ -16,9 +16,10 @@ A: After a whole-step capture, where torch.distributed is initialized with
    error with that note.  The same gather tells whether any rank's capture
    made optimizer state: then every rank replays once and captures again
    (Note [What a graphed step checks before a replay], cgraph/_step.py),
-   for one rank capturing while another replays would hang them both.  A failure before the capture (a refusal, the
-   static inputs' memory) is agreed on too: each rank calls agree once per
-   capture, wherever it stopped.
+   for one rank capturing while another replays would hang them both.  A
+   failure before the capture (a refusal, the static inputs' memory) is
+   agreed on too: each rank calls agree once per capture, wherever it
+   stopped.
    Only a step that may hold collectives is agreed on: one that calls a
    DDP model (seen in its warm-up) or whose optimizers' parameters or
    arguments include a DTensor (FSDP2, tensor parallelism), decided before

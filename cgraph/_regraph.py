@@ -41,7 +41,7 @@ class Regraph:
             return None
         _check_device(graphed, (args, kwargs))
         module = self.target.module()
-        if module is not None and _fsdp.is_fsdp(module):  # inside its forward: FSDP has just all-gathered
+        if module is not None and _fsdp.is_fsdp(module):  # in its forward: just all-gathered
             _fsdp.home_parameters(module, graphed)
         started = time.perf_counter()
         with self._samples(args, kwargs, site.pool) as samples:

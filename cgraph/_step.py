@@ -112,9 +112,10 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    that fails on one rank], cgraph/_ranks.py), so that none captures while
    the others replay.  A capture that failed, here or on another rank,
    drops the state it made (never written: a capture runs no kernel); the
-   optimizer's next step, eager or captured, makes it again.  The modes are those the capturing call found (a
-   step that calls ``model.train()`` itself, run between ``model.eval()``
-   calls, keeps its graph).  An lr that changes inside
+   optimizer's next step, eager or captured, makes it again.  The modes are
+   those the capturing call found (a step that calls ``model.train()``
+   itself, run between ``model.eval()`` calls, keeps its graph).  An lr
+   that changes inside
    the step after its optimizer stepped (``scheduler.step()`` in the step)
    is refused at the first warm-up call: the scheduler would fill the
    graph's device lr once, at capture, and every replay would step with
