@@ -287,7 +287,7 @@ def make_graphed_callables(
             )
     targets = tuple(_unwrap_ddp(fn) for fn in callables)
     for i, target in enumerate(targets):
-        _fsdp.refuse_in_drop_in(i, _describe.module_of(target))
+        _fsdp.refuse_in_drop_in(i, target)
         if isinstance(target, nn.Module) and any(t is target for t in targets[:i]):
             raise ValueError(
                 f"cgraph: callable {i} is the module callable {targets.index(target)} is (or "
@@ -403,11 +403,11 @@ def make_graphed(
                        _kept_outputs(kept_outputs, guard_outputs))
     target, pool_id = Target.of(0, inner), _pool_id(pool)
     limit = None if max_graphs is None else _max_graphs(max_graphs)
-    if sample_args is not None and _fsdp.is_fsdp(target.module()):
+    if sample_args is not None and _fsdp.is_fsdp(inner):
         # Note [FSDP2's unsharded parameters in per-layer graphs]: FSDP
         # all-gathers the parameters inside its forward, so it captures there.
         _log.log.info("cgraph: %s is sharded by fully_shard: captured on its first call, "
-                      "not from the samples", type(target.module()).__name__)
+                      "not from the samples", type(inner).__name__)
         sample_args = sample_kwargs = None
     if sample_args is None:
         if sample_kwargs is not None:
@@ -425,7 +425,8 @@ def make_graphed(
             _live.add(g)
     call = g
     if buckets is not None:
-        call = Bucketed(g, normalize_buckets(buckets), target.module())
+        call = Bucketed(g, normalize_buckets(buckets),
+                        inner if isinstance(inner, nn.Module) else None)
     if inner is not fn:  # DistributedDataParallel: see _unwrap_ddp
         _install_forward(inner, g, call)
         return fn

@@ -75,13 +75,6 @@ class Target(NamedTuple):
         """The callable, or None for a module that no longer exists."""
         return self.fn() if isinstance(self.fn, weakref.ref) else self.fn
 
-    def module(self) -> nn.Module | None:
-        """The module graphed: the callable, or a bound method's module
-        (_method_fields); None for a function, or a module that no longer
-        exists."""
-        ref = self.fields["module"]
-        return ref() if ref is not None else None
-
     def run_eagerly(self, args: tuple, kwargs: dict):
         """What the callable returns for this call without graphs, called
         the way the native core's eager path calls it (graphed.c's
@@ -108,7 +101,7 @@ class Draft(NamedTuple):
 def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
     """Describes a call of `target` with these samples.  `claimed`: sample
     memory already used as a static input (see _static_input)."""
-    index, fn = target.index, target.module()
+    index, fn = target.index, target.callable()
     if not isinstance(args, tuple):
         hint = " (write (x,) for one tensor)" if isinstance(args, torch.Tensor) else ""
         raise TypeError(
@@ -132,7 +125,7 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
     names = leaf_names(target.signature, args, kwargs)
     tensors, tensor_names, constants = _classify_leaves(index, leaves, names)
     flat = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
-    module = fn is not None
+    module = isinstance(fn, nn.Module)
     fields = dict(
         index=index, **target.fields, training=fn.training if module else False,
         args=args, kwargs=kwargs, kw_names=tuple(kwargs), tensors=tensors,
@@ -288,8 +281,6 @@ def _classify_leaves(index: int, leaves: list, names: list[str]):
 
 def _target_fields(index: int, fn) -> dict:
     """What to call, and for a module how to run it eagerly and check it."""
-    if not isinstance(fn, nn.Module) and module_of(fn) is not None:
-        return _method_fields(index, fn, fn.__self__)
     if not isinstance(fn, nn.Module):
         return dict(function=fn, module=None, eager=None, eager_takes_module=False,
                     verify=None)
@@ -320,29 +311,6 @@ def _target_fields(index: int, fn) -> dict:
     # The module weakly: module.forward holds the Graphed, which holds the spec.
     return dict(function=None, module=weakref.ref(fn), eager=eager,
                 eager_takes_module=takes_module, verify=StateCheck(index, fn))
-
-
-def module_of(fn) -> nn.Module | None:
-    """The module graphed as `fn`: fn, or the module of a bound method
-    (_method_fields); None for anything else."""
-    if isinstance(fn, nn.Module):
-        return fn
-    return fn.__self__ if inspect.ismethod(fn) and isinstance(fn.__self__, nn.Module) else None
-
-
-def _method_fields(index: int, method, module: nn.Module) -> dict:
-    """A bound method of a module (``make_graphed(model.forward)``, the
-    torchtitan way of graphing a block in place) is graphed as that module:
-    its mode keys the graphs, its state is checked at every call, its
-    buffers are put back after the warm-up (BatchNorm's running statistics
-    advance once per call, as in eager), and its hooks do not run, as
-    calling the method skips them.  As a plain function it read none of
-    that: ``model.eval()`` replayed the training graph."""
-    fields = _target_fields(index, module)
-    fields["eager"], fields["eager_takes_module"] = method.__func__, True
-    if any(map(_dtensor.is_dtensor, module.parameters())):
-        fields["eager"] = _dtensor.forward_on_leaves(method.__func__)
-    return fields
 
 
 def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:

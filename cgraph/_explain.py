@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _C, _describe, _fsdp
 from ._capture import patched
-from ._describe import _CONTAINERS, CONSTANT_TYPES, leaf_names, module_of
+from ._describe import _CONTAINERS, CONSTANT_TYPES, leaf_names
 
 __all__ = ["explain", "Explanation", "Problem"]
 
@@ -170,7 +170,7 @@ def explain(fn: Callable[..., Any], sample_args: tuple,
         assert report.ok, report.problems
     """
     fn, args, kwargs = _checked(fn, sample_args, sample_kwargs)
-    module = module_of(fn)
+    module = _module_of(fn)
     leaves = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     rec = _Recorder(_device_of(module, leaves))
     names = leaf_names(_signature(fn), args, kwargs)
@@ -204,6 +204,15 @@ def _checked(fn, args, kwargs):
     if isinstance(fn, nn.parallel.DistributedDataParallel) and isinstance(inner, nn.Module):
         fn = inner
     return fn, args, kwargs
+
+
+def _module_of(fn) -> nn.Module | None:
+    """The module whose state the calls may change: fn, or the module of a
+    bound method."""
+    if isinstance(fn, nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
 
 
 def _name_of(fn) -> str:

@@ -40,8 +40,8 @@ class Regraph:
             _log.cache_call_eager(graphed)
             return None
         _check_device(graphed, (args, kwargs))
-        module = self.target.module()
-        if module is not None and _fsdp.is_fsdp(module):  # in its forward: just all-gathered
+        module = self.target.callable()
+        if _fsdp.is_fsdp(module):  # inside its forward: FSDP has just all-gathered
             _fsdp.home_parameters(module, graphed)
         started = time.perf_counter()
         with self._samples(args, kwargs, site.pool) as samples:

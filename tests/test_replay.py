@@ -486,37 +486,6 @@ def test_other_train_eval_mode_runs_eagerly():
     assert_equal(out, eager(x), "train-mode output (dropout mask)")
 
 
-@pytest.mark.parametrize("samples", [True, False], ids=["samples", "first call"])
-def test_a_modules_bound_forward_graphed_in_place_is_graphed_as_that_module(samples):
-    """``block.forward = cgraph.make_graphed(block.forward)`` (torchtitan's
-    way to graph a block in place): the block's mode keys the graphs
-    (eval() replays no training graph), its running statistics advance once
-    per call as in eager (the warm-up's are put back), and its outputs and
-    grads are eager's.  Before, a bound method was graphed as a plain
-    function: eval() replayed dropout and batch statistics, and the
-    warm-up calls advanced the running statistics."""
-    torch.manual_seed(9)
-    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(),
-                          nn.Dropout(0.25)).to(CUDA)
-    eager = copy.deepcopy(model)
-    sample = (torch.randn(8, 16, device=CUDA, requires_grad=True),) if samples else None
-    model.forward = cgraph.make_graphed(model.forward, sample)
-    for step in range(4):
-        x = torch.randn(8, 16, device=CUDA, requires_grad=True)
-        torch.cuda.manual_seed(step)
-        out = model(x)
-        torch.cuda.manual_seed(step)
-        out_e = eager(twin(x))
-        assert_equal(out, out_e, f"step {step}: output")
-        backward_as_eager(out, out_e)
-        for (name, b), c in zip(model.named_buffers(), eager.buffers()):
-            assert_equal(b, c, f"step {step}: buffer {name}")
-    model.eval()
-    eager.eval()
-    x = torch.randn(8, 16, device=CUDA)
-    assert_equal(model(x), eager(x), "eval-mode output")
-
-
 def test_no_grad_replays_forward_only():
     model, make_input = mlp()
     eager = copy.deepcopy(model)
