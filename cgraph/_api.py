@@ -614,7 +614,15 @@ def _unwrap_ddp(fn):
     """DistributedDataParallel's forward does per-call bookkeeping in Python
     (prepare_for_backward) that its gradient hooks rely on, so cgraph graphs
     the module inside and leaves DDP around it.  Collectives then run from
-    DDP's hooks outside the graphs; none is ever captured."""
+    DDP's hooks outside the graphs; none is ever captured.  Its bound
+    forward is refused: graphed as a function, that bookkeeping would run
+    at capture only, and the replays' grads would never be all-reduced."""
+    if isinstance(getattr(fn, "__self__", None), DistributedDataParallel):
+        raise ValueError(
+            "cgraph: this is a DistributedDataParallel model's bound method "
+            f"({getattr(fn, '__name__', 'forward')}); graphed as a function, DDP's per-call "
+            "bookkeeping would run at capture only and the replays' grads would not be "
+            "all-reduced. Graph the DDP model itself: cgraph.make_graphed(ddp_model).")
     return fn.module if isinstance(fn, DistributedDataParallel) else fn
 
 

@@ -235,3 +235,18 @@ def test_the_captured_call_reports_the_accumulators_it_moved():
         (torch.ones(3),), {})
     assert (out, moved, ran) == ("done", 1, [True])
     assert kept.view_as(kept).grad_fn.next_functions[0][0] is node
+
+
+@pytest.mark.parametrize("api", ["make_graphed", "make_graphed_callables"])
+def test_a_ddp_model_s_bound_forward_is_refused_naming_the_model(gloo, api):
+    """Graphed as a function, DDP's forward would do its per-call
+    bookkeeping (prepare_for_backward) at capture only, and no replay's
+    grads would be all-reduced: refused before anything is captured."""
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = DistributedDataParallel(cpu_model())
+    x = torch.randn(6, 8)
+    with pytest.raises(ValueError, match=r"Graph the DDP model itself: cgraph.make_graphed"):
+        if api == "make_graphed":
+            cgraph.make_graphed(ddp.forward, (x,))
+        else:
+            cgraph.make_graphed_callables((ddp.forward,), ((x,),))
