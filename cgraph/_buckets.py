@@ -145,10 +145,16 @@ from . import _C, _log
 # NOT_MASK_KEYWORDS it is not one; under others its shape decides: Note
 # [Attention masks under sequence buckets].
 MASK_KEYWORDS = frozenset({"attention_mask", "attn_mask", "mask", "causal_mask",
-                           "encoder_attention_mask", "key_padding_mask"})
+                           "key_padding_mask"})
 NOT_MASK_KEYWORDS = frozenset({"hidden_states", "encoder_hidden_states", "x", "input",
                                "query", "key", "value", "query_states", "key_states",
                                "value_states", "q", "k", "v"})
+# An encoder's sequence, handed to a decoder layer's cross-attention: another
+# sequence than the bucketed one, whatever its length, so never padded along
+# it (padded as the decoder's at the same length, its new keys would be
+# attended, no mask covering them).  Along the batch it is padded as any tensor.
+_OTHER_SEQUENCE = frozenset({"encoder_hidden_states", "key_value_states",
+                             "encoder_attention_mask"})
 # Masks whose True (or nonzero) masks, and whose floats are added to the
 # scores at any rank (nn.MultiheadAttention's, nn.Transformer's, fairseq's):
 # a keyword ending so.
@@ -222,11 +228,12 @@ class Bucketed:
         # Keywords whose masks mask with True in this module's own forward.
         self._true_masks = next((keywords for cls, keywords in _TRUE_MASKS_OF.items()
                                  if isinstance(module, cls)), frozenset())
-        # The module's name where it holds attention it says is not causal
-        # (is_causal False, as Hugging Face's encoders' self-attention), else
-        # None: Note [A padded sequence with no mask].
-        self._bidirectional = type(module).__name__ if module is not None and any(
-            getattr(m, "is_causal", None) is False for m in module.modules()) else None
+        # The module's name where its attention says it is not causal and
+        # none says it is (an encoder's: BERT's), else None: Note [A padded
+        # sequence with no mask].
+        causal = {getattr(m, "is_causal", None) for m in module.modules()} if module else set()
+        self._bidirectional = (type(module).__name__ if False in causal and True not in causal
+                               else None)
 
     @property
     def module(self) -> nn.Module | None:
@@ -294,15 +301,18 @@ def _size_at(leaves: list, dim: int) -> int:
 #    Causal attention needs no mask (no real query sees a later key), and a
 #    mask, where one is passed, masks them (Note [Attention masks under
 #    sequence buckets]).  So a module holding attention whose ``is_causal``
-#    is False runs such a call at its own size (a graph of its own, or
-#    eagerly past max_graphs), logged once; other modules, whose attention
-#    says nothing, are padded as before.
+#    is False, and none whose is True, runs such a call at its own size (a
+#    graph of its own, or eagerly past max_graphs), logged once; other
+#    modules are padded as before: a decoder layer's causal self-attention
+#    with a cross-attention (BART's, Whisper's) reads the encoder's
+#    sequence, which is never padded with the decoder's (_OTHER_SEQUENCE).
 def _has_mask(leaves: list, keywords: list, padding: dict) -> bool:
     """Whether a call padded along a sequence (`padding` beyond dimension
     0) passes an attention mask for it; True when it pads the batch only."""
     sequences = [(d, n) for d, (n, _) in padding.items() if d >= 1]
     return not sequences or any(
-        isinstance(t, torch.Tensor) and _is_mask(t, d, n, keyword)
+        isinstance(t, torch.Tensor) and keyword not in _OTHER_SEQUENCE
+        and _is_mask(t, d, n, keyword)
         for t, keyword in zip(leaves, keywords) for d, n in sequences)
 
 
@@ -352,6 +362,8 @@ def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]], keyword: str | No
     """`t`, passed under `keyword` (None: positionally) in `call`, padded
     for every dimension of `padding`."""
     for dim, (n, bucket) in padding.items():
+        if dim >= 1 and keyword in _OTHER_SEQUENCE:
+            continue
         if _is_mask(t, dim, n, keyword):
             # (T, T) beside a batch of another size: queries and keys.
             square = t.dim() == 2 and t.shape[0] == n and call.batch != n

@@ -271,7 +271,7 @@ def test_the_keyword_decides_before_the_shape():
     is the length; under an activation's keyword none; under another
     keyword (T5's position_bias=), positionally and for outputs, the shape
     rule."""
-    assert {"attention_mask", "attn_mask", "mask", "causal_mask", "encoder_attention_mask",
+    assert {"attention_mask", "attn_mask", "mask", "causal_mask",
             "key_padding_mask"} == MASK_KEYWORDS
     for shape in [(2, 64), (2, 1, 64), (2, 64, 64), (2, 1, 64, 64), (2, 3, 64, 64)]:
         assert _is_mask(torch.empty(shape), 1, 64, "mask"), shape
@@ -367,13 +367,13 @@ def test_key_masks_under_their_keywords_pad_their_keys_masked_in_their_conventio
     keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]).repeat(3, 1)[:5]
     masks = {"attention_mask": keep.bool(), "attn_mask": keep[:, None],
              "key_padding_mask": ~keep.bool(), "causal_mask": additive(keep.bool()),
-             "encoder_attention_mask": keep.float()}
+             "mask": keep.float()}
     recorder = Recorder()
     bucketed(recorder, {1: [8]})(torch.randn(5, 5, 4), **masks)
     for name, row_0, row_1 in [("attention_mask", False, False), ("attn_mask", 0, 0),
                                ("key_padding_mask", True, True),
                                ("causal_mask", torch.finfo().min, torch.finfo().min),
-                               ("encoder_attention_mask", 0.0, 0.0)]:
+                               ("mask", 0.0, 0.0)]:
         mask, padded = masks[name], recorder.kwargs[name]
         assert padded.shape == (*mask.shape[:-1], 8), name
         assert torch.equal(padded[..., :5], mask), name
@@ -498,6 +498,32 @@ def test_a_call_with_no_mask_is_padded_only_where_attention_is_causal(causal, ca
     assert caplog.text.count("is not padded to a bucket") == (0 if causal else 1), caplog.text
     layer(x, attention_mask=torch.ones(2, 11, dtype=torch.bool))
     assert recorder.args[0].shape == (2, 16, 8)
+
+
+def test_an_encoder_s_sequence_is_not_padded_with_the_decoder_s():
+    """A decoder layer's cross-attention reads the encoder's states, another
+    sequence: at the decoder's length too, they and their mask are padded
+    along the batch only (padded with the decoder's, their new keys would
+    be attended).  A decoder layer, whose self-attention says is_causal=True
+    beside a cross-attention that says False, pads a call with no mask."""
+    class Attention(nn.Module):
+        def __init__(self, causal):
+            super().__init__()
+            self.is_causal = causal
+
+    class DecoderLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.encoder_attn = Attention(True), Attention(False)
+
+    recorder = Recorder()
+    layer = Bucketed(recorder, normalize({0: [4], 1: [16]}), DecoderLayer())
+    memory, memory_mask = torch.randn(3, 11, 8), torch.ones(3, 11, dtype=torch.bool)
+    layer(torch.randn(3, 11, 8), attention_mask=None, encoder_hidden_states=memory,
+          encoder_attention_mask=memory_mask)
+    assert recorder.args[0].shape == (4, 16, 8)
+    assert recorder.kwargs["encoder_hidden_states"].shape == (4, 11, 8)
+    assert recorder.kwargs["encoder_attention_mask"].shape == (4, 11)
 
 
 def test_key_padding_mask_under_multihead_attention_keeps_the_real_outputs():
