@@ -503,6 +503,13 @@ class GraphedModule(_Wrapper):
             return
         super().__setattr__(name, value)
 
+    def __delattr__(self, name: str) -> None:
+        """As __setattr__: a name written through is deleted there."""
+        if self._read_through(name):
+            delattr(self.__dict__["_modules"]["module"], name)
+            return
+        super().__delattr__(name)
+
     def _read_through(self, name: str) -> bool:
         """Whether `name` is the wrapped module's, read through __getattr__:
         public, and not the wrapper's own (its training flag, its module).

@@ -873,3 +873,5 @@ def test_a_graphed_module_writes_the_wrapped_module_s_names_through():
     assert not graphed.training and not model.training
     graphed.note = "mine"
     assert graphed.__dict__["note"] == "mine" and not hasattr(model, "note")
+    del graphed.scale, graphed.note
+    assert not hasattr(model, "scale") and "note" not in graphed.__dict__
