@@ -483,18 +483,27 @@ two_tuples(PyObject *const *args, Py_ssize_t nargs, const char *name, PyObject *
     return 0;
 }
 
+/* `compare` (1 same, 0 not, -1 with an exception set) of the call's two
+ * tuples, as a NEW reference to a bool, or NULL with an exception set. */
+static PyObject *
+compared(PyObject *const *args, Py_ssize_t nargs, const char *name,
+         int (*compare)(PyObject *, PyObject *))
+{
+    PyObject *first, *second;
+    int same;
+
+    if (two_tuples(args, nargs, name, &first, &second) < 0) {
+        return NULL;
+    }
+    same = compare(first, second);
+    return same < 0 ? NULL : PyBool_FromLong(same);
+}
+
 /* Returns a NEW reference to a bool, or NULL with an exception set. */
 static PyObject *
 cgm_grads_are(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *params, *grads;
-    int same;
-
-    if (two_tuples(args, nargs, "grads_are", &params, &grads) < 0) {
-        return NULL;
-    }
-    same = cg_grads_are(params, grads);
-    return same < 0 ? NULL : PyBool_FromLong(same);
+    return compared(args, nargs, "grads_are", cg_grads_are);
 }
 
 PyDoc_STRVAR(cgm_param_marks_doc,
@@ -523,14 +532,7 @@ PyDoc_STRVAR(cgm_params_are_doc,
 static PyObject *
 cgm_params_are(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *params, *marks;
-    int same;
-
-    if (two_tuples(args, nargs, "params_are", &params, &marks) < 0) {
-        return NULL;
-    }
-    same = cg_params_are(params, marks);
-    return same < 0 ? NULL : PyBool_FromLong(same);
+    return compared(args, nargs, "params_are", cg_params_are);
 }
 
 PyDoc_STRVAR(cgm_modes_are_doc,
