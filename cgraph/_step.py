@@ -115,11 +115,10 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    optimizer's next step, eager or captured, makes it again.  The modes are
    those the capturing call found (a step that calls ``model.train()``
    itself, run between ``model.eval()`` calls, keeps its graph).  An lr
-   that changes inside
-   the step after its optimizer stepped (``scheduler.step()`` in the step)
-   is refused at the first warm-up call: the scheduler would fill the
-   graph's device lr once, at capture, and every replay would step with
-   that lr.  Modes: Note [The modules a graphed step's modes are read from]
+   that changes inside the step after its optimizer stepped
+   (``scheduler.step()`` in the step) is refused at the first warm-up
+   call: the scheduler would fill the graph's device lr once, at capture,
+   and every replay would step with that lr.  Modes: Note [The modules a graphed step's modes are read from]
    (cgraph/_step_modes.py).  Not seen: parameters replaced by new objects
    (``load_state_dict(assign=True)``), which the optimizer no longer steps
    in eager mode either, and the memory of a tensor subclass other than
@@ -1035,18 +1034,19 @@ def _refuse_lrs_moved_inside(lrs: dict) -> None:
             raise RuntimeError(
                 f"cgraph: the learning rate of {type(optimizer).__name__} changed inside the "
                 f"graphed step after its step (from {before} to {now}): a scheduler.step() "
-                "inside the step? Every replay would step with the lr its capture saw. Call "
-                "scheduler.step() after the graphed step (loss = step(x, y); "
-                "scheduler.step()): cgraph reads each group's lr before every replay (Note "
-                "[Capturable optimizers] in cgraph/_step.py).")
+                f"inside the step? Every replay would step with the lr its capture saw. "
+                f"{_SCHEDULER_FIX}")
 
 
+# How to step a scheduler beside a graphed step: the end of both refusals.
+_SCHEDULER_FIX = (
+    "Call scheduler.step() after the graphed step (loss = step(x, y); scheduler.step()): "
+    "cgraph reads each group's lr before every replay (Note [Capturable optimizers] in "
+    "cgraph/_step.py).")
 _SCHEDULER_INSIDE = (
     "cgraph: scheduler.step() was called inside the graphed step: a replay runs no Python, "
     "so the scheduler would step once, at capture, and every replay would step with that "
-    "lr. Call scheduler.step() after the graphed step (loss = step(x, y); scheduler.step()): "
-    "cgraph reads each group's lr before every replay (Note [Capturable optimizers] in "
-    "cgraph/_step.py).")
+    f"lr. {_SCHEDULER_FIX}")
 
 
 @contextlib.contextmanager
