@@ -245,20 +245,22 @@ class Bucketed:
         padding = self._padding(leaves)
         if not padding:
             return self.graphed(*args, **kwargs)
-        module = self.module
         mixing = _mixing_batchnorm(self._batchnorms)
         if mixing is not None:
             raise ValueError(
-                f"cgraph: {type(module).__name__} has BatchNorm in training mode ({mixing!r}, "
+                f"cgraph: {type(self.module).__name__} has BatchNorm in training mode ({mixing!r}, "
                 "or one without running statistics), whose statistics mix the rows of a "
                 "batch and the positions of a sequence: padded rows or positions would "
                 "change the real ones. Call it unpadded (a size in the buckets), or graph "
                 "it without buckets.")
-        keywords = _keywords(len(leaves), kwargs)
-        if self._bidirectional is not None and not _has_mask(leaves, keywords, padding):
-            _unmasked_bidirectional(self)
-            return self.graphed(*args, **kwargs)  # unpadded: a graph of its own size
-        call = _Call(_batch_of(leaves, keywords), self._true_masks)
+        if any(dim >= 1 for dim in padding):  # names and the batch matter along sequences
+            keywords = _keywords(len(leaves), kwargs)
+            if self._bidirectional is not None and not _has_mask(leaves, keywords, padding):
+                _unmasked_bidirectional(self)
+                return self.graphed(*args, **kwargs)  # unpadded: a graph of its own size
+            call = _Call(_batch_of(leaves, keywords), self._true_masks)
+        else:
+            keywords, call = [None] * len(leaves), _Call(None, self._true_masks)
         leaves = [_pad(t, padding, keyword, call) if isinstance(t, torch.Tensor) else t
                   for t, keyword in zip(leaves, keywords)]
         args, kwargs = pytree.tree_unflatten(leaves, spec)
@@ -284,11 +286,13 @@ def _size_at(leaves: list, dim: int) -> int:
     broadcast there (a (B, 1, T, T) mask passed before the hidden states:
     size 1 at a dimension d >= 1 with two more after it); 0 where no tensor
     has `dim`."""
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() > dim]
-    if not tensors:
-        return 0
-    unmasked = (t for t in tensors if not (dim >= 1 and t.shape[dim] == 1 and t.dim() > dim + 2))
-    return next(unmasked, tensors[0]).shape[dim]
+    first = None  # on every call, at a bucket's size too: one pass, no list
+    for t in leaves:
+        if isinstance(t, torch.Tensor) and t.dim() > dim:
+            if not (dim >= 1 and t.shape[dim] == 1 and t.dim() > dim + 2):
+                return t.shape[dim]
+            first = t if first is None else first
+    return 0 if first is None else first.shape[dim]
 
 
 # Note [A padded sequence with no mask]
@@ -357,8 +361,8 @@ class _Call(NamedTuple):
     true_masks: frozenset
 
 
-def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]], keyword: str | None = None,
-         call: _Call = _Call(None, frozenset())) -> torch.Tensor:
+def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]], keyword: str | None,
+         call: _Call) -> torch.Tensor:
     """`t`, passed under `keyword` (None: positionally) in `call`, padded
     for every dimension of `padding`."""
     for dim, (n, bucket) in padding.items():
@@ -410,8 +414,8 @@ def _masks_with_true(keyword: str | None) -> bool:
     return keyword is not None and keyword.endswith(_TRUE_MASK)
 
 
-def _pad_mask(t: torch.Tensor, n: int, bucket: int, true: bool = False,
-              square: bool = False) -> torch.Tensor:
+def _pad_mask(t: torch.Tensor, n: int, bucket: int, true: bool,
+              square: bool) -> torch.Tensor:
     """Mask `t` (whose True masks, if `true`) padded to `bucket` keys,
     masked, and (where it is 3-D or more, or `square`: (queries, keys), and
     its queries do not broadcast) to `bucket` queries that attend to every

@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import _C, _dtensor, _fsdp
+from ._buckets import Bucketed
 
 # Non-tensor arguments a graph can bake in as constants: each call must pass
 # the captured value again (checked in C on every call).
@@ -346,8 +347,9 @@ GRAPHED_ALREADY_FIX = ("use the module as it is (a drop-in cell run twice in a n
 
 
 def is_graphed_callable(value) -> bool:
-    """Whether `value` is a graphed callable, bare or padded to buckets."""
-    from ._buckets import Bucketed
+    """Whether `value` is a graphed callable, bare or padded to buckets.  On
+    every forward of a model graph_layers graphed (its cache hook asks):
+    the classes imported once, not per call."""
     return isinstance(value, (_C.Graphed, Bucketed))
 
 
