@@ -288,9 +288,10 @@ def make_graphed_callables(
     targets = tuple(_unwrap_ddp(fn) for fn in callables)
     for i, target in enumerate(targets):
         _fsdp.refuse_in_drop_in(i, target)
-        if isinstance(target, nn.Module) and any(t is target for t in targets[:i]):
+        first = next((j for j, t in enumerate(targets[:i]) if t is target), None)
+        if isinstance(target, nn.Module) and first is not None:  # `is`: never a module's __eq__
             raise ValueError(
-                f"cgraph: callable {i} is the module callable {targets.index(target)} is (or "
+                f"cgraph: callable {i} is the module callable {first} is (or "
                 "the module a DistributedDataParallel there wraps); a module has one forward "
                 "to replace. Pass it once, and call it as often as the model does.")
     options = _options(num_warmup_iters, allow_unused_input, capture_error_mode,

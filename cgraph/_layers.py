@@ -111,15 +111,17 @@ def _graph_each(blocks: nn.Module, pool, make_graphed_kwargs: dict) -> None:
         raise
 
 
-def graph_layers_once(model: nn.Module, who: str, **graph_layers_kwargs) -> None:
+def graph_layers_once(model: nn.Module, who: str, **graph_layers_kwargs) -> bool:
     """graph_layers, for the framework callbacks (cgraph/transformers.py,
     cgraph/lightning.py): a model with graphed blocks already (a second
-    fit, or blocks the user graphed) is left as it is, logged."""
+    fit, or blocks the user graphed) is left as it is, logged.  Whether it
+    graphed them now."""
     if any(is_graphed(m) for m in model.modules()):
         log.info("cgraph: %s: %s has graphed blocks already; left as it is", who,
                  type(model).__name__)
-        return
+        return False
     graph_layers(model, **graph_layers_kwargs)
+    return True
 
 
 def _find(root: nn.Module, layers) -> Blocks:

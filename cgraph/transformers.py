@@ -65,10 +65,8 @@ class CUDAGraphsCallback(TrainerCallback):
                      "the callback captured are freed and the blocks graphed again",
                      batch_size, self._batch_size)
             self._reset_graphed()
-        graphed_before = _graphed_blocks(model)
-        _layers.graph_layers_once(model, "CUDAGraphsCallback", **self.graph_layers_kwargs)
-        if not graphed_before:  # the callback's graphs, not the user's
-            self._graphed.update(_graphed_blocks(model))
+        if _layers.graph_layers_once(model, "CUDAGraphsCallback", **self.graph_layers_kwargs):
+            self._graphed.update(_graphed_blocks(model))  # the callback's, not the user's
             self._batch_size = batch_size
 
     def _reset_graphed(self) -> None:
@@ -79,7 +77,6 @@ class CUDAGraphsCallback(TrainerCallback):
             if _layers.is_graphed(block):
                 block.forward.reset()
         self._graphed.clear()
-        self._batch_size = None
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
