@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _dtensor, _fsdp
 from ._buckets import Bucketed
+from ._modes import Modes
 
 # Non-tensor arguments a graph can bake in as constants: each call must pass
 # the captured value again (checked in C on every call).
@@ -53,8 +54,8 @@ class Default(NamedTuple):
 
 class Target(NamedTuple):
     """One callable, looked at once: what to call and how to run it eagerly
-    (CallableSpec's target fields, but ``training``, which each capture
-    reads afresh), and the signature its arguments bind to."""
+    (CallableSpec's target fields, but ``training`` and ``modes``, which
+    each capture reads afresh), and the signature its arguments bind to."""
 
     index: int  # position among the callables graphed together
     fn: Any  # the callable: weakly, for a module (module.forward holds the Graphed)
@@ -129,6 +130,7 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
     module = isinstance(fn, nn.Module)
     fields = dict(
         index=index, **target.fields, training=fn.training if module else False,
+        modes=Modes.inside(fn) if module else Modes((), ()),
         args=args, kwargs=kwargs, kw_names=tuple(kwargs), tensors=tensors,
         names=tensor_names,
         params=tuple(map(_dtensor.local_leaf, fn.parameters())) if module else (),

@@ -119,7 +119,7 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    (``scheduler.step()`` in the step) is refused at the first warm-up
    call: the scheduler would fill the graph's device lr once, at capture,
    and every replay would step with that lr.  Modes: Note [The modules a graphed step's modes are read from]
-   (cgraph/_step_modes.py).  Not seen: parameters replaced by new objects
+   (cgraph/_modes.py).  Not seen: parameters replaced by new objects
    (``load_state_dict(assign=True)``), which the optimizer no longer steps
    in eager mode either, and the memory of a tensor subclass other than
    DTensor (float8 weights).  A change before every call captures at every
@@ -173,7 +173,7 @@ from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donate
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
 from ._step_grads import StepGrads
-from ._step_modes import StepModes
+from ._modes import Modes
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
@@ -419,8 +419,8 @@ class GraphedStep:
         # Note [What a graphed step checks before a replay].
         self.marks: tuple = ()
         # The modes of the modules it names, at capture: Note [The modules a
-        # graphed step's modes are read from] (cgraph/_step_modes.py).
-        self.modes: StepModes | None = None
+        # graphed step's modes are read from] (cgraph/_modes.py).
+        self.modes: Modes | None = None
         # Its capture made optimizer state (on some rank: captures_again; here:
         # made_at_capture): the next call captures again (Note [What a graphed
         # step checks before a replay]).
@@ -621,7 +621,7 @@ class GraphedStep:
         rank hears of it before it is raised)."""
         warm = None
         try:
-            took.modes = StepModes.of(self.fn, self.ddp.models())  # as the call found them
+            took.modes = Modes.of(self.fn, self.ddp.models())  # as the call found them
             state = _state_keys(self.optimizers)
             self._refuse_what_no_graph_can_step()
             self._free()
@@ -926,7 +926,7 @@ class _Took:
 
     returned: list = dataclasses.field(default_factory=list)  # _captured_call's _Outputs
     grads: list = dataclasses.field(default_factory=list)  # StepGrads.noted's record
-    modes: StepModes | None = None  # the modes of the modules it names, as the call found them
+    modes: Modes | None = None  # the modes of the modules it names, as the call found them
     made: list[_Made] = dataclasses.field(default_factory=list)  # optimizer state it made
     failure: BaseException | None = None
 

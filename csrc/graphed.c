@@ -432,6 +432,22 @@ resolve_module(GraphedObject *self, const cg_spec *spec, PyObject **module, int 
     return 0;
 }
 
+/* Whether a module found in mode `training` (resolve_module) now runs
+ * otherwise than `spec` was captured: its own mode, or one of its
+ * submodules' that read theirs (Note [Submodules' modes in per-module
+ * graphs] in cgraph/_modes.py).  1, 0, or -1 with an exception set. */
+static int
+modes_differ(const GraphedObject *self, const cg_spec *spec, int training)
+{
+    int hold;
+
+    if (spec->training != training) {
+        return 1;
+    }
+    hold = cg_spec_modes_hold(self->state, spec);
+    return hold < 0 ? -1 : !hold;
+}
+
 /* A call's tensor leaves for one entry's spec: the callable's defaults
  * stripped, then the keywords, structure and constants checked.  On
  * success *tensors points at them (*nt of them) and *owned keeps them
@@ -577,7 +593,8 @@ eager_for_pending_backward(GraphedObject *self)
 }
 
 /* The call path of a callable with one graph: the module routed (in the
- * other train/eval mode it runs eagerly, as torch does), the graph
+ * other train/eval mode, its own or a submodule's, it runs eagerly, as
+ * torch does in the other mode of its own), the graph
  * replayed (or the callable run eagerly), the outputs rebuilt.  A call
  * that does not match raises.  Returns a NEW reference, or NULL. */
 static PyObject *
@@ -590,9 +607,10 @@ call_one(GraphedObject *self, const cg_spec *spec, PyObject *const *args, Py_ssi
     int training = spec->training;
     int eager = spec->module != Py_None ? resolve_module(self, spec, &module, &training) : 0;
 
-    if (eager == 0 && training != spec->training) {
-        eager = 1;
-    } else if (eager == 0 && self->n_entries == 0) {  /* verify() ran Python */
+    if (eager == 0 && spec->module != Py_None) {
+        eager = modes_differ(self, spec, training);  /* the other mode: eagerly */
+    }
+    if (eager == 0 && self->n_entries == 0) {  /* verify() ran Python */
         eager = -1;
         raise_reset();
     } else if (eager == 0) {
@@ -626,16 +644,18 @@ static int
 entry_takes(GraphedObject *self, Py_ssize_t k, int training, PyObject *const *args,
             Py_ssize_t nargs, PyObject *kwnames, lookup *out)
 {
-    PyObject *spec = (PyObject *)self->entries[k].spec;
+    /* Reading modes and flattening run Python, which could reset() us. */
+    cg_spec *spec = (cg_spec *)Py_NewRef(self->entries[k].spec);
     const graph_entry *e;
     int fits, bound;
+    int differ = spec->module != Py_None ? modes_differ(self, spec, training) : 0;
 
-    if (((cg_spec *)spec)->module != Py_None && ((cg_spec *)spec)->training != training) {
-        return 0;
+    if (differ != 0) {
+        Py_DECREF(spec);
+        return differ < 0 ? -1 : 0;  /* the error, or another mode's call */
     }
-    Py_INCREF(spec);  /* flattening runs Python, which could reset() us */
-    bound = call_tensors(self, (cg_spec *)spec, args, nargs, kwnames, &out->tensors,
-                         &out->nt, &out->owned);
+    bound = call_tensors(self, spec, args, nargs, kwnames, &out->tensors, &out->nt,
+                         &out->owned);
     Py_DECREF(spec);
     if (bound < 0) {
         /* Binds unlike this capture (ValueError, TypeError: the errors

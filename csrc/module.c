@@ -541,38 +541,42 @@ PyDoc_STRVAR(cgm_modes_are_doc,
 "bool at the same place of the tuple `modes`.  Note [What a graphed step\n"
 "checks before a replay] in cgraph/_step.py.  Not a public API.");
 
-/* Returns a NEW reference to a bool, or NULL with an exception set.  An
- * attribute read and a pointer compare per module: nn.Module.train()
- * stores a bool, one of two objects. */
+int
+cg_modes_are(const cg_state *state, PyObject *modules, PyObject *modes)
+{
+    for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(modules); k++) {
+        PyObject *flag = PyObject_GetAttr(PyTuple_GET_ITEM(modules, k), state->str_training);
+        int same;
+
+        if (flag == NULL) {
+            return -1;
+        }
+        same = flag == PyTuple_GET_ITEM(modes, k);
+        Py_DECREF(flag);
+        if (!same) {
+            return 0;
+        }
+    }
+    return 1;
+}
+
+/* Returns a NEW reference to a bool, or NULL with an exception set. */
 static PyObject *
 cgm_modes_are(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *modules, *modes, *flag;
-    PyObject *training = get_state(module)->str_training;
-    Py_ssize_t n, k;
+    PyObject *modules, *modes;
     int same;
 
     if (two_tuples(args, nargs, "modes_are", &modules, &modes) < 0) {
         return NULL;
     }
-    n = PyTuple_GET_SIZE(modules);
-    if (PyTuple_GET_SIZE(modes) != n) {
-        PyErr_Format(PyExc_ValueError, "cgraph: modes_are: %zd modules but %zd modes", n,
-                     PyTuple_GET_SIZE(modes));
+    if (PyTuple_GET_SIZE(modes) != PyTuple_GET_SIZE(modules)) {
+        PyErr_Format(PyExc_ValueError, "cgraph: modes_are: %zd modules but %zd modes",
+                     PyTuple_GET_SIZE(modules), PyTuple_GET_SIZE(modes));
         return NULL;
     }
-    for (k = 0; k < n; k++) {
-        flag = PyObject_GetAttr(PyTuple_GET_ITEM(modules, k), training);
-        if (flag == NULL) {
-            return NULL;
-        }
-        same = flag == PyTuple_GET_ITEM(modes, k);
-        Py_DECREF(flag);
-        if (!same) {
-            Py_RETURN_FALSE;
-        }
-    }
-    Py_RETURN_TRUE;
+    same = cg_modes_are(get_state(module), modules, modes);
+    return same < 0 ? NULL : PyBool_FromLong(same);
 }
 
 PyDoc_STRVAR(cgm_lend_memory_doc,

@@ -106,6 +106,12 @@ typedef struct {
                                 train/eval mode; None for a function */
     char eager_takes_module; /* `eager` is unbound: pass the module first */
     char training;           /* module.training at capture */
+    PyObject *modes;         /* (modules: tuple, modes: tuple of bool): the
+                                submodules whose methods read `training` and
+                                their flags at capture (_modes.Modes);
+                                empty for a function: Note [Submodules'
+                                modes in per-module graphs] in
+                                cgraph/_modes.py */
     PyObject *args;          /* tuple: the sample args, as called at capture */
     PyObject *kwargs;        /* dict: the sample kwargs, sorted by name */
     PyObject *kw_names;      /* tuple: the kwargs' names, sorted */
@@ -143,7 +149,20 @@ enum { CG_CONSTANT_POSITION = 0, CG_CONSTANT_NAME = 1, CG_CONSTANT_VALUE = 2 };
 enum { CG_DEFAULT_NAME = 0, CG_DEFAULT_POSITION = 1, CG_DEFAULT_VALUE = 2,
        CG_DEFAULT_BY_KEYWORD = 3 };
 
+/* Fields of a Modes (a tuple). */
+enum { CG_MODES_MODULES = 0, CG_MODES_FLAGS = 1 };
+
 extern PyType_Spec cg_spec_type_spec;
+
+/* 1 if each module of the tuple `modules` has as its `training` flag the
+ * bool at its place in the tuple `modes` (as many), 0 if one does not, -1
+ * with an exception set.  An attribute read and a pointer compare per
+ * module: nn.Module.train() stores a bool, one of two objects. */
+int cg_modes_are(const cg_state *state, PyObject *modules, PyObject *modes);
+
+/* cg_modes_are over spec->modes: whether the submodules' modes are still
+ * those the spec was captured in.  1, 0, or -1 with an exception set. */
+int cg_spec_modes_hold(const cg_state *state, const cg_spec *spec);
 
 /* Reads spec->rng_warmup (not None): *offsets (a PyMem_Malloc'ed array the
  * caller frees, of *count entries) and *increment; with offsets NULL, only

@@ -8,6 +8,7 @@
  *     class CallableSpec:
  *         index: int; function: Callable | None; module: weakref.ref | None
  *         eager: Callable | None; eager_takes_module: bool; training: bool
+ *         modes: Modes  # (modules: tuple, modes: tuple[bool, ...])
  *         args: tuple; kwargs: dict; kw_names: tuple[str, ...]
  *         tensors: tuple[Tensor, ...]; names: tuple[str, ...]
  *         params: tuple[Tensor, ...]; buffers: tuple[Tensor, ...]
@@ -38,6 +39,8 @@ static PyMemberDef spec_members[] = {
     SPEC_OBJECT(eager, "the module's forward for eager calls; else None"),
     SPEC_BOOL(eager_takes_module, "eager is unbound: the module is passed first"),
     SPEC_BOOL(training, "module.training at capture"),
+    SPEC_OBJECT(modes, "(modules, modes): the submodules reading `training` and their "
+                "flags at capture"),
     SPEC_OBJECT(args, "the sample args"),
     SPEC_OBJECT(kwargs, "the sample kwargs, sorted by name"),
     SPEC_OBJECT(kw_names, "the kwargs' names, sorted"),
@@ -104,6 +107,23 @@ set_member(cg_spec *spec, const PyMemberDef *member, PyObject *value)
     }
 }
 
+/* 0 if `modes` is a pair of tuples of one length (a Modes), else -1 with a
+ * TypeError. */
+static int
+check_modes(PyObject *modes)
+{
+    if (!PyTuple_Check(modes) || PyTuple_GET_SIZE(modes) != 2 ||
+        !PyTuple_Check(PyTuple_GET_ITEM(modes, CG_MODES_MODULES)) ||
+        !PyTuple_Check(PyTuple_GET_ITEM(modes, CG_MODES_FLAGS)) ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(modes, CG_MODES_MODULES)) !=
+            PyTuple_GET_SIZE(PyTuple_GET_ITEM(modes, CG_MODES_FLAGS))) {
+        PyErr_SetString(PyExc_TypeError, "CallableSpec.modes must be (modules: tuple, "
+                        "modes: tuple), as many of each");
+        return -1;
+    }
+    return 0;
+}
+
 /* 0 if the fields the C code indexes have their types and every constant is
  * a (position, name, value) tuple, else -1 with a TypeError. */
 static int
@@ -119,6 +139,9 @@ check_types(cg_spec *spec)
         }
     }
     if (spec->rng_warmup != Py_None && cg_spec_rng_warmup(spec, NULL, NULL, NULL) < 0) {
+        return -1;
+    }
+    if (check_modes(spec->modes) < 0) {
         return -1;
     }
     if (spec->walk != Py_None &&
@@ -257,6 +280,17 @@ cg_spec_forward(const cg_spec *spec)
     forward = PyMethod_New(spec->eager, module);
     Py_DECREF(module);
     return forward;
+}
+
+int
+cg_spec_modes_hold(const cg_state *state, const cg_spec *spec)
+{
+    PyObject *modules = PyTuple_GET_ITEM(spec->modes, CG_MODES_MODULES);
+
+    if (PyTuple_GET_SIZE(modules) == 0) {
+        return 1;
+    }
+    return cg_modes_are(state, modules, PyTuple_GET_ITEM(spec->modes, CG_MODES_FLAGS));
 }
 
 static int

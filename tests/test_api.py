@@ -97,6 +97,28 @@ def test_a_module_is_held_weakly_by_its_spec():
     assert spec.params == tuple(layer.parameters()) and spec.flat
 
 
+def test_a_module_spec_keeps_the_submodules_that_read_their_mode():
+    """Note [Submodules' modes in per-module graphs]: a Dropout's and a
+    BatchNorm's mode is baked into a graph, a Linear's is not; the module's
+    own mode is `training`."""
+    from cgraph._describe import Target, draft
+
+    drop, norm = torch.nn.Dropout(0.5), torch.nn.BatchNorm1d(4)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), drop, torch.nn.Sequential(norm))
+    norm.eval()
+    fields = draft(Target.of(0, model), (torch.randn(2, 4),), None, set()).fields
+    spec = cgraph._C.CallableSpec(**fields, device=0)
+    assert spec.modes == ((drop, norm), (True, False)) and spec.training
+    assert cgraph._C.modes_are(*spec.modes)
+    norm.train()
+    assert not cgraph._C.modes_are(*spec.modes)
+    function = draft(Target.of(0, len), (torch.zeros(1),), None, set()).fields
+    assert function["modes"] == ((), ())
+    for bad in ((), ((drop,), ()), ([drop], [True]), None):
+        with pytest.raises(TypeError, match="modes must be"):
+            cgraph._C.CallableSpec(**dict(fields, modes=bad, device=0))
+
+
 def test_callable_spec_refuses_missing_unknown_and_mistyped_fields():
     from cgraph._describe import Target, draft
 

@@ -346,6 +346,47 @@ def test_eval_mode_gets_its_own_graph():
     assert graphed.num_graphs == 2 and graphed.stats["forward"] == 3
 
 
+def test_a_submodule_switched_to_eval_after_capture_gets_its_own_graph():
+    """Note [Submodules' modes in per-module graphs]: BatchNorm frozen
+    (bn.eval()) while the model trains, then the dropout switched off: each
+    combination of modes is a graph of its own, every step equal to eager
+    (before, the replays kept the captured modes: batch statistics and
+    running-stat updates, dropout on)."""
+    torch.manual_seed(47)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.GELU(), nn.Dropout(0.25),
+                          nn.Linear(128, 64)).to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    for step in range(6):
+        if step in (2, 4):
+            for m in (model, eager):
+                m[1 if step == 2 else 3].eval()
+        x, upstream = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
+        out = train_step(graphed, opts[0], x, upstream, seed=20 + step)
+        out_e = train_step(eager, opts[1], x, upstream, seed=20 + step)
+        assert_equal(out, out_e, f"step {step}: output")
+        assert_grads_equal(model, eager, step)
+        for (name, b), b_e in zip(model.named_buffers(), eager.buffers()):
+            assert_equal(b, b_e, f"step {step}: buffer {name}")
+    assert graphed.num_graphs == 3 and graphed.stats["forward"] == 6
+
+
+def test_the_drop_in_runs_a_call_with_a_submodule_in_another_mode_eagerly():
+    """With one graph (torch's rules), a submodule's other mode runs
+    eagerly, as the module's own other mode does."""
+    torch.manual_seed(48)
+    model = dropout_mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed_callables(model, (torch.randn(8, 64, device=CUDA),))
+    x = torch.randn(8, 64, device=CUDA)
+    for m in (model, eager):
+        next(k for k in m.modules() if isinstance(k, nn.Dropout)).eval()
+    with torch.no_grad():
+        assert_equal(graphed(x), eager(x), "output with the dropout in eval")
+    assert graphed.forward.stats["forward"] == 0
+
+
 def test_capture_on_first_call_equals_eager_from_the_first_step():
     """make_graphed(module) with no samples: the first call captures, on
     copies of its arguments, and replays; warm-up leaves grads, buffers and

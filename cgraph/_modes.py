@@ -1,5 +1,7 @@
-"""The train/eval modes a graphed step was captured in, compared before each
-replay: Note [The modules a graphed step's modes are read from]."""
+"""The train/eval modes a graph was captured in, compared before each
+replay: a graphed step's (Note [The modules a graphed step's modes are read
+from]) and the submodules' of a graphed module (Note [Submodules' modes in
+per-module graphs])."""
 
 from __future__ import annotations
 
@@ -35,24 +37,53 @@ from . import _C
 #    switching those, reset the step (README, Limits).
 _DEPTH = 2  # the step, and the functions it names
 
+# Note [Submodules' modes in per-module graphs]
+# Q: A graphed module's graphs are keyed by its own train/eval mode, read on
+#    every call.  A submodule's mode changed after capture (a BatchNorm put
+#    in eval to freeze it, model.apply(freeze_bn), a dropout switched off)
+#    is baked into the graphs just the same: what sees it?
+# A: Each capture records, in CallableSpec.modes, the submodules whose
+#    class's methods name ``training`` (as a graphed step keeps its modules,
+#    above) and their flags then; the module's own flag is
+#    CallableSpec.training.  The call path (csrc/graphed.c, modes_differ)
+#    compares them natively beside the module's own mode, an attribute read
+#    and a pointer compare per such submodule (a Llama decoder layer has
+#    one, its attention; a Linear or a LayerNorm is not kept).  A call in
+#    other modes is another graph's, or a new capture's, as a call in the
+#    module's other mode is; with one graph (torch's rules) it runs
+#    eagerly, as torch runs the other mode.  A submodule replaced after
+#    capture is StateCheck's (cgraph/_describe.py): it raises.
 
-class StepModes(NamedTuple):
-    """The modules whose modes a step's graph baked in, and those modes."""
+
+class Modes(NamedTuple):
+    """Modules whose modes a graph baked in, and those modes
+    (CallableSpec.modes, _C.modes_are)."""
 
     modules: tuple
     modes: tuple
 
     @classmethod
-    def of(cls, fn: Callable, models: list) -> "StepModes":
-        """Those of `fn` (the step) and `models` (the DDP models it calls)."""
+    def of(cls, fn: Callable, models: list) -> "Modes":
+        """A step's: those of `fn` (the step) and `models` (the DDP models
+        it calls), roots included."""
         roots = {id(m): m for m in (*_modules_named_by(fn, _DEPTH, set()), *models)}
         modules: dict = {}
         for root in roots.values():
             for m in root.modules():
                 if m is root or _reads_training(type(m)):
                     modules.setdefault(id(m), m)
-        found = tuple(modules.values())
-        return cls(found, tuple(m.training for m in found))
+        return cls.now(tuple(modules.values()))
+
+    @classmethod
+    def inside(cls, module: nn.Module) -> "Modes":
+        """A graphed module's: its submodules that read their mode (its own
+        mode is CallableSpec.training)."""
+        return cls.now(tuple(m for m in module.modules()
+                             if m is not module and _reads_training(type(m))))
+
+    @classmethod
+    def now(cls, modules: tuple) -> "Modes":
+        return cls(modules, tuple(m.training for m in modules))
 
     def same(self) -> bool:
         return _C.modes_are(self.modules, self.modes)
