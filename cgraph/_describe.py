@@ -362,11 +362,12 @@ class StateCheck:
     read.  Walks them only when that could have happened (Note [Which
     registrations re-check graphed modules])."""
 
-    __slots__ = ("index", "captured", "cls", "walked")
+    __slots__ = ("index", "captured", "submodules", "cls", "walked")
 
     def __init__(self, index: int, module: nn.Module):
         self.index = index
         self.captured = dict(_named_state(module))
+        self.submodules = dict(module.named_modules())
         self.cls = type(module)  # fully_shard swaps it, registering nothing
         self.walked = _replacing[0]
         _watch(module)
@@ -391,9 +392,26 @@ class StateCheck:
                 "functional_call; to shard a model, shard first (fully_shard every layer and "
                 "the root), then graph each layer: cgraph.make_graphed(layer)."
             )
+        self._check_submodules(module)
         # Only once it passed: a check that raised raises again on every call.
         self.cls, self.walked = type(module), _replacing[0]
         _watch(module)  # a submodule added since: its registrations too
+
+    def _check_submodules(self, module: nn.Module) -> None:
+        """A submodule the graphs ran, replaced or deleted since (a Dropout
+        by an Identity, an activation swapped): the replays would run the
+        old one's kernels.  One added under a new name ran in no capture
+        (a metric or a loss module attached later) and passes."""
+        now = dict(module.named_modules())
+        for name, was in self.submodules.items():
+            if now.get(name) is not was:
+                raise RuntimeError(
+                    f"cgraph: submodule '{name}' of graphed module {self.index} "
+                    f"({type(module).__name__}) was {'deleted' if name not in now else 'replaced'}"
+                    " after capture; the graphs would keep running the old one. Change "
+                    "submodules before graphing, or reset the graphs after changing them "
+                    "(graphed.reset(); layer.forward.reset() for graph_layers) and graph "
+                    "the module again.")
 
     def adopt(self, module: nn.Module) -> None:
         """After a capture of `module` (its warm-up and capture calls): a
@@ -405,6 +423,8 @@ class StateCheck:
         before may read the old one, and the next call raises."""
         for name, tensor in _named_state(module):
             self.captured.setdefault(name, tensor)
+        for name, submodule in module.named_modules():
+            self.submodules.setdefault(name, submodule)
         _watch(module)
 
 

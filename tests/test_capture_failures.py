@@ -179,6 +179,19 @@ def test_load_state_dict_with_assign_raises_and_in_place_load_works():
         graphed(x)
 
 
+def test_a_submodule_replaced_after_capture_raises():
+    """A Dropout replaced by an Identity holds no tensor: before, the graphs
+    went on dropping out.  A loss module attached under a new name passes."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)).to(CUDA)
+    x = torch.randn(16, 64, device=CUDA)
+    graphed = cgraph.make_graphed(model, (x,))
+    model.loss = nn.MSELoss()
+    graphed(x)
+    model[1] = nn.Identity()
+    with pytest.raises(RuntimeError, match=r"submodule '1' of graphed module 0 .*replaced"):
+        graphed(x)
+
+
 def test_a_new_parameter_object_raises_but_unrelated_modules_do_not():
     model = stack()
     x = torch.randn(16, 64, device=CUDA)
