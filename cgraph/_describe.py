@@ -362,12 +362,13 @@ class StateCheck:
     read.  Walks them only when that could have happened (Note [Which
     registrations re-check graphed modules])."""
 
-    __slots__ = ("index", "captured", "submodules", "cls", "walked")
+    __slots__ = ("index", "captured", "submodules", "cls", "walked", "adopted")
 
     def __init__(self, index: int, module: nn.Module):
         self.index = index
         self.captured = dict(_named_state(module))
-        self.submodules = dict(module.named_modules())
+        self.submodules = _submodules(module)
+        self.adopted = False  # no capture yet
         self.cls = type(module)  # fully_shard swaps it, registering nothing
         self.walked = _replacing[0]
         _watch(module)
@@ -404,7 +405,8 @@ class StateCheck:
         (a metric or a loss module attached later) and passes."""
         now = dict(module.named_modules())
         for name, was in self.submodules.items():
-            if now.get(name) is not was:
+            found = now.get(name)
+            if found is None or found is not was():  # deleted, or replaced
                 raise RuntimeError(
                     f"cgraph: submodule '{name}' of graphed module {self.index} "
                     f"({type(module).__name__}) was {'deleted' if name not in now else 'replaced'}"
@@ -414,18 +416,30 @@ class StateCheck:
                     "the module again.")
 
     def adopt(self, module: nn.Module) -> None:
-        """After a capture of `module` (its warm-up and capture calls): a
-        parameter or buffer its forward registered there under a new name
-        (a cache made on the first call) is one the new graphs read, and no
+        """After a capture of `module` (its warm-up and capture calls).  The
+        first capture's state is the state: no graph read the one seen when
+        the module was graphed without samples (a submodule or weight
+        replaced before the first call).  After later captures, a parameter,
+        buffer or submodule the forward registered under a new name (a
+        cache made on the first call) is one the new graphs read, and no
         earlier graph read anything under that name, so it joins the
-        captured state instead of raising at the next call.  A tensor
-        replaced under a name the state had does not: graphs captured
-        before may read the old one, and the next call raises."""
+        captured state instead of raising at the next call.  One replaced
+        under a name the state had does not: graphs captured before may
+        read the old one, and the next call raises."""
+        if not self.adopted:
+            self.captured, self.submodules = dict(_named_state(module)), _submodules(module)
+            self.adopted = True
         for name, tensor in _named_state(module):
             self.captured.setdefault(name, tensor)
-        for name, submodule in module.named_modules():
+        for name, submodule in _submodules(module).items():
             self.submodules.setdefault(name, submodule)
         _watch(module)
+
+
+def _submodules(module: nn.Module) -> dict:
+    """`module`'s submodules by name, weakly: the check is held by the spec,
+    the spec by the graphs, the graphs by module.forward."""
+    return {name: weakref.ref(m) for name, m in module.named_modules() if m is not module}
 
 
 def _named_state(module: nn.Module):

@@ -14,7 +14,7 @@
  *         def __call__(self, *args, **kwargs):
  *             if self.on_miss is None:                 # one graph
  *                 e = self.entries[0]
- *                 if module.training != e.spec.training:
+ *                 if modes_differ(e.spec, module):    # its own, or a submodule's
  *                     return e.spec.eager(module, *args, **kwargs)  # as torch does
  *                 if not e.engine.may_replay():        # eager, counted
  *                     return e.spec.eager(...)
@@ -639,25 +639,25 @@ typedef struct {
 } lookup;
 
 /* Whether entry k takes this call: 1 (out filled), 0, or -1 with an
- * exception set. */
+ * exception set.  The module's own mode first, the submodules' last, for
+ * the entry whose shapes fit: their reads grow with the model, the shape
+ * test does not (Note [Submodules' modes in per-module graphs]). */
 static int
 entry_takes(GraphedObject *self, Py_ssize_t k, int training, PyObject *const *args,
             Py_ssize_t nargs, PyObject *kwnames, lookup *out)
 {
-    /* Reading modes and flattening run Python, which could reset() us. */
+    /* Flattening and reading modes run Python, which could reset() us. */
     cg_spec *spec = (cg_spec *)Py_NewRef(self->entries[k].spec);
-    const graph_entry *e;
-    int fits, bound;
-    int differ = spec->module != Py_None ? modes_differ(self, spec, training) : 0;
+    int module = spec->module != Py_None;
+    int fits = 0;
 
-    if (differ != 0) {
+    if (module && spec->training != training) {
         Py_DECREF(spec);
-        return differ < 0 ? -1 : 0;  /* the error, or another mode's call */
+        return 0;  /* the other mode's graphs */
     }
-    bound = call_tensors(self, spec, args, nargs, kwnames, &out->tensors, &out->nt,
-                         &out->owned);
-    Py_DECREF(spec);
-    if (bound < 0) {
+    if (call_tensors(self, spec, args, nargs, kwnames, &out->tensors, &out->nt,
+                     &out->owned) < 0) {
+        Py_DECREF(spec);
         /* Binds unlike this capture (ValueError, TypeError: the errors
          * arguments.c raises for that): another entry's call, or a miss. */
         if (!PyErr_ExceptionMatches(PyExc_ValueError) &&
@@ -667,13 +667,17 @@ entry_takes(GraphedObject *self, Py_ssize_t k, int training, PyObject *const *ar
         PyErr_Clear();
         return 0;
     }
-    if (k >= self->n_entries) {  /* reset() while flattening */
-        Py_CLEAR(out->owned);
-        return 0;
+    if (k < self->n_entries) {  /* else reset() while flattening */
+        fits = cg_engine_accepts(self->entries[k].engine, out->tensors, out->nt, 1);
     }
-    e = &self->entries[k];
-    fits = cg_engine_accepts(e->engine, out->tensors, out->nt, 1);
-    if (fits == 1 && !cg_engine_may_replay(e->engine)) {
+    if (fits == 1 && module) {
+        fits = cg_spec_modes_hold(self->state, spec);
+    }
+    Py_DECREF(spec);
+    if (fits == 1 && k >= self->n_entries) {  /* reset() while reading modes */
+        fits = 0;
+    }
+    if (fits == 1 && !cg_engine_may_replay(self->entries[k].engine)) {
         out->pending = 1;
         fits = 0;
     }

@@ -541,11 +541,31 @@ PyDoc_STRVAR(cgm_modes_are_doc,
 "bool at the same place of the tuple `modes`.  Note [What a graphed step\n"
 "checks before a replay] in cgraph/_step.py.  Not a public API.");
 
+/* A NEW reference to `module.training`, or NULL with an exception set.
+ * nn.Module keeps the flag in the instance dict (Module.__init__ sets it
+ * there; no class of torch's defines it): read there, a dict lookup by an
+ * interned name, rather than through the attribute protocol, which first
+ * walks the class's MRO (about 40 ns against 15 on the CI machine, for
+ * every module a graph compares on every call). */
+static PyObject *
+training_of(const cg_state *state, PyObject *module)
+{
+    PyObject *dict = PyObject_GenericGetDict(module, NULL);
+    PyObject *flag = dict != NULL ? PyDict_GetItemWithError(dict, state->str_training) : NULL;
+
+    Py_XDECREF(dict);  /* the module keeps it */
+    if (flag != NULL) {
+        return Py_NewRef(flag);
+    }
+    PyErr_Clear();  /* no instance dict, or no flag in it: ask the object */
+    return PyObject_GetAttr(module, state->str_training);
+}
+
 int
 cg_modes_are(const cg_state *state, PyObject *modules, PyObject *modes)
 {
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(modules); k++) {
-        PyObject *flag = PyObject_GetAttr(PyTuple_GET_ITEM(modules, k), state->str_training);
+        PyObject *flag = training_of(state, PyTuple_GET_ITEM(modules, k));
         int same;
 
         if (flag == NULL) {

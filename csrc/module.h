@@ -156,8 +156,9 @@ extern PyType_Spec cg_spec_type_spec;
 
 /* 1 if each module of the tuple `modules` has as its `training` flag the
  * bool at its place in the tuple `modes` (as many), 0 if one does not, -1
- * with an exception set.  An attribute read and a pointer compare per
- * module: nn.Module.train() stores a bool, one of two objects. */
+ * with an exception set.  A dict lookup and a pointer compare per module
+ * (module.c, training_of): nn.Module.train() stores a bool, one of two
+ * objects, in the instance dict. */
 int cg_modes_are(const cg_state *state, PyObject *modules, PyObject *modes);
 
 /* cg_modes_are over spec->modes: whether the submodules' modes are still

@@ -208,21 +208,27 @@ def test_a_graphed_module_walks_its_parameters_only_when_one_may_have_been_repla
 def test_a_submodule_replaced_or_deleted_after_capture_raises_one_added_passes():
     """StateCheck: a Dropout replaced by an Identity holds no tensor, but
     the graphs would go on running the dropout; a deleted submodule too.
-    A submodule attached under a new name ran in no capture and passes, as
-    one the forward made during its capture (adopt) does."""
+    One replaced before the first capture (make_graphed without samples)
+    is what that capture ran; one attached under a new name ran in no
+    capture and passes, as one the forward made during its capture (adopt)
+    does."""
     from cgraph import _describe
     block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
-    check = _describe.StateCheck(0, block)
+    check = _describe.StateCheck(0, block)  # make_graphed(block): no capture yet
+    block[1] = torch.nn.Identity()  # before the first call
+    check.adopt(block)  # the first capture, of the Identity
+    check(block)
     block.loss = torch.nn.MSELoss()  # under a new name
     check(block)
-    block[1] = torch.nn.Identity()
+    block[1] = torch.nn.Dropout(0.5)
     for _ in range(2):
         with pytest.raises(RuntimeError, match=r"submodule '1' of graphed module 0 .*replaced"):
             check(block)
     other = torch.nn.Module()
     other.inner = torch.nn.Sequential(torch.nn.GELU())
     check = _describe.StateCheck(1, other)
-    other.inner.made = torch.nn.ReLU()  # in warm-up or capture
+    check.adopt(other)  # the first capture
+    other.inner.made = torch.nn.ReLU()  # in a later warm-up or capture
     check.adopt(other)
     check(other)
     del other.inner.made  # registers nothing: seen at the next registration anywhere
