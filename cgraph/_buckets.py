@@ -261,10 +261,12 @@ class Bucketed:
             call = _Call(_batch_of(leaves, keywords), self._true_masks)
         else:
             keywords, call = [None] * len(leaves), _Call(None, self._true_masks)
-        leaves = [_pad(t, padding, keyword, call) if isinstance(t, torch.Tensor) else t
+        padded = [_pad(t, padding, keyword, call) if isinstance(t, torch.Tensor) else t
                   for t, keyword in zip(leaves, keywords)]
-        args, kwargs = pytree.tree_unflatten(leaves, spec)
+        written = _Written.before(leaves, padded)
+        args, kwargs = pytree.tree_unflatten(padded, spec)
         out = self.graphed(*args, **kwargs)
+        written.back(padding)
         return pytree.tree_map_only(torch.Tensor, lambda t: _unpad(t, padding), out)
 
     def _padding(self, leaves: list) -> dict[int, tuple[int, int]]:
@@ -351,6 +353,29 @@ def _keywords(count: int, kwargs: dict) -> list[str | None]:
     named = [k for k, v in kwargs.items()
              for _ in ((v,) if isinstance(v, torch.Tensor) else pytree.tree_leaves(v))]
     return [None] * (count - len(named)) + named
+
+
+class _Written(NamedTuple):
+    """The padded copies of a call's tensors and their versions before the
+    call: an argument the callable writes in place (a cache) is written in
+    its padded copy, by eager code or by a replay's copy back (Note
+    [Arguments written in place] in csrc/aten_replay.cpp), and its real
+    rows go back into the tensor passed."""
+
+    pairs: list  # (the tensor passed, its padded copy, the copy's version)
+
+    @classmethod
+    def before(cls, leaves: list, padded: list) -> "_Written":
+        return cls([(t, p, p._version) for t, p in zip(leaves, padded)
+                    if isinstance(t, torch.Tensor) and p is not t])
+
+    def back(self, padding: dict[int, tuple[int, int]]) -> None:
+        for passed, copy, version in self.pairs:
+            if copy._version != version:
+                real = _unpad(copy, padding)
+                if real.shape == passed.shape:
+                    with torch.no_grad():
+                        passed.copy_(real)
 
 
 class _Call(NamedTuple):

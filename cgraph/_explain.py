@@ -148,8 +148,9 @@ def explain(fn: Callable[..., Any], sample_args: tuple,
     * ``"output"``: an output on the CPU; ``"output_alias"``: an output that
       is an argument or a view of one.  ``"state"``: a tensor assigned to a
       module attribute during the call (a buffer replaced, not updated in
-      place).  ``"input_mutation"``: an op writes into an argument (a graph
-      writes into its own copy).  ``"error"``: the callable raised.
+      place).  ``"input_mutation"``: an op writes into an argument that
+      requires grad (one that needs none is copied back after each replay).
+      ``"error"``: the callable raised.
 
     Not seen: Python's ``random`` and ``numpy.random`` (no torch op runs);
     a global tensor assigned (only module attributes are watched); branches
@@ -664,13 +665,15 @@ class _DispatchChecks(TorchDispatchMode):
             if not isinstance(value, torch.Tensor) or not value.untyped_storage().data_ptr():
                 continue
             written = self.rec.arguments.get(value.untyped_storage().data_ptr())
-            if written is not None:
+            # One that needs no grad is copied back after each replay: Note
+            # [Arguments written in place] in csrc/aten_replay.cpp.
+            if written is not None and value.requires_grad:
                 self.rec.add("input_mutation", name, f"{name} writes into argument "
-                             f"'{written}' in place: a graph writes into its own copy of the "
-                             "argument, so a tensor passed in later calls would not change "
-                             "(in eager it does).", "return the new value as an output and "
-                             "assign it after the call, or copy it back there "
-                             f"({written}.copy_(out)).", site)
+                             f"'{written}' in place, which requires grad: a graph's copy of "
+                             "such an argument is a leaf, which autograd lets no op write in "
+                             "place (the warm-up raises).", "write into a copy "
+                             f"({written} = {written}.clone()), or return the new value as an "
+                             "output.", site)
 
     def _check_copy(self, name, args, kwargs, site) -> None:
         source, target = _copy_devices(name, args, kwargs)

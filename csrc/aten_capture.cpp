@@ -59,7 +59,8 @@ void Engine::capture_begin(cg_pass pass, at::cuda::MempoolId_t pool_id,
   try {
     for (Input& in : inputs) {
       if (pass == CG_FORWARD) {
-        in.copy = g.capture_copy_in(in.buffer);
+        in.copy = g.capture_copy_in(in.buffer);  // a raw memcpy: no version bump
+        in.version = in.buffer._version();
       }
     }
   } catch (...) {
@@ -82,6 +83,9 @@ void Engine::capture_end(cg_pass pass) {
   rng.check_host_untouched();
   if (pass == CG_FORWARD) {
     rng.check_regions_entered();
+    for (Input& in : inputs) {  // Note [Arguments written in place] (aten_replay.cpp)
+      in.written = !in.in_place && in.buffer._version() != in.version;
+    }
   }
 }
 

@@ -192,6 +192,12 @@ struct Input {
   // (aten_pool.cpp).
   std::optional<c10::weak_intrusive_ptr<c10::StorageImpl>> capture_view;
   bool kept_by_capture = true;
+  // The forward writes the buffer in place (a cache filled inside it): each
+  // replay copies it back into the argument passed (Note [Arguments written
+  // in place], aten_replay.cpp).  `version`: the buffer's version counter as
+  // the forward capture began.
+  bool written = false;
+  int64_t version = 0;
 };
 
 // The captures into one memory pool and their engines: Note [Captures that

@@ -54,6 +54,9 @@ struct StagedCall {
   // Clones the graph copies from (an argument aliasing a static buffer):
   // alive until the launch, or a later allocation could reuse their memory.
   TensorVec clones;
+  // The arguments the forward writes in place, and their static buffers:
+  // copied back after the launch (Note [Arguments written in place]).
+  TensorVec written_to, written_from;
 };
 
 [[noreturn]] void raise_mismatch(const Engine& e, size_t i, const at::Tensor& got) {
@@ -133,6 +136,11 @@ const at::Tensor& check_argument(const Engine& e, size_t i, PyObject* obj) {
 void stage_input(Engine& e, size_t i, const at::Tensor& t, StagedCall& call) {
   Input& in = e.inputs[i];
   at::Tensor staged;
+  if (C10_UNLIKELY(in.written) && !(t.const_data_ptr() == in.buffer.const_data_ptr() &&
+                                    t.strides().equals(in.buffer.strides()))) {
+    call.written_to.push_back(t);
+    call.written_from.push_back(in.buffer);
+  }
   if (C10_UNLIKELY(t.scalar_type() != in.buffer.scalar_type())) {
     e.fwd->skip_copy_in(in.copy);  // a memcpy does not cast: ATen's copy_ does
     call.dst.push_back(in.buffer);
@@ -325,8 +333,30 @@ bool reusable(const Input& in) {
 }
 
 
+// Note [Arguments written in place]
+// Q: A callable that writes an argument in place (a KV cache filled inside
+//    forward, a counter bumped, x.relu_() on an input that needs no grad)
+//    writes its static input when replayed, not the tensor the caller
+//    passed; torch's make_graphed_callables leaves the caller's tensor as
+//    it was, silently.  What does cgraph do?
+// A: The forward capture compares each static input's version counter as
+//    it began and as it ended (Engine::capture_begin, capture_end): a
+//    counter that moved is an argument written in place (a view's write
+//    moves its base's counter too).  After each replay whose argument is
+//    not the static buffer itself, one copy (copy_all, on the caller's
+//    stream, after the launch) writes the buffer back into it, so the
+//    caller sees what eager leaves there; counted in stats["written_back"].
+//    An argument that requires grad cannot be written in place (its static
+//    input is a leaf that requires grad: the warm-up raises, as eager does
+//    for a leaf), so no autograd history is skipped.  The graph's own
+//    copy-in still runs first: a write of part of the argument keeps the
+//    rest as passed.  Not seen: a write the capture call did not make (a
+//    branch on a Python value taken only later), which no replay makes
+//    either; and under buckets a padded copy is what the graph writes
+//    (cgraph/_buckets.py copies the real rows back).
+
 // 3. One copy launch for the arguments the graph does not copy itself, then
-//    the forward graph.
+//    the forward graph, then the copies back of the arguments it writes.
 void launch_forward(Engine& e, const StagedCall& call) {
   e.stats.copied_before += call.dst.size();
   copy_all(call.dst, call.src);
@@ -342,6 +372,8 @@ void launch_forward(Engine& e, const StagedCall& call) {
   }
   ++e.generation;
   ++e.stats.forward;
+  e.stats.written_back += call.written_to.size();
+  copy_all(call.written_to, call.written_from);
 }
 
 // 4. The backward node, when autograd will need one: an edge per argument

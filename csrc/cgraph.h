@@ -435,6 +435,8 @@ Py_ssize_t cg_engine_num_params(const cg_engine *engine);
     X(copied_before, "arguments and incoming grads copied in before the replay: "      \
                      "layouts a memcpy cannot copy, and incoming grads lying in the "  \
                      "graph's own grad buffers")                                       \
+    X(written_back, "arguments the forward writes in place, copied back into the "    \
+                    "tensor passed after the replay")                                  \
     X(outputs_copied, "outputs of earlier calls still held, moved to memory of their " \
                       "own before a replay (kept_outputs='copy')")                     \
     X(outputs_invalidated, "outputs of earlier calls still held, made unreadable "     \

@@ -616,7 +616,8 @@ def test_failure_kinds_come_from_one_table_that_explain_and_the_step_read():
 
 # Graphed.stats' keys, in order: the engines' counters, the Graphed's own, graphs.
 STATS = ("forward", "backward", "grads_copied", "grads_added", "grads_slow",
-         "copied_in_graph", "copied_before", "outputs_copied", "outputs_invalidated",
+         "copied_in_graph", "copied_before", "written_back", "outputs_copied",
+         "outputs_invalidated",
          "input_grads_copied", "param_grads_copied", "eager_pending", "eager_past_limit",
          "eager_on_miss", "args_flattened", "graphs")
 

@@ -154,7 +154,7 @@ def test_training_with_adam_uses_the_copy_tail_and_matches_eager():
     assert graphed.stats == {"forward": 3, "backward": 3, "grads_copied": 3,
                              "grads_added": 0, "grads_slow": 0,
                              "copied_in_graph": 6, "copied_before": 0,
-                             "outputs_copied": 0, "outputs_invalidated": 0,
+                             "written_back": 0, "outputs_copied": 0, "outputs_invalidated": 0,
                              "input_grads_copied": 0, "param_grads_copied": 0,
                              "eager_pending": 0,
                              "eager_past_limit": 0, "eager_on_miss": 0,

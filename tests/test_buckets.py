@@ -53,6 +53,24 @@ def additive(mask, dtype=torch.float32):
 # ---- what the padded rows of ordinary tensors hold -------------------------------
 
 
+def test_an_argument_written_in_place_gets_its_real_rows_back():
+    """A cache filled in place in a padded call is written in its padded
+    copy (by eager code, or by a replay's copy back): its real rows go
+    back into the tensor passed, as the unpadded eager call leaves them."""
+    def fill(x, cache):
+        cache.add_(x.sum(-1, keepdim=True))
+        return x * 2
+
+    x, cache = torch.randn(3, 5, 4), torch.zeros(3, 5, 1)
+    expected = cache + x.sum(-1, keepdim=True)
+    out = bucketed(fill, {1: [8]})(x, cache)
+    assert out.shape == x.shape and torch.equal(cache, expected)
+    untouched = torch.zeros(3, 5, 1)
+    bucketed(lambda x, cache: x * 2, {1: [8]})(x, untouched)
+    assert torch.equal(untouched, torch.zeros(3, 5, 1))
+
+
+
 def test_floats_are_padded_with_their_last_row_ints_and_bools_with_zeros():
     torch.manual_seed(0)
     hidden, ids = torch.randn(2, 5, 4), torch.randint(1, 9, (2, 5))

@@ -486,6 +486,47 @@ def test_other_train_eval_mode_runs_eagerly():
     assert_equal(out, eager(x), "train-mode output (dropout mask)")
 
 
+class _FillsCache(nn.Module):
+    """Writes its cache argument in place, as a KV cache is filled inside
+    forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 4)
+
+    def forward(self, x, cache, step):
+        cache[:, step] = self.proj(x).detach()
+        return x * 2, cache.sum(1)
+
+
+def test_an_argument_written_in_place_is_copied_back_into_the_tensor_passed():
+    """Note [Arguments written in place]: each replay copies the static input
+    the forward wrote back into the caller's tensor, as eager leaves it
+    (torch's graphs leave the caller's cache as it was); the sample itself
+    passed again is written directly, with no copy."""
+    torch.manual_seed(11)
+    model = _FillsCache().to(CUDA)
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model)
+    caches = [torch.zeros(8, 3, 4, device=CUDA) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    for step in range(3):
+        for cache, want in zip(caches, expected):
+            x = torch.randn(8, 16, device=CUDA)
+            _, total = graphed(x, cache, step)
+            _, total_e = eager(x, want, step)
+            assert_equal(cache, want, f"step {step}: the cache passed")
+            assert_equal(total, total_e, f"step {step}: what the forward read of it")
+    assert graphed.num_graphs == 3 and graphed.stats["written_back"] == 6
+    sample = torch.zeros(8, 3, 4, device=CUDA)
+    drop_in = cgraph.make_graphed_callables(_FillsCache().to(CUDA),
+                                            (torch.randn(8, 16, device=CUDA), sample, 0))
+    x = torch.randn(8, 16, device=CUDA)
+    drop_in(x, sample, 0)
+    assert_equal(sample[:, 0], drop_in.proj(x), "the sample passed again, written in place")
+    assert drop_in.forward.stats["written_back"] == 0
+
+
 def test_no_grad_replays_forward_only():
     model, make_input = mlp()
     eager = copy.deepcopy(model)
