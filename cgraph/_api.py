@@ -245,7 +245,8 @@ def make_graphed_callables(
       ``stats["eager_pending"]``), so every backward is right; torch
       overwrites the activations that backward needs.
     * An argument on another device raises ``ValueError``; one of another
-      floating dtype is cast into the static input, as torch does.
+      dtype gets a graph of its own (with ``max_graphs=1``, another floating
+      dtype is cast into the static input, as torch does).
     * Leaves that require grad but are neither arguments nor parameters (a
       tensor in a closure) get their grads; torch drops them silently.
     * Warm-up leaves module buffers (BatchNorm running stats) as they were.

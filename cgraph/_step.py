@@ -197,8 +197,8 @@ def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
     optimizer state, grads and the random-number stream as n eager calls of
     ``fn`` would.  Arguments are copied into the graph's inputs (calls pass
     tensors of ``sample_args``' shapes and devices, and the same constants; a
-    tensor of another floating dtype is cast on the way in, as
-    ``make_graphed`` casts it); the returned tensors keep their values
+    tensor of another floating dtype is cast on the way in, as torch's
+    ``make_graphed_callables`` casts it); the returned tensors keep their values
     across calls, and the step may return non-tensor values beside them.
     Arguments are data: one that requires grad is refused (the graph
     computes no grad for its copy of it).

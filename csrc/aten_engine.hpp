@@ -784,7 +784,7 @@ PyObject* replay(const std::shared_ptr<Engine>& engine, PyObject* const* args, s
 
 // Whether a call with these tensor arguments may replay this engine's graphs
 // (cg_engine_accepts in cgraph.h).  Never throws for a mismatch.
-bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_grad);
+bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact);
 
 // Shared by the forward and backward replays (aten_replay.cpp).
 using TensorVec = c10::SmallVector<at::Tensor, 16>;

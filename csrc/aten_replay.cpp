@@ -653,9 +653,12 @@ void Engine::launch(Graph& graph) {
 }
 
 // The same checks as check_call and check_argument, answered instead of
-// raised; with exact_grad, an argument that requires grad unlike its
-// sample does not fit either (a graph with its grad can be captured).
-bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_grad) {
+// raised; with `exact` (a graph for the call can be captured), an argument
+// that requires grad unlike its sample, or of another dtype, does not fit
+// either: a graph of its own computes what eager does (a bf16 tensor
+// through a function without parameters stays bf16; through a float32
+// Linear, eager raises), where the cast would compute in the sample's.
+bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact) {
   if (!e.alive() || nargs != e.inputs.size() || !(Autocast::current() == e.autocast) ||
       (at::GradMode::is_enabled() && !e.grad_mode)) {
     return false;
@@ -665,7 +668,9 @@ bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_gr
       return false;
     }
     const at::Tensor& t = THPVariable_Unpack(args[i]);
-    if (!fits(e.inputs[i], t) || (exact_grad && t.requires_grad() && !e.inputs[i].requires_grad)) {
+    const Input& in = e.inputs[i];
+    if (!fits(in, t) || (exact && ((t.requires_grad() && !in.requires_grad) ||
+                                   t.scalar_type() != in.buffer.scalar_type()))) {
       return false;
     }
   }
@@ -701,7 +706,7 @@ PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, s
   RECORD_FUNCTION("cgraph::forward", std::vector<c10::IValue>());
   Engine& e = *shared;
   if (accepted) {
-    CG_DEBUG_INVARIANT(accepts(e, args, nargs, /*exact_grad=*/false),
+    CG_DEBUG_INVARIANT(accepts(e, args, nargs, /*exact=*/false),
                        "a call replayed as accepted that accepts() refuses.");
   } else {
     check_call(e, nargs);

@@ -59,8 +59,9 @@
  *
  * Note [Several graphs per callable]
  * Q: How does one callable get several graphs, and when may each replay?
- * A: A call that no entry takes (another shape, constant, autocast, grad
- *    mode or train/eval; an input that requires grad unlike the sample) is
+ * A: A call that no entry takes (another shape or dtype, constant,
+ *    autocast, grad mode or train/eval; an input that requires grad unlike
+ *    the sample) is
  *    decided here, from native state only.  What needs Python, capturing, is
  *    on_miss's (cgraph/_regraph.py): it captures one more pair for the call
  *    where a CaptureSite says and returns it, and this file takes it as a

@@ -269,12 +269,13 @@ def test_other_values_for_left_out_arguments_raise(call, error, text):
 
 
 def test_an_input_of_another_floating_dtype_is_cast_and_its_grad_comes_back_in_its_dtype():
-    """As torch copies into its static input: the graph computes in the
-    sample's dtype, and autograd casts the grad to the input's."""
+    """With one graph, as torch copies into its static input: the graph
+    computes in the sample's dtype, and autograd casts the grad to the
+    input's."""
     torch.manual_seed(35)
     model, make_input = mlp()
     eager = copy.deepcopy(model)
-    graphed = cgraph.make_graphed(model, (make_input(),))
+    graphed = cgraph.make_graphed(model, (make_input(),), max_graphs=1)
     x = torch.randn(8, 32, device=CUDA, dtype=torch.float16, requires_grad=True)
     xe = twin(x)
     out, out_e = graphed(x), eager(xe.float())
@@ -283,6 +284,28 @@ def test_an_input_of_another_floating_dtype_is_cast_and_its_grad_comes_back_in_i
     backward_as_eager(out, out_e, x, xe, "input grad, in the input's dtype")
     assert x.grad.dtype == torch.float16
     assert_grads_equal(model, eager, "after a cast input")
+
+
+def test_with_several_graphs_another_dtype_gets_a_graph_that_computes_as_eager():
+    """A function without parameters keeps the call's dtype, as eager does
+    (the cast computed in the sample's and returned it); a float32 module
+    called with half raises eager's error, where the cast computed in
+    float32 without a word."""
+    def act(x):
+        return torch.nn.functional.gelu(x) * 2
+
+    graphed = cgraph.make_graphed(act, (torch.randn(8, 32, device=CUDA),))
+    x = torch.randn(8, 32, device=CUDA, dtype=torch.bfloat16)
+    out = graphed(x)
+    assert out.dtype == torch.bfloat16 and graphed.num_graphs == 2
+    assert_equal(out, act(x), "bf16 output")
+    model, make_input = mlp()
+    graphed = cgraph.make_graphed(model, (make_input(),))
+    with pytest.raises(RuntimeError) as raised:
+        graphed(make_input().half())
+    assert "dtype" in f"{raised.value} {raised.value.__cause__}", raised.value
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(make_input().half())
 
 
 # ---- quiet --------------------------------------------------------------------------
