@@ -35,6 +35,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
+
 #include "module.h"
 
 /* 0 if the call passes exactly the captured keywords, else -1 with a
@@ -71,6 +73,23 @@ check_keywords(const cg_spec *spec, PyObject *kwnames)
     return 0;
 }
 
+/* Whether a call's value is one the graph baked in: the same type and an
+ * equal value, a float's sign and NaN told as its bits tell them (-0.0 is
+ * not 0.0 where 1/c or copysign reads it; a NaN is the NaN it was).  1, 0,
+ * or -1 with an exception set. */
+static int
+same_value(PyObject *given, PyObject *captured)
+{
+    if (Py_TYPE(given) != Py_TYPE(captured)) {
+        return 0;
+    }
+    if (PyFloat_CheckExact(given)) {
+        double a = PyFloat_AS_DOUBLE(given), b = PyFloat_AS_DOUBLE(captured);
+        return (isnan(a) && isnan(b)) || (a == b && !signbit(a) == !signbit(b));
+    }
+    return PyObject_RichCompareBool(given, captured, Py_EQ);
+}
+
 /* 0 if every captured constant is passed again (same type, equal value),
  * else -1 with a ValueError naming the argument. */
 static int
@@ -87,8 +106,7 @@ check_constants(const cg_spec *spec, PyObject *leaves)
             return -1;
         }
         PyObject *given = PyList_GET_ITEM(leaves, position);
-        int same = Py_TYPE(given) == Py_TYPE(captured)
-                       ? PyObject_RichCompareBool(given, captured, Py_EQ) : 0;
+        int same = same_value(given, captured);
         if (same == 0) {
             PyErr_Format(PyExc_ValueError,
                          "cgraph: argument '%U' was captured as %R, got %R. A graph "
@@ -173,15 +191,14 @@ find_default(const cg_spec *spec, Py_ssize_t position, PyObject *name)
     return NULL;
 }
 
-/* 0 if `given` is the default `entry` holds (None by identity; else the
- * same type and an equal value), else -1 with a ValueError naming it. */
+/* 0 if `given` is the default `entry` holds (None by identity; else
+ * same_value), else -1 with a ValueError naming it. */
 static int
 check_default(PyObject *entry, PyObject *given)
 {
     PyObject *value = PyTuple_GET_ITEM(entry, CG_DEFAULT_VALUE);
     int same = (value == Py_None || given == Py_None) ? given == value
-               : Py_TYPE(given) == Py_TYPE(value) ? PyObject_RichCompareBool(given, value, Py_EQ)
-               : 0;
+                                                      : same_value(given, value);
     if (same == 0) {
         /* A tensor's repr would fill the screen: name its type instead. */
         int plain = given == Py_None || PyBool_Check(given) || PyLong_Check(given) ||
@@ -227,11 +244,14 @@ keep_arguments(const cg_spec *spec, PyObject *const *args, Py_ssize_t nargs,
     for (Py_ssize_t i = 0; i < nargs; i++) {
         PyObject *entry = i < PyTuple_GET_SIZE(spec->args) ? NULL : find_default(spec, i, NULL);
         if (i >= PyTuple_GET_SIZE(spec->args) && entry == NULL) {
+            /* The type, not a repr: a CUDA tensor's would sync, and with
+             * several graphs each entry that rejects the call builds this. */
             PyErr_Format(PyExc_TypeError,
                          "cgraph: the graph was captured with %zd positional argument(s); "
-                         "argument %zd (%R) is none of the callable's parameters with a "
-                         "default. Graph with it in sample_args.",
-                         PyTuple_GET_SIZE(spec->args), i, args[i]);
+                         "argument %zd (a %s) is none of the callable's parameters with a "
+                         "default. Pass the arguments as the capture did (an argument "
+                         "captured by keyword, by keyword), or graph with it in sample_args.",
+                         PyTuple_GET_SIZE(spec->args), i, Py_TYPE(args[i])->tp_name);
             return -1;
         }
         if (entry ? check_default(entry, args[i]) : PyList_Append(values, args[i])) {

@@ -225,6 +225,36 @@ def test_samples_nested_too_deep_to_compare_are_flattened(monkeypatch):
     assert answer(spec, *hf())[1] is True
 
 
+def test_a_float_constant_is_told_by_its_sign_and_a_nan_is_itself():
+    """-0.0 == 0.0 in Python, but 1/c and copysign read the sign a graph
+    baked in; NaN != NaN, but a NaN passed again is the value captured."""
+    def scaled(x, c, d=0.0):
+        return x * c
+
+    spec = spec_of((x, 0.0), {}, fn=scaled)
+    assert answer(spec, (x, 0.0), {})[0] == [id(x)]
+    error, _ = answer(spec, (x, -0.0), {})
+    assert error[0] is ValueError and "captured as 0.0, got -0.0" in error[1], error
+    nan = spec_of((x, float("nan")), {}, fn=scaled)
+    assert answer(nan, (x, float("nan")), {})[0] == [id(x)]
+    left_out = spec_of((x, 1.0), {}, fn=scaled)
+    error, _ = answer(left_out, (x, 1.0, -0.0), {})
+    assert error[0] is ValueError and "'d' is -0.0" in error[1]
+    assert answer(left_out, (x, 1.0), {"d": 0.0})[0] == [id(x)]
+
+
+def test_an_argument_captured_by_keyword_passed_positionally_is_named_by_type():
+    """The message names the argument's type, never its repr (a CUDA
+    tensor's would sync, in every entry that rejects the call), and says
+    to pass it as the capture did."""
+    def masked(x, mask=None, scale=None):
+        return x
+
+    error, _ = answer(spec_of((x,), {"mask": mask}, fn=masked), (x, mask), {})
+    assert error[0] is TypeError and "argument 1 (a Tensor)" in error[1], error
+    assert "as the capture did" in error[1] and "tensor(" not in error[1]
+
+
 # ---- random samples and calls -------------------------------------------------
 
 CONSTANTS = [None, True, False, 0, 1, 1.0, 0.0, -0.0, float("nan"), "a", "", 2]
