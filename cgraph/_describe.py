@@ -327,9 +327,15 @@ def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
     * A sample with autograd history (the output of other ops) is replaced
       by a leaf over the same memory: the backward capture runs a plain
       .backward() that must stop at the graph's inputs (csrc/aten_capture.cpp,
-      Note [Backward capture runs .backward()])."""
+      Note [Backward capture runs .backward()]).
+    * A sample that is a view of more memory than it covers (a slice of a
+      dataset kept on the device, ``X[:64]``) would have every later call's
+      arguments copied into the caller's data around it, as torch's
+      graphs do without a word: it is replaced by a clone too (as is an
+      expanded one, which a copy cannot write)."""
     key = sample.untyped_storage().data_ptr()
-    if sample.numel() and key in claimed:
+    if sample.numel() and (key in claimed or sample.untyped_storage().nbytes() !=
+                           sample.numel() * sample.element_size()):
         sample = sample.detach().clone().requires_grad_(sample.requires_grad)
         key = sample.untyped_storage().data_ptr()
     elif sample.grad_fn is not None:

@@ -157,6 +157,23 @@ def test_samples_sharing_memory_get_their_own_static_buffers():
     assert torch.equal(a, x) and torch.equal(b, x[0])
 
 
+def test_a_sample_that_is_a_slice_of_more_memory_gets_a_static_buffer_of_its_own():
+    """X[:4] as a sample: every later call's arguments would be copied into
+    X's first rows (torch's graphs do that); an expanded sample cannot be
+    written at all.  A sample that is its whole storage stays the sample."""
+    from cgraph._describe import Target, draft
+
+    data = torch.randn(16, 4)
+    whole, row = torch.randn(4, 4).t(), torch.randn(1, 4).expand(4, 4)
+    fields = draft(Target.of(0, lambda a, b, c: a), (data[:4], whole, row), None, set()).fields
+    sliced, kept, expanded = fields["tensors"]
+    assert kept is whole and torch.equal(sliced, data[:4]) and torch.equal(expanded, row)
+    for t in (sliced, expanded):
+        assert t.untyped_storage().data_ptr() not in (data.untyped_storage().data_ptr(),
+                                                       row.untyped_storage().data_ptr())
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def test_a_graphed_module_walks_its_parameters_only_when_one_may_have_been_replaced(
         monkeypatch):
     """Note [Which registrations re-check graphed modules]: a submodule
