@@ -33,6 +33,23 @@ def train_step(model, opt, x, upstream, seed):
     return out
 
 
+def trains_as_eager(graphed, model, eager, steps, seed, momentum=0.0, before=None):
+    """SGD steps of `graphed` (over `model`) and `eager` from one seed each:
+    outputs, grads and buffers (BatchNorm's statistics) equal at every
+    step.  `before(step)` runs ahead of each."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=momentum) for m in (model, eager)]
+    for step in range(steps):
+        if before is not None:
+            before(step)
+        x, upstream = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
+        out = train_step(graphed, opts[0], x, upstream, seed=seed + step)
+        out_e = train_step(eager, opts[1], x, upstream, seed=seed + step)
+        assert_equal(out, out_e, f"step {step}: output")
+        assert_grads_equal(model, eager, step)
+        for (name, b), b_e in zip(model.named_buffers(), eager.buffers()):
+            assert_equal(b, b_e, f"step {step}: buffer {name}")
+
+
 def test_each_new_batch_size_captures_a_graph_and_every_step_matches_eager():
     """The short last batch of an epoch and an eval batch size: one graph
     each, dropout masks and Adam steps as eager's."""
@@ -357,18 +374,13 @@ def test_a_submodule_switched_to_eval_after_capture_gets_its_own_graph():
                           nn.Linear(128, 64)).to(CUDA)
     eager = copy.deepcopy(model)
     graphed = cgraph.make_graphed(model)
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
-    for step in range(6):
+
+    def switch(step):
         if step in (2, 4):
             for m in (model, eager):
                 m[1 if step == 2 else 3].eval()
-        x, upstream = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
-        out = train_step(graphed, opts[0], x, upstream, seed=20 + step)
-        out_e = train_step(eager, opts[1], x, upstream, seed=20 + step)
-        assert_equal(out, out_e, f"step {step}: output")
-        assert_grads_equal(model, eager, step)
-        for (name, b), b_e in zip(model.named_buffers(), eager.buffers()):
-            assert_equal(b, b_e, f"step {step}: buffer {name}")
+
+    trains_as_eager(graphed, model, eager, steps=6, seed=20, before=switch)
     assert graphed.num_graphs == 3 and graphed.stats["forward"] == 6
 
 
@@ -399,15 +411,7 @@ def test_capture_on_first_call_equals_eager_from_the_first_step():
     eager = copy.deepcopy(model)
     graphed = cgraph.make_graphed(model)
     assert graphed.num_graphs == 0
-    opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
-    for step in range(4):
-        x, upstream = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
-        out = train_step(graphed, opts[0], x, upstream, seed=10 + step)
-        out_e = train_step(eager, opts[1], x, upstream, seed=10 + step)
-        assert_equal(out, out_e, f"step {step}: output")
-        assert_grads_equal(model, eager, step)
-    for (name, b), b_e in zip(model.named_buffers(), eager.buffers()):
-        assert_equal(b, b_e, f"buffer {name}")
+    trains_as_eager(graphed, model, eager, steps=4, seed=10, momentum=0.9)
     assert graphed.num_graphs == 1 and graphed.stats["forward"] == 4
 
 
