@@ -52,7 +52,9 @@ check_keywords(const cg_spec *spec, PyObject *kwnames)
         if (known == 0) {
             PyErr_Format(PyExc_TypeError,
                          "cgraph: unexpected keyword argument %R; the graph was captured "
-                         "with keywords %R (sample_kwargs).", name, spec->kw_names);
+                         "with keywords %R (sample_kwargs). Pass the arguments as the "
+                         "capture did (one captured positionally, positionally), or graph "
+                         "with it in sample_kwargs.", name, spec->kw_names);
         }
         if (known <= 0) {
             return -1;
@@ -64,7 +66,9 @@ check_keywords(const cg_spec *spec, PyObject *kwnames)
         if (given == 0) {
             PyErr_Format(PyExc_TypeError,
                          "cgraph: missing keyword argument %R; the graph was captured "
-                         "with keywords %R (sample_kwargs).", name, spec->kw_names);
+                         "with keywords %R (sample_kwargs). Pass the arguments as the "
+                         "capture did (one captured by keyword, by keyword).", name,
+                         spec->kw_names);
         }
         if (given <= 0) {
             return -1;

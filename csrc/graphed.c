@@ -478,7 +478,8 @@ call_tensors(GraphedObject *self, const cg_spec *spec, PyObject *const *args,
     if (spec->flat && call.kwnames != NULL) {
         PyErr_Format(PyExc_TypeError,
                      "cgraph: unexpected keyword argument %R: the graph was captured "
-                     "without keywords. Capture with sample_kwargs= to pass keywords.",
+                     "without keywords. Pass the arguments as the capture did "
+                     "(positionally), or capture with sample_kwargs= to pass keywords.",
                      PyTuple_GET_ITEM(call.kwnames, 0));
     } else if (spec->flat) {
         *tensors = call.args;
