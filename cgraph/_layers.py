@@ -1,9 +1,10 @@
 """graph_layers: a model's repeated blocks, each graphed, in one line.
 
-Finding the blocks: the ``nn.ModuleList`` (or ``nn.Sequential``) of two or
-more children of one type that holds the most parameters, as Hugging Face's
-``model.model.layers`` and ``encoder.layer``, timm's ``blocks`` and a GPT's
-``h`` are.  An outer list of layers holds the parameters of any list inside
+Finding the blocks: the ``nn.ModuleList``, ``nn.Sequential`` or
+``nn.ModuleDict`` of two or more children of one type that holds the most
+parameters, as Hugging Face's ``model.model.layers`` and ``encoder.layer``,
+timm's ``blocks``, a GPT's ``h`` and torchtitan's ``layers`` (a ModuleDict)
+are.  An outer list of layers holds the parameters of any list inside
 its layers (a mixture of experts' ``experts``), so it wins over them.  Where
 the guess is not wanted, ``layers=`` names the list.  The blocks stay
 where they are (their ``forward`` is replaced), so every name in the model
@@ -32,7 +33,12 @@ class Blocks(NamedTuple):
     """The list of blocks graph_layers graphs, and where it sits."""
 
     path: str  # below the model (the module DDP wraps)
-    blocks: nn.Module  # an nn.ModuleList or nn.Sequential
+    container: nn.Module  # an nn.ModuleList, nn.Sequential or nn.ModuleDict
+    blocks: tuple  # its blocks, in order
+
+    @classmethod
+    def of(cls, path: str, container: nn.Module) -> "Blocks":
+        return cls(path, container, tuple(_children(container)))
 
 
 def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
@@ -49,8 +55,8 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
 
     ``layers``: the blocks' list, as a path below the model (``"model.layers"``,
     below the module a ``DistributedDataParallel`` wraps) or as the
-    ``nn.ModuleList`` itself; by default the list of same-typed blocks
-    holding the most parameters.  ``pool``: ``"shared"`` (default) gives
+    ``nn.ModuleList`` (``nn.Sequential``, ``nn.ModuleDict``) itself; by
+    default the list of same-typed blocks holding the most parameters.  ``pool``: ``"shared"`` (default) gives
     every block's graphs one new pool, as one ``pool=`` in
     :func:`make_graphed` does; ``None`` a pool per block; or a handle from
     :func:`graph_pool_handle`.  Other keywords go to :func:`make_graphed`
@@ -82,8 +88,8 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     if pool == "shared":
         pool = graph_pool_handle()
     _graph_each(found.blocks, pool, make_graphed_kwargs)
-    _cache_off(root, found.blocks)
-    share = _parameter_count(found.blocks) / max(_parameter_count(root), 1)
+    _cache_off(root, found.container, found.blocks[0])
+    share = _parameter_count(found.container) / max(_parameter_count(root), 1)
     log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
              "%s; each captures on its first call", len(found.blocks),
              type(found.blocks[0]).__name__, found.path, 100 * share,
@@ -91,7 +97,7 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     return model
 
 
-def _graph_each(blocks: nn.Module, pool, make_graphed_kwargs: dict) -> None:
+def _graph_each(blocks: tuple, pool, make_graphed_kwargs: dict) -> None:
     """Every block graphed in place, or none: a failure puts each block back
     as it was (its class and its own forward)."""
     # Each distinct block once: a list may hold one block several times
@@ -142,12 +148,22 @@ def _find(root: nn.Module, layers) -> Blocks:
     if not path:
         raise ValueError("cgraph: graph_layers: layers= names the model itself; name the list "
                          "of blocks inside it, or graph the model whole with cgraph.make_graphed.")
-    if not isinstance(blocks, (nn.ModuleList, nn.Sequential)) or len(blocks) == 0:
+    if not isinstance(blocks, _CONTAINERS) or len(blocks) == 0:
         raise TypeError(f"cgraph: graph_layers: '{path}' is a {type(blocks).__name__}; it "
-                        "takes a non-empty nn.ModuleList or nn.Sequential of blocks.")
-    if any(is_graphed(block) for block in blocks):
+                        "takes a non-empty nn.ModuleList, nn.Sequential or nn.ModuleDict of "
+                        "blocks.")
+    if any(is_graphed(block) for block in _children(blocks)):
         raise ValueError(f"cgraph: graph_layers: the blocks at '{path}' are graphed already.")
-    return Blocks(path, blocks)
+    return Blocks.of(path, blocks)
+
+
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+
+
+def _children(container: nn.Module) -> list:
+    """A container's blocks in order, each place (a block held twice is
+    listed twice): a ModuleDict's values."""
+    return list(container.values() if isinstance(container, nn.ModuleDict) else container)
 
 
 class NoBlocks(ValueError):
@@ -156,14 +172,14 @@ class NoBlocks(ValueError):
 
 def _guess(root: nn.Module) -> nn.Module:
     candidates = [m for _, m in root.named_modules()
-                  if m is not root and isinstance(m, (nn.ModuleList, nn.Sequential))
-                  and len(m) >= 2
-                  and len({type(child) for child in m}) == 1]
+                  if m is not root and isinstance(m, _CONTAINERS) and len(m) >= 2
+                  and len({type(child) for child in _children(m)}) == 1]
     candidates = [m for m in candidates if _parameter_count(m) > 0]
     if not candidates:
         raise NoBlocks(
             f"cgraph: graph_layers found no list of repeated blocks in {type(root).__name__} "
-            "(an nn.ModuleList or nn.Sequential of two or more modules of one type, with "
+            "(an nn.ModuleList, nn.Sequential or nn.ModuleDict of two or more modules of "
+            "one type, with "
             "parameters). Name them with layers='path.to.blocks', or graph the model whole "
             "with cgraph.make_graphed.")
     return max(candidates, key=_parameter_count)
@@ -198,7 +214,7 @@ _cache_hooks: "weakref.WeakKeyDictionary[nn.Module, RemovableHandle]" = \
     weakref.WeakKeyDictionary()
 
 
-def _cache_off(root: nn.Module, blocks: nn.Module) -> None:
+def _cache_off(root: nn.Module, container: nn.Module, first_block: nn.Module) -> None:
     """Hugging Face models (the root, or inside a LightningModule) build a
     KV cache per forward when config.use_cache is on, and hand it to every
     block, whose graphs cannot append to it (such a call runs the block
@@ -211,7 +227,7 @@ def _cache_off(root: nn.Module, blocks: nn.Module) -> None:
     reset, which runs in the native core and knows nothing of it; a weak
     reference and an isinstance per model call cost nothing beside the
     model's forward."""
-    inside = {id(m) for m in blocks.modules()}
+    inside = {id(m) for m in container.modules()}
     hooked = []
     for module in root.modules():
         config = getattr(module, "config", None)
@@ -223,7 +239,7 @@ def _cache_off(root: nn.Module, blocks: nn.Module) -> None:
         earlier = _cache_hooks.pop(module, None)
         if earlier is not None:  # blocks graphed again after a reset
             earlier.remove()
-        hook = _NoCacheUnlessAsked(blocks[0], position)
+        hook = _NoCacheUnlessAsked(first_block, position)
         _cache_hooks[module] = module.register_forward_pre_hook(hook, with_kwargs=True)
         hooked.append(type(module).__name__)
     if hooked:

@@ -44,13 +44,40 @@ class GPT(nn.Module):
 
 
 def test_the_list_of_repeated_blocks_with_most_parameters_is_found():
-    path, blocks = _layers._find(GPT(), None)
-    assert path == "blocks" and blocks is not None
+    model = GPT()
+    found = _layers._find(model, None)
+    assert found.path == "blocks" and found.container is model.blocks
+    assert found.blocks == tuple(model.blocks)
 
 
 def test_an_outer_list_wins_over_the_lists_inside_its_blocks():
-    path, _ = _layers._find(GPT(experts=4), None)
-    assert path == "blocks"
+    assert _layers._find(GPT(experts=4), None).path == "blocks"
+
+
+class Titan(nn.Module):
+    """torchtitan's layout: the blocks in an nn.ModuleDict keyed "0", "1", ..."""
+
+    def __init__(self, depth=3):
+        super().__init__()
+        self.embed = nn.Embedding(64, 8)
+        self.layers = nn.ModuleDict({str(i): Block() for i in range(depth)})
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for block in self.layers.values():
+            h = block(h)
+        return h
+
+
+def test_a_module_dict_of_blocks_is_found_and_graphed_block_by_block(stand_in):
+    model = Titan()
+    found = _layers._find(model, None)
+    assert found.path == "layers" and found.blocks == tuple(model.layers.values())
+    cgraph.graph_layers(model)
+    assert [b for b, _ in stand_in] == list(model.layers.values())
+    other = Titan()
+    cgraph.graph_layers(other, layers="layers")
+    assert [b for b, _ in stand_in[3:]] == list(other.layers.values())
 
 
 def test_each_block_is_graphed_in_place_with_one_shared_pool(stand_in):

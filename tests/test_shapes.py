@@ -384,6 +384,29 @@ def test_a_submodule_switched_to_eval_after_capture_gets_its_own_graph():
     assert graphed.num_graphs == 3 and graphed.stats["forward"] == 6
 
 
+class _Titan(nn.Module):
+    """torchtitan's layout: the blocks in an nn.ModuleDict."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(64, 64), nn.GELU(),
+                                                           nn.Dropout(0.1)) for i in range(3)})
+
+    def forward(self, x):
+        for block in self.layers.values():
+            x = block(x) + x
+        return x
+
+
+def test_graph_layers_trains_a_module_dict_of_blocks_as_eager():
+    torch.manual_seed(49)
+    model = _Titan().to(CUDA)
+    eager = copy.deepcopy(model)
+    assert cgraph.graph_layers(model) is model
+    trains_as_eager(model, model, eager, steps=4, seed=30)
+    assert all(block.forward.stats["forward"] == 4 for block in model.layers.values())
+
+
 def test_the_drop_in_runs_a_call_with_a_submodule_in_another_mode_eagerly():
     """With one graph (torch's rules), a submodule's other mode runs
     eagerly, as the module's own other mode does."""
