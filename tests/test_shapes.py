@@ -387,10 +387,11 @@ def test_a_submodule_switched_to_eval_after_capture_gets_its_own_graph():
 class _Titan(nn.Module):
     """torchtitan's layout: the blocks in an nn.ModuleDict."""
 
-    def __init__(self):
+    def __init__(self, dropout=0.1):
         super().__init__()
         self.layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(64, 64), nn.GELU(),
-                                                           nn.Dropout(0.1)) for i in range(3)})
+                                                           nn.Dropout(dropout))
+                                     for i in range(3)})
 
     def forward(self, x):
         for block in self.layers.values():
@@ -405,6 +406,31 @@ def test_graph_layers_trains_a_module_dict_of_blocks_as_eager():
     assert cgraph.graph_layers(model) is model
     trains_as_eager(model, model, eager, steps=4, seed=30)
     assert all(block.forward.stats["forward"] == 4 for block in model.layers.values())
+
+
+def test_graph_layers_trains_torchtitans_compiled_blocks_as_they_train_compiled():
+    """torchtitan compiles each block and puts the OptimizedModule back in
+    its ModuleDict: graph_layers graphs those, capturing the compiled
+    kernels.  The eager twin's blocks compile apart, and may pick kernels
+    1 ulp off (README, Limits): float32 tolerance."""
+    torch._dynamo.reset()
+    torch.manual_seed(50)
+    model = _Titan(dropout=0.0).to(CUDA)
+    eager = copy.deepcopy(model)
+    for m in (model, eager):
+        for key, block in list(m.layers.items()):
+            m.layers[key] = torch.compile(block)
+    cgraph.graph_layers(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
+    for step in range(3):
+        x, upstream = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
+        out = train_step(model, opts[0], x, upstream, seed=step)
+        out_e = train_step(eager, opts[1], x, upstream, seed=step)
+        torch.testing.assert_close(out, out_e, msg=f"step {step}: output")
+        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p, q, msg=f"step {step}: {name}")
+    assert all(isinstance(block.forward, cgraph.Graphed) and block.forward.num_graphs == 1
+               for block in model.layers.values())
 
 
 def test_the_drop_in_runs_a_call_with_a_submodule_in_another_mode_eagerly():
