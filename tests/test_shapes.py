@@ -408,6 +408,21 @@ def test_graph_layers_trains_a_module_dict_of_blocks_as_eager():
     assert all(block.forward.stats["forward"] == 4 for block in model.layers.values())
 
 
+def test_graph_layers_trains_blocks_in_torchtitans_checkpoint_wrapper_as_eager():
+    """torchtitan's activation checkpointing wraps each block
+    (checkpoint_wrapper, non-reentrant); graphed, the recompute and its
+    dropout masks run inside the backward graph, bitwise eager's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    torch.manual_seed(51)
+    model = _Titan().to(CUDA)
+    for key, block in list(model.layers.items()):
+        model.layers[key] = checkpoint_wrapper(block)
+    eager = copy.deepcopy(model)
+    cgraph.graph_layers(model)
+    trains_as_eager(model, model, eager, steps=4, seed=40)
+    assert all(block.forward.stats["backward"] == 4 for block in model.layers.values())
+
+
 def test_graph_layers_trains_torchtitans_compiled_blocks_as_they_train_compiled():
     """torchtitan compiles each block and puts the OptimizedModule back in
     its ModuleDict: graph_layers graphs those, capturing the compiled
