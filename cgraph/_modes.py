@@ -69,9 +69,13 @@ class Modes(NamedTuple):
     def of(cls, fn: Callable, models: list) -> "Modes":
         """A step's: those of `fn` (the step) and `models` (the DDP models
         it calls), roots included."""
-        roots = {id(m): m for m in (*_modules_named_by(fn, _DEPTH, set()), *models)}
+        return cls.under(roots(fn, models))
+
+    @classmethod
+    def under(cls, found: list) -> "Modes":
+        """Those of the modules `found` (roots) and their submodules."""
         modules: dict = {}
-        for root in roots.values():
+        for root in found:
             for m in root.modules():
                 if m is root or _reads_training(type(m)):
                     modules.setdefault(id(m), m)
@@ -97,6 +101,12 @@ class Modes(NamedTuple):
             if m.training is not mode:
                 return f"{type(m).__name__} was switched to {'train' if m.training else 'eval'}"
         return "nothing"
+
+
+def roots(fn: Callable, models: list) -> list:
+    """The modules a step's code names (Note [The modules a graphed step's
+    modes are read from]) and `models` (the DDP models it calls), once each."""
+    return list({id(m): m for m in (*_modules_named_by(fn, _DEPTH, set()), *models)}.values())
 
 
 def _modules_named_by(fn, depth: int, seen: set) -> Iterator[nn.Module]:

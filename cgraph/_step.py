@@ -166,14 +166,14 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import _C, _log, _optim, _ranks
+from . import _C, _fsdp, _log, _optim, _ranks
 from ._api import _live, _pool_id, _require_cuda
 from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
                        asked_by_the_compiler, graph, one_setup_at_a_time, patched)
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
 from ._step_grads import StepGrads
-from ._modes import Modes
+from ._modes import Modes, roots
 
 __all__ = ["make_graphed_step", "GraphedStep"]
 
@@ -421,6 +421,9 @@ class GraphedStep:
         # The modes of the modules it names, at capture: Note [The modules a
         # graphed step's modes are read from] (cgraph/_modes.py).
         self.modes: Modes | None = None
+        # The FSDP groups of the modules it names: Note [FSDP2's host state
+        # around a graphed step] (cgraph/_fsdp.py).
+        self.resharded = _fsdp.Resharded(())
         # Its capture made optimizer state (on some rank: captures_again; here:
         # made_at_capture): the next call captures again (Note [What a graphed
         # step checks before a replay]).
@@ -621,7 +624,10 @@ class GraphedStep:
         rank hears of it before it is raised)."""
         warm = None
         try:
-            took.modes = Modes.of(self.fn, self.ddp.models())  # as the call found them
+            named = roots(self.fn, self.ddp.models())
+            took.modes = Modes.under(named)  # as the call found them
+            self.resharded = _fsdp.Resharded(named)
+            self.resharded()  # Note [FSDP2's host state around a graphed step]
             state = _state_keys(self.optimizers)
             self._refuse_what_no_graph_can_step()
             self._free()
@@ -838,6 +844,7 @@ class GraphedStep:
         must not give the outputs a grad_fn (the step's backward is inside
         the graph); the parameters' grads around it as Note [Grads around a
         graphed step] says."""
+        self.resharded()  # Note [FSDP2's host state around a graphed step] (_fsdp.py)
         self.grads.bring_in()
         with torch.no_grad():
             out = graphed(*args, **kwargs)

@@ -362,16 +362,20 @@ def per_layer_and_optimizer_step(rank, set_to_none):
     optimizer_step.reset()
 
 
-def whole_step(rank, micro=1, checkpointed=False, resumed=False):
+def whole_step(rank, micro=1, checkpointed=False, resumed=False, evaluated=False):
     """Recipe 2: make_graphed_step around the FSDP2 model's step; with
     micro > 1, the step accumulates grads over that many micro-batches,
     reduce-scattering after the last only (set_requires_gradient_sync);
     resumed: both twins load, after step 5, the model's and optimizer's
     sharded state dicts saved after step 2 (the step warms up and captures
-    again: Note [Capturable optimizers] in cgraph/_step.py)."""
+    again: Note [Capturable optimizers] in cgraph/_step.py); evaluated: both
+    twins evaluate under torch.no_grad() before every step, which leaves
+    FSDP's root unsharded (Note [FSDP2's host state around a graphed step]
+    in cgraph/_fsdp.py), between warm-up and capture and between replays."""
     name = ("graphed FSDP2 step" + (f", {micro} micro-batches" if micro > 1 else "")
             + (", activation checkpointing" if checkpointed else "")
-            + (", resumed from a state dict" if resumed else ""))
+            + (", resumed from a state dict" if resumed else "")
+            + (", evaluated between steps" if evaluated else ""))
     models = [sharded(mp=True, checkpointed=checkpointed) for _ in range(2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
 
@@ -404,6 +408,11 @@ def whole_step(rank, micro=1, checkpointed=False, resumed=False):
             for (model_state, opt_state), m, o in zip(saved, models, opts):
                 m.load_state_dict(model_state)
                 o.load_state_dict(opt_state)
+        if evaluated:
+            with torch.no_grad():
+                tokens, targets = batch(100 + step, rank)
+                same(loss_of(models[1], tokens, targets), loss_of(models[0], tokens, targets),
+                     f"evaluation before step {step}", rank, name)
         tokens, targets = data(step)
         same(graphed(tokens, targets), eager(tokens, targets), f"step {step} loss", rank, name)
     if graphed.stats["captures"] != (2 if resumed else 1):  # resumed: captured again
@@ -503,6 +512,7 @@ def main():
     whole_step(rank, micro=MICRO)
     whole_step(rank, checkpointed=True)
     whole_step(rank, resumed=True)
+    whole_step(rank, evaluated=True)
     graph_then_shard_is_refused(rank, "graph then shard")
     graph_then_shard_is_refused(rank, "graph then shard the root only", layers=False)
 

@@ -4,7 +4,8 @@ graphs inside FSDP2 (reshard_after_forward True, False, an int on four
 GPUs; bf16 parameters; CPU offload; activation checkpointing; explicit
 prefetching; with the optimizer step graphed too; grads accumulated over
 micro-batches, layers kept unsharded or not), a step graphed whole (with
-micro-batches, with activation checkpointing, resumed from a state dict),
+micro-batches, with activation checkpointing, resumed from a state dict,
+evaluated between steps),
 graphing before sharding refused, teardown.  On the CPU, a one-process gloo
 group checks the refusals and that FSDP swapping its parameters is not a
 replacement."""
@@ -40,6 +41,7 @@ PER_LAYER = ("per-layer graphs, reshard_after_forward=True",
 CHECKS = (*PER_LAYER, "graphed FSDP2 step:", "graphed FSDP2 step, 2 micro-batches:",
           "graphed FSDP2 step, activation checkpointing:",
           "graphed FSDP2 step, resumed from a state dict:",
+          "graphed FSDP2 step, evaluated between steps:",
           "graph then shard: refused", "graph then shard the root only: refused",
           "failed capture: raised on every rank", "teardown:")
 
@@ -145,6 +147,32 @@ def test_fsdp1_and_zero3_modules_are_refused_naming_fsdp2():
 def test_the_drop_in_refuses_fsdp_modules_naming_make_graphed(mesh):
     with pytest.raises(ValueError, match=r"cgraph.make_graphed\(layer\)"):
         cgraph.make_graphed_callables(sharded_pair(mesh)[0], (torch.randn(2, 4),))
+
+
+def test_a_graphed_step_reshards_the_idle_groups_an_eager_forward_left_unsharded(monkeypatch):
+    """Note [FSDP2's host state around a graphed step]: the groups of the
+    FSDP modules a step names, each once; before a capture or a replay,
+    those idle and unsharded (the root after an evaluation) are resharded,
+    none inside a pass."""
+    class Group:
+        def __init__(self, sharded, state):
+            self.is_sharded, self._training_state = sharded, SimpleNamespace(name=state)
+            self.resharded = 0
+
+        def reshard(self):
+            self.resharded += 1
+            self.is_sharded = True
+
+    root = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.ReLU())
+    groups = {id(root): [Group(False, "IDLE")], id(root[0]): [Group(True, "IDLE")],
+              id(root[1]): [Group(False, "FORWARD")]}
+    monkeypatch.setattr(_fsdp, "is_fsdp", lambda m: id(m) in groups)
+    monkeypatch.setattr(_fsdp, "_param_groups", lambda m: groups[id(m)])
+    resharded = _fsdp.Resharded([root, root[0]])  # the layer named too: once
+    assert len(resharded.groups) == 3
+    resharded()
+    resharded()
+    assert [g.resharded for gs in groups.values() for g in gs] == [1, 0, 0]
 
 
 def test_fsdp_swapping_its_parameters_is_not_a_replacement(mesh):
