@@ -245,8 +245,8 @@ def make_graphed_callables(
       ``stats["eager_pending"]``), so every backward is right; torch
       overwrites the activations that backward needs.
     * An argument on another device raises ``ValueError``; one of another
-      dtype gets a graph of its own (with ``max_graphs=1``, another floating
-      dtype is cast into the static input, as torch does).
+      floating dtype is cast into the static input, as torch does
+      (:func:`make_graphed` gives it a graph of its own instead).
     * Leaves that require grad but are neither arguments nor parameters (a
       tensor in a closure) get their grads; torch drops them silently.
     * Warm-up leaves module buffers (BatchNorm running stats) as they were.
@@ -734,8 +734,9 @@ def _capturing_later(target: Target, first: _C.Graphed, options: CaptureOptions,
     not know of, whose replays would overwrite what a pending backward
     needs."""
     if together and not pool_given:
-        return _group.graphed_layer(target, first.pool, options, limit, first=first)
-    return regraphing(target, options, limit, first=first,
+        return _group.graphed_layer(target, first.pool, options, limit, first=first,
+                                    casts=True)
+    return regraphing(target, options, limit, first=first, casts=True,
                       shared_pool=first.pool if pool_given else None)
 
 

@@ -360,14 +360,15 @@ class _Written(NamedTuple):
     call: an argument the callable writes in place (a cache) is written in
     its padded copy, by eager code or by a replay's copy back (Note
     [Arguments written in place] in csrc/aten_replay.cpp), and its real
-    rows go back into the tensor passed."""
+    rows go back into the tensor passed.  An inference tensor has no
+    version to read: its writes are not seen (as in the native core)."""
 
     pairs: list  # (the tensor passed, its padded copy, the copy's version)
 
     @classmethod
     def before(cls, leaves: list, padded: list) -> "_Written":
         return cls([(t, p, p._version) for t, p in zip(leaves, padded)
-                    if isinstance(t, torch.Tensor) and p is not t])
+                    if isinstance(t, torch.Tensor) and p is not t and not p.is_inference()])
 
     def back(self, padding: dict[int, tuple[int, int]]) -> None:
         for passed, copy, version in self.pairs:

@@ -409,7 +409,8 @@ class _Recorder:
         self.quiet = 0  # inside a host read already reported: its ops are not again
         self.calls: list[list[_Op]] = []  # the ops of each checked call
         self.first_op: _Op | None = None  # of any call
-        self.arguments: dict[int, str] = {}  # memory of the tensor arguments -> their names
+        # memory of the tensor arguments -> (its name, the argument)
+        self.arguments: dict[int, tuple[str, torch.Tensor]] = {}
         self._problems: dict[tuple, Problem] = {}
         self._after_warmup: set[tuple] = set()  # keys seen outside the warm-up call
 
@@ -664,15 +665,27 @@ class _DispatchChecks(TorchDispatchMode):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
             if not isinstance(value, torch.Tensor) or not value.untyped_storage().data_ptr():
                 continue
-            written = self.rec.arguments.get(value.untyped_storage().data_ptr())
-            # One that needs no grad is copied back after each replay: Note
-            # [Arguments written in place] in csrc/aten_replay.cpp.
-            if written is not None and value.requires_grad:
+            found = self.rec.arguments.get(value.untyped_storage().data_ptr())
+            if found is None:
+                continue
+            # One that needs no grad is copied back after each replay, where
+            # its version counter shows the write: Note [Arguments written in
+            # place] in csrc/aten_replay.cpp.
+            written, argument = found
+            if value.requires_grad:
                 self.rec.add("input_mutation", name, f"{name} writes into argument "
                              f"'{written}' in place, which requires grad: a graph's copy of "
                              "such an argument is a leaf, which autograd lets no op write in "
                              "place (the warm-up raises).", "write into a copy "
                              f"({written} = {written}.clone()), or return the new value as an "
+                             "output.", site)
+            elif not _counted_by(value, argument):
+                self.rec.add("input_mutation", name, f"{name} writes into argument "
+                             f"'{written}' through a tensor that does not share its version "
+                             "counter (.data): cgraph cannot see the write to copy it back, "
+                             "so a replay writes only the graph's copy of the argument.",
+                             f"write into the argument itself ({written}.add_(...), not "
+                             f"{written}.data.add_(...)), or return the new value as an "
                              "output.", site)
 
     def _check_copy(self, name, args, kwargs, site) -> None:
@@ -726,6 +739,14 @@ def _data_dependent_shape(func, name, args, kwargs) -> bool:
         classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
         return classes == -1
     return True
+
+
+def _counted_by(value: torch.Tensor, argument: torch.Tensor) -> bool:
+    """Whether a write into `value` moves `argument`'s version counter: it is
+    the argument, or a view of it or of its base (views share their base's
+    counter; ``.data`` makes a tensor with a counter of its own)."""
+    base = argument._base if argument._base is not None else argument
+    return value is argument or value is base or value._base is base
 
 
 def _copy_devices(name, args, kwargs) -> tuple[str | None, str | None]:
@@ -824,7 +845,7 @@ class _Session:
         self.completed = False  # every call ran without raising
         for name, leaf in zip(names, pytree.tree_leaves((args, kwargs))):
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr():
-                rec.arguments.setdefault(leaf.untyped_storage().data_ptr(), name)
+                rec.arguments.setdefault(leaf.untyped_storage().data_ptr(), (name, leaf))
 
     def run(self) -> None:
         rec = self.rec

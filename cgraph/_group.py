@@ -71,13 +71,16 @@ class Member(Regraph):
             with super()._samples(args, kwargs, pool) as samples:
                 yield samples
             return
-        read_in_place = []  # (the output, its version, its values)
+        read_in_place = []  # (the output, its version or None, its values)
 
         def sample(t: torch.Tensor) -> torch.Tensor:
             output = _C.static_output(t, pool)
             if output is None:
                 return _sample_of(t)
-            read_in_place.append((output, output._version, output.detach().clone()))
+            # An inference tensor (a capture under inference_mode) has no
+            # version to read: its values are put back in any case.
+            version = None if output.is_inference() else output._version
+            read_in_place.append((output, version, output.detach().clone()))
             return output.requires_grad_(t.requires_grad)
 
         try:
@@ -85,12 +88,13 @@ class Member(Regraph):
         finally:
             with torch.no_grad():
                 for output, version, values in read_in_place:
-                    if output._version != version:
+                    if version is None or output._version != version:
                         output.copy_(values)
 
 
 def graphed_layer(target: Target, pool: tuple[int, int], options: CaptureOptions,
-                  max_graphs: int, first: _C.Graphed | None = None) -> _C.Graphed:
+                  max_graphs: int, first: _C.Graphed | None = None,
+                  casts: bool = False) -> _C.Graphed:
     """A callable graphed without samples with this pool=: it captures on
     its first call, and on each call its graphs do not take, up to
     ``max_graphs``, into the pool while it may (else into a pool of its own,
@@ -102,6 +106,7 @@ def graphed_layer(target: Target, pool: tuple[int, int], options: CaptureOptions
     makes the call raise, and every later capture of this layer, since the
     graphs captured before it would overwrite it.  ``first``: its first
     graph, captured with others into ``pool`` (the drop-in's callables
-    graphed together); without it, the first call captures."""
+    graphed together); without it, the first call captures.  ``casts``: as
+    regraphing's (cgraph/_regraph.py)."""
     return _C.new_graphed(Member(target, pool, options), max_graphs, first=first,
-                          shared_pool=pool, layer=True, eager=target.run_eagerly)
+                          shared_pool=pool, layer=True, eager=target.run_eagerly, casts=casts)

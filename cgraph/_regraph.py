@@ -62,16 +62,18 @@ class Regraph:
 
 def regraphing(target: Target, options: CaptureOptions, max_graphs: int,
                first: _C.Graphed | None = None,
-               shared_pool: tuple[int, int] | None = None) -> _C.Graphed:
+               shared_pool: tuple[int, int] | None = None, casts: bool = False) -> _C.Graphed:
     """A graphed callable that captures a graph for each call its graphs do
     not take, up to ``max_graphs`` (past that, calls run eagerly, counted
     and logged once).  ``first``: its first graph, just captured (it is
     taken from that Graphed); without it, the first call captures.
     ``shared_pool``: the pool its first graph shares with other callables'
     graphs, which its later graphs stay out of: they could reuse memory
-    another callable's pending backward still needs."""
+    another callable's pending backward still needs.  ``casts``: a call of
+    another floating dtype is cast into a graph that takes it otherwise, as
+    torch's drop-in does (the drop-in's); else it gets a graph of its own."""
     return _C.new_graphed(Regraph(target, options), max_graphs, first=first,
-                          shared_pool=shared_pool, eager=target.run_eagerly)
+                          shared_pool=shared_pool, eager=target.run_eagerly, casts=casts)
 
 
 def _check_device(graphed: _C.Graphed, call) -> None:

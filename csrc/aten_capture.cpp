@@ -60,7 +60,8 @@ void Engine::capture_begin(cg_pass pass, at::cuda::MempoolId_t pool_id,
     for (Input& in : inputs) {
       if (pass == CG_FORWARD) {
         in.copy = g.capture_copy_in(in.buffer);  // a raw memcpy: no version bump
-        in.version = in.buffer._version();
+        // An inference tensor has no version counter: its writes go unseen.
+        in.version = in.buffer.is_inference() ? 0 : in.buffer._version();
       }
     }
   } catch (...) {
@@ -84,7 +85,8 @@ void Engine::capture_end(cg_pass pass) {
   if (pass == CG_FORWARD) {
     rng.check_regions_entered();
     for (Input& in : inputs) {  // Note [Arguments written in place] (aten_replay.cpp)
-      in.written = !in.in_place && in.buffer._version() != in.version;
+      in.written = !in.in_place && !in.buffer.is_inference() &&
+                   in.buffer._version() != in.version;
     }
   }
 }

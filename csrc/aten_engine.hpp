@@ -727,6 +727,7 @@ struct Engine : std::enable_shared_from_this<Engine> {
   // with caller_stream if that is another: Note [Replays on another stream]
   // (aten_replay.cpp).
   void launch(Graph& graph);
+  void order_after_current();  // caller_stream waits for the current stream's work
 
  private:
   bool alive_ = true;  // written by reset() alone (aten_reset.cpp)
@@ -784,7 +785,8 @@ PyObject* replay(const std::shared_ptr<Engine>& engine, PyObject* const* args, s
 
 // Whether a call with these tensor arguments may replay this engine's graphs
 // (cg_engine_accepts in cgraph.h).  Never throws for a mismatch.
-bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact);
+bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_grad,
+             bool exact_dtype);
 
 // Shared by the forward and backward replays (aten_replay.cpp).
 using TensorVec = c10::SmallVector<at::Tensor, 16>;

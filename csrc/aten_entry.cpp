@@ -354,9 +354,10 @@ PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args, Py_ssize_t 
 }
 
 int cg_engine_accepts(const cg_engine* engine, PyObject* const* args, Py_ssize_t nargs,
-                      int exact) {
+                      int exact_grad, int exact_dtype) {
   HANDLE_TH_ERRORS
-  return cgraph::accepts(*engine->ptr, args, static_cast<size_t>(nargs), exact != 0) ? 1 : 0;
+  return cgraph::accepts(*engine->ptr, args, static_cast<size_t>(nargs), exact_grad != 0,
+                         exact_dtype != 0) ? 1 : 0;
   END_HANDLE_TH_ERRORS_RET(-1)
 }
 

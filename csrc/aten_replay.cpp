@@ -7,7 +7,9 @@
 // this file.  The backward half is aten_backward.cpp.
 #include "aten_engine.hpp"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/record_function.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -16,6 +18,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/object_ptr.h>
+
+#include <algorithm>
 
 namespace cgraph {
 
@@ -131,15 +135,46 @@ const at::Tensor& check_argument(const Engine& e, size_t i, PyObject* obj) {
   return t;
 }
 
+// Whether `t` lies in one of the engine's static outputs: an earlier
+// call's output passed back (kept_outputs='alias'), which this replay
+// writes as its own output.
+bool in_static_output(const Engine& e, const at::Tensor& t) {
+  const c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  return std::any_of(e.outputs.begin(), e.outputs.end(), [&](const Output& out) {
+    return out.buffer.storage().unsafeGetStorageImpl() == storage;
+  });
+}
+
+// Argument i, which the forward writes in place (Note [Arguments written in
+// place]): noted for the copy back unless it is the static input itself or
+// an earlier output this replay rewrites (the output wins, as one memory
+// cannot hold both); one eager could not write is refused before the
+// replay, as eager refuses it before computing anything.
+void note_written(Engine& e, size_t i, const at::Tensor& t, StagedCall& call) {
+  const Input& in = e.inputs[i];
+  if ((t.const_data_ptr() == in.buffer.const_data_ptr() &&
+       t.strides().equals(in.buffer.strides())) || in_static_output(e, t)) {
+    return;
+  }
+  TORCH_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "cgraph: argument '",
+              in.name, "' is written in place by the callable, but more than one of its "
+              "elements refers to one memory location (an expanded tensor), which eager "
+              "refuses too. Pass a tensor of its own (.clone()).");
+  TORCH_CHECK(!t.is_inference() || c10::InferenceMode::is_enabled(), "cgraph: argument '",
+              in.name, "' is written in place by the callable, but it is an inference tensor "
+              "and the call is outside torch.inference_mode(), which eager refuses too. "
+              "Call it inside inference_mode, or pass a normal tensor.");
+  call.written_to.push_back(t);
+  call.written_from.push_back(in.buffer);
+}
+
 // Routes argument i into its static input: by the graph's copy slot, by
 // ATen before the replay, or not at all (it is the static input).
 void stage_input(Engine& e, size_t i, const at::Tensor& t, StagedCall& call) {
   Input& in = e.inputs[i];
   at::Tensor staged;
-  if (C10_UNLIKELY(in.written) && !(t.const_data_ptr() == in.buffer.const_data_ptr() &&
-                                    t.strides().equals(in.buffer.strides()))) {
-    call.written_to.push_back(t);
-    call.written_from.push_back(in.buffer);
+  if (C10_UNLIKELY(in.written)) {
+    note_written(e, i, t, call);
   }
   if (C10_UNLIKELY(t.scalar_type() != in.buffer.scalar_type())) {
     e.fwd->skip_copy_in(in.copy);  // a memcpy does not cast: ATen's copy_ does
@@ -350,10 +385,18 @@ bool reusable(const Input& in) {
 //    input is a leaf that requires grad: the warm-up raises, as eager does
 //    for a leaf), so no autograd history is skipped.  The graph's own
 //    copy-in still runs first: a write of part of the argument keeps the
-//    rest as passed.  Not seen: a write the capture call did not make (a
-//    branch on a Python value taken only later), which no replay makes
-//    either; and under buckets a padded copy is what the graph writes
-//    (cgraph/_buckets.py copies the real rows back).
+//    rest as passed.  After a replay on another stream, caller_stream
+//    waits for the copies too.  An earlier output passed back
+//    (kept_outputs='alias') is this replay's output as well: the output
+//    wins, one memory cannot hold both.  An argument eager could not write
+//    (an expanded tensor; an inference tensor outside inference_mode) is
+//    refused before the replay.  Under buckets a padded copy is what the
+//    graph writes (cgraph/_buckets.py copies the real rows back).  Not seen:
+//    a write the capture call did not make (a branch on a Python value
+//    taken only later), which no replay makes either; a write that moves no
+//    version counter (through x.data, or a kernel outside autograd's
+//    counting: cgraph.explain reports the first); and any write under
+//    torch.inference_mode, whose tensors have no version counter.
 
 // 3. One copy launch for the arguments the graph does not copy itself, then
 //    the forward graph, then the copies back of the arguments it writes.
@@ -372,8 +415,11 @@ void launch_forward(Engine& e, const StagedCall& call) {
   }
   ++e.generation;
   ++e.stats.forward;
-  e.stats.written_back += call.written_to.size();
-  copy_all(call.written_to, call.written_from);
+  if (C10_UNLIKELY(!call.written_to.empty())) {
+    e.stats.written_back += call.written_to.size();
+    copy_all(call.written_to, call.written_from);
+    e.order_after_current();  // a replay on another stream: the copy back too
+  }
 }
 
 // 4. The backward node, when autograd will need one: an edge per argument
@@ -652,13 +698,27 @@ void Engine::launch(Graph& graph) {
   wait_for(caller_stream, now);
 }
 
+// After work queued on the current stream behind a launch (the copies back
+// of Note [Arguments written in place]): caller_stream's later work waits
+// for it too, where launch() made it wait for the graph.
+void Engine::order_after_current() {
+  const c10::cuda::CUDAStream now = c10::cuda::getCurrentCUDAStream(device);
+  if (now == caller_stream || !blas_workspace || capturing(now)) {
+    return;
+  }
+  c10::cuda::CUDAGuard on_device(device);
+  wait_for(caller_stream, now);
+}
+
 // The same checks as check_call and check_argument, answered instead of
-// raised; with `exact` (a graph for the call can be captured), an argument
-// that requires grad unlike its sample, or of another dtype, does not fit
-// either: a graph of its own computes what eager does (a bf16 tensor
-// through a function without parameters stays bf16; through a float32
-// Linear, eager raises), where the cast would compute in the sample's.
-bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact) {
+// raised.  Where a graph for the call can be captured: with exact_grad, an
+// argument that requires grad unlike its sample does not fit; with
+// exact_dtype, one of another dtype does not either, so a graph of its own
+// computes what eager does (a bf16 tensor through a function without
+// parameters stays bf16; through a float32 Linear, eager raises), where
+// the cast would compute in the sample's.
+bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_grad,
+             bool exact_dtype) {
   if (!e.alive() || nargs != e.inputs.size() || !(Autocast::current() == e.autocast) ||
       (at::GradMode::is_enabled() && !e.grad_mode)) {
     return false;
@@ -669,8 +729,8 @@ bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact) {
     }
     const at::Tensor& t = THPVariable_Unpack(args[i]);
     const Input& in = e.inputs[i];
-    if (!fits(in, t) || (exact && ((t.requires_grad() && !in.requires_grad) ||
-                                   t.scalar_type() != in.buffer.scalar_type()))) {
+    if (!fits(in, t) || (exact_grad && t.requires_grad() && !in.requires_grad) ||
+        (exact_dtype && t.scalar_type() != in.buffer.scalar_type())) {
       return false;
     }
   }
@@ -706,7 +766,7 @@ PyObject* replay(const std::shared_ptr<Engine>& shared, PyObject* const* args, s
   RECORD_FUNCTION("cgraph::forward", std::vector<c10::IValue>());
   Engine& e = *shared;
   if (accepted) {
-    CG_DEBUG_INVARIANT(accepts(e, args, nargs, /*exact=*/false),
+    CG_DEBUG_INVARIANT(accepts(e, args, nargs, /*exact_grad=*/false, /*exact_dtype=*/false),
                        "a call replayed as accepted that accepts() refuses.");
   } else {
     check_call(e, nargs);

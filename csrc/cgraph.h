@@ -329,13 +329,14 @@ PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args, Py_ssize_t 
 /* 1 if cg_engine_replay would take these tensor arguments as they are: the
  * count, each one's shape, device and (floating) dtype, the autocast state,
  * and grad mode (a graph captured without grad cannot serve a call with
- * it).  With exact, also no argument that requires grad unlike its sample
- * or of another dtype (the one-graph path casts it, as torch does).  0 if
- * not; -1 with an exception set only on an internal error.
+ * it).  With exact_grad, also no argument that requires grad unlike its
+ * sample; with exact_dtype, none of another dtype (else another floating
+ * one is cast, as torch's drop-in does).  0 if not; -1 with an exception
+ * set only on an internal error.
  * Graphed callables with several graphs ask this of each before replaying
  * one (Note [Several graphs per callable] in graphed.c). */
 int cg_engine_accepts(const cg_engine *engine, PyObject *const *args, Py_ssize_t nargs,
-                      int exact);
+                      int exact_grad, int exact_dtype);
 
 /* 1 if a forward replay now overwrites no memory that a pending backward
  * needs: no graph of the engine's pool whose backward is still to run (its

@@ -142,6 +142,9 @@ typedef struct {
                             layer's (cgraph/_group.py) */
     char has_shared;
     char layer;          /* graphed one by one into `shared` (cgraph/_group.py) */
+    char casts;          /* another floating dtype is cast into a graph that
+                            takes the call otherwise, as torch's drop-in does;
+                            else it gets a graph of its own (eager's dtype) */
     char limit_reported; /* the event hook heard of calls past max_graphs */
     char is_reset;
     cg_pool pool;        /* the first entry's pool, kept after reset() */
@@ -263,14 +266,15 @@ PyObject *
 cg_new_graphed(PyObject *module, PyObject *args, PyObject *kwargs)
 {
     static char *keywords[] = {"on_miss", "max_graphs", "first", "shared_pool", "layer",
-                               "eager", NULL};
+                               "eager", "casts", NULL};
     PyObject *on_miss, *first = Py_None, *shared = Py_None, *eager = Py_None;
     Py_ssize_t max_graphs = 1;
-    int layer = 0;
+    int layer = 0, casts = 0;
     GraphedObject *self;
 
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n$OOpO:new_graphed", keywords, &on_miss,
-                                     &max_graphs, &first, &shared, &layer, &eager)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|n$OOpOp:new_graphed", keywords,
+                                     &on_miss, &max_graphs, &first, &shared, &layer, &eager,
+                                     &casts)) {
         return NULL;
     }
     if (!PyCallable_Check(on_miss) || max_graphs < 1 ||
@@ -286,6 +290,7 @@ cg_new_graphed(PyObject *module, PyObject *args, PyObject *kwargs)
     }
     self->max_graphs = max_graphs;
     self->layer = (char)layer;
+    self->casts = (char)casts;
     self->eager = eager == Py_None ? NULL : Py_NewRef(eager);
     self->has_shared = shared != Py_None;
     if ((self->has_shared &&
@@ -670,7 +675,8 @@ entry_takes(GraphedObject *self, Py_ssize_t k, int training, PyObject *const *ar
         return 0;
     }
     if (k < self->n_entries) {  /* else reset() while flattening */
-        fits = cg_engine_accepts(self->entries[k].engine, out->tensors, out->nt, 1);
+        fits = cg_engine_accepts(self->entries[k].engine, out->tensors, out->nt, 1,
+                                 !self->casts);
     }
     if (fits == 1 && module) {
         fits = cg_spec_modes_hold(self->state, spec);

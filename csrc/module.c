@@ -27,7 +27,8 @@
  *     def set_event_hook(hook) -> None: ...   # cgraph/_log.py
  *     def _debug(on=None, fault=None) -> bool: ...  # aten_checks.cpp
  *     def new_graphed(on_miss, max_graphs=1, *, first=None, shared_pool=None,
- *                     layer=False, eager=None) -> Graphed: ...  # graphed.c
+ *                     layer=False, eager=None, casts=False) -> Graphed: ...
+ *         # graphed.c
  *     def call_with_accumulators_here(params, fn, args, kwargs) -> tuple[object, int]:
  *         ...  # fn(*args, **kwargs), the grad accumulators of params on the
  *              # current stream meanwhile: aten_accumulators.cpp
@@ -315,7 +316,7 @@ PyDoc_STRVAR(cgm_graph_callables_doc,
 
 PyDoc_STRVAR(cgm_new_graphed_doc,
 "new_graphed(on_miss, max_graphs=1, *, first=None, shared_pool=None,\n"
-"            layer=False, eager=None) -> Graphed\n\n"
+"            layer=False, eager=None, casts=False) -> Graphed\n\n"
 "A graphed callable that captures a graph for each call its graphs do not\n"
 "take, up to max_graphs: on_miss(graphed, args, kwargs, site) captures it\n"
 "where `site` (a CaptureSite) says and returns it, a Graphed with one graph.\n"
@@ -324,8 +325,9 @@ PyDoc_STRVAR(cgm_new_graphed_doc,
 "with other callables' graphs, which later graphs stay out of; with layer,\n"
 "the pool= of a layer graphed one by one (cgraph/_group.py), which captures\n"
 "there while it may.  eager(args, kwargs) runs a call eagerly before the\n"
-"first graph.  Note [Several graphs per callable] in graphed.c.  Not a\n"
-"public API.");
+"first graph.  casts: a call of another floating dtype is cast into a graph\n"
+"that takes it otherwise, as torch's drop-in does (else it gets its own).\n"
+"Note [Several graphs per callable] in graphed.c.  Not a public API.");
 
 PyDoc_STRVAR(cgm_call_with_accumulators_here_doc,
 "call_with_accumulators_here(params, fn, args, kwargs) -> tuple[object, int]\n\n"

@@ -204,7 +204,7 @@ PyObject *cg_graphed_new(cg_state *state, cg_spec *spec, cg_engine *engine,
                          cg_out_layout *out);
 
 /* _C.new_graphed(on_miss, max_graphs=1, *, first=None, shared_pool=None,
- *                layer=False, eager=None) -> Graphed
+ *                layer=False, eager=None, casts=False) -> Graphed
  * A Graphed that captures a graph for each call its graphs do not take,
  * through on_miss(graphed, args, kwargs, site) -> Graphed, up to max_graphs
  * (Note [Several graphs per callable] in graphed.c); its first graph is

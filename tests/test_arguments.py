@@ -237,6 +237,11 @@ def test_a_float_constant_is_told_by_its_sign_and_a_nan_is_itself():
     assert error[0] is ValueError and "captured as 0.0, got -0.0" in error[1], error
     nan = spec_of((x, float("nan")), {}, fn=scaled)
     assert answer(nan, (x, float("nan")), {})[0] == [id(x)]
+    np = pytest.importorskip("numpy")  # a float subclass: the same rule
+    spec = spec_of((x, np.float64(0.0)), {}, fn=scaled)
+    assert answer(spec, (x, np.float64(-0.0)), {})[0][0] is ValueError
+    assert answer(spec_of((x, np.float64("nan")), {}, fn=scaled), (x, np.float64("nan")),
+                  {})[0] == [id(x)]
     left_out = spec_of((x, 1.0), {}, fn=scaled)
     error, _ = answer(left_out, (x, 1.0, -0.0), {})
     assert error[0] is ValueError and "'d' is -0.0" in error[1]

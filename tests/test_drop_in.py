@@ -287,10 +287,11 @@ def test_an_input_of_another_floating_dtype_is_cast_and_its_grad_comes_back_in_i
 
 
 def test_with_several_graphs_another_dtype_gets_a_graph_that_computes_as_eager():
-    """A function without parameters keeps the call's dtype, as eager does
-    (the cast computed in the sample's and returned it); a float32 module
-    called with half raises eager's error, where the cast computed in
-    float32 without a word."""
+    """make_graphed: a function without parameters keeps the call's dtype,
+    as eager does (the cast computed in the sample's and returned it); a
+    float32 module called with half raises eager's error, where the cast
+    computed in float32 without a word.  The drop-in casts, as torch's
+    does, with its several graphs too."""
     def act(x):
         return torch.nn.functional.gelu(x) * 2
 
@@ -306,6 +307,11 @@ def test_with_several_graphs_another_dtype_gets_a_graph_that_computes_as_eager()
     assert "dtype" in f"{raised.value} {raised.value.__cause__}", raised.value
     with pytest.raises(RuntimeError, match="dtype"):
         model(make_input().half())
+    drop_in = cgraph.make_graphed_callables(copy.deepcopy(model), (make_input(),))
+    x = make_input()
+    with torch.no_grad():
+        assert_equal(drop_in(x.half()), model(x.half().float()), "the drop-in, cast")
+    assert drop_in.forward.num_graphs == 1
 
 
 # ---- quiet --------------------------------------------------------------------------

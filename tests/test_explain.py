@@ -334,6 +334,21 @@ def test_an_argument_that_requires_grad_written_in_place_is_found_and_put_back()
 
     total = torch.zeros(8)
     assert found(cgraph.explain(accumulate, (total, torch.ones(8))), on_cpu=True) == []
+
+    def fill(cache, x):
+        cache[:, 0] = x  # a view: counted, copied back
+        return x * 2
+
+    assert found(cgraph.explain(fill, (torch.zeros(4, 8), torch.ones(4))), on_cpu=True) == []
+
+    def through_data(total, x):
+        total.data.add_(x)  # @through-data
+        return x * 2
+
+    report = cgraph.explain(through_data, (torch.zeros(8), torch.ones(8)))
+    assert found(report, on_cpu=True) == [
+        ("input_mutation", "aten.add_", line_of("through-data"))]
+    assert ".data" in report.problems[1].message
     total = torch.zeros(8, requires_grad=True) * 1  # not a leaf: eager takes the write
     report = cgraph.explain(accumulate, (total, torch.ones(8)))
     assert found(report, on_cpu=True) == [

@@ -527,6 +527,39 @@ def test_an_argument_written_in_place_is_copied_back_into_the_tensor_passed():
     assert drop_in.forward.stats["written_back"] == 0
 
 
+class _Halves(nn.Module):
+    """Halves its argument in place and returns it plus one."""
+
+    def forward(self, h):
+        h.mul_(0.5)
+        return h + 1
+
+
+def test_written_arguments_under_inference_mode_alias_outputs_and_expanded_tensors():
+    """Under torch.inference_mode the static inputs are inference tensors,
+    which have no version counter: captured there, the graphs work (their
+    writes go unseen). An earlier output passed back with
+    kept_outputs='alias' is this replay's output too: the output wins, as
+    eager's output is the value returned. An expanded argument the forward
+    writes is refused before the replay, as eager refuses it."""
+    model, make_input = mlp()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model)
+    with torch.inference_mode():
+        x = make_input()
+        assert_equal(graphed(x), eager(x), "a capture under inference_mode")
+    halves = cgraph.make_graphed(_Halves(), kept_outputs="alias")
+    with torch.no_grad():
+        h, h_e = torch.randn(8, 16, device=CUDA), None
+        h_e = h.clone()
+        h1 = halves(h)
+        h1_e = _Halves()(h_e)
+        assert_equal(h, h_e, "the argument, halved and copied back")
+        assert_equal(halves(h1), _Halves()(h1_e), "an earlier output passed back")
+        with pytest.raises(RuntimeError, match="expanded tensor"):
+            halves(torch.randn(1, 16, device=CUDA).expand(8, 16))
+
+
 def test_no_grad_replays_forward_only():
     model, make_input = mlp()
     eager = copy.deepcopy(model)
