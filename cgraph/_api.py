@@ -255,7 +255,16 @@ def make_graphed_callables(
     * ``torch.utils.checkpoint`` works inside (``use_reentrant`` False or
       True), dropout included: the recompute redraws the forward's masks.
     * Replacing a parameter after capture (``load_state_dict(assign=True)``)
-      raises on the next call instead of reading the old tensor.
+      raises on the next call instead of reading the old tensor; so does a
+      submodule replaced (a Dropout by an Identity).
+    * A submodule switched between train and eval after capture
+      (``bn.eval()``) gets a graph of its own mode (with ``max_graphs=1``:
+      runs eagerly); torch replays the captured mode.
+    * An argument the callable writes in place (a cache filled inside
+      ``forward``) is copied back into the tensor passed after each replay;
+      torch leaves the caller's tensor as it was.
+    * A sample that is a slice of more memory (``X[:64]``) gets a static
+      input of its own; torch copies every later call into ``X``.
 
     Example::
 
@@ -337,8 +346,9 @@ def make_graphed(
 
     Several graphs: a call that none of the callable's graphs takes
     (tensors of another shape or dtype, another constant or keyword,
-    another autocast or grad mode, the module in the other train/eval
-    mode, an input that requires grad unlike the sample) captures one more
+    another autocast or grad mode, the module, or a submodule that reads its
+    mode, in the other train/eval mode, an input that requires grad unlike
+    the sample) captures one more
     forward/backward pair for it on the spot, with the same warm-up and
     checks, and replays it from then on.  So does a call made while the
     backward of an earlier call of the same signature is still pending
@@ -416,8 +426,10 @@ def make_graphed(
             raise ValueError("cgraph: sample_kwargs without sample_args; pass both, or "
                              "neither to capture on the first call.")
         _require_cuda()
-        g = (regraphing(target, options, limit or 1) if pool_id is None
-             else _group.graphed_layer(target, pool_id, options, limit or 1))
+        # max_graphs=None: torch's rules, its cast of another floating dtype too
+        casts = limit is None
+        g = (regraphing(target, options, limit or 1, casts=casts) if pool_id is None
+             else _group.graphed_layer(target, pool_id, options, limit or 1, casts=casts))
         _live.add(g)
     else:
         (g,) = _graph([target], (sample_args,), (sample_kwargs,), pool_id, options)

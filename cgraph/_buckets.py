@@ -355,28 +355,44 @@ def _keywords(count: int, kwargs: dict) -> list[str | None]:
     return [None] * (count - len(named)) + named
 
 
-class _Written(NamedTuple):
-    """The padded copies of a call's tensors and their versions before the
-    call: an argument the callable writes in place (a cache) is written in
-    its padded copy, by eager code or by a replay's copy back (Note
-    [Arguments written in place] in csrc/aten_replay.cpp), and its real
-    rows go back into the tensor passed.  An inference tensor has no
-    version to read: its writes are not seen (as in the native core)."""
+class _Padded(NamedTuple):
+    """A tensor of a padded call, its padded copy, and the copy's version
+    before the call."""
 
-    pairs: list  # (the tensor passed, its padded copy, the copy's version)
+    passed: torch.Tensor
+    copy: torch.Tensor
+    version: int
+
+
+class _Written(NamedTuple):
+    """The padded copies of a call's tensors: an argument the callable
+    writes in place (a cache) is written in its padded copy, by eager code
+    or by a replay's copy back (Note [Arguments written in place] in
+    csrc/aten_replay.cpp), and its real rows go back into the tensor passed.
+    An inference tensor has no version to read: its writes are not seen (as
+    in the native core)."""
+
+    copies: list[_Padded]
 
     @classmethod
     def before(cls, leaves: list, padded: list) -> "_Written":
-        return cls([(t, p, p._version) for t, p in zip(leaves, padded)
+        return cls([_Padded(t, p, p._version) for t, p in zip(leaves, padded)
                     if isinstance(t, torch.Tensor) and p is not t and not p.is_inference()])
 
     def back(self, padding: dict[int, tuple[int, int]]) -> None:
-        for passed, copy, version in self.pairs:
-            if copy._version != version:
-                real = _unpad(copy, padding)
-                if real.shape == passed.shape:
-                    with torch.no_grad():
-                        passed.copy_(real)
+        for padded in self.copies:
+            if padded.copy._version == padded.version:
+                continue
+            real = _unpad(padded.copy, padding)
+            if real.shape != padded.passed.shape:
+                # Read as a mask, whose new queries _unpad cuts along keys
+                # only where their shape says so: not one eager writes.
+                _log.log.warning("cgraph: a padded argument of shape %s was written in "
+                                 "place, but its real rows could not be told apart; it is "
+                                 "not copied back", tuple(padded.passed.shape))
+                continue
+            with torch.no_grad():
+                padded.passed.copy_(real)
 
 
 class _Call(NamedTuple):

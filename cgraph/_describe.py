@@ -326,7 +326,7 @@ def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:
       clone.
     * A sample with autograd history (the output of other ops) is replaced
       by a leaf over the same memory: the backward capture runs a plain
-      .backward() that must stop at the graph's inputs (csrc/aten_capture.cpp,
+      .backward() that must stop at the graph's inputs (csrc/aten_warmup.cpp,
       Note [Backward capture runs .backward()]).
     * A sample that is a view of more memory than it covers (a slice of a
       dataset kept on the device, ``X[:64]``) would have every later call's

@@ -149,7 +149,8 @@ def explain(fn: Callable[..., Any], sample_args: tuple,
       is an argument or a view of one.  ``"state"``: a tensor assigned to a
       module attribute during the call (a buffer replaced, not updated in
       place).  ``"input_mutation"``: an op writes into an argument that
-      requires grad (one that needs none is copied back after each replay).
+      requires grad, or into one through ``.data``, which no version
+      counter shows (another write is copied back after each replay).
       ``"error"``: the callable raised.
 
     Not seen: Python's ``random`` and ``numpy.random`` (no torch op runs);
@@ -386,6 +387,25 @@ class _InternalError(RuntimeError):
     """A bug in explain's own checks: raised, never reported as the callable's."""
 
 
+class _Argument(NamedTuple):
+    """A tensor argument of the checked calls, by the memory it lies in."""
+
+    name: str
+    tensor: torch.Tensor
+
+
+class _Write(NamedTuple):
+    """An op writing into an argument that needs no grad, whose version
+    counter is read again once the op returned: a write that moved it is
+    copied back after each replay (Note [Arguments written in place] in
+    csrc/aten_replay.cpp); one that did not (through ``.data``) is not."""
+
+    argument: _Argument
+    version: int  # the argument's, before the op
+    op: str
+    site: Any
+
+
 class _Op(NamedTuple):
     """One op of a checked call, for comparing calls."""
 
@@ -409,8 +429,10 @@ class _Recorder:
         self.quiet = 0  # inside a host read already reported: its ops are not again
         self.calls: list[list[_Op]] = []  # the ops of each checked call
         self.first_op: _Op | None = None  # of any call
-        # memory of the tensor arguments -> (its name, the argument)
-        self.arguments: dict[int, tuple[str, torch.Tensor]] = {}
+        self.arguments: dict[int, _Argument] = {}  # by the memory they lie in
+        # Writes whose counters are read once their op returned: after
+        # ADInplaceOrView, above the dispatch mode, moved them.
+        self.writes: list[_Write] = []
         self._problems: dict[tuple, Problem] = {}
         self._after_warmup: set[tuple] = set()  # keys seen outside the warm-up call
 
@@ -601,6 +623,7 @@ class _DispatchChecks(TorchDispatchMode):
         if not rec.checking:
             return func(*args, **kwargs)
         try:
+            _settle_writes(rec)
             name = str(func.overloadpacket)
             site = self._site()
             if not rec.quiet:
@@ -665,28 +688,19 @@ class _DispatchChecks(TorchDispatchMode):
             value = args[position] if position < len(args) else kwargs.get(argument.name)
             if not isinstance(value, torch.Tensor) or not value.untyped_storage().data_ptr():
                 continue
-            found = self.rec.arguments.get(value.untyped_storage().data_ptr())
-            if found is None:
+            passed = self.rec.arguments.get(value.untyped_storage().data_ptr())
+            if passed is None:
                 continue
-            # One that needs no grad is copied back after each replay, where
-            # its version counter shows the write: Note [Arguments written in
-            # place] in csrc/aten_replay.cpp.
-            written, argument = found
             if value.requires_grad:
+                written = passed.name
                 self.rec.add("input_mutation", name, f"{name} writes into argument "
                              f"'{written}' in place, which requires grad: a graph's copy of "
                              "such an argument is a leaf, which autograd lets no op write in "
                              "place (the warm-up raises).", "write into a copy "
                              f"({written} = {written}.clone()), or return the new value as an "
                              "output.", site)
-            elif not _counted_by(value, argument):
-                self.rec.add("input_mutation", name, f"{name} writes into argument "
-                             f"'{written}' through a tensor that does not share its version "
-                             "counter (.data): cgraph cannot see the write to copy it back, "
-                             "so a replay writes only the graph's copy of the argument.",
-                             f"write into the argument itself ({written}.add_(...), not "
-                             f"{written}.data.add_(...)), or return the new value as an "
-                             "output.", site)
+            elif not passed.tensor.is_inference():  # which has no counter to read
+                self.rec.writes.append(_Write(passed, passed.tensor._version, name, site))
 
     def _check_copy(self, name, args, kwargs, site) -> None:
         source, target = _copy_devices(name, args, kwargs)
@@ -741,12 +755,21 @@ def _data_dependent_shape(func, name, args, kwargs) -> bool:
     return True
 
 
-def _counted_by(value: torch.Tensor, argument: torch.Tensor) -> bool:
-    """Whether a write into `value` moves `argument`'s version counter: it is
-    the argument, or a view of it or of its base (views share their base's
-    counter; ``.data`` makes a tensor with a counter of its own)."""
-    base = argument._base if argument._base is not None else argument
-    return value is argument or value is base or value._base is base
+def _settle_writes(rec: "_Recorder") -> None:
+    """The writes into arguments noted before their ops ran: one that left
+    the argument's version counter where it was (through ``.data``, whose
+    counter is its own) cannot be copied back after a replay."""
+    for write in rec.writes:
+        if write.argument.tensor._version == write.version:
+            written = write.argument.name
+            rec.add("input_mutation", write.op, f"{write.op} writes into argument "
+                    f"'{written}' through a tensor that does not share its version counter "
+                    "(.data): cgraph cannot see the write to copy it back, so a replay "
+                    "writes only the graph's copy of the argument.",
+                    f"write into the argument itself ({written}.add_(...), not "
+                    f"{written}.data.add_(...)), or return the new value as an output.",
+                    write.site)
+    rec.writes.clear()
 
 
 def _copy_devices(name, args, kwargs) -> tuple[str | None, str | None]:
@@ -845,7 +868,8 @@ class _Session:
         self.completed = False  # every call ran without raising
         for name, leaf in zip(names, pytree.tree_leaves((args, kwargs))):
             if isinstance(leaf, torch.Tensor) and leaf.untyped_storage().data_ptr():
-                rec.arguments.setdefault(leaf.untyped_storage().data_ptr(), (name, leaf))
+                rec.arguments.setdefault(leaf.untyped_storage().data_ptr(),
+                                         _Argument(name, leaf))
 
     def run(self) -> None:
         rec = self.rec
@@ -875,6 +899,7 @@ class _Session:
         rec.checking, rec.phase = True, "forward"
         try:
             out = self._call()
+            _settle_writes(rec)
             self._backward(out)
         except _InternalError:
             raise

@@ -56,8 +56,9 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     ``layers``: the blocks' list, as a path below the model (``"model.layers"``,
     below the module a ``DistributedDataParallel`` wraps) or as the
     ``nn.ModuleList`` (``nn.Sequential``, ``nn.ModuleDict``) itself; by
-    default the list of same-typed blocks holding the most parameters.  ``pool``: ``"shared"`` (default) gives
-    every block's graphs one new pool, as one ``pool=`` in
+    default the list of same-typed blocks holding the most parameters.
+    ``pool``: ``"shared"`` (default) gives every block's graphs one new
+    pool, as one ``pool=`` in
     :func:`make_graphed` does; ``None`` a pool per block; or a handle from
     :func:`graph_pool_handle`.  Other keywords go to :func:`make_graphed`
     (``buckets``, ``max_graphs``, ``num_warmup_iters``...).

@@ -66,14 +66,9 @@ class Modes(NamedTuple):
     modes: tuple
 
     @classmethod
-    def of(cls, fn: Callable, models: list) -> "Modes":
-        """A step's: those of `fn` (the step) and `models` (the DDP models
-        it calls), roots included."""
-        return cls.under(roots(fn, models))
-
-    @classmethod
     def under(cls, found: list) -> "Modes":
-        """Those of the modules `found` (roots) and their submodules."""
+        """A step's: those of the modules `found` (its roots, from roots())
+        and of their submodules, roots included."""
         modules: dict = {}
         for root in found:
             for m in root.modules():

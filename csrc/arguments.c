@@ -78,8 +78,8 @@ check_keywords(const cg_spec *spec, PyObject *kwnames)
 }
 
 /* Whether a call's value is one the graph baked in: the same type and an
- * equal value, a float's sign and NaN told as its bits tell them (-0.0 is
- * not 0.0 where 1/c or copysign reads it; a NaN is the NaN it was).  1, 0,
+ * equal value; for a float, its sign too (-0.0 is not 0.0 where 1/c or
+ * copysign reads it), and any NaN matches a NaN (== never does).  1, 0,
  * or -1 with an exception set. */
 static int
 same_value(PyObject *given, PyObject *captured)
@@ -94,8 +94,8 @@ same_value(PyObject *given, PyObject *captured)
     return PyObject_RichCompareBool(given, captured, Py_EQ);
 }
 
-/* 0 if every captured constant is passed again (same type, equal value),
- * else -1 with a ValueError naming the argument. */
+/* 0 if every captured constant is passed again (same_value), else -1 with
+ * a ValueError naming the argument. */
 static int
 check_constants(const cg_spec *spec, PyObject *leaves)
 {

@@ -381,9 +381,10 @@ bool reusable(const Input& in) {
 //    not the static buffer itself, one copy (copy_all, on the caller's
 //    stream, after the launch) writes the buffer back into it, so the
 //    caller sees what eager leaves there; counted in stats["written_back"].
-//    An argument that requires grad cannot be written in place (its static
-//    input is a leaf that requires grad: the warm-up raises, as eager does
-//    for a leaf), so no autograd history is skipped.  The graph's own
+//    An argument that requires grad cannot be written in place with grad
+//    enabled (its static input is a leaf that requires grad: the warm-up
+//    raises, as eager does for a leaf), so no autograd history is skipped;
+//    under no_grad, where eager writes a leaf too, it is copied back.  The graph's own
 //    copy-in still runs first: a write of part of the argument keeps the
 //    rest as passed.  After a replay on another stream, caller_stream
 //    waits for the copies too.  An earlier output passed back

@@ -11,6 +11,8 @@
  *         max_graphs: int             # on_miss captures up to this many graphs
  *         shared: Pool | None         # the pool other callables' graphs use too
  *         layer: bool                 # graphed one by one into `shared`
+ *         casts: bool                 # another floating dtype cast into an
+ *                                     # entry, as torch's drop-in does
  *         def __call__(self, *args, **kwargs):
  *             if self.on_miss is None:                 # one graph
  *                 e = self.entries[0]
@@ -61,8 +63,8 @@
  * Q: How does one callable get several graphs, and when may each replay?
  * A: A call that no entry takes (another shape or dtype, constant,
  *    autocast, grad mode or train/eval; an input that requires grad unlike
- *    the sample) is
- *    decided here, from native state only.  What needs Python, capturing, is
+ *    the sample; with `casts`, the drop-in's, another floating dtype is
+ *    cast into an entry instead) is decided here, from native state only.  What needs Python, capturing, is
  *    on_miss's (cgraph/_regraph.py): it captures one more pair for the call
  *    where a CaptureSite says and returns it, and this file takes it as a
  *    new entry; nothing comes back into C meanwhile.  New entries share a

@@ -549,10 +549,10 @@ def test_a_batchnorm_switched_to_eval_after_capture_is_replayed_in_eval(name):
 
 
 def test_the_modes_compared_are_those_of_the_modules_the_step_names():
-    """Modes.of: the step's closure and globals, a bound method's
+    """roots and Modes.under: the step's closure and globals, a bound method's
     object's modules, a helper one call deeper; of their submodules, the
     roots and those whose methods read `training`."""
-    from cgraph._modes import Modes
+    from cgraph._modes import Modes, roots
     model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1), nn.LayerNorm(4),
                           nn.BatchNorm1d(4))
     loss_module = nn.MSELoss()
@@ -563,7 +563,7 @@ def test_the_modes_compared_are_those_of_the_modules_the_step_names():
     def step(x):
         return loss_of(x)
 
-    modes = Modes.of(step, [])
+    modes = Modes.under(roots(step, []))
     assert sorted(type(m).__name__ for m in modes.modules) == ["BatchNorm1d", "Dropout",
                                                                 "MSELoss", "Sequential"]
     assert modes.same()
@@ -580,7 +580,7 @@ def test_the_modes_compared_are_those_of_the_modules_the_step_names():
             return self.net(x)
 
     runner = Runner()
-    modes = Modes.of(runner.step, [])
+    modes = Modes.under(roots(runner.step, []))
     assert [type(m).__name__ for m in modes.modules] == ["Sequential", "Dropout"]
     runner.net.eval()
     assert not modes.same()
@@ -643,11 +643,11 @@ def test_a_scheduler_made_in_the_step_passes_its_own_first_step_and_no_other():
 
 
 def test_modes_are_read_from_callable_objects_compiled_methods_and_defaults():
-    """Modes.of through a callable object (its attributes), a
+    """roots through a callable object (its attributes), a
     torch.compile'd bound method, functools.wraps and a lambda's default;
     an object whose __dict__ raises names none, without raising."""
     import functools
-    from cgraph._modes import Modes
+    from cgraph._modes import Modes, roots
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
 
     class Runner:
@@ -675,6 +675,6 @@ def test_modes_are_read_from_callable_objects_compiled_methods_and_defaults():
             return x
 
     for step in (runner, torch.compile(runner.step), wrapped, lambda x, m=model: m(x)):
-        assert [type(m).__name__ for m in Modes.of(step, []).modules] == [
+        assert [type(m).__name__ for m in Modes.under(roots(step, [])).modules] == [
             "Sequential", "Dropout"], step
-    assert Modes.of(Opaque(), []).modules == ()
+    assert Modes.under(roots(Opaque(), [])).modules == ()
