@@ -119,6 +119,26 @@ def test_a_module_spec_keeps_the_submodules_that_read_their_mode():
             cgraph._C.CallableSpec(**dict(fields, modes=bad, device=0))
 
 
+@pytest.mark.parametrize("max_graphs, casts", [(None, True), (1, False), (8, False)])
+@pytest.mark.parametrize("pool", [None, (0, 7)])
+def test_make_graphed_casts_another_floating_dtype_only_under_torchs_rules(
+        monkeypatch, max_graphs, casts, pool):
+    """make_graphed without samples: max_graphs=None keeps torch's rules, its
+    cast of another floating dtype into the graph too (new_graphed casts=);
+    otherwise such a call gets a graph of its own."""
+    from cgraph import _C, _api
+    monkeypatch.setattr(_api, "_require_cuda", lambda: None)
+    made, real = [], _C.new_graphed
+
+    def new_graphed(on_miss, max_graphs, **kwargs):
+        made.append(kwargs["casts"])
+        return real(on_miss, max_graphs, **kwargs)
+
+    monkeypatch.setattr(_C, "new_graphed", new_graphed)  # _regraph's and _group's
+    cgraph.make_graphed(torch.nn.Linear(4, 4), max_graphs=max_graphs, pool=pool)
+    assert made == [casts]
+
+
 def test_callable_spec_refuses_missing_unknown_and_mistyped_fields():
     from cgraph._describe import Target, draft
 
