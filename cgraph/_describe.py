@@ -432,13 +432,14 @@ class StateCheck:
         captured state instead of raising at the next call.  One replaced
         under a name the state had does not: graphs captured before may
         read the old one, and the next call raises."""
+        tensors, submodules = dict(_named_state(module)), _submodules(module)
         if not self.adopted:
-            self.captured, self.submodules = dict(_named_state(module)), _submodules(module)
-            self.adopted = True
-        for name, tensor in _named_state(module):
-            self.captured.setdefault(name, tensor)
-        for name, submodule in _submodules(module).items():
-            self.submodules.setdefault(name, submodule)
+            self.captured, self.submodules, self.adopted = tensors, submodules, True
+        else:
+            for name, tensor in tensors.items():
+                self.captured.setdefault(name, tensor)
+            for name, submodule in submodules.items():
+                self.submodules.setdefault(name, submodule)
         _watch(module)
 
 

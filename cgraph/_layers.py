@@ -153,9 +153,10 @@ def _find(root: nn.Module, layers) -> Blocks:
         raise TypeError(f"cgraph: graph_layers: '{path}' is a {type(blocks).__name__}; it "
                         "takes a non-empty nn.ModuleList, nn.Sequential or nn.ModuleDict of "
                         "blocks.")
-    if any(is_graphed(block) for block in _children(blocks)):
+    found = Blocks.of(path, blocks)
+    if any(is_graphed(block) for block in found.blocks):
         raise ValueError(f"cgraph: graph_layers: the blocks at '{path}' are graphed already.")
-    return Blocks.of(path, blocks)
+    return found
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)

@@ -119,8 +119,9 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    (``scheduler.step()`` in the step) is refused at the first warm-up
    call: the scheduler would fill the graph's device lr once, at capture,
    and every replay would step with that lr.  Modes: Note [The modules a
-   graphed step's modes are read from] (cgraph/_modes.py).  Not seen: parameters replaced by new objects
-   (``load_state_dict(assign=True)``), which the optimizer no longer steps
+   graphed step's modes are read from] (cgraph/_modes.py).  Not seen:
+   parameters replaced by new objects (``load_state_dict(assign=True)``),
+   which the optimizer no longer steps
    in eager mode either, and the memory of a tensor subclass other than
    DTensor (float8 weights).  A change before every call captures at every
    call: warned once, at the third in a row, as a baked value is.

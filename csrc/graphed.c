@@ -64,14 +64,14 @@
  * A: A call that no entry takes (another shape or dtype, constant,
  *    autocast, grad mode or train/eval; an input that requires grad unlike
  *    the sample; with `casts`, the drop-in's, another floating dtype is
- *    cast into an entry instead) is decided here, from native state only.  What needs Python, capturing, is
- *    on_miss's (cgraph/_regraph.py): it captures one more pair for the call
- *    where a CaptureSite says and returns it, and this file takes it as a
- *    new entry; nothing comes back into C meanwhile.  New entries share a
- *    pool when they can: a captured forward's activations are free blocks of
- *    its pool once the backward capture ran (autograd dropped them; the
- *    engine replays into them), so a later capture in that pool may reuse
- *    them.  That is what keeps the memory of several graphs near that of the
+ *    cast into an entry instead) is decided here, from native state only.
+ *    What needs Python, capturing, is on_miss's (cgraph/_regraph.py): it
+ *    captures one more pair for the call where a CaptureSite says and
+ *    returns it, and this file takes it as a new entry; nothing comes back
+ *    into C meanwhile.  New entries share a pool when they can: a captured
+ *    forward's activations are free blocks of its pool once the backward
+ *    capture ran (autograd dropped them; the engine replays into them), so
+ *    a later capture in that pool may reuse them.  That is what keeps the memory of several graphs near that of the
  *    largest, and it is safe while no pending backward needs what a replay
  *    writes (Note [Captures that share a pool] in aten_pool.cpp): for graphs
  *    one callable captured on their own, while no entry of the pool is
