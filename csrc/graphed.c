@@ -422,7 +422,7 @@ resolve_module(GraphedObject *self, const cg_spec *spec, PyObject **module, int 
     if (*module == NULL) {
         return -1;
     }
-    flag = PyObject_GetAttr(*module, self->state->str_training);
+    flag = cg_training_of(self->state, *module);
     *training = flag ? PyObject_IsTrue(flag) : -1;
     Py_XDECREF(flag);
     if (*training < 0) {

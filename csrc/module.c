@@ -543,14 +543,13 @@ PyDoc_STRVAR(cgm_modes_are_doc,
 "bool at the same place of the tuple `modes`.  Note [What a graphed step\n"
 "checks before a replay] in cgraph/_step.py.  Not a public API.");
 
-/* A NEW reference to `module.training`, or NULL with an exception set.
- * nn.Module keeps the flag in the instance dict (Module.__init__ sets it
+/* nn.Module keeps the flag in the instance dict (Module.__init__ sets it
  * there; no class of torch's defines it): read there, a dict lookup by an
  * interned name, rather than through the attribute protocol, which first
  * walks the class's MRO (about 39 ns against 16 on the CI machine, for
  * every module a graph compares on every call). */
-static PyObject *
-training_of(const cg_state *state, PyObject *module)
+PyObject *
+cg_training_of(const cg_state *state, PyObject *module)
 {
     PyObject *dict = PyObject_GenericGetDict(module, NULL);
     PyObject *flag = dict != NULL ? PyDict_GetItemWithError(dict, state->str_training) : NULL;
@@ -567,7 +566,7 @@ int
 cg_modes_are(const cg_state *state, PyObject *modules, PyObject *modes)
 {
     for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(modules); k++) {
-        PyObject *flag = training_of(state, PyTuple_GET_ITEM(modules, k));
+        PyObject *flag = cg_training_of(state, PyTuple_GET_ITEM(modules, k));
         int same;
 
         if (flag == NULL) {

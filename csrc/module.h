@@ -154,11 +154,17 @@ enum { CG_MODES_MODULES = 0, CG_MODES_FLAGS = 1 };
 
 extern PyType_Spec cg_spec_type_spec;
 
+/* A NEW reference to `module.training`, read from the instance dict where
+ * nn.Module keeps it (else through the attribute protocol), or NULL with an
+ * exception set.  The one reader of the flag: a module's own mode
+ * (graphed.c) and its submodules' (cg_modes_are). */
+PyObject *cg_training_of(const cg_state *state, PyObject *module);
+
 /* 1 if each module of the tuple `modules` has as its `training` flag the
  * bool at its place in the tuple `modes` (as many), 0 if one does not, -1
  * with an exception set.  A dict lookup and a pointer compare per module
- * (module.c, training_of): nn.Module.train() stores a bool, one of two
- * objects, in the instance dict. */
+ * (cg_training_of): nn.Module.train() stores a bool, one of two objects,
+ * in the instance dict. */
 int cg_modes_are(const cg_state *state, PyObject *modules, PyObject *modes);
 
 /* cg_modes_are over spec->modes: whether the submodules' modes are still
