@@ -316,6 +316,22 @@ class Resharded:
                 g.reshard()
 
 
+def refuse_offloaded(groups) -> None:
+    """Refuses a step graphed whole over an FSDP module that offloads its
+    parameters to the CPU (CPUOffloadPolicy): FSDP waits on the host for
+    the copies of its grads to the CPU, a sync no capture can hold, and a
+    graph would not replay the host's work anyway (an optimizer stepping
+    the CPU parameters would step them once, at capture)."""
+    for g in groups:
+        if any(getattr(p, "offload_to_cpu", False) for p in g.fsdp_params):
+            raise ValueError(
+                f"cgraph: FSDP module {_name(g)} offloads its parameters to the CPU "
+                "(CPUOffloadPolicy), and a step graphed whole cannot hold FSDP's copies to "
+                "the host and its wait for them. Graph the layers instead "
+                "(cgraph.make_graphed(layer) for each fully_shard-ed layer, FSDP's hooks "
+                "running around them) and step the optimizer outside the graphs.")
+
+
 def _training_state(group) -> str:
     state = getattr(group, "_training_state", None)
     return getattr(state, "name", "UNKNOWN")

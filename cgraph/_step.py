@@ -628,6 +628,7 @@ class GraphedStep:
             named = roots(self.fn, self.ddp.models())
             took.modes = Modes.under(named)  # as the call found them
             self.resharded = _fsdp.Resharded(named)
+            _fsdp.refuse_offloaded(self.resharded.groups)
             self.resharded()  # Note [FSDP2's host state around a graphed step]
             state = _state_keys(self.optimizers)
             self._refuse_what_no_graph_can_step()

@@ -30,7 +30,8 @@ reads them):
    parameters): FSDP2 hands it grads made outside it, new tensors each step
    where zero_grad() sets them to None, the same ones zeroed where it does not
    (Note [Grads around a graphed step] in cgraph/_step_grads.py).  With CPU
-   offload (CPUOffloadPolicy), the optimizer step graphed is refused.  Explicit
+   offload (CPUOffloadPolicy), the optimizer step graphed is refused, and so
+   is the step graphed whole.  Explicit
    prefetching (set_modules_to_forward_prefetch and ..._backward_prefetch: each
    layer all-gathers the next one's parameters, which FSDP copies out into the
    shared home only when that layer runs).  Gradient accumulation as FSDP2 does
@@ -223,6 +224,7 @@ def per_layer(rank, name, reshard=True, mp=False, pool=False, samples=False, off
           f"grads in {places[0]} place(s) per parameter after the first step: OK", flush=True)
     if offload:
         optimizer_step_off_the_gpu_is_refused(rank, opts[1])
+        offloaded_step_is_refused(rank)
     for layer in model.layers:
         layer.reset()  # FSDP allocates its unsharded parameters itself again
     lenders = [p for layer in model.layers
@@ -294,6 +296,30 @@ def optimizer_step_off_the_gpu_is_refused(rank, opt):
     else:
         raise SystemExit(f"rank {rank}: an optimizer step of CPU parameters was graphed")
     print(f"rank {rank} CPU offload: a graphed optimizer step refused: OK", flush=True)
+
+
+def offloaded_step_is_refused(rank):
+    """A step graphed whole over a CPU-offloaded model, its optimizer
+    stepped outside: refused at capture, naming the per-layer recipe (FSDP
+    waits on the host for its grads' copies to the CPU, which no capture
+    can hold)."""
+    model = sharded(offload=True)
+
+    def step(tokens, targets):
+        loss = loss_of(model, tokens, targets)
+        loss.backward()
+        return loss.detach()
+
+    graphed = cgraph.make_graphed_step(step, num_warmup_iters=1)
+    graphed(*batch(0, rank))  # eager: the warm-up
+    try:
+        graphed(*batch(1, rank))
+    except ValueError as e:
+        if "CPUOffloadPolicy" not in str(e) or "cgraph.make_graphed(layer)" not in str(e):
+            raise
+    else:
+        raise SystemExit(f"rank {rank}: a step of a CPU-offloaded model was graphed whole")
+    print(f"rank {rank} CPU offload: a step graphed whole refused: OK", flush=True)
 
 
 def accumulating(rank, name, mp=False, reshard=True, keep_unsharded=False):

@@ -29,6 +29,7 @@ PER_LAYER = ("per-layer graphs, reshard_after_forward=True",
              "per-layer graphs, reshard_after_forward=False, pool, samples",
              "per-layer graphs, bf16 params fp32 reduce, pool",
              "per-layer graphs, CPU offload:", "CPU offload: a graphed optimizer step refused",
+             "CPU offload: a step graphed whole refused",
              "per-layer graphs, activation checkpointing, pool:",
              "per-layer graphs, explicit prefetching, bf16 params fp32 reduce, pool:",
              "per-layer graphs, graphed again after reset:",
@@ -173,6 +174,20 @@ def test_a_graphed_step_reshards_the_idle_groups_an_eager_forward_left_unsharded
     resharded()
     resharded()
     assert [g.resharded for gs in groups.values() for g in gs] == [1, 0, 0]
+
+
+def test_a_step_graphed_whole_refuses_fsdp_cpu_offload():
+    """FSDP waits on the host for its grads' copies to the CPU: refused
+    before the capture, naming the per-layer recipe.  (Stand-ins for the
+    param groups; examples/fsdp.py refuses a real one on two GPUs.)"""
+    def group(fqn, *offloaded):
+        params = [SimpleNamespace(offload_to_cpu=o) for o in offloaded]
+        return SimpleNamespace(fsdp_params=params, _module_fqn=fqn)
+
+    _fsdp.refuse_offloaded([group("layers.0", False, False), group("", )])
+    with pytest.raises(ValueError, match=r"FSDP module 'layers.1' offloads.*CPUOffloadPolicy.*"
+                                         r"cgraph.make_graphed\(layer\)"):
+        _fsdp.refuse_offloaded([group("layers.0", False), group("layers.1", False, True)])
 
 
 def test_fsdp_swapping_its_parameters_is_not_a_replacement(mesh):
