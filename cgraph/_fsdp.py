@@ -272,10 +272,11 @@ def _take_back(holder, group) -> None:
     if state not in ("IDLE", "POST_BACKWARD"):
         raise RuntimeError(
             f"cgraph: FSDP layers {_name(holder)} and {_name(group)}, whose graphs share one "
-            "home for their unsharded parameters, were both unsharded inside a forward or "
-            "backward (a layer called inside another, or twice in a pass?), so one would read "
-            "the other's parameters. Shard these layers with reshard_after_forward=False (each "
-            "then gets a home of its own), or graph them in separate make_graphed calls.")
+            f"home for their unsharded parameters, were both unsharded inside a forward or "
+            f"backward, so one would read the other's parameters ({_name(holder)} is in FSDP's "
+            f"{state}: a layer called inside another or twice in a pass, or one whose inputs "
+            "need no grad, which FSDP reshards only at the end of the backward). Shard these "
+            "layers with reshard_after_forward=False: each then gets a home of its own.")
     holder.reshard()
 
 

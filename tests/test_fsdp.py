@@ -366,6 +366,7 @@ def test_a_shared_home_held_inside_a_pass_is_not_lent_over(state):
     home.holder = first
     first._training_state = SimpleNamespace(name=state)  # FSDP's TrainingState, as read
     with pytest.raises(RuntimeError, match="both unsharded inside a forward or backward.*"
+                                           f"in FSDP's {state}.*inputs need no grad.*"
                                            "reshard_after_forward=False"):
         home.lend(second, outputs_of(second), home.views)
     assert home.holder is first
