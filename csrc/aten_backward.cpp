@@ -5,6 +5,7 @@
 #include "aten_engine.hpp"
 
 #include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
@@ -412,6 +413,7 @@ struct GraphedBackward final : autograd::Node {
   bool ungraded;                       // some edge is an UngradedInput
 
  private:
+  void refuse_double_backward() const;
   void refuse_ungraded_inputs();
   void check_replayable() const;
   TensorVec route_incoming_grads(const autograd::variable_list& grads);
@@ -439,8 +441,9 @@ void GraphedBackward::check_replayable() const {
               "after this forward ran.");
   TORCH_CHECK(!ran.load(), "cgraph: a second backward through the same graphed call "
               "(retain_graph=True). The backward graph reuses the memory of the forward's "
-              "activations, so each call supports one backward: call the graphed callable "
-              "again before the next backward.");
+              "activations, so each call supports one backward: sum the losses and run one "
+              "backward ((loss1 + loss2).backward()), or call the graphed callable again "
+              "before the next backward.");
   TORCH_CHECK(generation == e.generation, "cgraph: this graphed callable ran forward ",
               e.generation - generation, " more time(s) before this backward, which "
               "overwrote the activations it needs. Please report this: cgraph runs such "
@@ -507,7 +510,21 @@ autograd::variable_list GraphedBackward::edge_grads() {
   return out;
 }
 
+// Autograd runs a node with grad mode on only under create_graph=True
+// (torch.autograd.grad(..., create_graph=True), a gradient penalty, a
+// Hessian-vector product): the grads this node hands back and accumulates
+// are replayed, without history, so a second backward through them would
+// silently miss the graphed part's terms.
+void GraphedBackward::refuse_double_backward() const {
+  TORCH_CHECK(!at::GradMode::is_enabled(), "cgraph: a backward with create_graph=True "
+              "(double backward: a gradient penalty, a Hessian-vector product) through a "
+              "graphed callable, whose backward graph replays grads without their history. "
+              "Run this callable eagerly for such passes: call the module or function you "
+              "graphed, not the graphed callable.");
+}
+
 autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) {
+  refuse_double_backward();
   refuse_ungraded_inputs();
   if (!engine->backward.exists()) {
     return autograd::variable_list(sources.size());  // only ungraded edges, none needed

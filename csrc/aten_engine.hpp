@@ -491,8 +491,9 @@ class SetupState {
   SetupState(const SetupState&) = delete;
   SetupState& operator=(const SetupState&) = delete;
   ~SetupState();
-  // Sets each parameter's own grad accumulator and post-accumulate-grad
-  // hooks aside: Note [Grad accumulators during capture] (aten_setup.cpp).
+  // Sets each parameter's own grad accumulator, tensor hooks and
+  // post-accumulate-grad hooks aside: Note [Grad accumulators during
+  // capture] (aten_setup.cpp).
   void set_aside_grad_accumulators(const std::vector<Param>& params);
   void restore_grad_accumulators() noexcept;
   // Module state that warm-up changes (BatchNorm's running stats): saved
@@ -502,9 +503,11 @@ class SetupState {
 
  private:
   using PostAccHookPtr = std::unique_ptr<torch::autograd::PostAccumulateGradHook>;
+  using TensorHooks = std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>>;
   struct AsideParam {
     at::Tensor param;
     WeakNodePtr accumulator = WeakNodePtr(NodePtr());
+    TensorHooks hooks;  // register_hook's: AccumulateGrad reads them off the tensor
     PostAccHookPtr post_acc_hooks;
   };
   std::vector<AsideParam> aside_;

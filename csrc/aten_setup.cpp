@@ -108,18 +108,24 @@ Engine::Engine(const cg_engine_config& config)
 // guide has users build DDP on a side stream).  cgraph sets each parameter's
 // accumulator aside from engine creation to the end of capture, so autograd
 // makes fresh ones on the capture stream, then puts the originals back:
-// replays deliver grads to them, DDP's hooks included.  Post-accumulate-grad
-// hooks (register_post_accumulate_grad_hook) go aside with them: warm-up and
-// capture run AccumulateGrad (Note [Backward capture runs .backward()]),
-// and the hooks must run at each replay, not once at capture.
+// replays deliver grads to them, DDP's hooks included.  The parameter's
+// tensor hooks (register_hook) and post-accumulate-grad hooks go aside with
+// them: warm-up and capture run AccumulateGrad (Note [Backward capture runs
+// .backward()]), which reads both off the tensor, and they must run at each
+// replay, where AccumulateGrad runs them (delivered_by_autograd,
+// aten_backward.cpp), not at warm-up and capture: a register_hook(g * 0.1)
+// captured into the backward graph was applied twice per replay.  Leaves
+// the forward reads outside the parameters it was given go aside when found
+// (Engine::adopt_hidden_leaves).
 void SetupState::set_aside_grad_accumulators(const std::vector<Param>& params) {
   for (const Param& p : params) {
-    AsideParam aside{p.tensor, WeakNodePtr(NodePtr()),
-                     std::move(torch::autograd::impl::post_acc_grad_hooks(p.tensor))};
+    AsideParam aside{p.tensor};
+    // A tensor without autograd meta has neither accumulator nor hooks.
     if (auto* meta = torch::autograd::impl::get_autograd_meta(p.tensor)) {
       std::lock_guard<std::mutex> lock(meta->mutex_);
-      aside.accumulator = std::move(meta->grad_accumulator_);
-      meta->grad_accumulator_ = WeakNodePtr(NodePtr());
+      aside.accumulator = std::exchange(meta->grad_accumulator_, WeakNodePtr(NodePtr()));
+      aside.hooks = std::exchange(meta->hooks_, TensorHooks());
+      aside.post_acc_hooks = std::exchange(meta->post_acc_grad_hooks_, nullptr);
     }
     aside_.push_back(std::move(aside));
   }
@@ -127,12 +133,25 @@ void SetupState::set_aside_grad_accumulators(const std::vector<Param>& params) {
 
 void SetupState::restore_grad_accumulators() noexcept {
   for (AsideParam& aside : aside_) {
-    if (auto* meta = torch::autograd::impl::get_autograd_meta(aside.param)) {
-      std::lock_guard<std::mutex> lock(meta->mutex_);
+    auto* meta = torch::autograd::impl::get_autograd_meta(aside.param);
+    if (meta == nullptr) {
+      continue;
+    }
+    std::lock_guard<std::mutex> lock(meta->mutex_);
+    // One set aside after another's (a leaf adopted at warm-up that is a
+    // parameter of a callable made later in the session) holds none: the
+    // other puts the original back, in whichever order.
+    if (!aside.accumulator.expired()) {
       meta->grad_accumulator_ = std::move(aside.accumulator);
     }
+    if (!aside.hooks.empty()) {  // first, then any registered meanwhile
+      for (auto& added : meta->hooks_) {
+        aside.hooks.push_back(std::move(added));
+      }
+      meta->hooks_ = std::move(aside.hooks);
+    }
     if (aside.post_acc_hooks) {
-      torch::autograd::impl::post_acc_grad_hooks(aside.param) = std::move(aside.post_acc_hooks);
+      meta->post_acc_grad_hooks_ = std::move(aside.post_acc_hooks);
     }
   }
   aside_.clear();

@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
 
+#include <iterator>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -51,7 +52,11 @@ std::vector<at::Tensor> autograd_leaves(const std::vector<at::Tensor>& roots) {
 // Leaves that require grad and that the forward reads, but that are neither
 // inputs nor module parameters (a tensor captured in a closure, a parameter
 // of another module).  torch's make_graphed_callables silently drops their
-// grads; cgraph treats them as parameters.  Inputs are leaves
+// grads; cgraph treats them as parameters, their accumulators and hooks set
+// aside from now to the end of capture as the parameters' are (Note [Grad
+// accumulators during capture], aten_setup.cpp): else a post-accumulate-grad
+// hook stepping an optimizer (the optimizer-in-backward pattern) stepped at
+// warm-up and was captured into the backward graph.  Inputs are leaves
 // (cgraph/_api.py _static_input), so the walk stops at them.
 void Engine::adopt_hidden_leaves(const std::vector<at::Tensor>& outs) {
   std::unordered_set<const c10::TensorImpl*> known;
@@ -61,15 +66,20 @@ void Engine::adopt_hidden_leaves(const std::vector<at::Tensor>& outs) {
   for (const Param& p : params) {
     known.insert(p.tensor.unsafeGetTensorImpl());
   }
+  std::vector<Param> adopted;
   for (const at::Tensor& leaf : autograd_leaves(outs)) {
     if (known.insert(leaf.unsafeGetTensorImpl()).second) {
       Param param;
       param.tensor = leaf;
       param.data = leaf.const_data_ptr();
       param.requires_grad = leaf.requires_grad();
-      params.push_back(std::move(param));
+      adopted.push_back(std::move(param));
     }
   }
+  TORCH_INTERNAL_ASSERT(setup, "cgraph: leaves adopted after the set-up ended");
+  setup->set_aside_grad_accumulators(adopted);
+  params.insert(params.end(), std::make_move_iterator(adopted.begin()),
+                std::make_move_iterator(adopted.end()));
 }
 
 namespace {
