@@ -77,6 +77,19 @@ check_keywords(const cg_spec *spec, PyObject *kwnames)
     return 0;
 }
 
+/* A NEW reference to how an error message shows a call's value: its repr
+ * for None, a bool, a number or a str, else its type ("a Tensor"): a
+ * tensor's repr fills the screen, and a CUDA tensor's syncs, in a message
+ * that a lookup across several graphs may build and drop on every call.
+ * NULL with an exception set. */
+static PyObject *
+shown_value(PyObject *value)
+{
+    int plain = value == Py_None || PyBool_Check(value) || PyLong_Check(value) ||
+                PyFloat_Check(value) || PyUnicode_Check(value);
+    return plain ? PyObject_Repr(value) : PyUnicode_FromFormat("a %s", Py_TYPE(value)->tp_name);
+}
+
 /* Whether a call's value is one the graph baked in: the same type and an
  * equal value; for a float, its sign too (-0.0 is not 0.0 where 1/c or
  * copysign reads it), and any NaN matches a NaN (== never does).  1, 0,
@@ -111,12 +124,14 @@ check_constants(const cg_spec *spec, PyObject *leaves)
         }
         PyObject *given = PyList_GET_ITEM(leaves, position);
         int same = same_value(given, captured);
-        if (same == 0) {
+        PyObject *shown = same == 0 ? shown_value(given) : NULL;
+        if (shown != NULL) {
             PyErr_Format(PyExc_ValueError,
-                         "cgraph: argument '%U' was captured as %R, got %R. A graph "
+                         "cgraph: argument '%U' was captured as %R, got %U. A graph "
                          "replays the value it was captured with: pass %R, pass the "
                          "value as a tensor, or graph once per value.",
-                         PyTuple_GET_ITEM(entry, CG_CONSTANT_NAME), captured, given, captured);
+                         PyTuple_GET_ITEM(entry, CG_CONSTANT_NAME), captured, shown, captured);
+            Py_DECREF(shown);
         }
         if (same <= 0) {
             return -1;
@@ -204,11 +219,7 @@ check_default(PyObject *entry, PyObject *given)
     int same = (value == Py_None || given == Py_None) ? given == value
                                                       : same_value(given, value);
     if (same == 0) {
-        /* A tensor's repr would fill the screen: name its type instead. */
-        int plain = given == Py_None || PyBool_Check(given) || PyLong_Check(given) ||
-                    PyFloat_Check(given) || PyUnicode_Check(given);
-        PyObject *shown = plain ? PyObject_Repr(given)
-                                : PyUnicode_FromFormat("a %s", Py_TYPE(given)->tp_name);
+        PyObject *shown = shown_value(given);
         if (shown != NULL) {
             PyErr_Format(PyExc_ValueError,
                          "cgraph: argument '%U' is %U, but the graph was captured without "

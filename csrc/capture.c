@@ -304,12 +304,29 @@ capture_error_for(cg_state *state, PyObject *cause, const char *what, cg_failure
     return error;
 }
 
+/* Whether the pending exception goes on as raised rather than as a
+ * CaptureError: an interrupt or exit (not an Exception: Ctrl-C during a
+ * capture must stop the program, not be advised about syncs, and callers
+ * that fall back to eager on a failed capture catch Exception), or running
+ * out of memory (callers catch torch.OutOfMemoryError to try a smaller
+ * batch; nothing about graphs to fix). */
+static int
+passes_through(const cg_state *state)
+{
+    return !PyErr_ExceptionMatches(PyExc_Exception) ||
+           (state->OutOfMemoryError != Py_None && PyErr_ExceptionMatches(state->OutOfMemoryError));
+}
+
 /* Replaces the pending exception with CaptureError naming the stage, the
- * callable, the cause (.kind) and the fix; the original becomes __cause__.
+ * callable, the cause (.kind) and the fix; the original becomes __cause__
+ * (interrupts and out-of-memory errors go on unchanged: passes_through).
  * Always returns -1. */
 static int
 raise_capture_error(session *s, Py_ssize_t index, const char *stage, cg_failure native)
 {
+    if (passes_through(s->state)) {
+        return -1;
+    }
     PyObject *cause = cg_err_take(), *what, *error = NULL;
 
     what = s->what ? PyUnicode_FromFormat("capturing %s", s->what)

@@ -206,6 +206,7 @@ graphed_alloc(cg_state *state, PyObject *on_miss)
     self->shared = (cg_pool){0, 0};
     self->has_shared = 0;
     self->layer = 0;
+    self->casts = 0;
     self->limit_reported = 0;
     self->is_reset = 0;
     self->pool = (cg_pool){0, 0};
@@ -568,6 +569,10 @@ replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssi
     if (outs == NULL) {
         return NULL;
     }
+    if (k >= self->n_entries) {  /* reset() by Python the replay ran (a finalizer) */
+        Py_DECREF(outs);
+        return raise_reset();
+    }
     self->hot = k;
     event = held_output_event(self, self->entries[k].engine);
     result = rebuild_outputs(self, &self->entries[k], outs);
@@ -647,6 +652,15 @@ typedef struct {
     PyObject *owned;         /* keeps tensors alive; NULL if the caller's */
 } lookup;
 
+/* Whether entry k is still the one captured for `spec`: Python that ran
+ * since it was looked up (flattening, constants' __eq__, modes) may have
+ * reset() this callable or dropped a pool, which compacts the entries. */
+static int
+entry_is(const GraphedObject *self, Py_ssize_t k, const cg_spec *spec)
+{
+    return k < self->n_entries && self->entries[k].spec == spec;
+}
+
 /* Whether entry k takes this call: 1 (out filled), 0, or -1 with an
  * exception set.  The module's own mode first, the submodules' last, for
  * the entry whose shapes fit: their reads grow with the model, the shape
@@ -676,17 +690,17 @@ entry_takes(GraphedObject *self, Py_ssize_t k, int training, PyObject *const *ar
         PyErr_Clear();
         return 0;
     }
-    if (k < self->n_entries) {  /* else reset() while flattening */
+    if (entry_is(self, k, spec)) {  /* else reset() or a pool dropped while flattening */
         fits = cg_engine_accepts(self->entries[k].engine, out->tensors, out->nt, 1,
                                  !self->casts);
     }
     if (fits == 1 && module) {
         fits = cg_spec_modes_hold(self->state, spec);
     }
-    Py_DECREF(spec);
-    if (fits == 1 && k >= self->n_entries) {  /* reset() while reading modes */
+    if (fits == 1 && !entry_is(self, k, spec)) {  /* ... while reading modes */
         fits = 0;
     }
+    Py_DECREF(spec);
     if (fits == 1 && !cg_engine_may_replay(self->entries[k].engine)) {
         out->pending = 1;
         fits = 0;
@@ -864,6 +878,27 @@ drop_pool(GraphedObject *self, cg_pool pool)
     return 0;
 }
 
+/* A NEW reference to a new exception of `exc`'s type, args and .kind,
+ * without its traceback and cause, or NULL with an exception set.  The
+ * refusal a callable keeps to raise again: the error as raised holds the
+ * frames it went through (a model's forward and its activations) in its
+ * traceback, and the warm-up's in its cause's, for as long as it is kept;
+ * its message already names the cause. */
+static PyObject *
+bare_copy(PyObject *exc)
+{
+    PyObject *args = PyObject_GetAttrString(exc, "args");
+    PyObject *copy = args ? PyObject_CallObject((PyObject *)Py_TYPE(exc), args) : NULL;
+    PyObject *kind = copy ? PyObject_GetAttrString(exc, "kind") : NULL;
+
+    Py_XDECREF(args);
+    if (kind == NULL || PyObject_SetAttrString(copy, "kind", kind) < 0) {
+        Py_CLEAR(copy);
+    }
+    Py_XDECREF(kind);
+    return copy;
+}
+
 /* After on_miss raised for `site`.  If a warm-up left state in the site's
  * pool where earlier graphs write (a CaptureError of CG_FAILURE_WARMUP_STATE:
  * Note [Warm-up in the pool] in aten_setup.cpp): in the pool shared with
@@ -884,7 +919,9 @@ recover_from_warm_up(GraphedObject *self, capture_site *site)
     exc = cg_err_take();
     state_left = cg_capture_error_is(self->state, exc, CG_FAILURE_WARMUP_STATE);
     if (state_left && self->has_shared && same_pool(site->pool, self->shared)) {
-        Py_XSETREF(self->refusal, Py_NewRef(exc));
+        PyObject *kept = bare_copy(exc);
+        PyErr_Clear();  /* no copy (no memory): the error itself, as raised */
+        Py_XSETREF(self->refusal, kept ? kept : Py_NewRef(exc));
     } else if (state_left && !cg_pool_busy(site->pool, 0) && drop_pool(self, site->pool) == 0) {
         Py_DECREF(exc);
         *site = (capture_site){.pending = site->pending};
@@ -1009,8 +1046,11 @@ handle_miss(GraphedObject *self, PyObject *const *args, Py_ssize_t nargs, PyObje
         return MISS_EAGER_ON_MISS;
     }
     if (self->refusal != NULL) {
-        PyException_SetTraceback(self->refusal, Py_None);
-        PyErr_SetObject((PyObject *)Py_TYPE(self->refusal), self->refusal);
+        PyObject *fresh = bare_copy(self->refusal);
+        if (fresh != NULL) {
+            PyErr_SetObject((PyObject *)Py_TYPE(fresh), fresh);
+            Py_DECREF(fresh);
+        }
         return MISS_ERROR;
     }
     if (self->n_entries >= self->max_graphs) {
@@ -1321,15 +1361,20 @@ Graphed_get_graphs(GraphedObject *self, void *closure)
     return result;
 }
 
-/* "Linear", "train_step": what the graphs were captured from.  Returns a
- * NEW reference, or NULL with an exception set. */
+/* "Linear", "train_step": what the graphs were captured from ("a module
+ * no longer alive" once it died: a repr does not raise).  Returns a NEW
+ * reference, or NULL with an exception set. */
 static PyObject *
 callable_name(const cg_spec *spec)
 {
     PyObject *target = cg_spec_target(spec), *name;
 
     if (target == NULL) {
-        return NULL;
+        if (!PyErr_ExceptionMatches(PyExc_RuntimeError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+        return PyUnicode_FromString("a module no longer alive");
     }
     if (spec->module != Py_None) {
         name = PyType_GetName(Py_TYPE(target));

@@ -741,12 +741,19 @@ import_torch_helpers(cg_state *state)
         return -1;
     }
     state->Tensor_Type = (PyTypeObject *)PyObject_GetAttrString(torch, "Tensor");
+    if (state->Tensor_Type != NULL) {
+        state->OutOfMemoryError = PyObject_GetAttrString(torch, "OutOfMemoryError");
+        if (state->OutOfMemoryError == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            PyErr_Clear();
+            state->OutOfMemoryError = Py_NewRef(Py_None);
+        }
+    }
     Py_DECREF(torch);
     if (state->Tensor_Type != NULL && !PyType_Check(state->Tensor_Type)) {
         Py_CLEAR(state->Tensor_Type);
         PyErr_SetString(PyExc_ImportError, "cgraph: torch.Tensor is not a type");
     }
-    return state->Tensor_Type ? 0 : -1;
+    return state->Tensor_Type && state->OutOfMemoryError ? 0 : -1;
 }
 
 static int
@@ -798,6 +805,7 @@ cgm_traverse(PyObject *module, visitproc visit, void *arg)
     Py_VISIT(state->tree_flatten);
     Py_VISIT(state->tree_unflatten);
     Py_VISIT(state->Tensor_Type);
+    Py_VISIT(state->OutOfMemoryError);
     Py_VISIT(state->event_hook);
     return 0;
 }
@@ -814,6 +822,7 @@ cgm_clear(PyObject *module)
     Py_CLEAR(state->tree_flatten);
     Py_CLEAR(state->tree_unflatten);
     Py_CLEAR(state->Tensor_Type);
+    Py_CLEAR(state->OutOfMemoryError);
     Py_CLEAR(state->str_training);
     Py_CLEAR(state->str_error_code);
     Py_CLEAR(state->event_hook);

@@ -74,6 +74,7 @@ typedef struct {
     PyObject *tree_flatten;     /* torch.utils._pytree.tree_flatten */
     PyObject *tree_unflatten;   /* torch.utils._pytree.tree_unflatten */
     PyTypeObject *Tensor_Type;  /* torch.Tensor */
+    PyObject *OutOfMemoryError; /* torch.OutOfMemoryError, or None where torch has none */
     PyObject *str_training;     /* interned "training" */
     PyObject *str_error_code;   /* interned "error_code" (torch.AcceleratorError's) */
     PyObject *event_hook;       /* hook(event: str, graphed) or None: cgraph/_log.py

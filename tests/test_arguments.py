@@ -115,7 +115,11 @@ def test_the_answers_are_what_each_call_deserves():
     # keywords by name: attention_mask, extra (bias, scale), mode, position_embeddings
     assert ok == [id(t[4]), id(t[7]), id(t[5]), id(t[6])] and flattened is False
     (error, text), _ = answer(spec_of(*HF), *hf(attention_mask=mask))
-    assert error is ValueError and "'attention_mask' was captured as None" in text
+    # A tensor is named by its type: its repr would fill the message, and a
+    # CUDA tensor's syncs (built and dropped on every lookup across graphs).
+    assert error is ValueError and "'attention_mask' was captured as None, got a Tensor" in text
+    (error, text), _ = answer(spec_of(*HF), *hf(mode="plain"))
+    assert error is ValueError and "'mode' was captured as 'rotate', got 'plain'" in text
     (error, text), _ = answer(spec_of(*HF), *hf(position_embeddings=[cos, sin]))
     assert error is TypeError and "structured as" in text
 

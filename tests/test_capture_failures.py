@@ -86,6 +86,27 @@ def test_capture_failures_name_the_cause_and_leave_the_process_usable(case):
 # ---- refusals with advice ---------------------------------------------------
 
 
+@pytest.mark.parametrize("raised", [KeyboardInterrupt, torch.OutOfMemoryError])
+def test_an_interrupt_or_out_of_memory_inside_a_capture_goes_on_as_raised(raised):
+    """Ctrl-C during a capture must stop the program, and callers catch
+    torch.OutOfMemoryError to try a smaller batch: neither becomes a
+    CaptureError advising about syncs.  The process stays usable."""
+    x, calls = torch.randn(8, device=CUDA), []
+
+    def interrupted(t):
+        calls.append(1)
+        if len(calls) >= 2:  # the capture (after one warm-up call)
+            raise raised("CUDA out of memory (planted)" if raised is not KeyboardInterrupt
+                         else None)
+        return t * 2
+
+    with pytest.raises(raised) as info:
+        cgraph.make_graphed(interrupted, (x,), num_warmup_iters=1)
+    assert not isinstance(info.value, cgraph.CaptureError)
+    graphed = cgraph.make_graphed(lambda t: t * 2, (x,))
+    assert_equal(graphed(x), x * 2, "a capture after the interrupted one")
+
+
 def test_a_host_output_is_refused_with_advice():
     x = torch.randn(8, device=CUDA)
     with pytest.raises(ValueError, match=r"output 0 of the callable is on cpu"):
