@@ -83,6 +83,13 @@ A: While the step is captured, the scaler's host test is replaced by a CUDA
    the body, every replay again.  A warm-up call whose step the scaler
    skipped (inf grads, common at fp16's first scales) therefore does not
    count: warm-up goes on until every such optimizer has stepped once.
+   The same holds for a parameter trained later (unfrozen): after that
+   change every such optimizer counts as unstepped again until a step the
+   scaler does not skip made the parameter's state; and a capture that
+   made state for such an optimizer anyway (a parameter unfrozen between
+   warm-up calls) is dropped before its replay, and that call steps
+   eagerly: inside the body, a replay whose found_inf is set would leave
+   the new state unwritten, and it would be kept as the optimizer's.
 
 Note [What a graphed step checks before a replay]
 Q: A step's graph steps the parameters in the memory they had at capture,
@@ -457,7 +464,8 @@ class GraphedStep:
         self._optimizer_replaced()  # since a reset() or reset_all(): Note [Capturable optimizers]
         if self.graphed is None and self.stats["eager"] < self.num_warmup_iters:
             return self._run_eagerly(args, kwargs)
-        self._capture(leaves, spec)
+        if not self._capture(leaves, spec):  # dropped before its replay
+            return self._run_eagerly(args, kwargs)
         out = self._replay(self.graphed, args, kwargs)
         self.stats["replays"] += 1
         return out
@@ -476,7 +484,8 @@ class GraphedStep:
         scaler_step = torch.amp.GradScaler.step
 
         def noted_scaler_step(scaler, optimizer, *a, **k):
-            step.scaled.add(optimizer)
+            if scaler.is_enabled():  # a disabled one steps as plain optimizer.step()
+                step.scaled.add(optimizer)
             step.scalers.add(scaler)
             return scaler_step(scaler, optimizer, *a, **k)
 
@@ -573,17 +582,24 @@ class GraphedStep:
                         f"graphed with {_describe(w)}. A graphed step replays fixed shapes: "
                         "pad to the sample's shape, or graph one step per shape.")
             elif type(got) is not type(w) or got != w:
-                raise ValueError(f"cgraph: step argument {i} was graphed as {w!r}, got {got!r}.")
+                raise ValueError(
+                    f"cgraph: step argument {i} was graphed as {w!r}, got {_shown(got)}. A "
+                    "graphed step replays the constants it was captured with: graph one step "
+                    "per value (cgraph.make_graphed_step(functools.partial(fn, flag=True))), "
+                    "or pass the value as a CUDA tensor and use it on the device "
+                    "(torch.where).")
 
     # -- 2. capture ----------------------------------------------------------
 
-    def _capture(self, leaves: list, spec) -> None:
+    def _capture(self, leaves: list, spec) -> bool:
         """Captures the step, called with copies of this call's tensors
         (they become the static inputs), by the native capture session;
         where the ranks capture it together, after they agreed that every
         one did, and on whether any made optimizer state (Note [A capture
         that fails on one rank], cgraph/_ranks.py; Note [What a graphed step
-        checks before a replay])."""
+        checks before a replay]).  False where it was dropped before its
+        replay (Note [GradScaler with any optimizer]): the call steps
+        eagerly."""
         started = time.perf_counter()
         recapture = self.graphed is not None
         together = self._holds_collectives(leaves)  # before anything can fail
@@ -602,6 +618,17 @@ class GraphedStep:
             self._free()
             put_back()
             raise
+        if self.captures_again and self._stepped_inside_a_condition():
+            # Note [GradScaler with any optimizer]: the state this capture
+            # made would be written inside the conditional node, or not.
+            _forget(took.made)
+            self._free()
+            put_back()
+            self.captures_again = False
+            self._changed_in_a_row("optimizer", "state")
+            self._warm_up_again(None)
+            self._wait_for_unskipped_steps()
+            return False
         self.outputs, self.grads = took.returned[0], took.grads[0]
         self.marks, self.modes = _C.param_marks(self.grads.params), took.modes
         self.made_at_capture = took.made
@@ -611,6 +638,7 @@ class GraphedStep:
         _live.add(self.graphed)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
+        return True
 
     def _holds_collectives(self, leaves: list) -> bool:
         """Whether the ranks capture this step together, and so agree on its
@@ -810,6 +838,7 @@ class GraphedStep:
         _log.step_params_changed(self, self.grads.label(params[k]), what)
         self._changed_in_a_row("step", "parameters")
         self._warm_up_again(None)
+        self._wait_for_unskipped_steps()
         return True
 
     def _modes_changed(self) -> bool:
@@ -823,6 +852,19 @@ class GraphedStep:
         self._changed_in_a_row("step", "modes")
         self._warm_up_again(None)
         return True
+
+    def _stepped_inside_a_condition(self) -> list:
+        """The optimizers a GradScaler steps inside a conditional node (not
+        fused: Note [GradScaler with any optimizer]), alike on every rank."""
+        return [opt for opt in list(self.scaled)
+                if not getattr(opt, "_step_supports_amp_scaling", False)]
+
+    def _wait_for_unskipped_steps(self) -> None:
+        """Each optimizer stepped inside a conditional node counts as not
+        found until a step the scaler does not skip creates the state of
+        parameters trained since: Note [GradScaler with any optimizer]."""
+        for opt in self._stepped_inside_a_condition():
+            self.optimizers.discard(opt)
 
     def _warm_up_again(self, optimizer) -> None:
         """What the graph steps is not what the optimizers step now: an
@@ -1252,6 +1294,12 @@ def _constant(i: int, value):
                         "step takes tensors and constants (None, int, float, bool, str, ...). "
                         "Bind other values with functools.partial or a closure.")
     return value
+
+
+def _shown(x) -> str:
+    """A value in a message: its repr if plain, else what it is (a tensor's
+    repr would fill the message)."""
+    return repr(x) if x is None or isinstance(x, (bool, int, float, str)) else _describe(x)
 
 
 def _describe(x) -> str:
