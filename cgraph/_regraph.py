@@ -44,8 +44,14 @@ class Regraph:
         if _fsdp.is_fsdp(module):  # inside its forward: FSDP has just all-gathered
             _fsdp.home_parameters(module, graphed)
         started = time.perf_counter()
+        # allow_unused_input=False checks the callable once, at its first
+        # graph: a later one (eval mode, where a train-only auxiliary head
+        # reads no parameter) leaves the unused parameters without grad, as
+        # eager does, rather than raising in the middle of training.
+        options = self.options if graphed.num_graphs == 0 else \
+            self.options._replace(allow_unused_input=True)
         with self._samples(args, kwargs, site.pool) as samples:
-            (captured,) = graph([draft(self.target, *samples, set())], site.pool, self.options,
+            (captured,) = graph([draft(self.target, *samples, set())], site.pool, options,
                                 warm_in_pool=site.warm_in_pool,
                                 keep_activations=site.keep_activations)
         _log.captured(graphed, captured, "a second call before the first one's backward"

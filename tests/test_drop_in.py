@@ -203,6 +203,34 @@ def test_the_drop_in_with_max_graphs_1_keeps_torchs_rule():
     assert model.forward.stats["graphs"] == 1
 
 
+def test_a_later_graph_leaves_parameters_it_does_not_use_without_grad():
+    """allow_unused_input=False checks the first graph.  In eval mode a
+    train-only auxiliary head (torchvision's Inception) reads no parameter:
+    that call's graph gives them no grad, as eager does (it raised, asking
+    for allow_unused_input, in the middle of a saliency map)."""
+    class WithAux(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.aux = nn.Linear(32, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = torch.relu(self.body(x))
+            return h + self.aux(h) if self.training else h
+
+    torch.manual_seed(15)
+    model = WithAux().to(CUDA)
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 32, device=CUDA, requires_grad=True)
+    graphed = cgraph.make_graphed_callables(model, (x,))
+    for m in (graphed, eager):
+        m.eval()
+    x = torch.randn(8, 32, device=CUDA, requires_grad=True)
+    xe = twin(x)
+    backward_as_eager(graphed(x), eager(xe), x, xe)
+    assert model.aux.weight.grad is None and eager.aux.weight.grad is None
+    assert_grads_equal(model, eager, 0)
+
+
 def test_micro_batches_forwards_first_then_backwards_in_any_order():
     """A pipeline schedule: k forwards, then their backwards in another
     order.  Every backward sees its own forward's activations."""
