@@ -1055,8 +1055,8 @@ def _state_kept(module: nn.Module | None, leaves: list) -> Iterator[None]:
     # the callable assigns grads itself.
     grads = [(t, t.grad) for t in [*leaves, *(module.parameters() if module else ())]
              if t.is_leaf]
-    with torch.no_grad():
-        arguments = [(t, t.clone()) for t in leaves]  # a callable may write into them
+    with torch.no_grad():  # a callable may write into them
+        arguments = [(t, t.clone()) for t in leaves]
     try:
         yield
     finally:
@@ -1074,10 +1074,17 @@ def _state_kept(module: nn.Module | None, leaves: list) -> Iterator[None]:
             m.__dict__.update(attributes)
         with torch.no_grad():
             for tensor, value in [*values.values(), *arguments]:
-                if tensor.shape == value.shape:  # else resized by the callable: left so
+                # Not one resized by the callable (left so), nor one whose
+                # elements share memory (an expanded mask, as transformers
+                # builds), which no op can have written and none can copy into.
+                if tensor.shape == value.shape and not _overlaps_itself(tensor):
                     tensor.copy_(value)
         for t, grad in grads:
             t.grad = grad
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    return torch._debug_has_internal_overlap(t) == 1  # 2: cannot tell, copied as before
 
 
 def _tensor_attributes(module: nn.Module) -> dict:

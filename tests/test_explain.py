@@ -356,6 +356,11 @@ def test_an_argument_that_requires_grad_written_in_place_is_found_and_put_back()
 
     assert found(cgraph.explain(through_detach, (torch.zeros(8), torch.ones(8))),
                  on_cpu=True) == []
+    # An argument whose elements share memory (transformers' expanded causal
+    # mask) is read, never written: it is not put back (copy_ would raise).
+    mask = torch.ones(1, 1, 4, 4).expand(2, 1, 4, 4)
+    assert found(cgraph.explain(lambda x, m: x * m, (torch.ones(2, 1, 4, 4), mask)),
+                 on_cpu=True) == []
     total = torch.zeros(8, requires_grad=True) * 1  # not a leaf: eager takes the write
     report = cgraph.explain(accumulate, (total, torch.ones(8)))
     assert found(report, on_cpu=True) == [
