@@ -33,6 +33,35 @@ CONSTANT_TYPES = (type(None), bool, int, float, complex, str, bytes, enum.Enum, 
 _CONTAINERS = (tuple, list, dict)
 
 
+# Note [None among the outputs]
+# Q: Hugging Face blocks return None beside their hidden states (DeBERTa-v2,
+#    Falcon: (hidden, None); T5's encoder: (hidden, bias, None)): the
+#    attention weights or cache they were not asked for.  A graph replays
+#    tensors only.  How does a graphed block return them?
+# A: As None, where the block put it.  The native capture flattens a
+#    callable's outputs with flatten_outputs (csrc/capture.c output_leaves):
+#    each None becomes a _NoneOutput, a pytree node with no leaves whose
+#    rebuild is None, so the graph's outputs are the tensors alone and the
+#    TreeSpec the replay rebuilds with puts each None back.  Other
+#    non-tensor outputs are still refused (README, Limits).
+class _NoneOutput:
+    """A None among a graphed callable's outputs: Note [None among the outputs]."""
+
+    __slots__ = ()
+
+
+_NONE = _NoneOutput()
+pytree.register_pytree_node(_NoneOutput, lambda node: ([], None),
+                            lambda leaves, context: None,
+                            serialized_type_name="cgraph._describe._NoneOutput")
+
+
+def flatten_outputs(out) -> tuple[list, pytree.TreeSpec]:
+    """(leaves, spec) of a callable's outputs with no None among the leaves:
+    Note [None among the outputs]."""
+    return pytree.tree_flatten(pytree.tree_map(lambda x: _NONE if x is None else x, out))
+
+
 class Constant(NamedTuple):
     """A non-tensor sample argument captured into the graph: each call must
     pass the same value again (checked in csrc/arguments.c)."""

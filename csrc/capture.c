@@ -375,11 +375,26 @@ cg_add_failure_kinds(PyObject *module)
 
 /* ---- the session's set-up and teardown ---------------------------------- */
 
+/* cgraph._describe.flatten_outputs(out): (leaves, spec), each None among
+ * the outputs a node without leaves (Note [None among the outputs]).
+ * Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+flatten_outputs(PyObject *out)
+{
+    PyObject *describe = PyImport_ImportModule("cgraph._describe");
+    PyObject *flatten = describe ? PyObject_GetAttrString(describe, "flatten_outputs") : NULL;
+    PyObject *flat = flatten ? PyObject_CallOneArg(flatten, out) : NULL;
+
+    Py_XDECREF(describe);
+    Py_XDECREF(flatten);
+    return flat;
+}
+
 /* The pytree leaves of `out` and how to rebuild it.  Returns a NEW
  * reference to a sequence of leaves and stores the layout in *layout (its
  * spec a NEW reference, or NULL), or returns NULL with an exception set. */
 static PyObject *
-output_leaves(cg_state *state, PyObject *out, cg_out_layout *layout)
+output_leaves(PyObject *out, cg_out_layout *layout)
 {
     PyObject *flat, *leaves;
 
@@ -400,7 +415,7 @@ output_leaves(cg_state *state, PyObject *out, cg_out_layout *layout)
             return Py_NewRef(out);
         }
     }
-    flat = PyObject_CallOneArg(state->tree_flatten, out);
+    flat = flatten_outputs(out);
     if (flat == NULL) {
         return NULL;
     }
@@ -578,7 +593,7 @@ warm_up_once(session *s, Py_ssize_t i)
         Py_XDECREF(out);
         return -1;
     }
-    leaves = output_leaves(s->state, out, &layout);
+    leaves = output_leaves(out, &layout);
     Py_DECREF(out);
     Py_XDECREF(layout.spec);
     if (leaves == NULL) {
@@ -684,7 +699,7 @@ capture_forward(session *s, Py_ssize_t i)
         Py_DECREF(out);
         return raise_capture_error(s, i, stages[CG_FORWARD], failure);
     }
-    leaves = output_leaves(s->state, out, &s->outs[i]);
+    leaves = output_leaves(out, &s->outs[i]);
     Py_DECREF(out);
     status = leaves ? cg_engine_set_outputs(engine, leaves) : -1;
     Py_XDECREF(leaves);

@@ -113,6 +113,26 @@ def test_a_host_output_is_refused_with_advice():
         cgraph.make_graphed(lambda t: (t * 2).to("cpu", non_blocking=True), (x,))
 
 
+def test_none_among_the_outputs_comes_back_in_place():
+    """Note [None among the outputs] (cgraph/_describe.py): a None beside
+    the tensors (a Hugging Face block's unused attention weights) is
+    returned where the callable put it; other non-tensors stay refused."""
+    x = torch.randn(8, device=CUDA, requires_grad=True)
+    for graphed in (cgraph.make_graphed(lambda t: (t * 2, None, {"a": None, "b": t + 1}), (x,)),
+                    cgraph.make_graphed_callables(lambda t: (t * 2, None), (x,))):
+        out = graphed(x)
+        assert out[1] is None and len(out) in (2, 3)
+        assert_equal(out[0], x * 2, "the tensor beside None")
+        if len(out) == 3:
+            assert out[2]["a"] is None and list(out[2]) == ["a", "b"]
+            assert_equal(out[2]["b"], x + 1, "the tensor in the dict")
+        out[0].sum().backward()
+        assert_equal(x.grad, torch.full_like(x, 2.0), "the grad through it")
+        x.grad = None
+    with pytest.raises(TypeError, match="output 1 is a int"):
+        cgraph.make_graphed(lambda t: (t * 2, 3), (x,))
+
+
 def test_a_replay_inside_another_capture_is_refused():
     """A launch cannot be recorded into another graph; torch.cuda.graph around
     a graphed callable fails with what to do, and the callable still works."""

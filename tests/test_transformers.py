@@ -219,3 +219,42 @@ def test_graph_layers_finds_berts_encoder_layers():
     cgraph.graph_layers(model)
     assert all(isinstance(layer.forward, cgraph.Graphed) for layer in model.encoder.layer)
     assert_training_equal(train(model, bert_step, 1000), train(eager, bert_step, 1000))
+
+
+def t5_step(model, batch, length):
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), device=CUDA)
+    return model(input_ids=ids).last_hidden_state.float().pow(2).mean()
+
+
+def test_graph_layers_graphs_t5_blocks_that_return_none_beside_their_tensors():
+    """T5's encoder blocks return (hidden, position_bias, None): the None
+    comes back where the block put it (Note [None among the outputs] in
+    cgraph/_describe.py); it was refused ("output 2 is a NoneType").  The
+    position bias block 0 makes is block 1's input.  Dropout on."""
+    config = transformers.T5Config(vocab_size=128, d_model=64, d_ff=128, num_layers=2,
+                                   num_heads=4, d_kv=16)
+    torch.manual_seed(56)
+    model = transformers.T5EncoderModel(config).to(CUDA)
+    eager = copy.deepcopy(model)
+    seen = []
+    model.encoder.block[0].register_forward_hook(lambda m, a, out: seen.append(out))
+    cgraph.graph_layers(model, layers="encoder.block")
+    assert_training_equal(train(model, t5_step, 1100), train(eager, t5_step, 1100))
+    assert all(isinstance(block.forward, cgraph.Graphed) for block in model.encoder.block)
+    assert all(block.forward.num_graphs >= 1 for block in model.encoder.block)
+    assert len(seen[-1]) == 3 and seen[-1][2] is None, [type(x) for x in seen[-1]]
+
+
+def test_falcon_blocks_with_sdpa_return_none_beside_their_hidden_states():
+    """Falcon's decoder layers return (hidden, None) under SDPA.  Float32
+    SDPA kernels: held to the float32 tolerance of BUCKET_TOLERANCE."""
+    config = transformers.FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, use_cache=False,
+                                       attn_implementation="sdpa")
+    torch.manual_seed(57)
+    model = transformers.FalconForCausalLM(config).to(CUDA)
+    eager = copy.deepcopy(model)
+    cgraph.graph_layers(model)
+    assert all(isinstance(layer.forward, cgraph.Graphed) for layer in model.transformer.h)
+    assert_training_equal(train(model, llama_step, 1200), train(eager, llama_step, 1200),
+                          BUCKET_TOLERANCE)
