@@ -91,6 +91,8 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     _graph_each(found.blocks, pool, make_graphed_kwargs)
     _cache_off(root, found.container, found.blocks[0])
     share = _parameter_count(found.container) / max(_parameter_count(root), 1)
+    if layers is None:
+        _warn_if_more_blocks(root, found, share)
     log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
              "%s; each captures on its first call", len(found.blocks),
              type(found.blocks[0]).__name__, found.path, 100 * share,
@@ -168,15 +170,49 @@ def _children(container: nn.Module) -> list:
     return list(container.values() if isinstance(container, nn.ModuleDict) else container)
 
 
+def _warn_if_more_blocks(root: nn.Module, found: Blocks, share: float) -> None:
+    """A guess graphs one list: warns where the model's other lists of
+    blocks hold a quarter of it or more together (an encoder beside a
+    decoder, a ResNet's other stages), or where the list holds under half
+    the model (a list of blocks given as the model: its largest inner list
+    was taken), naming what to do."""
+    candidates = _candidates(root)
+    top = [m for m in candidates if m is not found.container
+           and not any(_within(m, o) for o in candidates if o is not m)]
+    eager = sum(map(_parameter_count, top)) / max(_parameter_count(root), 1)
+    others = [_path(root, m) for m in top] if eager >= 0.25 else []
+    if _repeated(root) and share < 0.5:
+        hint = (f"{type(root).__name__} is itself a list of blocks: pass the model that holds "
+                "it, naming the list (graph_layers(model, layers='blocks')).")
+    elif others:
+        hint = (f"Other lists of repeated blocks run eagerly: {others}; graph each with "
+                "graph_layers(model, layers='path'), one call per list.")
+    else:
+        return
+    log.warning("cgraph: graph_layers guessed the blocks at '%s', which hold %.0f%% of %s's "
+                "parameters. %s", found.path, 100 * share, type(root).__name__, hint)
+
+
+def _within(inner: nn.Module, outer: nn.Module) -> bool:
+    return any(m is inner for m in outer.modules())
+
+
 class NoBlocks(ValueError):
     """graph_layers found no list of repeated blocks to graph."""
 
 
+def _repeated(m: nn.Module) -> bool:
+    """A list of two or more blocks of one type, with parameters."""
+    return (isinstance(m, _CONTAINERS) and len(m) >= 2
+            and len({type(child) for child in _children(m)}) == 1 and _parameter_count(m) > 0)
+
+
+def _candidates(root: nn.Module) -> list:
+    return [m for _, m in root.named_modules() if m is not root and _repeated(m)]
+
+
 def _guess(root: nn.Module) -> nn.Module:
-    candidates = [m for _, m in root.named_modules()
-                  if m is not root and isinstance(m, _CONTAINERS) and len(m) >= 2
-                  and len({type(child) for child in _children(m)}) == 1]
-    candidates = [m for m in candidates if _parameter_count(m) > 0]
+    candidates = _candidates(root)
     if not candidates:
         raise NoBlocks(
             f"cgraph: graph_layers found no list of repeated blocks in {type(root).__name__} "

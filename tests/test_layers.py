@@ -54,6 +54,33 @@ def test_an_outer_list_wins_over_the_lists_inside_its_blocks():
     assert _layers._find(GPT(experts=4), None).path == "blocks"
 
 
+class EncoderDecoder(nn.Module):
+    """Two stacks of blocks, as T5 and BART have."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.ModuleList(Block() for _ in range(2))
+        self.decoder = nn.ModuleList(Block(width=8, experts=1) for _ in range(3))
+
+
+def test_a_guess_warns_where_other_stacks_of_blocks_run_eagerly(stand_in, caplog):
+    """The guess graphs one list; the other stack, or a list of blocks given
+    as the model (its largest inner list taken), is named with the fix."""
+    model = EncoderDecoder()
+    with caplog.at_level(logging.WARNING, logger="cgraph"):
+        cgraph.graph_layers(model)
+    assert "guessed the blocks at 'decoder'" in caplog.text
+    assert "['encoder']; graph each with graph_layers(model, layers='path')" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cgraph"):
+        cgraph.graph_layers(model, layers="encoder")  # named: no guess, no warning
+        cgraph.graph_layers(GPT())  # one stack: nothing to say
+    assert caplog.text == ""
+    with caplog.at_level(logging.WARNING, logger="cgraph"):
+        cgraph.graph_layers(GPT(experts=4).blocks)
+    assert "ModuleList is itself a list of blocks: pass the model that holds it" in caplog.text
+
+
 class Titan(nn.Module):
     """torchtitan's layout: the blocks in an nn.ModuleDict keyed "0", "1", ..."""
 
