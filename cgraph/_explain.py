@@ -1056,7 +1056,7 @@ def _state_kept(module: nn.Module | None, leaves: list) -> Iterator[None]:
     grads = [(t, t.grad) for t in [*leaves, *(module.parameters() if module else ())]
              if t.is_leaf]
     with torch.no_grad():  # a callable may write into them
-        arguments = [(t, t.clone()) for t in leaves]
+        arguments = [(t, t.clone()) for t in leaves if not _overlaps_itself(t)]
     try:
         yield
     finally:

@@ -176,11 +176,13 @@ def _warn_if_more_blocks(root: nn.Module, found: Blocks, share: float) -> None:
     decoder, a ResNet's other stages), or where the list holds under half
     the model (a list of blocks given as the model: its largest inner list
     was taken), naming what to do."""
-    candidates = _candidates(root)
-    top = [m for m in candidates if m is not found.container
-           and not any(_within(m, o) for o in candidates if o is not m)]
-    eager = sum(map(_parameter_count, top)) / max(_parameter_count(root), 1)
-    others = [_path(root, m) for m in top] if eager >= 0.25 else []
+    candidates = dict(_named_candidates(root))
+    # Not inside another list (one per path: a module reached twice keeps its first).
+    top = {path: m for path, m in candidates.items() if m is not found.container
+           and not any(path.rsplit(".", depth)[0] in candidates
+                       for depth in range(1, path.count(".") + 1))}
+    eager = sum(map(_parameter_count, top.values())) / max(_parameter_count(root), 1)
+    others = list(top) if eager >= 0.25 else []
     if _repeated(root) and share < 0.5:
         hint = (f"{type(root).__name__} is itself a list of blocks: pass the model that holds "
                 "it, naming the list (graph_layers(model, layers='blocks')).")
@@ -193,10 +195,6 @@ def _warn_if_more_blocks(root: nn.Module, found: Blocks, share: float) -> None:
                 "parameters. %s", found.path, 100 * share, type(root).__name__, hint)
 
 
-def _within(inner: nn.Module, outer: nn.Module) -> bool:
-    return any(m is inner for m in outer.modules())
-
-
 class NoBlocks(ValueError):
     """graph_layers found no list of repeated blocks to graph."""
 
@@ -207,12 +205,13 @@ def _repeated(m: nn.Module) -> bool:
             and len({type(child) for child in _children(m)}) == 1 and _parameter_count(m) > 0)
 
 
-def _candidates(root: nn.Module) -> list:
-    return [m for _, m in root.named_modules() if m is not root and _repeated(m)]
+def _named_candidates(root: nn.Module) -> list:
+    """(path, list) of each list of repeated blocks below the model."""
+    return [(path, m) for path, m in root.named_modules() if m is not root and _repeated(m)]
 
 
 def _guess(root: nn.Module) -> nn.Module:
-    candidates = _candidates(root)
+    candidates = [m for _, m in _named_candidates(root)]
     if not candidates:
         raise NoBlocks(
             f"cgraph: graph_layers found no list of repeated blocks in {type(root).__name__} "

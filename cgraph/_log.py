@@ -215,6 +215,16 @@ def step_params_changed(step, what: str, how: str) -> None:
              "so that the graph runs the step as it is now.", step, what, how)
 
 
+def step_capture_dropped(step, optimizers: list) -> None:
+    """A capture made optimizer state that a GradScaler's conditional node
+    would have left unwritten: dropped, the call stepped eagerly (Note
+    [GradScaler with any optimizer] in cgraph/_step.py)."""
+    log.info("%r: its capture made optimizer state inside the GradScaler's skip of %s (a "
+             "parameter trained since the warm-up): dropped; this call steps eagerly, and the "
+             "step captures after a step the scaler does not skip.", step,
+             ", ".join(type(opt).__name__ for opt in optimizers))
+
+
 def step_state_made_at_capture(step, made: list) -> None:
     """A step's capture made optimizer state (`made`: an optimizer per
     parameter, on this rank), which every replay would make again."""

@@ -482,6 +482,9 @@ class GraphedStep:
 
         handle = register_optimizer_step_pre_hook(found)
         scaler_step = torch.amp.GradScaler.step
+        # The optimizers a scaler steps in this call: one the step no longer
+        # calls (replaced, kept alive elsewhere) must not be waited for.
+        step.scaled.clear()
 
         def noted_scaler_step(scaler, optimizer, *a, **k):
             if scaler.is_enabled():  # a disabled one steps as plain optimizer.step()
@@ -625,7 +628,7 @@ class GraphedStep:
             self._free()
             put_back()
             self.captures_again = False
-            self._changed_in_a_row("optimizer", "state")
+            _log.step_capture_dropped(self, self._stepped_inside_a_condition())
             self._warm_up_again(None)
             self._wait_for_unskipped_steps()
             return False
@@ -1155,19 +1158,28 @@ def _refuse_scalers_updated_outside(scalers: list) -> None:
 
 def _as_they_are(optimizers: list) -> Callable[[], None]:
     """What _capturable changes in `optimizers` (capturable flags, one-element
-    state moved to the device), as a function that puts it back: after a
-    capture that failed, the optimizers step eagerly as they did before."""
+    state moved to the device), and the grads of their parameters (a capture
+    gives a parameter without one a grad of the pool that no kernel wrote),
+    as a function that puts it back: after a capture that failed or was
+    dropped, the optimizers step eagerly as they did before.  The grads are
+    held weakly: one the step dropped while captured is None again."""
     flags = [(g, g["capturable"]) for opt in optimizers for g in opt.param_groups
              if "capturable" in g]
     scalars = [(state, key, value) for opt in optimizers for state in opt.state.values()
                for key, value in state.items()
                if isinstance(value, torch.Tensor) and value.dim() == 0]
+    grads = [(p, None if p.grad is None else weakref.ref(p.grad))
+             for opt in optimizers for g in opt.param_groups for p in g["params"]]
 
     def put_back() -> None:
         for group, flag in flags:
             group["capturable"] = flag
         for state, key, value in scalars:
             state[key] = value
+        for param, held in grads:
+            grad = held() if held is not None else None
+            if param.grad is not grad:
+                param.grad = grad
 
     return put_back
 

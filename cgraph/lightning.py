@@ -358,6 +358,7 @@ class _GraphedRun:
         self.lightning_run = self.loop.run  # Lightning's own, bound
         self.phases: dict[_Phase, _PhaseStep] = {}
         self.call: _Call | None = None  # what the step's body runs, for this call
+        self.ran = False  # whether the body ran for this call already
         self.refused: str | None = None  # why the step cannot be graphed, found inside it
         self.eager_shapes = False  # logged that a batch of another shape ran eagerly
         # (parameter, its grad) as the last capture left them: item 4.
@@ -409,7 +410,7 @@ class _GraphedRun:
         ran, captures_before = step.stats["eager"] + step.stats["captures"], step.stats["captures"]
         captures = step.graphed is None and step.stats["eager"] >= step.num_warmup_iters
         before = progress.state_dict() if captures else None
-        self.call = _Call(optimizer, batch_idx, kwargs, entry, before)
+        self.call, self.ran = _Call(optimizer, batch_idx, kwargs, entry, before), False
         try:
             out, values = step(kwargs["batch"])
         except Exception as exc:
@@ -441,14 +442,21 @@ class _GraphedRun:
     def _body(self, batch):
         """The step make_graphed_step warms up and captures: Lightning's run
         for this call's batch, logs recorded, progress moved noted."""
-        call = self.call
+        call, entry = self.call, self.call.entry
+        # A capture the step dropped (Note [GradScaler with any optimizer] in
+        # cgraph/_step.py) ran this body once already: the same call, now
+        # eager, starts from the state before it, and captured nothing.
+        rerun = call.progress is not None and self.ran
+        if rerun:
+            self._undo_capture(call.progress)
+            entry.moved = None
+        self.ran = True
         kwargs = OrderedDict(call.kwargs)
         kwargs["batch"] = batch
         logged: list = []
         with self._recording(logged), self._zeroing_in_place(call.optimizer):
             out = self.lightning_run(call.optimizer, call.batch_idx, kwargs)
-        entry = call.entry
-        if call.progress is not None:
+        if call.progress is not None and not rerun:
             entry.moved = _difference(self.loop.optim_progress.state_dict(), call.progress)
         entry.logged = [record for record, _ in logged]
         return out, tuple(value for _, value in logged)

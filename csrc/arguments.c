@@ -77,17 +77,20 @@ check_keywords(const cg_spec *spec, PyObject *kwnames)
     return 0;
 }
 
-/* A NEW reference to how an error message shows a call's value: its repr
- * for None, a bool, a number or a str, else its type ("a Tensor"): a
+/* A NEW reference to how an error message shows a call's value `given`
+ * where the graph holds `baked` (a captured constant or a default): its
+ * repr for None, a bool, a number, a str, or a value of the baked one's
+ * type (a dtype, a device, an enum), else its type ("a Tensor"): a
  * tensor's repr fills the screen, and a CUDA tensor's syncs, in a message
  * that a lookup across several graphs may build and drop on every call.
  * NULL with an exception set. */
 static PyObject *
-shown_value(PyObject *value)
+shown_value(PyObject *given, PyObject *baked)
 {
-    int plain = value == Py_None || PyBool_Check(value) || PyLong_Check(value) ||
-                PyFloat_Check(value) || PyUnicode_Check(value);
-    return plain ? PyObject_Repr(value) : PyUnicode_FromFormat("a %s", Py_TYPE(value)->tp_name);
+    int plain = given == Py_None || PyBool_Check(given) || PyLong_Check(given) ||
+                PyFloat_Check(given) || PyComplex_Check(given) || PyUnicode_Check(given) ||
+                (baked != Py_None && Py_IS_TYPE(given, Py_TYPE(baked)));
+    return plain ? PyObject_Repr(given) : PyUnicode_FromFormat("a %s", Py_TYPE(given)->tp_name);
 }
 
 /* Whether a call's value is one the graph baked in: the same type and an
@@ -124,7 +127,7 @@ check_constants(const cg_spec *spec, PyObject *leaves)
         }
         PyObject *given = PyList_GET_ITEM(leaves, position);
         int same = same_value(given, captured);
-        PyObject *shown = same == 0 ? shown_value(given) : NULL;
+        PyObject *shown = same == 0 ? shown_value(given, captured) : NULL;
         if (shown != NULL) {
             PyErr_Format(PyExc_ValueError,
                          "cgraph: argument '%U' was captured as %R, got %U. A graph "
@@ -219,7 +222,7 @@ check_default(PyObject *entry, PyObject *given)
     int same = (value == Py_None || given == Py_None) ? given == value
                                                       : same_value(given, value);
     if (same == 0) {
-        PyObject *shown = shown_value(given);
+        PyObject *shown = shown_value(given, value);
         if (shown != NULL) {
             PyErr_Format(PyExc_ValueError,
                          "cgraph: argument '%U' is %U, but the graph was captured without "

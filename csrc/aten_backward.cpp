@@ -519,8 +519,9 @@ void GraphedBackward::refuse_double_backward() const {
   TORCH_CHECK(!at::GradMode::is_enabled(), "cgraph: a backward with create_graph=True "
               "(double backward: a gradient penalty, a Hessian-vector product) through a "
               "graphed callable, whose backward graph replays grads without their history. "
-              "Run this callable eagerly for such passes: call the module or function you "
-              "graphed, not the graphed callable.");
+              "Run it eagerly for such passes: the function you graphed itself, or a graphed "
+              "module's class forward (type(module).forward(module, *args)); or reset() its "
+              "graphs (module.forward.reset() for a module cgraph graphed in place).");
 }
 
 autograd::variable_list GraphedBackward::apply(autograd::variable_list&& grads) {

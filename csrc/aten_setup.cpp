@@ -16,6 +16,7 @@
 #include <iterator>
 #include <memory>
 #include <mutex>
+#include <unordered_set>
 #include <set>
 #include <utility>
 
@@ -117,8 +118,25 @@ Engine::Engine(const cg_engine_config& config)
 // captured into the backward graph was applied twice per replay.  Leaves
 // the forward reads outside the parameters it was given go aside when found
 // (Engine::adopt_hidden_leaves).
+namespace {
+
+// The tensors some set-up holds aside now, so that each is recorded once:
+// Note [A set-up puts back what it changed].  Set-ups run one at a time
+// (cgraph/_capture.py), but a failed one puts back from its destructor.
+std::mutex held_aside_mutex;
+std::unordered_set<const c10::TensorImpl*>& held_aside() {
+  static std::unordered_set<const c10::TensorImpl*> held;
+  return held;
+}
+
+}  // namespace
+
 void SetupState::set_aside_grad_accumulators(const std::vector<Param>& params) {
+  std::lock_guard<std::mutex> held_lock(held_aside_mutex);
   for (const Param& p : params) {
+    if (!held_aside().insert(p.tensor.unsafeGetTensorImpl()).second) {
+      continue;  // another engine of the session holds it aside: it puts it back
+    }
     AsideParam aside{p.tensor};
     // A tensor without autograd meta has neither accumulator nor hooks.
     if (auto* meta = torch::autograd::impl::get_autograd_meta(p.tensor)) {
@@ -132,18 +150,17 @@ void SetupState::set_aside_grad_accumulators(const std::vector<Param>& params) {
 }
 
 void SetupState::restore_grad_accumulators() noexcept {
+  std::lock_guard<std::mutex> held_lock(held_aside_mutex);
   for (AsideParam& aside : aside_) {
+    held_aside().erase(aside.param.unsafeGetTensorImpl());
     auto* meta = torch::autograd::impl::get_autograd_meta(aside.param);
     if (meta == nullptr) {
       continue;
     }
     std::lock_guard<std::mutex> lock(meta->mutex_);
-    // One set aside after another's (a leaf adopted at warm-up that is a
-    // parameter of a callable made later in the session) holds none: the
-    // other puts the original back, in whichever order.
-    if (!aside.accumulator.expired()) {
-      meta->grad_accumulator_ = std::move(aside.accumulator);
-    }
+    // Even an expired one: autograd then makes a fresh node on the
+    // caller's stream, not the capture's.
+    meta->grad_accumulator_ = std::move(aside.accumulator);
     if (!aside.hooks.empty()) {  // first, then any registered meanwhile
       for (auto& added : meta->hooks_) {
         aside.hooks.push_back(std::move(added));
@@ -182,14 +199,15 @@ void SetupState::restore_buffers() {
 //    updates in them, and so did a session that graphed.c starts again
 //    after a warm-up left state in the pool (the second session saved the
 //    stats the first had changed).
-// Q: Why in reverse order of the engines (capture.c)?
-// A: Two callables of one session can share a parameter (tied weights).
-//    The first engine sets its accumulator aside, the second sets aside
-//    what is left (none); putting back in the order of setting aside would
-//    end with none: autograd would make a new node, and hooks held on the
-//    original (DDP's reducer hooks) would never fire again.  (Post-
-//    accumulate-grad hooks live on the tensor, and an empty set is not put
-//    back.)  Last aside, first back.
+// Q: Two callables of one session can share a parameter (tied weights), and
+//    a leaf one engine adopts at warm-up (Engine::adopt_hidden_leaves) can
+//    be another's parameter.  Who puts it back?
+// A: The engine that set it aside first, alone: a tensor some set-up holds
+//    aside is not recorded again (held_aside).  A second record would hold
+//    what was left (no accumulator, no hooks), and put back after the first
+//    it would end with none: autograd would make a new node, and hooks held
+//    on the original (DDP's reducer hooks) would never fire again.  Engines
+//    still finish in reverse order (capture.c), last aside, first back.
 SetupState::~SetupState() {
   restore_grad_accumulators();
   try {

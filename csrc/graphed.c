@@ -551,6 +551,15 @@ held_output_event(GraphedObject *self, const cg_engine *engine)
     return stats.outputs_copied ? "outputs_copied" : "outputs_invalidated";
 }
 
+/* Whether entry k is still the one captured for `spec`: Python that ran
+ * since it was looked up (flattening, constants' __eq__, modes) may have
+ * reset() this callable or dropped a pool, which compacts the entries. */
+static int
+entry_is(const GraphedObject *self, Py_ssize_t k, const cg_spec *spec)
+{
+    return k < self->n_entries && self->entries[k].spec == spec;
+}
+
 /* Replays entry k with these tensors (`accepted`: cg_engine_accepts just
  * took them, so the replay does not check them again).  Returns a NEW
  * reference to the outputs as the callable returned them, or NULL with an
@@ -560,18 +569,22 @@ replay_entry(GraphedObject *self, Py_ssize_t k, PyObject *const *tensors, Py_ssi
              int accepted)
 {
     /* Flattening ran Python (pytree, __eq__ of constants): reset since? */
-    PyObject *outs = k < self->n_entries
+    cg_spec *spec = k < self->n_entries ? (cg_spec *)Py_NewRef(self->entries[k].spec) : NULL;
+    PyObject *outs = spec != NULL
                          ? cg_engine_replay(self->entries[k].engine, tensors, nt, accepted)
                          : raise_reset();
     const char *event;
     PyObject *result;
 
+    /* Python the replay ran (a finalizer) may have reset() us or dropped a
+     * pool, which reorders the entries. */
+    if (outs != NULL && !entry_is(self, k, spec)) {
+        Py_CLEAR(outs);
+        raise_reset();
+    }
+    Py_XDECREF(spec);
     if (outs == NULL) {
         return NULL;
-    }
-    if (k >= self->n_entries) {  /* reset() by Python the replay ran (a finalizer) */
-        Py_DECREF(outs);
-        return raise_reset();
     }
     self->hot = k;
     event = held_output_event(self, self->entries[k].engine);
@@ -651,15 +664,6 @@ typedef struct {
     Py_ssize_t nt;
     PyObject *owned;         /* keeps tensors alive; NULL if the caller's */
 } lookup;
-
-/* Whether entry k is still the one captured for `spec`: Python that ran
- * since it was looked up (flattening, constants' __eq__, modes) may have
- * reset() this callable or dropped a pool, which compacts the entries. */
-static int
-entry_is(const GraphedObject *self, Py_ssize_t k, const cg_spec *spec)
-{
-    return k < self->n_entries && self->entries[k].spec == spec;
-}
 
 /* Whether entry k takes this call: 1 (out filled), 0, or -1 with an
  * exception set.  The module's own mode first, the submodules' last, for

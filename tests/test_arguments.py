@@ -120,6 +120,9 @@ def test_the_answers_are_what_each_call_deserves():
     assert error is ValueError and "'attention_mask' was captured as None, got a Tensor" in text
     (error, text), _ = answer(spec_of(*HF), *hf(mode="plain"))
     assert error is ValueError and "'mode' was captured as 'rotate', got 'plain'" in text
+    captured = spec_of((x,), dict(dtype=torch.float16))  # a value of the baked one's type
+    (error, text), _ = answer(captured, (x,), dict(dtype=torch.bfloat16))
+    assert error is ValueError and "captured as torch.float16, got torch.bfloat16" in text
     (error, text), _ = answer(spec_of(*HF), *hf(position_embeddings=[cos, sin]))
     assert error is TypeError and "structured as" in text
 

@@ -825,30 +825,48 @@ def test_warm_up_waits_for_the_first_step_a_grad_scaler_does_not_skip():
     assert_equal(scalers[0]._scale, scalers[1]._scale, "the scale")
 
 
+def scaled_step_zeroed_outside(model, opt, scaler):
+    def step(x, y):
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = F.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("zeroed", ["inside", "outside"])
 @pytest.mark.parametrize("unfrozen_at", [3, 1], ids=["after-capture", "before-capture"])
 def test_a_layer_unfrozen_under_a_grad_scaler_gets_its_state_from_a_step_not_skipped(
-        unfrozen_at):
+        unfrozen_at, zeroed):
     """Note [GradScaler with any optimizer]: the first layer unfrozen after
     capture (call 3), or between the warm-up call and the capture (call 1),
     and that call's step skipped by the scaler (an inf): its momentum
     buffers are made by the first step the scaler does not skip, as eager's
     are.  Before, a capture made them inside the conditional node, unwritten
-    where the scaler skipped, and kept them.  SGD: bitwise."""
+    where the scaler skipped, and kept them.  With the grads zeroed outside
+    the step, a dropped capture gives back the grads it found (the pool's
+    unwritten ones stayed, and the eager step added into them).  SGD:
+    bitwise."""
     model, batches = model_and_data(dropout=0.0)
     eager = copy.deepcopy(model)
     batches[unfrozen_at] = (batches[unfrozen_at][0] * float("inf"), batches[unfrozen_at][1])
     opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
     scalers = [torch.amp.GradScaler("cuda", init_scale=2.0**10) for _ in range(2)]
-    steps = [make_step(m, o, s, dtype=torch.float16) for m, o, s in zip((model, eager), opts,
-                                                                         scalers)]
+    steps = [make_step(m, o, s, dtype=torch.float16) if zeroed == "inside"
+             else scaled_step_zeroed_outside(m, o, s)
+             for m, o, s in zip((model, eager), opts, scalers)]
     steps[0] = cgraph.make_graphed_step(steps[0], batches[0], num_warmup_iters=1)
     losses = [[], []]
     for m in (model, eager):
         m[0].requires_grad_(False)
     for i, (x, y) in enumerate(batches):
-        for m, step, out in zip((model, eager), steps, losses):
+        for m, opt, step, out in zip((model, eager), opts, steps, losses):
             if i == unfrozen_at:
                 m[0].requires_grad_(True)
+            if zeroed == "outside":
+                opt.zero_grad()
             out.append(step(x, y).detach().clone())
     assert_same_training(model, eager, *losses)
     for p, q in zip(model.parameters(), eager.parameters()):
