@@ -40,6 +40,11 @@ class Blocks(NamedTuple):
     def of(cls, path: str, container: nn.Module) -> "Blocks":
         return cls(path, container, tuple(_children(container)))
 
+    @property
+    def where(self) -> str:
+        """For messages: the path, quoted, or the model itself (path '')."""
+        return f"'{self.path}'" if self.path else "the model itself"
+
 
 def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
                  pool: Any = "shared", **make_graphed_kwargs) -> nn.Module:
@@ -56,7 +61,8 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     ``layers``: the blocks' list, as a path below the model (``"model.layers"``,
     below the module a ``DistributedDataParallel`` wraps) or as the
     ``nn.ModuleList`` (``nn.Sequential``, ``nn.ModuleDict``) itself; by
-    default the list of same-typed blocks holding the most parameters.
+    default the list of same-typed blocks holding the most parameters, or
+    the model itself where it is such a list (``nn.Sequential(*blocks)``).
     ``pool``: ``"shared"`` (default) gives every block's graphs one new
     pool, as one ``pool=`` in
     :func:`make_graphed` does; ``None`` a pool per block; or a handle from
@@ -93,9 +99,9 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     share = _parameter_count(found.container) / max(_parameter_count(root), 1)
     if layers is None:
         _warn_if_more_blocks(root, found, share)
-    log.info("cgraph: graph_layers graphed %d %s blocks at '%s' (%.0f%% of the parameters), "
+    log.info("cgraph: graph_layers graphed %d %s blocks at %s (%.0f%% of the parameters), "
              "%s; each captures on its first call", len(found.blocks),
-             type(found.blocks[0]).__name__, found.path, 100 * share,
+             type(found.blocks[0]).__name__, found.where, 100 * share,
              "one pool" if pool is not None else "a pool each")
     return model
 
@@ -134,8 +140,8 @@ def graph_layers_once(model: nn.Module, who: str, **graph_layers_kwargs) -> bool
 
 
 def _find(root: nn.Module, layers) -> Blocks:
-    if layers is None:
-        blocks = _guess(root)
+    if layers is None:  # nn.Sequential(*blocks): the model is the list
+        blocks = root if _repeated(root) else _guess(root)
     elif isinstance(layers, str):
         try:
             blocks = root.get_submodule(layers)
@@ -148,7 +154,7 @@ def _find(root: nn.Module, layers) -> Blocks:
         raise TypeError(f"cgraph: graph_layers: layers= takes a path or an nn.ModuleList, "
                         f"got {type(layers).__name__}.")
     path = _path(root, blocks)
-    if not path:
+    if not path and not isinstance(root, _CONTAINERS):  # a list as the model: its blocks
         raise ValueError("cgraph: graph_layers: layers= names the model itself; name the list "
                          "of blocks inside it, or graph the model whole with cgraph.make_graphed.")
     if not isinstance(blocks, _CONTAINERS) or len(blocks) == 0:
@@ -157,7 +163,7 @@ def _find(root: nn.Module, layers) -> Blocks:
                         "blocks.")
     found = Blocks.of(path, blocks)
     if any(is_graphed(block) for block in found.blocks):
-        raise ValueError(f"cgraph: graph_layers: the blocks at '{path}' are graphed already.")
+        raise ValueError(f"cgraph: graph_layers: the blocks at {found.where} are graphed already.")
     return found
 
 
@@ -173,9 +179,7 @@ def _children(container: nn.Module) -> list:
 def _warn_if_more_blocks(root: nn.Module, found: Blocks, share: float) -> None:
     """A guess graphs one list: warns where the model's other lists of
     blocks hold a quarter of it or more together (an encoder beside a
-    decoder, a ResNet's other stages), or where the list holds under half
-    the model (a list of blocks given as the model: its largest inner list
-    was taken), naming what to do."""
+    decoder, a ResNet's other stages), naming what to do."""
     candidates = dict(_named_candidates(root))
     # Not inside another list (one per path: a module reached twice keeps its first).
     top = {path: m for path, m in candidates.items() if m is not found.container
@@ -183,16 +187,11 @@ def _warn_if_more_blocks(root: nn.Module, found: Blocks, share: float) -> None:
                        for depth in range(1, path.count(".") + 1))}
     eager = sum(map(_parameter_count, top.values())) / max(_parameter_count(root), 1)
     others = list(top) if eager >= 0.25 else []
-    if _repeated(root) and share < 0.5:
-        hint = (f"{type(root).__name__} is itself a list of blocks: pass the model that holds "
-                "it, naming the list (graph_layers(model, layers='blocks')).")
-    elif others:
-        hint = (f"Other lists of repeated blocks run eagerly: {others}; graph each with "
-                "graph_layers(model, layers='path'), one call per list.")
-    else:
-        return
-    log.warning("cgraph: graph_layers guessed the blocks at '%s', which hold %.0f%% of %s's "
-                "parameters. %s", found.path, 100 * share, type(root).__name__, hint)
+    if others:
+        log.warning("cgraph: graph_layers guessed the blocks at %s, which hold %.0f%% of %s's "
+                    "parameters. Other lists of repeated blocks run eagerly: %s; graph each "
+                    "with graph_layers(model, layers='path'), one call per list.",
+                    found.where, 100 * share, type(root).__name__, others)
 
 
 class NoBlocks(ValueError):
@@ -228,7 +227,7 @@ def _refuse(root: nn.Module, found: Blocks) -> None:
     if any(getattr(block, "_compiled_call_impl", None) is not None for block in found.blocks):
         # block.compile() compiles the call, which would run the graphed forward under dynamo
         raise ValueError(
-            f"cgraph: graph_layers: the blocks at '{found.path}' were compiled with "
+            f"cgraph: graph_layers: the blocks at {found.where} were compiled with "
             "block.compile(), which compiles their call around the graphs. Compile their "
             "forward instead (block.forward = torch.compile(block.forward)): cgraph graphs "
             "compiled forwards.")
@@ -240,7 +239,7 @@ def _refuse(root: nn.Module, found: Blocks) -> None:
     if sharded and not all(_fsdp.is_fsdp(block) for block in found.blocks):
         raise ValueError(
             f"cgraph: graph_layers: the model is sharded by fully_shard, but the blocks at "
-            f"'{found.path}' are not each sharded. Apply fully_shard to every block, then to "
+            f"{found.where} are not each sharded. Apply fully_shard to every block, then to "
             "the root, then call graph_layers (README, Sharded models).")
 
 

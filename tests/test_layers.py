@@ -76,9 +76,16 @@ def test_a_guess_warns_where_other_stacks_of_blocks_run_eagerly(stand_in, caplog
         cgraph.graph_layers(model, layers="encoder")  # named: no guess, no warning
         cgraph.graph_layers(GPT())  # one stack: nothing to say
     assert caplog.text == ""
-    with caplog.at_level(logging.WARNING, logger="cgraph"):
-        cgraph.graph_layers(GPT(experts=4).blocks)
-    assert "ModuleList is itself a list of blocks: pass the model that holds it" in caplog.text
+
+
+
+def test_a_model_that_is_a_list_of_blocks_has_each_block_graphed(stand_in):
+    """nn.Sequential(*blocks), or a model's list passed as the model: its
+    blocks, not the largest list inside the first of them (the experts)."""
+    blocks = GPT(experts=4).blocks
+    cgraph.graph_layers(blocks)
+    assert [b for b, _ in stand_in] == list(blocks)
+    assert _layers._find(nn.Sequential(*[Block() for _ in range(3)]), None).path == ""
 
 
 class Titan(nn.Module):
