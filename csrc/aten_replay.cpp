@@ -385,8 +385,8 @@ bool reusable(const Input& in) {
 //    enabled (its static input is a leaf that requires grad: the warm-up
 //    raises, as eager does for a leaf), so no autograd history is skipped;
 //    under no_grad, where eager writes a leaf too, it is copied back.  The
-//    graph's own copy-in still runs first: a write of part of the argument keeps the
-//    rest as passed.  After a replay on another stream, caller_stream
+//    graph's own copy-in still runs first: a write of part of the argument
+//    keeps the rest as passed.  After a replay on another stream, caller_stream
 //    waits for the copies too.  An earlier output passed back
 //    (kept_outputs='alias') is this replay's output as well: the output
 //    wins, one memory cannot hold both.  An argument eager could not write

@@ -71,10 +71,11 @@
  *    into C meanwhile.  New entries share a pool when they can: a captured
  *    forward's activations are free blocks of its pool once the backward
  *    capture ran (autograd dropped them; the engine replays into them), so
- *    a later capture in that pool may reuse them.  That is what keeps the memory of several graphs near that of the
- *    largest, and it is safe while no pending backward needs what a replay
- *    writes (Note [Captures that share a pool] in aten_pool.cpp): for graphs
- *    one callable captured on their own, while no entry of the pool is
+ *    a later capture in that pool may reuse them.  That is what keeps the
+ *    memory of several graphs near that of the largest, and it is safe
+ *    while no pending backward needs what a replay writes (Note [Captures
+ *    that share a pool] in aten_pool.cpp): for graphs one callable
+ *    captured on their own, while no entry of the pool is
  *    pending; a pool shared with other callables gets no later graph but a
  *    layer's (below).  A call that matches only entries that may not replay
  *    (a second forward before the first one's backward) gets an instance in
