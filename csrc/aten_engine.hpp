@@ -495,6 +495,10 @@ class SetupState {
   // post-accumulate-grad hooks aside: Note [Grad accumulators during
   // capture] (aten_setup.cpp).
   void set_aside_grad_accumulators(const std::vector<Param>& params);
+  // Hooks registered on a tensor held aside since it went aside (by the
+  // forward, on its first call) join what is held: called before each
+  // backward of the set-up.
+  void hold_hooks_added_meanwhile();
   void restore_grad_accumulators() noexcept;
   // Module state that warm-up changes (BatchNorm's running stats): saved
   // now, put back (once) by restore_buffers().
@@ -504,12 +508,19 @@ class SetupState {
  private:
   using PostAccHookPtr = std::unique_ptr<torch::autograd::PostAccumulateGradHook>;
   using TensorHooks = std::vector<std::unique_ptr<torch::autograd::FunctionPreHook>>;
+  using NodePostHooks = std::vector<std::unique_ptr<torch::autograd::FunctionPostHook>>;
+  // One tensor held aside, and everything taken off it and its accumulator.
   struct AsideParam {
     at::Tensor param;
     WeakNodePtr accumulator = WeakNodePtr(NodePtr());
     TensorHooks hooks;  // register_hook's: AccumulateGrad reads them off the tensor
     PostAccHookPtr post_acc_hooks;
+    // The accumulator node's own hooks (its register_prehook and
+    // register_hook: DDP's reducer, _apply_optimizer_in_backward).
+    TensorHooks node_pre_hooks;
+    NodePostHooks node_post_hooks;
   };
+  static void take_hooks(AsideParam& aside);
   std::vector<AsideParam> aside_;
   struct BufferSnapshot {
     at::Tensor buffer;

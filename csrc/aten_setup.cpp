@@ -35,9 +35,13 @@ std::vector<at::Tensor> unpack_tensors(PyObject* seq, const char* what) {
     if (!THPVariable_Check(item)) {
       const char* type_name = Py_TYPE(item)->tp_name;
       Py_DECREF(fast);
-      TORCH_CHECK_TYPE(false, "cgraph: ", what, " ", i, " is a ", type_name,
-                       "; graphed callables take and return tensors "
-                       "(nested in tuples, lists or dicts).");
+      TORCH_CHECK_TYPE(false, "cgraph: ", what, " ", i,
+                       " (counting tensors in pytree order; None is not counted) is a ",
+                       type_name,
+                       "; graphed callables take and return tensors or None, nested in "
+                       "tuples, lists or dicts.  A Python value computed at capture would come "
+                       "back unchanged at every replay: return it as a tensor, or compute it "
+                       "outside the graphed callable.");
     }
     out.push_back(THPVariable_Unpack(item));
   }
@@ -115,9 +119,13 @@ Engine::Engine(const cg_engine_config& config)
 // .backward()]), which reads both off the tensor, and they must run at each
 // replay, where AccumulateGrad runs them (delivered_by_autograd,
 // aten_backward.cpp), not at warm-up and capture: a register_hook(g * 0.1)
-// captured into the backward graph was applied twice per replay.  Leaves
-// the forward reads outside the parameters it was given go aside when found
-// (Engine::adopt_hidden_leaves).
+// captured into the backward graph was applied twice per replay.  So do
+// the node's own hooks (DDP's reducer's, _apply_optimizer_in_backward's), and
+// hooks the forward registers during the set-up, before each of its
+// backwards (hold_hooks_added_meanwhile).  Leaves the forward reads outside
+// the parameters it was given go aside when found
+// (Engine::adopt_hidden_leaves): after the first warm-up's forward, whose
+// graph holds the original node, hence its hooks go aside too.
 namespace {
 
 // The tensors some set-up holds aside now, so that each is recorded once:
@@ -129,7 +137,48 @@ std::unordered_set<const c10::TensorImpl*>& held_aside() {
   return held;
 }
 
+// Moves every hook of `from` to the end of `to`.
+template <class Hooks>
+void append(Hooks& to, Hooks& from) {
+  for (auto& hook : from) {
+    to.push_back(std::move(hook));
+  }
+  from.clear();
+}
+
+// `held` (taken before) first, then what is on `now`: hooks run in the order
+// they were registered.
+template <class Hooks>
+void put_first(Hooks& now, Hooks& held) {
+  append(held, now);
+  now = std::move(held);
+  held.clear();
+}
+
 }  // namespace
+
+// Moves the hooks now on the tensor and on its own accumulator node into
+// `aside`, after those taken before.
+void SetupState::take_hooks(AsideParam& aside) {
+  auto* meta = torch::autograd::impl::get_autograd_meta(aside.param);
+  if (meta == nullptr) {
+    return;  // a tensor without autograd meta has neither accumulator nor hooks
+  }
+  {
+    std::lock_guard<std::mutex> lock(meta->mutex_);
+    append(aside.hooks, meta->hooks_);
+    if (!aside.post_acc_hooks) {  // Python keeps one per tensor, a dict of them
+      aside.post_acc_hooks = std::exchange(meta->post_acc_grad_hooks_, nullptr);
+    }
+  }
+  // The original node is still in a graph the forward built before the
+  // tensor went aside (a leaf adopted at the first warm-up's backward):
+  // its own hooks must not run there either.
+  if (NodePtr node = aside.accumulator.lock()) {
+    append(aside.node_pre_hooks, node->pre_hooks());
+    append(aside.node_post_hooks, node->post_hooks());
+  }
+}
 
 void SetupState::set_aside_grad_accumulators(const std::vector<Param>& params) {
   std::lock_guard<std::mutex> held_lock(held_aside_mutex);
@@ -138,14 +187,21 @@ void SetupState::set_aside_grad_accumulators(const std::vector<Param>& params) {
       continue;  // another engine of the session holds it aside: it puts it back
     }
     AsideParam aside{p.tensor};
-    // A tensor without autograd meta has neither accumulator nor hooks.
     if (auto* meta = torch::autograd::impl::get_autograd_meta(p.tensor)) {
       std::lock_guard<std::mutex> lock(meta->mutex_);
       aside.accumulator = std::exchange(meta->grad_accumulator_, WeakNodePtr(NodePtr()));
-      aside.hooks = std::exchange(meta->hooks_, TensorHooks());
-      aside.post_acc_hooks = std::exchange(meta->post_acc_grad_hooks_, nullptr);
     }
+    take_hooks(aside);
     aside_.push_back(std::move(aside));
+  }
+}
+
+// A forward that registers a hook on its first call (on a tensor with none
+// before) ran it at every backward of the set-up, and the capture's
+// backward graph held it: applied twice per replay.
+void SetupState::hold_hooks_added_meanwhile() {
+  for (AsideParam& aside : aside_) {
+    take_hooks(aside);
   }
 }
 
@@ -157,16 +213,15 @@ void SetupState::restore_grad_accumulators() noexcept {
     if (meta == nullptr) {
       continue;
     }
+    if (NodePtr node = aside.accumulator.lock()) {
+      put_first(node->pre_hooks(), aside.node_pre_hooks);
+      put_first(node->post_hooks(), aside.node_post_hooks);
+    }
     std::lock_guard<std::mutex> lock(meta->mutex_);
     // Even an expired one: autograd then makes a fresh node on the
     // caller's stream, not the capture's.
     meta->grad_accumulator_ = std::move(aside.accumulator);
-    if (!aside.hooks.empty()) {  // first, then any registered meanwhile
-      for (auto& added : meta->hooks_) {
-        aside.hooks.push_back(std::move(added));
-      }
-      meta->hooks_ = std::move(aside.hooks);
-    }
+    put_first(meta->hooks_, aside.hooks);
     if (aside.post_acc_hooks) {
       meta->post_acc_grad_hooks_ = std::move(aside.post_acc_hooks);
     }

@@ -251,6 +251,8 @@ class GradsAside {
 std::vector<at::Tensor> Engine::run_backward(const std::vector<at::Tensor>& outs,
                                              const std::vector<at::Tensor>& grad_outs,
                                              bool retain_graph) {
+  TORCH_INTERNAL_ASSERT(setup, "cgraph: a set-up backward after the set-up ended");
+  setup->hold_hooks_added_meanwhile();
   GradsAside aside(grad_targets());
   {
     GilRelease nogil;

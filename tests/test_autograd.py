@@ -298,6 +298,63 @@ def test_hooks_of_a_leaf_read_from_a_closure_run_once_per_backward():
         assert_equal(seen[-1], w_e.grad, f"step {step}: the grad the hook saw")
 
 
+def test_a_hook_the_forward_registers_on_its_first_call_runs_once_per_backward():
+    """Note [Grad accumulators during capture]: a forward that registers a
+    tensor hook on its first call (the first warm-up's) on a parameter with
+    none before.  The hook went on the tensor after it was set aside, so the
+    set-up's backwards ran it and the capture's graph held it, then
+    AccumulateGrad ran it again at each replay: g * 4 where eager has g * 2."""
+    class HooksOnFirstCall(nn.Module):
+        def __init__(self, log):
+            super().__init__()
+            self.lin, self.log, self.hooked = nn.Linear(32, 16), log, False
+
+        def forward(self, x):
+            if not self.hooked:
+                self.lin.weight.register_hook(lambda g: self.log.append(1) or g * 2)
+                self.hooked = True
+            return torch.tanh(self.lin(x))
+
+    torch.manual_seed(14)
+    calls, calls_e = [], []
+    model, eager = HooksOnFirstCall(calls).to(CUDA), HooksOnFirstCall(calls_e).to(CUDA)
+    eager.load_state_dict(model.state_dict())
+    model = cgraph.make_graphed_callables(model, (torch.randn(8, 32, device=CUDA),))
+    assert calls == [], "the hook ran during warm-up or capture"
+    for step in range(2):
+        x, upstream = torch.randn(8, 32, device=CUDA), torch.randn(8, 16, device=CUDA)
+        (model(x) * upstream).sum().backward()
+        (eager(twin(x)) * upstream).sum().backward()
+        assert (len(calls), len(calls_e)) == (step + 1, step + 1)
+        assert_grads_equal(model, eager, step)
+
+
+def test_hooks_on_a_closure_leafs_accumulator_node_run_once_per_backward():
+    """A closure leaf whose AccumulateGrad node carries hooks, held as DDP's
+    reducer and _apply_optimizer_in_backward hold it.  The first warm-up's
+    forward builds its graph on that node before the leaf is found and set
+    aside (Engine::adopt_hidden_leaves), so the node's hooks went aside too:
+    before, they ran at the first warm-up (an optimizer in backward stepped
+    there)."""
+    torch.manual_seed(15)
+    w = torch.randn(32, 16, device=CUDA, requires_grad=True)
+    w_e = twin(w)
+    nodes = [leaf.view_as(leaf).grad_fn.next_functions[0][0] for leaf in (w, w_e)]
+    runs = [[], []]
+    for node, ran in zip(nodes, runs):
+        node.register_hook(lambda grads_in, grads_out, ran=ran: ran.append(1))
+        node.register_prehook(lambda grads_out, ran=ran: ran.append(0))
+    graphed = cgraph.make_graphed_callables(lambda x: torch.tanh(x @ w),
+                                            (torch.randn(8, 32, device=CUDA),))
+    assert runs[0] == [], "the node's hooks ran during warm-up or capture"
+    for step in range(2):
+        x, upstream = torch.randn(8, 32, device=CUDA), torch.randn(8, 16, device=CUDA)
+        (graphed(x) * upstream).sum().backward()
+        (torch.tanh(x @ w_e) * upstream).sum().backward()
+        assert runs[0] == runs[1] == [0, 1] * (step + 1), runs
+        assert_equal(w.grad, w_e.grad, f"step {step}: the closure leaf's grad")
+
+
 def test_a_double_backward_through_a_graphed_callable_raises():
     """create_graph=True (a gradient penalty): the replayed grads have no
     history, so a second backward would silently miss the graphed part.
