@@ -417,10 +417,19 @@ class StateCheck:
             was, found = self.captured.get(name), now.get(name)
             if was is found or (id(was) in faces and faces[id(was)] is faces.get(id(found))):
                 continue  # the same tensor, or FSDP's other face of it
+            if was is None:
+                raise RuntimeError(
+                    f"cgraph: '{name}' was added to graphed module {self.index} "
+                    f"({type(module).__name__}) after capture; its graphs, captured without "
+                    "it, would never read it. Add parameters, buffers and submodules holding "
+                    "them before graphing, or reset the graphs after adding them "
+                    "(graphed.reset(); layer.forward.reset() for graph_layers) and graph the "
+                    "module again.")
             raise RuntimeError(
                 f"cgraph: '{name}' of graphed module {self.index} "
                 f"({type(module).__name__}) was replaced after capture "
-                "(load_state_dict(assign=True), a new nn.Parameter or buffer, a removed one, "
+                "(load_state_dict(assign=True), module.to() or .half() converting a buffer, a "
+                "new nn.Parameter or buffer in its place, a removed one, "
                 "torch.func.functional_call with other tensors, or fully_shard or "
                 "parallelize_module applied after graphing); the graphs would keep reading "
                 "the old tensor. Graph the module again after replacing it, load weights in "
@@ -599,6 +608,22 @@ def _watch_swaps() -> None:
 
 
 _watch_swaps()
+
+
+# Note [Tensors swapped in without registration], continued: Module._apply
+# (.to(), .half(), .float(), .cuda()) writes each converted buffer into
+# _buffers directly, and a parameter's converted tensor into its .data.  A
+# model graphed in bf16 whose fp32 buffer (a rotary embedding's inv_freq)
+# was converted by a later model.to(torch.bfloat16) kept reading the old
+# buffer, silently: its parameters, already bf16, did not move.  While any
+# module is graphed, a conversion makes every graphed module walk its
+# tensors on its next call.
+def _watch_conversions() -> None:
+    apply = getattr(nn.Module._apply, "cgraph_wraps", nn.Module._apply)
+    nn.Module._apply = _after_swapping(apply)
+
+
+_watch_conversions()
 
 
 def _watch_sharding() -> None:

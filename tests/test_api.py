@@ -230,7 +230,7 @@ def test_a_graphed_module_walks_its_parameters_only_when_one_may_have_been_repla
     with torch.no_grad():  # a tensor registered on the new submodule
         block.extra.register_buffer("scale", torch.ones(1))
     for _ in range(2):
-        with pytest.raises(RuntimeError, match=r"'extra\.scale' of graphed module 0"):
+        with pytest.raises(RuntimeError, match=r"'extra\.scale' was added to graphed module 0"):
             check(block)
     fresh = torch.nn.Sequential(torch.nn.Linear(4, 4))
     check = _describe.StateCheck(1, fresh)
@@ -288,7 +288,7 @@ def test_a_tensor_the_forward_registered_during_its_capture_is_adopted_a_later_o
     check(block)
     check(block)
     block.register_buffer("later", torch.ones(4))  # after the capture
-    with pytest.raises(RuntimeError, match=r"'later' of graphed module 0"):
+    with pytest.raises(RuntimeError, match=r"'later' was added to graphed module 0"):
         check(block)
     other = torch.nn.Linear(4, 4)
     check = _describe.StateCheck(1, other)
@@ -322,6 +322,34 @@ def test_tensors_swapped_in_by_functional_call_are_seen_by_the_check():
     assert len(seen) == 1 and "'weight' of graphed module 0" in seen[0]
     assert "functional_call" in seen[0]
     check(block)  # the parameters swapped back: the same tensors again
+
+
+def test_a_buffer_converted_by_module_to_is_seen_by_the_check():
+    """Note [Tensors swapped in without registration], continued: a bf16
+    model's fp32 buffer (a rotary inv_freq) converted by model.to(bf16)
+    after graphing is replaced without a registration, its parameters
+    unmoved; the check walks after any conversion and names it."""
+    from cgraph import _describe
+    block = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    block.register_buffer("inv_freq", torch.ones(2))
+    check = _describe.StateCheck(0, block)
+    check(block)
+    block.to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"'inv_freq' of graphed module 0 .*replaced.*"
+                                           r"module.to\(\) or .half\(\) converting a buffer"):
+        check(block)
+
+
+def test_a_tensor_added_after_capture_is_named_as_added():
+    """A buffer registered after capture under a new name: the graphs never
+    read it, though the forward may; named as added, not replaced."""
+    from cgraph import _describe
+    block = torch.nn.Linear(4, 4)
+    check = _describe.StateCheck(0, block)
+    block.register_buffer("scale", torch.ones(4))
+    with pytest.raises(RuntimeError, match=r"'scale' was added to graphed module 0 \(Linear\) "
+                                           r"after capture.*before graphing"):
+        check(block)
 
 
 def test_modules_are_watched_by_identity():

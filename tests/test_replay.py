@@ -740,5 +740,5 @@ def test_a_buffer_registered_on_the_first_call_is_read_by_every_replay(samples):
         assert_grads_equal(model, eager, step)
     assert graphed.stats["forward"] == 3 and graphed.num_graphs == 1, graphed.stats
     model.register_buffer("later", torch.ones(1, device=CUDA))
-    with pytest.raises(RuntimeError, match="'later' of graphed module 0"):
+    with pytest.raises(RuntimeError, match="'later' was added to graphed module 0"):
         graphed(torch.randn(4, 16, device=CUDA))
