@@ -222,7 +222,9 @@ bool check_params(const Engine& e) {
     if (p.tensor.requires_grad()) {
       TORCH_CHECK(p.requires_grad, "cgraph: parameter ", j, " (shape ", p.tensor.sizes(),
                   ") requires grad, but did not at capture, so the backward graph computes "
-                  "no grad for it. Graph the module again after unfreezing it.");
+                  "no grad for it. Reset the graphs after unfreezing it (graphed.reset(); "
+                  "layer.forward.reset() for graph_layers; or cgraph.reset_all()): the next "
+                  "call captures it trained.");
       need_grad = true;
     }
   }
