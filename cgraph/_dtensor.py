@@ -28,8 +28,9 @@ A: The graphs read each DTensor parameter's local tensor, through a plain
    (sequence parallelism planned as torchtitan plans it passes plain shards
    of the sequence between blocks, and DTensors only inside them; a norm's
    weight grad then comes back reduced, of the weight's placement, through
-   from_local's backward, where eager leaves it Partial); a step graphed
-   whole (make_graphed_step) takes DTensors anywhere.
+   from_local's backward, where eager leaves it Partial); inside a step
+   graphed whole (make_graphed_step) DTensors flow anywhere, and it may
+   return one (cgraph/_step.py, _DTensorOut); its arguments are plain.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ def refuse_dtensors(tree, what: str) -> None:
             f"cgraph: a graphed layer {what} a DTensor (SequenceParallel, or "
             "use_local_output=False); per-layer graphs take and return plain tensors. Use "
             "ColwiseParallel/RowwiseParallel with use_local_output=True around the layer, or "
-            "graph the whole step (cgraph.make_graphed_step), which takes DTensors anywhere.")
+            "graph the whole step (cgraph.make_graphed_step), inside which DTensors flow "
+            "anywhere.")
 
 
 def _over_leaf(param):

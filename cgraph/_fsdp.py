@@ -253,7 +253,7 @@ class Home:
             model = getattr(holder, "comm_ctx", self)
             if model not in _took_back:
                 _took_back.add(model)
-                _log.fsdp_home_taken_back(_name(holder), _name(group))
+                _log.fsdp_home_taken_back(group_name(holder), group_name(group))
         self.holder = group
         _C.lend_memory(outputs, views)
 
@@ -261,19 +261,19 @@ class Home:
 def _take_back(holder, group) -> None:
     """The shared home, wanted by `group`, is still lent to `holder`:
     Note [A layer kept unsharded in a shared home]."""
-    state = _training_state(holder)
+    state, held, wanted = _training_state(holder), group_name(holder), group_name(group)
     if state == "UNKNOWN":
         raise RuntimeError(
-            f"cgraph: FSDP layer {_name(holder)} still holds the home its graphs share with "
-            f"{_name(group)}, and this torch's FSDP does not say whether it is inside a pass "
+            f"cgraph: FSDP layer {held} still holds the home its graphs share with "
+            f"{wanted}, and this torch's FSDP does not say whether it is inside a pass "
             "(no _training_state), so cgraph cannot reshard it safely. Shard these layers "
             "with reshard_after_forward=False (each then gets a home of its own), and report "
             "your torch version.")
     if state not in ("IDLE", "POST_BACKWARD"):
         raise RuntimeError(
-            f"cgraph: FSDP layers {_name(holder)} and {_name(group)}, whose graphs share one "
+            f"cgraph: FSDP layers {held} and {wanted}, whose graphs share one "
             f"home for their unsharded parameters, were both unsharded inside a forward or "
-            f"backward, so one would read the other's parameters ({_name(holder)} is in FSDP's "
+            f"backward, so one would read the other's parameters ({held} is in FSDP's "
             f"{state}: a layer called inside another or twice in a pass, or one whose inputs "
             "need no grad, which FSDP reshards only at the end of the backward). Shard these "
             "layers with reshard_after_forward=False: each then gets a home of its own.")
@@ -302,19 +302,76 @@ def _take_back(holder, group) -> None:
 #    would leave.  Cost per replay: an attribute read and a compare per
 #    group, about 3 us for a 32-layer model.
 class Resharded:
-    """The FSDP param groups of the modules a step names: resharded before
-    its captures and replays where an eager forward left them unsharded."""
+    """The FSDP modules a step names and their param groups: resharded
+    before its captures and replays where an eager forward left them
+    unsharded, and put back to rest after a capture that failed inside
+    FSDP's pass (Note [A capture that fails inside FSDP2's pass])."""
 
-    __slots__ = ("groups",)
+    __slots__ = ("modules", "groups")
 
     def __init__(self, roots) -> None:
         found = {id(m): m for root in roots for m in root.modules() if is_fsdp(m)}
-        self.groups = tuple(g for m in found.values() for g in _param_groups(m))
+        self.modules = tuple(found.values())
+        self.groups = tuple(g for m in self.modules for g in _param_groups(m))
 
     def __call__(self) -> None:
         for g in self.groups:
             if not g.is_sharded and _training_state(g) == "IDLE":
                 g.reshard()
+
+    def after_failed_capture(self) -> None:
+        roots = {id(s): s for s in (m._get_fsdp_state() for m in self.modules)
+                 if getattr(s, "_is_root", None)}
+        for state in roots.values():
+            reset = getattr(state, "_reset_iter_state", None)  # torch 2.14
+            if reset is not None:
+                reset()
+            else:
+                _reset_iter_state(state)
+
+
+# Note [A capture that fails inside FSDP2's pass]
+# Q: A step's capture that fails part-way (a host sync in a layer, or a
+#    planted error after the forward) stops inside FSDP's forward or
+#    backward: its root is still the iteration's forward root, its groups
+#    FORWARD and unsharded into memory the capture never wrote (a capture
+#    runs no kernel), the post-backward callback perhaps still queued.  The
+#    caller goes on eagerly (Lightning's fallback, or a script that catches
+#    CaptureError): what does FSDP do then?
+# A: Its next forward skips the root's set-up (the root is still in a
+#    pass), gathers nothing for the groups it finds unsharded and reads
+#    their unwritten memory; ranks whose capture succeeded gather the root,
+#    so the ranks' collectives no longer match (a hang).  torch 2.14 has
+#    the reset for an aborted pass (FSDPModule.reset_iter_state); cgraph
+#    calls it on the step's FSDP roots after every failed capture, on every
+#    rank (the others' state is at rest already, and stays so), and does
+#    what it does on a torch without it.
+def _reset_iter_state(root_state) -> None:
+    """torch 2.14's FSDPState._reset_iter_state for a torch without it, less
+    its waits for events: a failed capture recorded none."""
+    comm = root_state._comm_ctx
+    if hasattr(comm, "all_gather_state"):
+        comm.all_gather_state = None
+    for name in ("reduce_scatter_states", "post_forward_order"):
+        getattr(comm, name, []).clear()
+    if hasattr(comm, "reduce_scatter_state"):
+        comm.reduce_scatter_state = None
+    for state in root_state._state_ctx.all_states:
+        getattr(state, "_modules_to_run_forward", set()).clear()
+        state._training_state = type(state._training_state).IDLE
+        groups = getattr(state, "_fsdp_param_groups", None)
+        for g in groups if groups is not None else (state._fsdp_param_group,):
+            if g is None:
+                continue
+            for name in ("_all_gather_result", "_post_reduce_event", "_all_reduce_state",
+                         "_reshard_after_forward_event", "_partial_reduce_output"):
+                if hasattr(g, name):
+                    setattr(g, name, None)
+            getattr(g, "_post_forward_indices", []).clear()
+            g._training_state = type(g._training_state).IDLE
+            g.reshard()
+    root_state._state_ctx.iter_forward_root = None
+    root_state._state_ctx.post_backward_final_callback_queued = False
 
 
 def refuse_offloaded(groups) -> None:
@@ -326,7 +383,7 @@ def refuse_offloaded(groups) -> None:
     for g in groups:
         if any(getattr(p, "offload_to_cpu", False) for p in g.fsdp_params):
             raise ValueError(
-                f"cgraph: FSDP module {_name(g)} offloads its parameters to the CPU "
+                f"cgraph: FSDP module {group_name(g)} offloads its parameters to the CPU "
                 "(CPUOffloadPolicy), and a step graphed whole cannot hold FSDP's copies to "
                 "the host and its wait for them. Graph the layers instead "
                 "(cgraph.make_graphed(layer) for each fully_shard-ed layer, FSDP's hooks "
@@ -338,7 +395,8 @@ def _training_state(group) -> str:
     return getattr(state, "name", "UNKNOWN")
 
 
-def _name(group) -> str:
+def group_name(group) -> str:
+    """An FSDP param group's module name, for messages."""
     fqn = getattr(group, "_module_fqn", None)
     return repr(fqn) if fqn else type(group.modules[0]).__name__
 

@@ -96,11 +96,13 @@ Q: A step's graph steps the parameters in the memory they had at capture,
    makes grads for those that required grad then, and steps the optimizer
    state the capture found.  What if one of these changes between calls?
 A: Before each replay, one native call (``_C.params_are``: a pointer and a
-   flag per parameter of the step's optimizers, about 17 ns each on the CI
-   machine) compares each parameter's memory (a DTensor's local shard's)
-   and ``requires_grad`` with the capture's.  A parameter moved to other
-   memory (``.to()``, ``p.data = ...``) would leave the graph writing
-   memory freed since; one frozen since would still be stepped (eager's
+   flag per tensor, about 17 ns each on the CI machine) compares the memory
+   (a DTensor's local shard's) and ``requires_grad`` of each parameter of
+   the step's optimizers, and of the other parameters and buffers of the
+   modules it names (_Marks), with the capture's.  A tensor moved to other
+   memory (``.to()``, ``p.data = ...``, an EMA copy moved to the CPU for an
+   evaluation and back) would leave the graph reading, or writing, memory
+   freed since; a parameter frozen since would still be stepped (eager's
    optimizer skips a parameter whose grad is None), one unfrozen never.
    On any change the graph is freed, the call steps eagerly (creating the
    state of a parameter unfrozen), and the next one captures, logged.  A
@@ -132,6 +134,25 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    in eager mode either, and the memory of a tensor subclass other than
    DTensor (float8 weights).  A change before every call captures at every
    call: warned once, at the third in a row, as a baked value is.
+
+Note [Grad sync set outside a graphed step]
+Q: A step graphed whole replays the collectives its capture issued.  FSDP2's
+   set_requires_gradient_sync(False) and DDP's no_sync(), called outside
+   the step (micro-batches, each a call of a forward-and-backward step),
+   decide whether the backward reduces its grads.  What if they change
+   between the capture and a replay?
+A: Each replay would reduce, or not, as the capture did: the optimizer
+   would step rank-local or stale grads.  So the settings the capture left
+   (_GradSync: FSDP's reduce_grads, all_reduce_grads and
+   reshard_after_backward of each group of the modules the step names,
+   DDP's require_backward_grad_sync of each DDP model it calls) are
+   compared before each replay, an attribute read each, and a change makes
+   the call step eagerly and the next capture again, as a changed mode
+   does.  A capture that would start with an FSDP group not reducing is
+   refused, naming the fix: FSDP then accumulates unsharded grads in its
+   own Python state, assigned on the first micro-batch and added after,
+   which no replay can follow.  A step that turns sync off and on itself,
+   inside, ends with it on, as its capture and every replay do.
 
 Note [RNG inside a graphed step]
 Q: How do dropout masks inside torch.utils.checkpoint (preserve_rng_state=
@@ -174,12 +195,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import _C, _fsdp, _log, _optim, _ranks
+from . import _C, _dtensor, _fsdp, _log, _optim, _ranks
 from ._api import _live, _pool_id, _require_cuda
 from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
                        asked_by_the_compiler, graph, one_setup_at_a_time, patched)
 from ._ddp import DDPInStep
-from ._describe import CONSTANT_TYPES, Target, draft
+from ._describe import CONSTANT_TYPES, Target, _named_state, draft
 from ._step_grads import StepGrads
 from ._modes import Modes, roots
 
@@ -425,10 +446,13 @@ class GraphedStep:
         self.grads: StepGrads | None = None  # Note [Grads around a graphed step]
         # Each parameter's memory and requires_grad at capture (_C.param_marks):
         # Note [What a graphed step checks before a replay].
-        self.marks: tuple = ()
+        self.marks: _Marks | None = None
         # The modes of the modules it names, at capture: Note [The modules a
         # graphed step's modes are read from] (cgraph/_modes.py).
         self.modes: Modes | None = None
+        # Its FSDP groups' and DDP models' grad sync, as its capture left it:
+        # Note [Grad sync set outside a graphed step].
+        self.grad_sync: _GradSync | None = None
         # The FSDP groups of the modules it names: Note [FSDP2's host state
         # around a graphed step] (cgraph/_fsdp.py).
         self.resharded = _fsdp.Resharded(())
@@ -564,7 +588,17 @@ class GraphedStep:
         return waiting
 
     def _check(self, leaves: list, spec) -> None:
-        """Calls pass what the samples (or the first call) passed."""
+        """Calls pass what the samples (or the first call) passed: plain
+        tensors and constants."""
+        for i, x in enumerate(leaves):
+            if _dtensor.is_dtensor(x):
+                raise ValueError(
+                    f"cgraph: argument {i} of the graphed step (in pytree order) is a DTensor; "
+                    "a graphed step takes plain tensors (DTensors flow anywhere inside it, "
+                    "and it may return one). Pass the local tensor (x.to_local()) and remake "
+                    "the DTensor inside the step (DTensor.from_local(local, mesh, "
+                    "placements)), or pass the plain batch and let the first parallelized "
+                    "layer distribute it (input_layouts).")
         want, want_spec = (self.static.leaves, self.static.spec) if self.static else self.sample
         if self.static is None and not want:  # no samples: the capture's call decides
             want, want_spec = leaves, spec
@@ -620,6 +654,7 @@ class GraphedStep:
             _forget(took.made)
             self._free()
             put_back()
+            self._fsdp_at_rest()
             raise
         if self.captures_again and self._stepped_inside_a_condition():
             # Note [GradScaler with any optimizer]: the state this capture
@@ -633,7 +668,9 @@ class GraphedStep:
             self._wait_for_unskipped_steps()
             return False
         self.outputs, self.grads = took.returned[0], took.grads[0]
-        self.marks, self.modes = _C.param_marks(self.grads.params), took.modes
+        self.marks = _Marks(self.grads.params, took.roots, self.grads.label)
+        self.modes = took.modes
+        self.grad_sync = _GradSync(self.resharded.groups, self.ddp.models())
         self.made_at_capture = took.made
         if self.captures_again:
             _log.step_state_made_at_capture(self, [m.optimizer for m in self.made_at_capture])
@@ -643,12 +680,26 @@ class GraphedStep:
         _log.step_captured(self, recapture, time.perf_counter() - started)
         return True
 
+    def _fsdp_at_rest(self) -> None:
+        """After a failed capture: Note [A capture that fails inside FSDP2's
+        pass] (cgraph/_fsdp.py).  A failure here is warned of, not raised
+        over the capture's own error."""
+        try:
+            self.resharded.after_failed_capture()
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"cgraph: could not put FSDP's state back to rest after the failed "
+                          f"capture ({exc!r}); call reset_iter_state() on the FSDP root before "
+                          "the next eager step, where your torch has it.", stacklevel=3)
+
     def _holds_collectives(self, leaves: list) -> bool:
         """Whether the ranks capture this step together, and so agree on its
         capture: decided from what every rank running it holds alike."""
         params = [p for opt in list(self.optimizers) for g in opt.param_groups
                   for p in g["params"]]
-        return _ranks.may_hold_collectives(self.ddp.models(), [*params, *leaves])
+        # A step without optimizers (a forward and backward over FSDP2 or
+        # TP modules) holds their collectives too.
+        named = [p for m in roots(self.fn, self.ddp.models()) for p in m.parameters()]
+        return _ranks.may_hold_collectives(self.ddp.models(), [*params, *named, *leaves])
 
     def _captured(self, leaves: list, spec, took: _Took) -> None:
         """Refusals, static inputs, and the capture into ``self.graphed``,
@@ -657,7 +708,7 @@ class GraphedStep:
         warm = None
         try:
             named = roots(self.fn, self.ddp.models())
-            took.modes = Modes.under(named)  # as the call found them
+            took.modes, took.roots = Modes.under(named), named  # as the call found them
             self.resharded = _fsdp.Resharded(named)
             _fsdp.refuse_offloaded(self.resharded.groups)
             self.resharded()  # Note [FSDP2's host state around a graphed step]
@@ -714,6 +765,7 @@ class GraphedStep:
             for opt in list(self.optimizers):
                 _check_capturable(opt, opt in self.scaled)
             self.ddp.before_capture()
+            _GradSync(self.resharded.groups, self.ddp.models()).refuse_unreduced()
             _require_cuda()
             for opt in list(self.optimizers):
                 _check_on_the_gpu(opt)
@@ -777,10 +829,11 @@ class GraphedStep:
         if self.captures_again:  # the capture made optimizer state: replayed once
             self.captures_again = False
             # A change since counts as ever: an eager step first, then the capture.
-            if not (self._params_changed() or self._modes_changed()):
+            if not (self._params_changed() or self._modes_changed() or self._sync_changed()):
                 self._free()
             return True
-        if self._optimizer_replaced() or self._params_changed() or self._modes_changed():
+        if (self._optimizer_replaced() or self._params_changed() or self._modes_changed()
+                or self._sync_changed()):
             return True
         for g in self.groups:
             group = g.group
@@ -829,16 +882,9 @@ class GraphedStep:
         """Whether a parameter of the step's optimizers moved to other memory
         or was frozen or unfrozen since capture; if so, warmed up again:
         Note [What a graphed step checks before a replay]."""
-        if not self.marks or _C.params_are(self.grads.params, self.marks):
+        if self.marks is None or self.marks.same():
             return False
-        params = self.grads.params
-        now = _C.param_marks(params)
-        k = next(k for k, (was, got) in enumerate(zip(self.marks, now)) if was != got)
-        if now[k][1] != self.marks[k][1]:
-            what = "was unfrozen" if now[k][1] else "was frozen"
-        else:
-            what = "moved to other memory (.to(), .data = ...)"
-        _log.step_params_changed(self, self.grads.label(params[k]), what)
+        _log.step_params_changed(self, *self.marks.first_changed())
         self._changed_in_a_row("step", "parameters")
         self._warm_up_again(None)
         self._wait_for_unskipped_steps()
@@ -853,6 +899,18 @@ class GraphedStep:
             return False
         _log.step_params_changed(self, "a module it calls", self.modes.first_changed())
         self._changed_in_a_row("step", "modes")
+        self._warm_up_again(None)
+        return True
+
+    def _sync_changed(self) -> bool:
+        """Whether an FSDP group or DDP model the step names reduces its grads
+        otherwise than at capture; if so, warmed up again: Note [Grad sync
+        set outside a graphed step]."""
+        changed = self.grad_sync.first_changed() if self.grad_sync is not None else None
+        if changed is None:
+            return False
+        _log.step_params_changed(self, changed, "changed")
+        self._changed_in_a_row("step", "grad sync")
         self._warm_up_again(None)
         return True
 
@@ -913,7 +971,7 @@ class GraphedStep:
         if self.graphed is not None:
             self.graphed.reset()
         self.graphed, self.static, self.outputs, self.groups = None, None, None, []
-        self.marks, self.modes = (), None
+        self.marks, self.modes, self.grad_sync = None, None, None
         self.grads, self.scaler_factors = None, []
 
     def __repr__(self) -> str:
@@ -973,6 +1031,84 @@ def _out_of_the_pool(made: list[_Made]) -> None:
                 m.state[key] = value.clone()
 
 
+class _Marks:
+    """Each tensor a step's graph reads or steps in place, with its memory
+    and requires_grad at capture (one ``_C.param_marks`` tuple): the
+    parameters of its optimizers, then the other parameters and the buffers
+    of the modules it names (an EMA copy it updates, a frozen backbone,
+    BatchNorm's running stats).  Note [What a graphed step checks before a
+    replay].  Held strongly: a tensor moved away (``ema.cpu()``) keeps its
+    old memory until the check sees the move, so no other tensor can take
+    it and be written by a replay."""
+
+    __slots__ = ("tensors", "marks", "labels")
+
+    def __init__(self, params: tuple, modules: list, label: Callable[[Any], str]):
+        stepped = {id(p) for p in params}
+        others: dict = {}
+        for module in modules:
+            # FSDP2 swaps its modules' sharded and unsharded parameters
+            # itself: their shards are the optimizers'.
+            sharded = any(map(_fsdp.is_fsdp, module.modules()))
+            state = module.named_buffers() if sharded else _named_state(module)
+            for name, t in state:
+                if id(t) not in stepped:
+                    others.setdefault(id(t), (f"{type(module).__name__}.{name}", t))
+        self.tensors = (*params, *(t for _, t in others.values()))
+        self.labels = (*map(label, params), *(name for name, _ in others.values()))
+        self.marks = _C.param_marks(self.tensors)
+
+    def same(self) -> bool:
+        return _C.params_are(self.tensors, self.marks)
+
+    def first_changed(self) -> tuple[str, str]:
+        """(the first changed tensor's label, how it changed)."""
+        now = _C.param_marks(self.tensors)
+        k = next(k for k, (was, got) in enumerate(zip(self.marks, now)) if was != got)
+        if now[k][1] != self.marks[k][1]:
+            return self.labels[k], "was unfrozen" if now[k][1] else "was frozen"
+        return self.labels[k], "moved to other memory (.to(), .data = ...)"
+
+
+class _GradSync:
+    """Whether the FSDP2 groups and DDP models a step names reduce their
+    grads, as its capture left them: Note [Grad sync set outside a graphed
+    step].  One (owner, attribute, label) per setting, and its value."""
+
+    __slots__ = ("settings", "values")
+    _FSDP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward")
+
+    def __init__(self, fsdp_groups, ddp_models: list):
+        settings = [(g, name, f"FSDP's {name} of {_fsdp.group_name(g)}")
+                    for g in fsdp_groups for name in self._FSDP if hasattr(g, name)]
+        settings += [(m, "require_backward_grad_sync", "DDP's require_backward_grad_sync "
+                      "(no_sync())") for m in ddp_models]
+        self.settings = tuple(settings)
+        self.values = tuple(getattr(owner, name) for owner, name, _ in self.settings)
+
+    def first_changed(self) -> str | None:
+        """The label of the first setting changed since, or None."""
+        for (owner, name, label), value in zip(self.settings, self.values):
+            if getattr(owner, name) != value:
+                return label
+        return None
+
+    def refuse_unreduced(self) -> None:
+        """Refuses to capture a call that starts with an FSDP group not
+        reducing its grads."""
+        for (_, name, label), value in zip(self.settings, self.values):
+            if name == "reduce_grads" and not value:
+                raise ValueError(
+                    f"cgraph: this call of the step, which would capture it, starts with "
+                    f"{label} off (set_requires_gradient_sync(False) before the call): FSDP "
+                    "then keeps "
+                    "the unsharded grads across calls in its own Python state, which a replay "
+                    "cannot follow. Run the micro-batches inside the step, calling "
+                    "set_requires_gradient_sync(i == last) before each backward (the step "
+                    "then ends with sync on), or graph the layers instead "
+                    "(cgraph.make_graphed(layer) for each fully_shard-ed layer).")
+
+
 @dataclasses.dataclass
 class _Took:
     """What one capture of a step gave on this rank, noted as it goes
@@ -981,6 +1117,7 @@ class _Took:
     returned: list = dataclasses.field(default_factory=list)  # _captured_call's _Outputs
     grads: list = dataclasses.field(default_factory=list)  # StepGrads.noted's record
     modes: Modes | None = None  # the modes of the modules it names, as the call found them
+    roots: list = dataclasses.field(default_factory=list)  # the modules it names
     made: list[_Made] = dataclasses.field(default_factory=list)  # optimizer state it made
     failure: BaseException | None = None
 
@@ -1001,20 +1138,73 @@ class _Outputs:
     @classmethod
     def split(cls, out) -> tuple["_Outputs | None", Any]:
         """The record (None when not needed) and what the capture returns:
-        the detached tensors, as returned or as a tuple."""
-        if isinstance(out, torch.Tensor):
+        the detached tensors, as returned or as a tuple.  A DTensor (the
+        loss under loss_parallel()) crosses as its local tensor, remade
+        around it after each replay (_DTensorOut)."""
+        if isinstance(out, torch.Tensor) and not _dtensor.is_dtensor(out):
             return None, out.detach()
         leaves, spec = pytree.tree_flatten(out)
-        if leaves and all(isinstance(x, torch.Tensor) for x in leaves):
+        if leaves and all(_plain_tensor(x) for x in leaves):
             return None, pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, out)
-        tensors = tuple(x.detach() for x in leaves if isinstance(x, torch.Tensor))
-        kept = [cls._TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
+        for x in leaves:
+            if not isinstance(x, torch.Tensor):
+                _refuse_opaque(x)
+        tensors = tuple(x.detach().to_local() if _dtensor.is_dtensor(x) else x.detach()
+                        for x in leaves if isinstance(x, torch.Tensor))
+        kept = [_DTensorOut.of(x) if _dtensor.is_dtensor(x) else
+                cls._TENSOR if isinstance(x, torch.Tensor) else x for x in leaves]
         return cls(spec, kept), tensors
 
     def rebuild(self, tensors: tuple):
         given = iter(tensors)
         return pytree.tree_unflatten(
-            [next(given) if x is self._TENSOR else x for x in self.leaves], self.spec)
+            [next(given) if x is self._TENSOR else
+             x.around(next(given)) if isinstance(x, _DTensorOut) else x for x in self.leaves],
+            self.spec)
+
+
+def _plain_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and not _dtensor.is_dtensor(x)
+
+
+class _DTensorOut(NamedTuple):
+    """Where a step returned a DTensor: how to remake it around its local
+    tensor, which the native call hands out."""
+
+    mesh: Any
+    placements: tuple
+    shape: torch.Size
+    stride: tuple
+
+    @classmethod
+    def of(cls, t) -> "_DTensorOut":
+        return cls(t.device_mesh, tuple(t.placements), t.shape, t.stride())
+
+    def around(self, local: torch.Tensor):
+        return _dtensor.DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                           shape=self.shape, stride=self.stride)
+
+
+def _refuse_opaque(leaf) -> None:
+    """A returned object holding tensors that torch's pytree does not see
+    into (a plain dataclass, an object with tensor attributes) is a leaf
+    kept as captured: every replay would return the capture's object, its
+    tensors the capture's, rewritten in place by each replay (a list of
+    losses would hold one tensor, its value the last step's)."""
+    if isinstance(leaf, type):
+        return
+    if dataclasses.is_dataclass(leaf):
+        values = [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
+    else:
+        values = list(getattr(leaf, "__dict__", {}).values())
+    if any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(values)):
+        how = ("torch.utils._pytree.register_dataclass(cls)" if dataclasses.is_dataclass(leaf)
+               else "torch.utils._pytree.register_pytree_node")
+        raise TypeError(
+            f"cgraph: the graphed step returned a {type(leaf).__name__} holding tensors, "
+            "which torch's pytree does not see into: every replay would return the "
+            "capture's object, with the capture's tensors. Register its class as a pytree "
+            f"node ({how}), or return the tensors in a tuple or dict.")
 
 
 def _flatten(args: tuple, kwargs: dict):

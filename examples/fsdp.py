@@ -51,11 +51,15 @@ reads them):
    alone) is refused, naming this recipe.
 4. teardown: reset() of every graph gives back all memory of the graphed
    model once the model is dropped.
-5. a whole-step capture that fails on one rank (an error planted there)
-   raises on every rank, naming that rank and its error, instead of leaving
-   the others to replay collectives it never joins (Note [A capture that
-   fails on one rank] in cgraph/_ranks.py); then
+5. a whole-step capture that fails on one rank (an error planted there,
+   inside FSDP's pass) raises on every rank, naming that rank and its
+   error, instead of leaving the others to replay collectives it never
+   joins (Note [A capture that fails on one rank] in cgraph/_ranks.py);
+   eager steps after it equal eager FSDP2's; then
    dist.destroy_process_group() returns.
+6. a forward-and-backward step graphed whole, called per micro-batch with
+   FSDP's grad sync set outside it: equal to eager FSDP2's, and a capture
+   with sync off refused, naming the fix.
 """
 
 import contextlib
@@ -475,31 +479,101 @@ def graph_then_shard_is_refused(rank, name, layers=True):
 
 
 def failing_capture(rank, world):
-    """Recipe 5: the step's capture fails on the last rank only."""
-    model = sharded(mp=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    """Recipe 5: the step's capture fails on the last rank only, between its
+    forward and its backward, inside FSDP's pass; then every rank goes on
+    with eager steps, equal to a twin's that never graphed (Note [A capture
+    that fails inside FSDP2's pass] in cgraph/_fsdp.py)."""
+    name = "failed capture"
+    models = [sharded(mp=True) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
 
-    def step(tokens, targets):
-        opt.zero_grad()
-        loss = loss_of(model, tokens, targets)
-        loss.backward()
-        if rank == world - 1 and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("planted at capture")
-        opt.step()
-        return loss
+    def train_step(model, opt, planted):
+        def step(tokens, targets):
+            opt.zero_grad()
+            loss = loss_of(model, tokens, targets)
+            if planted and rank == world - 1 and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("planted at capture")
+            loss.backward()
+            opt.step()
+            return loss
+        return step
 
+    eager, step = train_step(models[0], opts[0], False), train_step(models[1], opts[1], True)
     graphed = cgraph.make_graphed_step(step, batch(0, rank))
+    failed_at = None
+    for n in range(5):
+        try:
+            loss = graphed(*batch(n, rank))
+        except RuntimeError as e:
+            said = " ".join([str(e), *getattr(e, "__notes__", [])])
+            if f"failed on rank(s) [{world - 1}]" not in said or "planted at capture" not in said:
+                raise
+            failed_at = n
+            break
+        same(loss, eager(*batch(n, rank)), f"step {n} loss", rank, name)
+    if failed_at is None:
+        raise SystemExit(f"rank {rank}: a capture that failed on rank {world - 1} did not raise")
+    for n in range(failed_at + 1, failed_at + 4):  # eagerly, as a caller going on would
+        same(step(*batch(n, rank)), eager(*batch(n, rank)), f"eager step {n} after it", rank,
+             name)
+    for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
+        same(p, q, f"parameter {k}", rank, name)
+    print(f"rank {rank} failed capture: raised on every rank, naming rank {world - 1} and its "
+          "error; three eager steps after it equal to eager FSDP2's: OK", flush=True)
+    cgraph.reset_all()
+
+
+def sync_set_outside(rank):
+    """Note [Grad sync set outside a graphed step] in cgraph/_step.py: a
+    forward-and-backward step graphed whole, called once per micro-batch,
+    FSDP's grad sync set outside it (on for the last of two) and the
+    optimizer stepped outside.  A call that finds sync changed since the
+    capture steps eagerly and the next captures again: losses and parameters
+    equal to eager FSDP2's.  With two warm-up calls the capture falls on a
+    call with sync off: refused, naming the fix."""
+    name = "graphed FSDP2 forward and backward, grad sync set outside"
+    models = [sharded(mp=True) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
+
+    def forward_backward(model):
+        def step(tokens, targets):
+            loss = loss_of(model, tokens, targets) / MICRO
+            loss.backward()
+            return loss.detach()
+        return step
+
+    eager = forward_backward(models[0])
+    graphed = cgraph.make_graphed_step(forward_backward(models[1]), batch(0, rank))
+    for step in range(4):
+        for opt in opts:
+            opt.zero_grad()
+        for i in range(MICRO):
+            for model in models:
+                model.set_requires_gradient_sync(i == MICRO - 1)
+            tokens, targets = batch(MICRO * step + i, rank)
+            same(graphed(tokens, targets), eager(tokens, targets),
+                 f"step {step} micro-batch {i} loss", rank, name)
+        for opt in opts:
+            opt.step()
+    if graphed.stats["captures"] < 2:
+        raise SystemExit(f"rank {rank} {name}: {graphed.stats}, captured less than planned")
+    for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
+        same(p, q, f"parameter {k}", rank, name)
+    graphed.reset()
+    refused = cgraph.make_graphed_step(forward_backward(models[1]), batch(0, rank),
+                                       num_warmup_iters=MICRO)
     try:
-        for n in range(4):
-            graphed(*batch(n, rank))
-    except RuntimeError as e:
-        said = " ".join([str(e), *getattr(e, "__notes__", [])])
-        if f"failed on rank(s) [{world - 1}]" not in said or "planted at capture" not in said:
+        for i in range(MICRO + 1):
+            models[1].set_requires_gradient_sync(i % MICRO == MICRO - 1)
+            refused(*batch(i, rank))
+    except ValueError as e:
+        if "set_requires_gradient_sync(i == last)" not in str(e):
             raise
     else:
-        raise SystemExit(f"rank {rank}: a capture that failed on rank {world - 1} did not raise")
-    print(f"rank {rank} failed capture: raised on every rank, naming rank {world - 1} and its "
-          "error: OK", flush=True)
+        raise SystemExit(f"rank {rank} {name}: a capture with sync off was not refused")
+    models[1].set_requires_gradient_sync(True)
+    print(f"rank {rank} {name}: losses and parameters equal to eager FSDP2 over 4 steps, "
+          f"{graphed.stats}; a capture with sync off refused: OK", flush=True)
     cgraph.reset_all()
 
 
@@ -540,6 +614,7 @@ def main():
     whole_step(rank, checkpointed=True)
     whole_step(rank, resumed=True)
     whole_step(rank, evaluated=True)
+    sync_set_outside(rank)
     graph_then_shard_is_refused(rank, "graph then shard")
     graph_then_shard_is_refused(rank, "graph then shard the root only", layers=False)
 

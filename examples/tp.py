@@ -25,8 +25,9 @@ them):
    residual stream a shard of the sequence between them; the embedding
    and the head sharded by vocabulary, the loss under ``loss_parallel()``):
    per-layer graphs (the all-gathers and reduce-scatters of the sequence
-   inside each block's graphs) and the whole step, losses and parameters
-   bitwise equal to eager's.  A norm's weight grad is a DTensor of the
+   inside each block's graphs) and the whole step (returning the loss as
+   loss_parallel() makes it, a DTensor), losses and parameters bitwise
+   equal to eager's.  A norm's weight grad is a DTensor of the
    weight's placement (Replicate), reduced inside the backward graph, where
    eager leaves it Partial for the optimizer to reduce: the same sums.
 4. TP with each block's forward compiled on the instance
@@ -140,15 +141,16 @@ def adamw(model, **options):
     return torch.optim.AdamW([{"params": ps} for ps in kinds.values()], lr=1e-3, **options)
 
 
-def backward_of(model, tokens, targets):
+def backward_of(model, tokens, targets, as_dtensor=False):
     """The mean cross entropy, its backward run; of logits sharded by
     vocabulary (SP_TOP_PLAN) under loss_parallel(), which both need.
-    Returns this rank's loss, a plain tensor."""
+    Returns this rank's loss, a plain tensor, or as loss_parallel() made it
+    (a Replicate DTensor) with `as_dtensor`."""
     logits = model(tokens)
     with loss_parallel() if hasattr(logits, "placements") else contextlib.nullcontext():
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         loss.backward()
-    return local(loss).detach()
+    return (loss if as_dtensor else local(loss)).detach()
 
 
 def local(t):
@@ -242,7 +244,7 @@ def whole_step(rank, name, meshes, dp_rank, sp=False):
     def train_step(model, opt):
         def step(tokens, targets):
             opt.zero_grad()
-            loss = backward_of(model, tokens, targets)
+            loss = backward_of(model, tokens, targets, as_dtensor=sp)  # sp: a DTensor
             opt.step()
             return loss
         return step

@@ -43,6 +43,7 @@ CHECKS = (*PER_LAYER, "graphed FSDP2 step:", "graphed FSDP2 step, 2 micro-batche
           "graphed FSDP2 step, activation checkpointing:",
           "graphed FSDP2 step, resumed from a state dict:",
           "graphed FSDP2 step, evaluated between steps:",
+          "graphed FSDP2 forward and backward, grad sync set outside:",
           "graph then shard: refused", "graph then shard the root only: refused",
           "failed capture: raised on every rank", "teardown:")
 
@@ -174,6 +175,29 @@ def test_a_graphed_step_reshards_the_idle_groups_an_eager_forward_left_unsharded
     resharded()
     resharded()
     assert [g.resharded for gs in groups.values() for g in gs] == [1, 0, 0]
+
+
+@pytest.mark.parametrize("own_reset", [True, False], ids=["torch's reset", "cgraph's"])
+def test_a_pass_left_midway_is_put_back_to_rest(mesh, own_reset, monkeypatch):
+    """Note [A capture that fails inside FSDP2's pass]: a forward whose
+    backward never comes (where a failed capture leaves FSDP) leaves the
+    root unsharded, its pre-backward hooks pending.  after_failed_capture
+    puts every group back to rest and sharded, by torch's reset where it
+    has one (2.14) and by cgraph's otherwise, and the next forward computes
+    what a fresh twin's does."""
+    model, twin = sharded_pair(mesh), sharded_pair(mesh)
+    x = torch.randn(2, 4)
+    model(x)
+    resharded = _fsdp.Resharded([model])
+    assert not all(g.is_sharded for g in resharded.groups)
+    state = model._get_fsdp_state()
+    if not own_reset:
+        monkeypatch.setattr(type(state), "_reset_iter_state", None, raising=False)
+    resharded.after_failed_capture()
+    assert state._state_ctx.iter_forward_root is None
+    assert not state._state_ctx.post_backward_final_callback_queued
+    assert all(g.is_sharded and _fsdp._training_state(g) == "IDLE" for g in resharded.groups)
+    assert torch.equal(model(x), twin(x))
 
 
 def test_a_step_graphed_whole_refuses_fsdp_cpu_offload():

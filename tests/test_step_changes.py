@@ -11,6 +11,7 @@ checks themselves, without a capture."""
 
 import copy
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,9 +21,9 @@ from torch import nn
 import cgraph
 from _helpers import CUDA, assert_equal
 from cgraph import _C
-from cgraph._step import (_forget, _lrs, _out_of_the_pool, _refuse_lrs_moved_inside,
-                          _refuse_scalers_updated_outside, _schedulers_refused, _state_keys,
-                          _state_made)
+from cgraph._step import (_forget, _GradSync, _lrs, _Marks, _out_of_the_pool, _Outputs,
+                          _refuse_lrs_moved_inside, _refuse_scalers_updated_outside,
+                          _schedulers_refused, _state_keys, _state_made)
 from cgraph._step_grads import StepGrads
 
 OPTIMIZERS = {
@@ -441,7 +442,7 @@ def as_captured(step, model, opt):
     with StepGrads.noted([opt], into):
         train_step(model, opt)(torch.randn(3, 4), torch.randint(0, 2, (3,)))
     step.grads = into[0]
-    step.marks = _C.param_marks(step.grads.params)
+    step.marks = _Marks(step.grads.params, [model], step.grads.label)
 
 
 def moved(p):
@@ -488,6 +489,100 @@ def test_a_parameter_frozen_unfrozen_or_moved_since_capture_warms_the_step_up_ag
     assert stale and step.grads is None
     assert step.num_warmup_iters == step.stats["eager"] + 1
     assert_logged(caplog, "parameter 0 of param group 0 of SGD", f"{what} ")
+
+
+@pytest.mark.parametrize("what", ["running_mean", "weight"])
+def test_a_buffer_or_a_parameter_no_optimizer_steps_moved_since_capture_warms_up_again(
+        what, caplog):
+    """_Marks: the graph also reads the other tensors of the modules the step
+    names (BatchNorm's running stats, a frozen backbone, an EMA copy it
+    updates), and one moved since capture (ema.cpu(); ema.cuda()) would be
+    read, or written, at memory freed since: named, and the step runs
+    eagerly once more."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    step = cgraph.make_graphed_step(lambda: None)
+    as_captured(step, model, opt)
+    assert len(step.marks.tensors) == 2 + 4 + 3  # stepped, other parameters, buffers
+    assert not step._stale()
+    moved(getattr(model[0 if what == "weight" else 1], what))
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        assert step._stale() and step.grads is None
+    index = 0 if what == "weight" else 1
+    assert_logged(caplog, f"Sequential.{index}.{what}", "moved to other memory")
+
+
+@pytest.mark.parametrize("owner", ["fsdp", "ddp"])
+def test_grad_sync_set_outside_the_step_since_capture_warms_up_again(owner, caplog):
+    """Note [Grad sync set outside a graphed step], with stand-ins for an
+    FSDP param group and a DDP model: a replay would reduce grads, or not,
+    as the capture did; a change is named and the step runs eagerly once
+    more.  A call that would capture with FSDP's sync off is refused."""
+    group = SimpleNamespace(reduce_grads=True, all_reduce_grads=True,
+                            reshard_after_backward=True, _module_fqn="layers.0")
+    ddp = SimpleNamespace(require_backward_grad_sync=True)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = cgraph.make_graphed_step(lambda: None)
+    as_captured(step, model, opt)
+    step.grad_sync = _GradSync([group], [ddp])
+    assert not step._stale()
+    if owner == "fsdp":
+        group.reduce_grads, said = False, "FSDP's reduce_grads of 'layers.0'"
+    else:
+        ddp.require_backward_grad_sync, said = False, "DDP's require_backward_grad_sync"
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        assert step._stale() and step.grads is None and step.grad_sync is None
+    assert_logged(caplog, said, "changed since capture")
+    refused = _GradSync([group], [ddp])
+    if owner == "ddp":
+        refused.refuse_unreduced()  # DDP's grads accumulate in .grad, which a replay follows
+        return
+    with pytest.raises(ValueError, match=r"starts with FSDP's reduce_grads of 'layers.0' off.*"
+                                         r"set_requires_gradient_sync\(i == last\)"):
+        refused.refuse_unreduced()
+
+
+def test_a_step_returning_an_object_holding_tensors_pytree_cannot_see_is_refused():
+    """Such an object is a leaf kept as captured: every replay would return
+    the capture's object and tensors.  Refused, naming the registration;
+    an object holding no tensors (a string, a plain value) is kept."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Out:
+        loss: torch.Tensor
+        n: int
+
+    class Holder:
+        def __init__(self):
+            self.losses = [torch.ones(())]
+
+    with pytest.raises(TypeError, match=r"returned a Out holding tensors.*register_dataclass"):
+        _Outputs.split(Out(torch.ones(()), 3))
+    with pytest.raises(TypeError, match=r"returned a Holder holding tensors.*register_pytree_node"):
+        _Outputs.split((torch.ones(()), Holder()))
+    record, tensors = _Outputs.split((torch.ones(()), "done", 3))
+    assert record.rebuild(tensors)[1:] == ("done", 3)
+
+
+def test_a_dtensor_output_crosses_as_its_local_tensor_and_comes_back_a_dtensor(mesh):
+    """The loss under loss_parallel() is a DTensor: the native call hands
+    out its local tensor, and the record remakes the DTensor around it
+    after each replay, of its mesh, placements, shape and stride."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    loss = DTensor.from_local(torch.tensor(2.5), mesh, [Replicate()])
+    record, tensors = _Outputs.split((loss, {"n": 3}))
+    assert len(tensors) == 1 and type(tensors[0]) is torch.Tensor
+    local = torch.tensor(4.0)
+    out, n = record.rebuild((local,))
+    assert isinstance(out, DTensor) and out.placements == (Replicate(),) and n == {"n": 3}
+    assert out.to_local() is local or torch.equal(out.to_local(), local)
+    record, tensors = _Outputs.split(loss)
+    assert isinstance(record.rebuild(tensors), DTensor)
 
 
 def test_a_dtensor_parameter_is_marked_by_its_local_shard(mesh):

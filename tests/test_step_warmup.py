@@ -312,14 +312,19 @@ def test_a_refusal_before_capture_goes_through_the_ranks_agreement(argument, mes
 
     monkeypatch.setattr(_ranks, "agree", agree)
     model = nn.Linear(4, 2)
+    if argument == "dtensor":  # its parameters DTensors, as TP makes them
+        for name, p in list(model.named_parameters()):
+            setattr(model, name, nn.Parameter(DTensor.from_local(p.detach(), mesh,
+                                                                 [Replicate()])))
     opt = _NoCapturableForm(model.parameters())
     x = torch.randn(3, 4)
-    if argument == "dtensor":
-        x = DTensor.from_local(x, mesh, [Replicate()])
 
     def train_step(x):
         opt.zero_grad()
-        model(x.to_local() if argument == "dtensor" else x).sum().backward()
+        if argument == "dtensor":
+            model(DTensor.from_local(x, mesh, [Replicate()])).to_local().sum().backward()
+        else:
+            model(x).sum().backward()
         opt.step()
 
     step = cgraph.make_graphed_step(train_step, (x,), num_warmup_iters=1)
@@ -327,6 +332,18 @@ def test_a_refusal_before_capture_goes_through_the_ranks_agreement(argument, mes
     with pytest.raises(ValueError, match="no capturable form"):
         step(x)
     assert agreed == [(ValueError, argument == "dtensor")]
+
+
+def test_a_dtensor_argument_is_refused_naming_the_local_tensor(mesh):
+    """A graphed step takes plain tensors: a DTensor argument is refused at
+    the first call, naming to_local() and from_local() inside the step."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    x = DTensor.from_local(torch.randn(3, 4), mesh, [Replicate()])
+    step = cgraph.make_graphed_step(lambda batch: batch)
+    with pytest.raises(ValueError, match=r"argument 0 of the graphed step.*is a DTensor.*"
+                                         r"to_local\(\).*from_local"):
+        step({"tokens": x})
 
 
 def test_an_interrupted_capture_is_agreed_on_and_drops_the_state_it_made(monkeypatch):
