@@ -135,6 +135,28 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    DTensor (float8 weights).  A change before every call captures at every
    call: warned once, at the third in a row, as a baked value is.
 
+Note [Grads no optimizer of the step holds]
+Q: A forward-and-backward step (micro-batches graphed, the optimizer
+   stepped outside), or a part of the model trained by an optimizer the
+   step does not call: autograd assigns those parameters' grads where they
+   were None at capture, and adds into them where they existed; a replay
+   repeats what the capture did, at the memory it did it in.  The grads of
+   the step's optimizers' parameters follow Note [Grads around a graphed
+   step] (cgraph/_step_grads.py).  What of these, which code outside sets
+   to None (``zero_grad()``) or replaces between calls?
+A: Each one's grad object as the capture began and as it ended is kept
+   (_OtherGrads).  Before a replay, one native pointer compare per
+   parameter (``_C.grads_are``): a grad that is not the object it was as
+   the capture began (None where it was a tensor, a tensor where it was
+   None, another tensor) would be assigned where the graph adds or added
+   to where it assigns; that call steps eagerly and the next captures
+   again, from that state.  After a replay, each parameter gets the grad
+   the capture left, as an eager backward would give it.  So grads cleared
+   to None before each call, or never cleared, replay; a pattern that
+   alternates (cleared before every other call: micro-batches) captures at
+   every other call, correct, and warned of at the third such call in a
+   row.
+
 Note [Grad sync set outside a graphed step]
 Q: A step graphed whole replays the collectives its capture issued.  FSDP2's
    set_requires_gradient_sync(False) and DDP's no_sync(), called outside
@@ -453,6 +475,9 @@ class GraphedStep:
         # Its FSDP groups' and DDP models' grad sync, as its capture left it:
         # Note [Grad sync set outside a graphed step].
         self.grad_sync: _GradSync | None = None
+        # The grads no optimizer of it holds: Note [Grads no optimizer of the
+        # step holds].
+        self.other_grads: _OtherGrads | None = None
         # The FSDP groups of the modules it names: Note [FSDP2's host state
         # around a graphed step] (cgraph/_fsdp.py).
         self.resharded = _fsdp.Resharded(())
@@ -671,6 +696,8 @@ class GraphedStep:
         self.marks = _Marks(self.grads.params, took.roots, self.grads.label)
         self.modes = took.modes
         self.grad_sync = _GradSync(self.resharded.groups, self.ddp.models())
+        self.other_grads = took.other_grads
+        self.other_grads.captured()
         self.made_at_capture = took.made
         if self.captures_again:
             _log.step_state_made_at_capture(self, [m.optimizer for m in self.made_at_capture])
@@ -729,6 +756,9 @@ class GraphedStep:
             drafted = draft(Target.of(0, self._captured_call(took.returned)), args, kwargs,
                             set())
             drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
+            stepped = {id(p) for opt in list(self.optimizers) for g in opt.param_groups
+                       for p in g["params"]}
+            took.other_grads = _OtherGrads(took.roots, stepped)
             # The SGD check of device_resident_steps runs kernels: first, eagerly.
             try:
                 with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
@@ -829,11 +859,12 @@ class GraphedStep:
         if self.captures_again:  # the capture made optimizer state: replayed once
             self.captures_again = False
             # A change since counts as ever: an eager step first, then the capture.
-            if not (self._params_changed() or self._modes_changed() or self._sync_changed()):
+            if not (self._params_changed() or self._modes_changed() or self._sync_changed()
+                    or self._other_grads_changed()):
                 self._free()
             return True
         if (self._optimizer_replaced() or self._params_changed() or self._modes_changed()
-                or self._sync_changed()):
+                or self._sync_changed() or self._other_grads_changed()):
             return True
         for g in self.groups:
             group = g.group
@@ -914,6 +945,19 @@ class GraphedStep:
         self._warm_up_again(None)
         return True
 
+    def _other_grads_changed(self) -> bool:
+        """Whether a grad no optimizer of the step holds is not the object it
+        was as the capture began; if so, warmed up again: Note [Grads no
+        optimizer of the step holds]."""
+        changed = self.other_grads.first_changed() if self.other_grads is not None else None
+        if changed is None:
+            return False
+        _log.step_params_changed(self, f"the grad of {changed}",
+                                 "was set or cleared outside the step")
+        self._changed_in_a_row("step", "grads")
+        self._warm_up_again(None)
+        return True
+
     def _stepped_inside_a_condition(self) -> list:
         """The optimizers a GradScaler steps inside a conditional node (not
         fused: Note [GradScaler with any optimizer]), alike on every rank."""
@@ -954,6 +998,7 @@ class GraphedStep:
         with torch.no_grad():
             out = graphed(*args, **kwargs)
         self.grads.leave()
+        self.other_grads.leave()
         return out if self.outputs is None else self.outputs.rebuild(out)
 
     # -- 4. reset --------------------------------------------------------------
@@ -971,7 +1016,7 @@ class GraphedStep:
         if self.graphed is not None:
             self.graphed.reset()
         self.graphed, self.static, self.outputs, self.groups = None, None, None, []
-        self.marks, self.modes, self.grad_sync = None, None, None
+        self.marks, self.modes, self.grad_sync, self.other_grads = None, None, None, None
         self.grads, self.scaler_factors = None, []
 
     def __repr__(self) -> str:
@@ -1070,6 +1115,43 @@ class _Marks:
         return self.labels[k], "moved to other memory (.to(), .data = ...)"
 
 
+class _OtherGrads:
+    """The grads of the parameters of the modules a step names that none of
+    its optimizers holds (a forward-and-backward step's; a part trained by
+    an optimizer stepped outside): Note [Grads no optimizer of the step
+    holds].  Each parameter's grad object as the capture began (`before`)
+    and as it ended (`after`), held."""
+
+    __slots__ = ("params", "labels", "before", "after")
+
+    def __init__(self, modules: list, stepped: set):
+        found = {id(p): (f"{type(m).__name__}.{name}", p) for m in modules
+                 for name, p in m.named_parameters() if id(p) not in stepped}
+        self.params = tuple(p for _, p in found.values())
+        self.labels = tuple(name for name, _ in found.values())
+        self.before = tuple(p.grad for p in self.params)
+        self.after: tuple | None = None  # set once the capture returned
+
+    def captured(self) -> None:
+        self.after = tuple(p.grad for p in self.params)
+
+    def first_changed(self) -> str | None:
+        """The label of the first parameter whose grad is not the object it
+        was when the capture began, or None."""
+        if _C.grads_are(self.params, self.before):
+            return None
+        return next(label for label, p, was in zip(self.labels, self.params, self.before)
+                    if p.grad is not was)
+
+    def leave(self) -> None:
+        """After a replay: each grad the one the capture left."""
+        if self.after is None or _C.grads_are(self.params, self.after):
+            return
+        for p, grad in zip(self.params, self.after):
+            if p.grad is not grad:
+                p.grad = grad
+
+
 class _GradSync:
     """Whether the FSDP2 groups and DDP models a step names reduce their
     grads, as its capture left them: Note [Grad sync set outside a graphed
@@ -1118,6 +1200,7 @@ class _Took:
     grads: list = dataclasses.field(default_factory=list)  # StepGrads.noted's record
     modes: Modes | None = None  # the modes of the modules it names, as the call found them
     roots: list = dataclasses.field(default_factory=list)  # the modules it names
+    other_grads: _OtherGrads | None = None  # as the capture began
     made: list[_Made] = dataclasses.field(default_factory=list)  # optimizer state it made
     failure: BaseException | None = None
 

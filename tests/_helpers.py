@@ -23,15 +23,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def torchrun(example, nproc, timeout=300):
     """Runs examples/<example> under torchrun with `nproc` processes from the
     repository root; returns its stdout, failing with its output's tail if
-    it exits non-zero."""
-    run = subprocess.run(
+    it exits non-zero or runs past `timeout` seconds.  On a timeout torchrun
+    is sent SIGTERM, which it passes to its ranks (started in sessions of
+    their own, which killing torchrun alone would leave holding the GPUs),
+    and the tail says where they were."""
+    run = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
          f"--nproc_per_node={nproc}", os.path.join(ROOT, "examples", example)],
-        cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": ROOT})
-    print(run.stdout)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return run.stdout
+    try:
+        out, err = run.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        run.terminate()
+        try:
+            out, err = run.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            run.kill()
+            out, err = run.communicate()
+        raise AssertionError(f"{example} on {nproc} ranks ran past {timeout} s (a hang?):\n"
+                             + out[-3000:] + err[-3000:]) from None
+    print(out)
+    assert run.returncode == 0, out[-3000:] + err[-3000:]
+    return out
 
 
 def assert_equal(actual, expected, what):

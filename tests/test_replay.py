@@ -75,6 +75,9 @@ def test_matches_eager_bitwise_over_steps(name):
         assert_grads_equal(model, eager, step)
         for m in (model, eager):
             m.zero_grad(set_to_none=True)
+    stats = model.forward.stats
+    assert (stats["forward"], stats["backward"], stats["eager_pending"],
+            stats["eager_past_limit"], stats["eager_on_miss"]) == (4, 4, 0, 0, 0), stats
 
 
 def test_batchnorm_running_stats_update_as_in_eager():
@@ -90,6 +93,7 @@ def test_batchnorm_running_stats_update_as_in_eager():
         backward_as_eager(out, out_e)
         for (name, b), c in zip(model.named_buffers(), eager.buffers()):
             assert_equal(b, c, f"step {step}: buffer {name}")
+    assert model.forward.stats["forward"] == 3 and model.forward.stats["eager_pending"] == 0
 
 
 # ---- arguments and incoming grads: copies and guards ------------------------

@@ -21,7 +21,8 @@ from torch import nn
 import cgraph
 from _helpers import CUDA, assert_equal
 from cgraph import _C
-from cgraph._step import (_forget, _GradSync, _lrs, _Marks, _out_of_the_pool, _Outputs,
+from cgraph._step import (_forget, _GradSync, _lrs, _Marks, _OtherGrads, _out_of_the_pool,
+                          _Outputs,
                           _refuse_lrs_moved_inside, _refuse_scalers_updated_outside,
                           _schedulers_refused, _state_keys, _state_made)
 from cgraph._step_grads import StepGrads
@@ -511,6 +512,34 @@ def test_a_buffer_or_a_parameter_no_optimizer_steps_moved_since_capture_warms_up
         assert step._stale() and step.grads is None
     index = 0 if what == "weight" else 1
     assert_logged(caplog, f"Sequential.{index}.{what}", "moved to other memory")
+
+
+def test_grads_no_optimizer_of_the_step_holds_are_checked_before_and_put_back_after(caplog):
+    """Note [Grads no optimizer of the step holds]: the grads of parameters
+    the step's optimizers do not hold, cleared before the capture as before
+    each call, replay, and each gets the grad the capture left; one not
+    cleared before a call (the graph would assign where eager adds) makes
+    that call eager, named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    step = cgraph.make_graphed_step(lambda: None)
+    as_captured(step, model, opt)
+    for p in model[0].parameters():
+        p.grad = None  # zero_grad() outside, before the capture
+    step.other_grads = _OtherGrads([model], {id(p) for p in model[1].parameters()})
+    assert len(step.other_grads.params) == 2
+    model(torch.randn(3, 4)).sum().backward()  # the grads the capture makes
+    step.other_grads.captured()
+    made = [p.grad for p in model[0].parameters()]
+    for p in model[0].parameters():
+        p.grad = None  # zero_grad() outside, before this call
+    assert not step._stale()
+    step.other_grads.leave()
+    assert all(p.grad is g for p, g in zip(model[0].parameters(), made))
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        assert step._stale() and step.other_grads is None  # not cleared this time
+    assert_logged(caplog, "the grad of Sequential.0.weight", "set or cleared outside the step")
 
 
 @pytest.mark.parametrize("owner", ["fsdp", "ddp"])
