@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import types
 from typing import Callable, Iterator, NamedTuple
 
+import torch
 from torch import nn
 
 from . import _C
@@ -23,8 +25,10 @@ from . import _C
 #    a bound method's object and the modules among its attributes (a
 #    LightningModule's step, a trainer object's), a functools.partial's
 #    arguments, one call deeper into the functions it names (a
-#    compute_loss(model, x) helper's own globals), and the DDP models it
-#    calls; with their submodules.  Of those, only the modules whose own
+#    compute_loss(model, x) helper's own globals), the modules held one
+#    level down in a plain container or object the step names (a trainer
+#    object's model, ``models["policy"]``), and the DDP models it calls;
+#    with their submodules.  Of those, only the modules whose own
 #    methods (their class's, below nn.Module) name ``training`` are kept,
 #    with every root: Dropout, BatchNorm, an attention block's dropout; a
 #    Linear's or a LayerNorm's mode changes nothing.  Before each replay one
@@ -32,7 +36,7 @@ from . import _C
 #    dict lookup and a pointer compare per module, about 16 ns each on the
 #    CI machine.  A change (``model.eval()`` then a graphed training
 #    step; ``bn.eval()`` to freeze BatchNorm mid-training) captures again.
-#    Not seen: a module reached only through a container or deeper calls,
+#    Not seen: a module reached only through deeper containers or calls,
 #    and ``training`` read by code outside such a module's methods; after
 #    switching those, reset the step (README, Limits).
 _DEPTH = 2  # the step, and the functions it names
@@ -149,8 +153,32 @@ def _named_values(values, depth: int, seen: set) -> Iterator[nn.Module]:
     for value in values:
         if isinstance(value, nn.Module):
             yield value
-        elif callable(value) and not isinstance(value, type):
+        elif isinstance(value, type):
+            continue
+        elif callable(value):
             yield from _modules_named_by(value, depth - 1, seen)
+        elif depth > 1 and id(value) not in seen:
+            seen.add(id(value))
+            yield from _named_values(_held_values(value), depth - 1, seen)
+
+
+_MAX_HELD = 64  # a longer container is data (a list of batches), not models
+
+
+def _held_values(value) -> list:
+    """What a plain container or object holds, one level down: a dict's
+    values, a short list's or tuple's items, an instance's attributes (a
+    trainer object's model, ``models["policy"]``); nothing for tensors,
+    strings and Python modules."""
+    if isinstance(value, dict):
+        held = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        held = list(value)
+    elif isinstance(value, (torch.Tensor, str, bytes, types.ModuleType)):
+        return []
+    else:
+        held = _attributes(value)
+    return held if len(held) <= _MAX_HELD else []
 
 
 @functools.lru_cache(maxsize=None)

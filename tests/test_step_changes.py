@@ -768,8 +768,9 @@ def test_a_scheduler_made_in_the_step_passes_its_own_first_step_and_no_other():
 
 def test_modes_are_read_from_callable_objects_compiled_methods_and_defaults():
     """roots through a callable object (its attributes), a
-    torch.compile'd bound method, functools.wraps and a lambda's default;
-    an object whose __dict__ raises names none, without raising."""
+    torch.compile'd bound method, functools.wraps, a lambda's default, a
+    plain object's attribute and a dict's value; an object whose __dict__
+    raises names none, without raising."""
     import functools
     from cgraph._modes import Modes, roots
     model = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
@@ -798,7 +799,13 @@ def test_modes_are_read_from_callable_objects_compiled_methods_and_defaults():
         def __call__(self, x):
             return x
 
-    for step in (runner, torch.compile(runner.step), wrapped, lambda x, m=model: m(x)):
+    class Trainer:  # a plain object, not callable
+        def __init__(self):
+            self.model, self.lr = model, 0.1
+
+    trainer, models = Trainer(), {"policy": model, "batches": list(range(100))}
+    for step in (runner, torch.compile(runner.step), wrapped, lambda x, m=model: m(x),
+                 lambda x: trainer.model(x), lambda x: models["policy"](x)):
         assert [type(m).__name__ for m in Modes.under(roots(step, [])).modules] == [
             "Sequential", "Dropout"], step
     assert Modes.under(roots(Opaque(), [])).modules == ()
