@@ -527,6 +527,12 @@ def _watch(module: nn.Module) -> None:
         _watched[id(m)] = m
 
 
+def replacing_epoch() -> int:
+    """How many registrations or swaps so far could have replaced a tensor
+    inside a module (a graphed step compares it: _Marks in cgraph/_step.py)."""
+    return _replacing[0]
+
+
 def replaced_inside() -> None:
     """Something may have replaced tensors inside a graphed module (a
     registration there, or fully_shard on a GraphedModule): every graphed
@@ -584,17 +590,17 @@ def _after_sharding(init):
 # into a module's _parameters and _buffers directly, for the duration of a
 # call, firing no registration hook: a graphed module called inside would
 # replay its captured weights, silently not the ones given.  cgraph wraps
-# torch's swap and set functions: while any module is graphed, a swap makes
-# every graphed module walk its parameters on its next call (the one inside
-# raises, naming the fix; the one after the swap back passes).
+# torch's swap and set functions: a swap makes every graphed module walk its
+# parameters on its next call (the one inside
+# raises, naming the fix; the one after the swap back passes), and every
+# graphed step its modules' tensors before its next replay.
 def _after_swapping(swap):
     @functools.wraps(swap)
     def wrapper(*args, **kwargs):
         try:
             return swap(*args, **kwargs)
-        finally:
-            if len(_watched):
-                replaced_inside()
+        finally:  # graphed steps compare the count too (_Marks in cgraph/_step.py)
+            replaced_inside()
     wrapper.cgraph_wraps = swap
     return wrapper
 
@@ -615,9 +621,10 @@ _watch_swaps()
 # _buffers directly, and a parameter's converted tensor into its .data.  A
 # model graphed in bf16 whose fp32 buffer (a rotary embedding's inv_freq)
 # was converted by a later model.to(torch.bfloat16) kept reading the old
-# buffer, silently: its parameters, already bf16, did not move.  While any
-# module is graphed, a conversion makes every graphed module walk its
-# tensors on its next call.
+# buffer, silently: its parameters, already bf16, did not move.  A
+# conversion makes every graphed module walk its tensors on its next call,
+# and every graphed step before its next replay (a count and a native
+# epoch moved: nothing walks until a graphed call looks).
 def _watch_conversions() -> None:
     apply = getattr(nn.Module._apply, "cgraph_wraps", nn.Module._apply)
     nn.Module._apply = _after_swapping(apply)

@@ -323,10 +323,7 @@ class Resharded:
         roots = {id(s): s for s in (m._get_fsdp_state() for m in self.modules)
                  if getattr(s, "_is_root", None)}
         for state in roots.values():
-            reset = getattr(state, "_reset_iter_state", None)  # torch 2.14
-            if reset is not None:
-                reset()
-            else:
+            if _inside_a_pass(state):
                 _reset_iter_state(state)
 
 
@@ -341,28 +338,48 @@ class Resharded:
 # A: Its next forward skips the root's set-up (the root is still in a
 #    pass), gathers nothing for the groups it finds unsharded and reads
 #    their unwritten memory; ranks whose capture succeeded gather the root,
-#    so the ranks' collectives no longer match (a hang).  torch 2.14 has
-#    the reset for an aborted pass (FSDPModule.reset_iter_state); cgraph
-#    calls it on the step's FSDP roots after every failed capture, on every
-#    rank (the others' state is at rest already, and stays so), and does
-#    what it does on a torch without it.
+#    so the ranks' collectives no longer match (a hang).  After a failed
+#    capture, on every rank, each FSDP root of the step still inside a pass
+#    (its iteration root set, a state or group not IDLE, a group unsharded:
+#    the root, which FSDP reshards only after the backward) is put back to
+#    rest as torch 2.14's FSDPModule.reset_iter_state puts it, less that
+#    reset's waits for the pass's CUDA events: those were recorded inside
+#    the capture, and a stream outside it cannot wait on them.  A rank whose
+#    capture succeeded (another one failed) is at rest already, and its
+#    state (an HSDP partial reduction from earlier micro-batches) is kept.
+def _inside_a_pass(root_state) -> bool:
+    ctx = root_state._state_ctx
+    if ctx.iter_forward_root is not None or getattr(ctx, "post_backward_final_callback_queued",
+                                                    False):
+        return True
+    for state in ctx.all_states:
+        if state._training_state.name != "IDLE":
+            return True
+        if any(not g.is_sharded or _training_state(g) != "IDLE" for g in _state_groups(state)):
+            return True
+    return False
+
+
+def _state_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.14; 2.11 has one
+    return list(groups) if groups is not None else [
+        g for g in (state._fsdp_param_group,) if g is not None]
+
+
 def _reset_iter_state(root_state) -> None:
-    """torch 2.14's FSDPState._reset_iter_state for a torch without it, less
-    its waits for events: a failed capture recorded none."""
+    """torch 2.14's FSDPState._reset_iter_state, for any torch, less its waits
+    for events recorded inside the failed capture."""
     comm = root_state._comm_ctx
     if hasattr(comm, "all_gather_state"):
         comm.all_gather_state = None
-    for name in ("reduce_scatter_states", "post_forward_order"):
+    for name in ("reduce_scatter_states", "post_forward_order", "_last_post_reduce_events"):
         getattr(comm, name, []).clear()
     if hasattr(comm, "reduce_scatter_state"):
         comm.reduce_scatter_state = None
     for state in root_state._state_ctx.all_states:
         getattr(state, "_modules_to_run_forward", set()).clear()
         state._training_state = type(state._training_state).IDLE
-        groups = getattr(state, "_fsdp_param_groups", None)
-        for g in groups if groups is not None else (state._fsdp_param_group,):
-            if g is None:
-                continue
+        for g in _state_groups(state):
             for name in ("_all_gather_result", "_post_reduce_event", "_all_reduce_state",
                          "_reshard_after_forward_event", "_partial_reduce_output"):
                 if hasattr(g, name):
@@ -552,10 +569,7 @@ def _param_groups(module: nn.Module) -> list:
     a per-parameter mesh from shard_placement_fn), or [] where none."""
     if not is_fsdp(module):
         return []
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)  # torch 2.14; 2.11 has one
-    return list(groups) if groups is not None else [
-        g for g in (state._fsdp_param_group,) if g is not None]
+    return _state_groups(module._get_fsdp_state())
 
 
 def _param_group(module: nn.Module):

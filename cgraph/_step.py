@@ -144,13 +144,16 @@ Q: A forward-and-backward step (micro-batches graphed, the optimizer
    the step's optimizers' parameters follow Note [Grads around a graphed
    step] (cgraph/_step_grads.py).  What of these, which code outside sets
    to None (``zero_grad()``) or replaces between calls?
-A: Each one's grad object as the capture began and as it ended is kept
-   (_OtherGrads).  Before a replay, one native pointer compare per
-   parameter (``_C.grads_are``): a grad that is not the object it was as
-   the capture began (None where it was a tensor, a tensor where it was
-   None, another tensor) would be assigned where the graph adds or added
-   to where it assigns; that call steps eagerly and the next captures
-   again, from that state.  After a replay, each parameter gets the grad
+A: Each one's grad object as the capture began (weakly) and as it ended
+   is kept (_OtherGrads), frozen parameters left out.  Before a replay, one
+   native pointer compare per parameter (``_C.grads_are``): a grad that is
+   not the object it was as the capture began (None where it was a tensor,
+   a tensor where it was None, another tensor) would be assigned where the
+   graph adds or added to where it assigns; that call steps eagerly and the
+   next captures again, from that state.  A grad the step clears itself
+   (a zero_grad() inside, noted as Note [Grads around a graphed step]
+   notes it) or replaces is made anew by every replay, so it is not
+   checked.  After a replay, each parameter gets the grad
    the capture left, as an eager backward would give it.  So grads cleared
    to None before each call, or never cleared, replay; a pattern that
    alternates (cleared before every other call: micro-batches) captures at
@@ -222,7 +225,7 @@ from ._api import _live, _pool_id, _require_cuda
 from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
                        asked_by_the_compiler, graph, one_setup_at_a_time, patched)
 from ._ddp import DDPInStep
-from ._describe import CONSTANT_TYPES, Target, _named_state, draft
+from ._describe import CONSTANT_TYPES, Target, _named_state, draft, replacing_epoch
 from ._step_grads import StepGrads
 from ._modes import Modes, roots
 
@@ -693,11 +696,17 @@ class GraphedStep:
             self._wait_for_unskipped_steps()
             return False
         self.outputs, self.grads = took.returned[0], took.grads[0]
-        self.marks = _Marks(self.grads.params, took.roots, self.grads.label)
-        self.modes = took.modes
-        self.grad_sync = _GradSync(self.resharded.groups, self.ddp.models())
-        self.other_grads = took.other_grads
-        self.other_grads.captured()
+        try:  # every record, or none: a half-built step would replay unchecked
+            self.marks = _Marks(self.grads.params, took.roots, self.grads.label)
+            self.modes = took.modes
+            self.grad_sync = _GradSync(self.resharded.groups, self.ddp.models())
+            self.other_grads = took.other_grads
+            self.other_grads.captured(self.grads.cleared)
+        except BaseException:
+            _forget(took.made)
+            self._free()
+            put_back()
+            raise
         self.made_at_capture = took.made
         if self.captures_again:
             _log.step_state_made_at_capture(self, [m.optimizer for m in self.made_at_capture])
@@ -1084,64 +1093,115 @@ class _Marks:
     BatchNorm's running stats).  Note [What a graphed step checks before a
     replay].  Held strongly: a tensor moved away (``ema.cpu()``) keeps its
     old memory until the check sees the move, so no other tensor can take
-    it and be written by a replay."""
+    it and be written by a replay.  A tensor replaced in its module by
+    another object (``model.to(torch.bfloat16)`` converting a buffer,
+    ``module.buf = t``) is found by walking the modules again, only after a
+    registration or conversion anywhere (Note [Which registrations re-check
+    graphed modules] in cgraph/_describe.py)."""
 
-    __slots__ = ("tensors", "marks", "labels")
+    __slots__ = ("params", "modules", "tensors", "marks", "labels", "epoch")
 
     def __init__(self, params: tuple, modules: list, label: Callable[[Any], str]):
-        stepped = {id(p) for p in params}
+        self.params, self.modules = params, tuple(modules)
+        others = self._others()
+        self.tensors = (*params, *(t for _, t in others.values()))
+        self.labels = (*map(label, params), *(name for name, _ in others.values()))
+        self.marks = _C.param_marks(self.tensors)
+        self.epoch = replacing_epoch()
+
+    def _others(self) -> dict:
+        """id -> (label, tensor): the modules' parameters no optimizer of the
+        step holds and their buffers, now.  Tensors without memory of their
+        own to compare (sparse ones; subclasses other than DTensor, such as
+        a QLoRA base's NF4 weights) are left out."""
+        stepped = {id(p) for p in self.params}
         others: dict = {}
-        for module in modules:
+        for module in self.modules:
             # FSDP2 swaps its modules' sharded and unsharded parameters
             # itself: their shards are the optimizers'.
             sharded = any(map(_fsdp.is_fsdp, module.modules()))
             state = module.named_buffers() if sharded else _named_state(module)
             for name, t in state:
-                if id(t) not in stepped:
+                if id(t) not in stepped and _has_memory(t):
                     others.setdefault(id(t), (f"{type(module).__name__}.{name}", t))
-        self.tensors = (*params, *(t for _, t in others.values()))
-        self.labels = (*map(label, params), *(name for name, _ in others.values()))
-        self.marks = _C.param_marks(self.tensors)
+        return others
 
     def same(self) -> bool:
-        return _C.params_are(self.tensors, self.marks)
+        if not _C.params_are(self.tensors, self.marks):
+            return False
+        if self.epoch == replacing_epoch():
+            return True
+        now, held = [t for _, t in self._others().values()], self.tensors[len(self.params):]
+        if len(now) != len(held) or any(a is not b for a, b in zip(now, held)):
+            return False
+        self.epoch = replacing_epoch()
+        return True
 
     def first_changed(self) -> tuple[str, str]:
         """(the first changed tensor's label, how it changed)."""
         now = _C.param_marks(self.tensors)
-        k = next(k for k, (was, got) in enumerate(zip(self.marks, now)) if was != got)
+        changed = [k for k, (was, got) in enumerate(zip(self.marks, now)) if was != got]
+        if not changed:
+            held = {id(t) for t in self.tensors}
+            label = next((name for name, t in self._others().values() if id(t) not in held),
+                         "a buffer or parameter")
+            return label, "was replaced (module.to(), a new tensor assigned)"
+        k = changed[0]
         if now[k][1] != self.marks[k][1]:
             return self.labels[k], "was unfrozen" if now[k][1] else "was frozen"
         return self.labels[k], "moved to other memory (.to(), .data = ...)"
 
 
+def _has_memory(t: torch.Tensor) -> bool:
+    """Whether _C.param_marks can read where `t`'s kernels read: a strided
+    tensor of no dispatch subclass, or a DTensor (its local shard)."""
+    return t.layout == torch.strided and (
+        _dtensor.is_dtensor(t) or type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
 class _OtherGrads:
     """The grads of the parameters of the modules a step names that none of
     its optimizers holds (a forward-and-backward step's; a part trained by
-    an optimizer stepped outside): Note [Grads no optimizer of the step
-    holds].  Each parameter's grad object as the capture began (`before`)
-    and as it ended (`after`), held."""
+    an optimizer stepped outside), frozen ones left out: Note [Grads no
+    optimizer of the step holds].  Each parameter's grad as the capture
+    began (`before`, weakly) and as it ended (`after`)."""
 
-    __slots__ = ("params", "labels", "before", "after")
+    __slots__ = ("params", "labels", "before", "after", "checked", "checked_before",
+                 "checked_labels")
 
     def __init__(self, modules: list, stepped: set):
         found = {id(p): (f"{type(m).__name__}.{name}", p) for m in modules
-                 for name, p in m.named_parameters() if id(p) not in stepped}
+                 for name, p in m.named_parameters()
+                 if id(p) not in stepped and p.requires_grad}
         self.params = tuple(p for _, p in found.values())
         self.labels = tuple(name for name, _ in found.values())
-        self.before = tuple(p.grad for p in self.params)
+        self.before = tuple(None if p.grad is None else weakref.ref(p.grad) for p in self.params)
         self.after: tuple | None = None  # set once the capture returned
+        self.checked: tuple = ()  # (parameters, their grads as the capture began, labels)
+        self.checked_before: tuple = ()
+        self.checked_labels: tuple = ()
 
-    def captured(self) -> None:
+    def captured(self, cleared: frozenset) -> None:
+        """Once the capture returned.  A grad the step cleared itself
+        (zero_grad() inside), or replaced (its grad as the capture began is
+        gone), is made anew by every replay, whatever it was before the
+        call: only the others are checked."""
         self.after = tuple(p.grad for p in self.params)
+        kept = [(p, None if was is None else was(), label)
+                for p, was, label in zip(self.params, self.before, self.labels)
+                if id(p) not in cleared and (was is None or was() is not None)]
+        self.checked = tuple(p for p, _, _ in kept)
+        self.checked_before = tuple(grad for _, grad, _ in kept)
+        self.checked_labels = tuple(label for _, _, label in kept)
+        self.before = ()
 
     def first_changed(self) -> str | None:
-        """The label of the first parameter whose grad is not the object it
-        was when the capture began, or None."""
-        if _C.grads_are(self.params, self.before):
+        """The label of the first checked parameter whose grad is not the
+        object it was when the capture began, or None."""
+        if _C.grads_are(self.checked, self.checked_before):
             return None
-        return next(label for label, p, was in zip(self.labels, self.params, self.before)
-                    if p.grad is not was)
+        return next(label for p, was, label in zip(self.checked, self.checked_before,
+                                                   self.checked_labels) if p.grad is not was)
 
     def leave(self) -> None:
         """After a replay: each grad the one the capture left."""

@@ -86,9 +86,10 @@ class StepGrads:
     by id."""
 
     __slots__ = ("params", "after", "held", "held_grads", "skipped", "expected", "labels",
-                 "copied")
+                 "copied", "cleared")
 
-    def __init__(self, params: tuple, held: dict, skipped: dict, labels: dict):
+    def __init__(self, params: tuple, held: dict, skipped: dict, labels: dict,
+                 cleared: frozenset = frozenset()):
         self.params, self.after = params, tuple(map(_GRAD, params))
         self.held = tuple(p for p, _ in held.values())
         self.held_grads = tuple(g for _, g in held.values())
@@ -97,6 +98,10 @@ class StepGrads:
                          self.held_grads + (None,) * len(self.skipped))
         self.labels = labels
         self.copied = False  # logged that grads made outside are copied in
+        # The ids of every parameter whose grads a zero_grad() in the capture
+        # cleared, any optimizer's or module's (Note [Grads no optimizer of
+        # the step holds] in cgraph/_step.py).
+        self.cleared = cleared
 
     @classmethod
     @contextlib.contextmanager
@@ -131,7 +136,7 @@ class StepGrads:
             with patched(_noting_clears(cleared)):
                 yield
             into.append(cls(tuple(p for opt in optimizers for p in _params_of(opt)), held,
-                            skipped, labels))
+                            skipped, labels, frozenset(cleared)))
         finally:
             handle.remove()
             # The capturing call replays next: it reads the grads it began with.

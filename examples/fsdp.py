@@ -478,21 +478,29 @@ def graph_then_shard_is_refused(rank, name, layers=True):
     cgraph.reset_all()
 
 
-def failing_capture(rank, world):
-    """Recipe 5: the step's capture fails on the last rank only, between its
-    forward and its backward, inside FSDP's pass; then every rank goes on
-    with eager steps, equal to a twin's that never graphed (Note [A capture
-    that fails inside FSDP2's pass] in cgraph/_fsdp.py)."""
-    name = "failed capture"
+def failing_capture(rank, world, inside_a_layer=False):
+    """Recipe 5: the step's capture fails on the last rank only, inside
+    FSDP's pass: between its forward and its backward, or inside the second
+    layer's forward, after FSDP gathered that layer's parameters; then every
+    rank goes on with eager steps, equal to a twin's that never graphed
+    (Note [A capture that fails inside FSDP2's pass] in cgraph/_fsdp.py)."""
+    name = "failed capture" + (" inside a layer" if inside_a_layer else "")
     models = [sharded(mp=True) for _ in range(2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
 
-    def train_step(model, opt, planted):
+    def planted(*_):
+        if rank == world - 1 and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("planted at capture")
+
+    if inside_a_layer:  # after FSDP's own pre-forward hook, registered first
+        models[1].layers[1].register_forward_pre_hook(planted)
+
+    def train_step(model, opt, plant):
         def step(tokens, targets):
             opt.zero_grad()
             loss = loss_of(model, tokens, targets)
-            if planted and rank == world - 1 and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("planted at capture")
+            if plant and not inside_a_layer:
+                planted()
             loss.backward()
             opt.step()
             return loss
@@ -518,7 +526,7 @@ def failing_capture(rank, world):
              name)
     for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
         same(p, q, f"parameter {k}", rank, name)
-    print(f"rank {rank} failed capture: raised on every rank, naming rank {world - 1} and its "
+    print(f"rank {rank} {name}: raised on every rank, naming rank {world - 1} and its "
           "error; three eager steps after it equal to eager FSDP2's: OK", flush=True)
     cgraph.reset_all()
 
@@ -626,6 +634,7 @@ def main():
                          "dropping every model")
     if world > 1:
         failing_capture(rank, world)
+        failing_capture(rank, world, inside_a_layer=True)
     dist.barrier()
     started = time.perf_counter()
     dist.destroy_process_group()

@@ -45,7 +45,8 @@ CHECKS = (*PER_LAYER, "graphed FSDP2 step:", "graphed FSDP2 step, 2 micro-batche
           "graphed FSDP2 step, evaluated between steps:",
           "graphed FSDP2 forward and backward, grad sync set outside:",
           "graph then shard: refused", "graph then shard the root only: refused",
-          "failed capture: raised on every rank", "teardown:")
+          "failed capture: raised on every rank",
+          "failed capture inside a layer: raised on every rank", "teardown:")
 
 
 def assert_checks(out, ranks, checks):
@@ -58,7 +59,7 @@ def assert_checks(out, ranks, checks):
 def test_fsdp_on_one_gpu():
     """One rank: the all-gathers and reduce-scatters are a copy each, but
     FSDP's hooks, parameter swaps and homes are all there."""
-    assert_checks(torchrun("fsdp.py", 1), 1, CHECKS[:-2] + CHECKS[-1:])
+    assert_checks(torchrun("fsdp.py", 1), 1, CHECKS[:-3] + CHECKS[-1:])
 
 
 @pytest.mark.gpu
@@ -177,26 +178,35 @@ def test_a_graphed_step_reshards_the_idle_groups_an_eager_forward_left_unsharded
     assert [g.resharded for gs in groups.values() for g in gs] == [1, 0, 0]
 
 
-@pytest.mark.parametrize("own_reset", [True, False], ids=["torch's reset", "cgraph's"])
-def test_a_pass_left_midway_is_put_back_to_rest(mesh, own_reset, monkeypatch):
+def test_a_pass_left_midway_is_put_back_to_rest_and_one_at_rest_is_left(mesh, monkeypatch):
     """Note [A capture that fails inside FSDP2's pass]: a forward whose
     backward never comes (where a failed capture leaves FSDP) leaves the
     root unsharded, its pre-backward hooks pending.  after_failed_capture
-    puts every group back to rest and sharded, by torch's reset where it
-    has one (2.14) and by cgraph's otherwise, and the next forward computes
-    what a fresh twin's does."""
+    puts every group back to rest and sharded, without waiting on the
+    pass's events (torch's own reset would: recorded inside a capture, a
+    stream outside it cannot wait on them), and the next forward computes
+    what a fresh twin's does.  A model at rest (a rank whose capture
+    succeeded) is not touched."""
     model, twin = sharded_pair(mesh), sharded_pair(mesh)
     x = torch.randn(2, 4)
-    model(x)
     resharded = _fsdp.Resharded([model])
+    touched = []
+    real = _fsdp._reset_iter_state
+    monkeypatch.setattr(_fsdp, "_reset_iter_state", lambda s: touched.append(s) or real(s))
+    resharded.after_failed_capture()  # never called: lazily initialised, no root yet
+    model(x)
     assert not all(g.is_sharded for g in resharded.groups)
     state = model._get_fsdp_state()
-    if not own_reset:
-        monkeypatch.setattr(type(state), "_reset_iter_state", None, raising=False)
+    monkeypatch.setattr(type(state), "_reset_iter_state",
+                        lambda self: pytest.fail("torch's reset waits on captured events"),
+                        raising=False)
     resharded.after_failed_capture()
+    assert touched == [state]
     assert state._state_ctx.iter_forward_root is None
     assert not state._state_ctx.post_backward_final_callback_queued
     assert all(g.is_sharded and _fsdp._training_state(g) == "IDLE" for g in resharded.groups)
+    resharded.after_failed_capture()  # at rest now
+    assert touched == [state]
     assert torch.equal(model(x), twin(x))
 
 

@@ -530,7 +530,7 @@ def test_grads_no_optimizer_of_the_step_holds_are_checked_before_and_put_back_af
     step.other_grads = _OtherGrads([model], {id(p) for p in model[1].parameters()})
     assert len(step.other_grads.params) == 2
     model(torch.randn(3, 4)).sum().backward()  # the grads the capture makes
-    step.other_grads.captured()
+    step.other_grads.captured(frozenset())
     made = [p.grad for p in model[0].parameters()]
     for p in model[0].parameters():
         p.grad = None  # zero_grad() outside, before this call
@@ -540,6 +540,60 @@ def test_grads_no_optimizer_of_the_step_holds_are_checked_before_and_put_back_af
     with caplog.at_level(logging.INFO, logger="cgraph"):
         assert step._stale() and step.other_grads is None  # not cleared this time
     assert_logged(caplog, "the grad of Sequential.0.weight", "set or cleared outside the step")
+
+
+def test_grads_the_step_clears_itself_are_not_checked_before_a_replay():
+    """A forward-and-backward step that calls zero_grad() itself (the
+    optimizer stepped outside): the capture makes those grads anew, so the
+    grads found before a call do not matter; each replay leaves the
+    capture's.  Frozen parameters are left out.  Before, the warm-up's grads
+    were taken for the capture's starting state, and every other call
+    captured again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model[1].bias.requires_grad_(False)
+    model(torch.randn(3, 4)).sum().backward()  # the last warm-up's grads
+    others = _OtherGrads([model], set())
+    assert len(others.params) == 3
+    model.zero_grad()  # inside the capture
+    model(torch.randn(3, 4)).sum().backward()
+    others.captured(frozenset(map(id, model.parameters())))
+    made = [p.grad for p in others.params]
+    assert others.first_changed() is None
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # anything, before the next call
+    assert others.first_changed() is None
+    others.leave()
+    assert all(p.grad is g for p, g in zip(others.params, made))
+
+
+@pytest.mark.parametrize("how", ["converted", "assigned"])
+def test_a_buffer_replaced_by_another_tensor_since_capture_warms_up_again(how, caplog):
+    """_Marks: a buffer replaced in its module by a new object, its old one
+    unmoved (model.to(torch.bfloat16) converting the fp32 buffer of a bf16
+    model, parameters already bf16; or module.buf = t): found by walking the
+    modules again after the conversion or registration, named."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4)).to(torch.bfloat16)
+    model[0].register_buffer("inv_freq", torch.ones(2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = cgraph.make_graphed_step(lambda: None)
+    step.optimizers.add(opt)
+    into = []
+    with StepGrads.noted([opt], into):
+        pass
+    step.grads = into[0]
+    step.marks = _Marks(step.grads.params, [model], step.grads.label)
+    assert not step._stale()
+    torch.nn.Linear(2, 2)  # a registration elsewhere: walked again, nothing replaced
+    assert not step._stale()
+    if how == "converted":
+        model.to(torch.bfloat16)
+    else:
+        model[0].inv_freq = torch.zeros(2)
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        assert step._stale()
+    assert_logged(caplog, "Sequential.0.inv_freq", "was replaced")
 
 
 @pytest.mark.parametrize("owner", ["fsdp", "ddp"])
