@@ -527,10 +527,31 @@ def _watch(module: nn.Module) -> None:
         _watched[id(m)] = m
 
 
-def replacing_epoch() -> int:
-    """How many registrations or swaps so far could have replaced a tensor
-    inside a module (a graphed step compares it: _Marks in cgraph/_step.py)."""
-    return _replacing[0]
+# The modules inside graphed steps (_Marks in cgraph/_step.py), by id,
+# weakly, and how many registrations, conversions or swaps on one of them
+# so far could have replaced a tensor there: a step walks its modules again
+# only after one of those, not after one anywhere (an AveragedModel outside
+# the step re-registers its n_averaged buffer at every update).
+_in_steps: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+_step_replacing = [0]
+
+
+def watch_for_steps(modules) -> int:
+    """Counts changes on `modules` and their submodules from now on; returns
+    the count now."""
+    for root in modules:
+        for m in root.modules():
+            _in_steps[id(m)] = m
+    return _step_replacing[0]
+
+
+def step_replacing_epoch() -> int:
+    return _step_replacing[0]
+
+
+def _changed_in_a_step(module) -> None:
+    if isinstance(module, nn.Module) and _in_steps.get(id(module)) is module:
+        _step_replacing[0] += 1
 
 
 def replaced_inside() -> None:
@@ -543,9 +564,11 @@ def replaced_inside() -> None:
 
 def _registered_tensor(module: nn.Module, *_) -> None:
     replaced_inside()
+    _changed_in_a_step(module)
 
 
 def _registered_module(module: nn.Module, *_) -> None:
+    _changed_in_a_step(module)
     if _watched.get(id(module)) is module:
         replaced_inside()
     else:
@@ -592,15 +615,22 @@ def _after_sharding(init):
 # replay its captured weights, silently not the ones given.  cgraph wraps
 # torch's swap and set functions: a swap makes every graphed module walk its
 # parameters on its next call (the one inside
-# raises, naming the fix; the one after the swap back passes), and every
-# graphed step its modules' tensors before its next replay.
+# raises, naming the fix; the one after the swap back passes), and a
+# graphed step whose modules it was swapped on walk them before its next
+# replay.
 def _after_swapping(swap):
     @functools.wraps(swap)
     def wrapper(*args, **kwargs):
         try:
             return swap(*args, **kwargs)
-        finally:  # graphed steps compare the count too (_Marks in cgraph/_step.py)
-            replaced_inside()
+        finally:
+            # Compiled code swaps nothing at run time, and dynamo would
+            # break its graph on the native call.
+            if not torch.compiler.is_compiling():
+                if len(_watched):
+                    replaced_inside()
+                if args:
+                    _changed_in_a_step(args[0])  # the module swapped on, or converted
     wrapper.cgraph_wraps = swap
     return wrapper
 
@@ -621,10 +651,10 @@ _watch_swaps()
 # _buffers directly, and a parameter's converted tensor into its .data.  A
 # model graphed in bf16 whose fp32 buffer (a rotary embedding's inv_freq)
 # was converted by a later model.to(torch.bfloat16) kept reading the old
-# buffer, silently: its parameters, already bf16, did not move.  A
-# conversion makes every graphed module walk its tensors on its next call,
-# and every graphed step before its next replay (a count and a native
-# epoch moved: nothing walks until a graphed call looks).
+# buffer, silently: its parameters, already bf16, did not move.  While any
+# module is graphed, a conversion makes every graphed module walk its
+# tensors on its next call; a conversion of a graphed step's module makes
+# the step walk its modules before its next replay.
 def _watch_conversions() -> None:
     apply = getattr(nn.Module._apply, "cgraph_wraps", nn.Module._apply)
     nn.Module._apply = _after_swapping(apply)

@@ -386,6 +386,12 @@ def _reset_iter_state(root_state) -> None:
                     setattr(g, name, None)
             getattr(g, "_post_forward_indices", []).clear()
             g._training_state = type(g._training_state).IDLE
+            for fsdp_param in g.fsdp_params:  # grads the capture never wrote
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+                if hasattr(fsdp_param, "unsharded_accumulated_grad"):
+                    fsdp_param.unsharded_accumulated_grad = None
             g.reshard()
     root_state._state_ctx.iter_forward_root = None
     root_state._state_ctx.post_backward_final_callback_queued = False

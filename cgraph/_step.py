@@ -152,8 +152,10 @@ A: Each one's grad object as the capture began (weakly) and as it ended
    graph adds or added to where it assigns; that call steps eagerly and the
    next captures again, from that state.  A grad the step clears itself
    (a zero_grad() inside, noted as Note [Grads around a graphed step]
-   notes it) or replaces is made anew by every replay, so it is not
-   checked.  After a replay, each parameter gets the grad
+   notes it) is made anew by every replay, so it is not checked; one the
+   backward added into is held from then on (a post-accumulate-grad hook
+   around the capture notes it), so that a grad the step replaces after
+   its backward (``p.grad = p.grad * mask``) is still checked.  After a replay, each parameter gets the grad
    the capture left, as an eager backward would give it.  So grads cleared
    to None before each call, or never cleared, replay; a pattern that
    alternates (cleared before every other call: micro-batches) captures at
@@ -225,7 +227,8 @@ from ._api import _live, _pool_id, _require_cuda
 from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
                        asked_by_the_compiler, graph, one_setup_at_a_time, patched)
 from ._ddp import DDPInStep
-from ._describe import CONSTANT_TYPES, Target, _named_state, draft, replacing_epoch
+from ._describe import (CONSTANT_TYPES, Target, _named_state, draft, step_replacing_epoch,
+                        watch_for_steps)
 from ._step_grads import StepGrads
 from ._modes import Modes, roots
 
@@ -724,8 +727,9 @@ class GraphedStep:
             self.resharded.after_failed_capture()
         except Exception as exc:  # noqa: BLE001
             warnings.warn(f"cgraph: could not put FSDP's state back to rest after the failed "
-                          f"capture ({exc!r}); call reset_iter_state() on the FSDP root before "
-                          "the next eager step, where your torch has it.", stacklevel=3)
+                          f"capture ({exc!r}): the next eager FSDP step may read parameters "
+                          "the capture never wrote, or hang. Restart the training loop from "
+                          "a checkpoint, and report the error.", stacklevel=3)
 
     def _holds_collectives(self, leaves: list) -> bool:
         """Whether the ranks capture this step together, and so agree on its
@@ -772,7 +776,8 @@ class GraphedStep:
             try:
                 with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
                         _scaler_steps_on_the_device(), \
-                        StepGrads.noted(list(self.optimizers), took.grads), _schedulers_refused():
+                        StepGrads.noted(list(self.optimizers), took.grads), _schedulers_refused(), \
+                        took.other_grads.noting():
                     (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
             finally:  # made by a failed capture too: forgotten then
                 took.made = _state_made(self.optimizers, state)
@@ -1096,8 +1101,8 @@ class _Marks:
     it and be written by a replay.  A tensor replaced in its module by
     another object (``model.to(torch.bfloat16)`` converting a buffer,
     ``module.buf = t``) is found by walking the modules again, only after a
-    registration or conversion anywhere (Note [Which registrations re-check
-    graphed modules] in cgraph/_describe.py)."""
+    registration, conversion or swap on one of them (watch_for_steps in
+    cgraph/_describe.py)."""
 
     __slots__ = ("params", "modules", "tensors", "marks", "labels", "epoch")
 
@@ -1107,7 +1112,7 @@ class _Marks:
         self.tensors = (*params, *(t for _, t in others.values()))
         self.labels = (*map(label, params), *(name for name, _ in others.values()))
         self.marks = _C.param_marks(self.tensors)
-        self.epoch = replacing_epoch()
+        self.epoch = watch_for_steps(self.modules)
 
     def _others(self) -> dict:
         """id -> (label, tensor): the modules' parameters no optimizer of the
@@ -1129,12 +1134,12 @@ class _Marks:
     def same(self) -> bool:
         if not _C.params_are(self.tensors, self.marks):
             return False
-        if self.epoch == replacing_epoch():
+        if self.epoch == step_replacing_epoch():
             return True
         now, held = [t for _, t in self._others().values()], self.tensors[len(self.params):]
         if len(now) != len(held) or any(a is not b for a, b in zip(now, held)):
             return False
-        self.epoch = replacing_epoch()
+        self.epoch = watch_for_steps(self.modules)  # submodules added since too
         return True
 
     def first_changed(self) -> tuple[str, str]:
@@ -1164,9 +1169,10 @@ class _OtherGrads:
     its optimizers holds (a forward-and-backward step's; a part trained by
     an optimizer stepped outside), frozen ones left out: Note [Grads no
     optimizer of the step holds].  Each parameter's grad as the capture
-    began (`before`, weakly) and as it ended (`after`)."""
+    began (weakly: the step's own zero_grad() frees it for the capture to
+    reuse) and as it ended."""
 
-    __slots__ = ("params", "labels", "before", "after", "checked", "checked_before",
+    __slots__ = ("params", "labels", "before", "read", "after", "checked", "checked_before",
                  "checked_labels")
 
     def __init__(self, modules: list, stepped: set):
@@ -1176,24 +1182,47 @@ class _OtherGrads:
         self.params = tuple(p for _, p in found.values())
         self.labels = tuple(name for name, _ in found.values())
         self.before = tuple(None if p.grad is None else weakref.ref(p.grad) for p in self.params)
+        self.read: dict = {}  # id(p) -> the starting grad the capture's backward added into
         self.after: tuple | None = None  # set once the capture returned
         self.checked: tuple = ()  # (parameters, their grads as the capture began, labels)
         self.checked_before: tuple = ()
         self.checked_labels: tuple = ()
 
+    @contextlib.contextmanager
+    def noting(self):
+        """Around the capture: a post-accumulate-grad hook per parameter that
+        had a grad notes whether the backward added into it, and holds it:
+        every replay adds into that memory."""
+        def noted(param):
+            was = self.before[index[id(param)]]
+            if was is not None and was() is param.grad:
+                self.read.setdefault(id(param), param.grad)
+
+        index = {id(p): k for k, p in enumerate(self.params)}
+        handles = [p.register_post_accumulate_grad_hook(noted)
+                   for p, was in zip(self.params, self.before) if was is not None]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
     def captured(self, cleared: frozenset) -> None:
         """Once the capture returned.  A grad the step cleared itself
-        (zero_grad() inside), or replaced (its grad as the capture began is
-        gone), is made anew by every replay, whatever it was before the
-        call: only the others are checked."""
+        (zero_grad() inside) is made anew by every replay, whatever it was
+        before the call, and so is one the backward did not add into that
+        is gone since (set to None inside): not checked.  One the backward
+        added into is, held, even where the step replaced it after."""
         self.after = tuple(p.grad for p in self.params)
-        kept = [(p, None if was is None else was(), label)
-                for p, was, label in zip(self.params, self.before, self.labels)
-                if id(p) not in cleared and (was is None or was() is not None)]
+        kept = []
+        for p, was, label in zip(self.params, self.before, self.labels):
+            grad = self.read.get(id(p), None if was is None else was())
+            if id(p) not in cleared and (was is None or grad is not None):
+                kept.append((p, grad, label))
         self.checked = tuple(p for p, _, _ in kept)
         self.checked_before = tuple(grad for _, grad, _ in kept)
         self.checked_labels = tuple(label for _, _, label in kept)
-        self.before = ()
+        self.before, self.read = (), {}
 
     def first_changed(self) -> str | None:
         """The label of the first checked parameter whose grad is not the

@@ -542,6 +542,28 @@ def test_grads_no_optimizer_of_the_step_holds_are_checked_before_and_put_back_af
     assert_logged(caplog, "the grad of Sequential.0.weight", "set or cleared outside the step")
 
 
+def test_a_grad_the_backward_added_into_then_replaced_is_held_and_checked():
+    """A step that replaces a grad after its backward added into it (a
+    mask: p.grad = p.grad * mask): every replay adds into the starting
+    grad's memory, so that grad is held (noted by a post-accumulate-grad
+    hook around the capture) and a call that finds another grad steps
+    eagerly.  Before, the starting grad, held weakly, was freed and left
+    unchecked: replays added into freed memory."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()  # grads from outside, added into
+    others = _OtherGrads([model], set())
+    started = [p.grad for p in others.params]
+    with others.noting():
+        model(torch.randn(3, 4)).sum().backward()
+        for p in model.parameters():
+            p.grad = p.grad * 2.0
+    del started
+    others.captured(frozenset())
+    assert len(others.checked) == 2
+    assert others.first_changed() == "Linear.weight"  # the replaced grad, after leave()
+
+
 def test_grads_the_step_clears_itself_are_not_checked_before_a_replay():
     """A forward-and-backward step that calls zero_grad() itself (the
     optimizer stepped outside): the capture makes those grads anew, so the
