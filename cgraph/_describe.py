@@ -613,11 +613,10 @@ def _after_sharding(init):
 # into a module's _parameters and _buffers directly, for the duration of a
 # call, firing no registration hook: a graphed module called inside would
 # replay its captured weights, silently not the ones given.  cgraph wraps
-# torch's swap and set functions: a swap makes every graphed module walk its
-# parameters on its next call (the one inside
-# raises, naming the fix; the one after the swap back passes), and a
-# graphed step whose modules it was swapped on walk them before its next
-# replay.
+# torch's swap and set functions: while any module is graphed, a swap makes
+# every graphed module walk its parameters on its next call (the one inside
+# raises, naming the fix; the one after the swap back passes), and a graphed
+# step whose module it swapped on walks its modules before its next replay.
 def _after_swapping(swap):
     @functools.wraps(swap)
     def wrapper(*args, **kwargs):

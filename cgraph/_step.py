@@ -155,12 +155,12 @@ A: Each one's grad object as the capture began (weakly) and as it ended
    notes it) is made anew by every replay, so it is not checked; one the
    backward added into is held from then on (a post-accumulate-grad hook
    around the capture notes it), so that a grad the step replaces after
-   its backward (``p.grad = p.grad * mask``) is still checked.  After a replay, each parameter gets the grad
-   the capture left, as an eager backward would give it.  So grads cleared
-   to None before each call, or never cleared, replay; a pattern that
-   alternates (cleared before every other call: micro-batches) captures at
-   every other call, correct, and warned of at the third such call in a
-   row.
+   its backward (``p.grad = p.grad * mask``) is still checked.  After a
+   replay, each parameter gets the grad the capture left, as an eager
+   backward would give it.  So grads cleared to None before each call, or
+   never cleared, replay; a pattern that alternates (cleared before every
+   other call: micro-batches) captures at every other call, correct, and
+   warned of at the third such call in a row.
 
 Note [Grad sync set outside a graphed step]
 Q: A step graphed whole replays the collectives its capture issued.  FSDP2's
@@ -1272,9 +1272,8 @@ class _GradSync:
                 raise ValueError(
                     f"cgraph: this call of the step, which would capture it, starts with "
                     f"{label} off (set_requires_gradient_sync(False) before the call): FSDP "
-                    "then keeps "
-                    "the unsharded grads across calls in its own Python state, which a replay "
-                    "cannot follow. Run the micro-batches inside the step, calling "
+                    "then keeps the unsharded grads across calls in its own Python state, "
+                    "which a replay cannot follow. Run the micro-batches inside the step, calling "
                     "set_requires_gradient_sync(i == last) before each backward (the step "
                     "then ends with sync on), or graph the layers instead "
                     "(cgraph.make_graphed(layer) for each fully_shard-ed layer).")
