@@ -472,7 +472,9 @@ def test_graph_written_seeds_match_eager_across_reseeds_and_large_offsets():
 # ---- torch's conventions: train/eval, no_grad -------------------------------
 
 
-def test_other_train_eval_mode_runs_eagerly():
+def test_the_other_train_eval_mode_gets_a_graph_of_its_own():
+    """The drop-in (max_graphs 8) captures a graph for eval mode beside the
+    training one; each replays its own mode's dropout, as eager does."""
     torch.manual_seed(7)
     model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5)).to(CUDA)
     eager = copy.deepcopy(model)
@@ -488,6 +490,9 @@ def test_other_train_eval_mode_runs_eagerly():
     assert (out == 0).any()  # graphed train mode: dropout is back
     torch.cuda.manual_seed(7)  # eager dropout from the same generator state
     assert_equal(out, eager(x), "train-mode output (dropout mask)")
+    stats = model.forward.stats
+    assert model.forward.num_graphs == 2, stats
+    assert stats["eager_on_miss"] == stats["eager_past_limit"] == 0, stats
 
 
 class _FillsCache(nn.Module):
