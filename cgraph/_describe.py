@@ -527,7 +527,7 @@ def _watch(module: nn.Module) -> None:
         _watched[id(m)] = m
 
 
-# The modules inside graphed steps (_Marks in cgraph/_step.py), by id,
+# The modules inside graphed steps (Marks in cgraph/_step_checks.py), by id,
 # weakly, and how many registrations, conversions or swaps on one of them
 # so far could have replaced a tensor there: a step walks its modules again
 # only after one of those, not after one anywhere (an AveragedModel outside

@@ -210,7 +210,7 @@ def step_optimizer_replaced(step, optimizer) -> None:
 def step_params_changed(step, what: str, how: str) -> None:
     """A parameter a step's graph steps, or a module's mode, changed since its
     capture (Note [What a graphed step checks before a replay] in
-    cgraph/_step.py)."""
+    cgraph/_step_checks.py)."""
     log.info("%r: %s: %s since capture: this call steps eagerly and the next captures again, "
              "so that the graph runs the step as it is now.", step, what, how)
 

@@ -15,7 +15,7 @@ A: After a whole-step capture, where torch.distributed is initialized with
    naming each failed rank and its error; a failed rank raises its own
    error with that note.  The same gather tells whether any rank's capture
    made optimizer state: then every rank replays once and captures again
-   (Note [What a graphed step checks before a replay], cgraph/_step.py),
+   (Note [What a graphed step checks before a replay], _step_checks.py),
    for one rank capturing while another replays would hang them both.  A
    failure before the capture (a refusal, the static inputs' memory) is
    agreed on too: each rank calls agree once per capture, wherever it

@@ -91,96 +91,6 @@ A: While the step is captured, the scaler's host test is replaced by a CUDA
    eagerly: inside the body, a replay whose found_inf is set would leave
    the new state unwritten, and it would be kept as the optimizer's.
 
-Note [What a graphed step checks before a replay]
-Q: A step's graph steps the parameters in the memory they had at capture,
-   makes grads for those that required grad then, and steps the optimizer
-   state the capture found.  What if one of these changes between calls?
-A: Before each replay, one native call (``_C.params_are``: a pointer and a
-   flag per tensor, about 17 ns each on the CI machine) compares the memory
-   (a DTensor's local shard's) and ``requires_grad`` of each parameter of
-   the step's optimizers, and of the other parameters and buffers of the
-   modules it names (_Marks), with the capture's.  A tensor moved to other
-   memory (``.to()``, ``p.data = ...``, an EMA copy moved to the CPU for an
-   evaluation and back) would leave the graph reading, or writing, memory
-   freed since; a parameter frozen since would still be stepped (eager's
-   optimizer skips a parameter whose grad is None), one unfrozen never.
-   On any change the graph is freed, the call steps eagerly (creating the
-   state of a parameter unfrozen), and the next one captures, logged.  A
-   capture that made optimizer state (a parameter without grad in every
-   warm-up call gets one at the capture: unfrozen between them, or the
-   first capture after a ``reset()``) would make it again at every replay:
-   Adam's first step at every step, an SGD momentum buffer never
-   accumulating.  Its graph is that first step, so it replays for the
-   capturing call, as any capture does, and the next call captures again,
-   with the state there, copied out of the first graph's pool before that
-   pool goes (it lives as long as the optimizer: a released pool whose
-   blocks are still allocated is unsafe under expandable segments, Note [A
-   step's warm-up in its pool] in csrc/aten_setup.cpp, and keeps its
-   segments reserved otherwise); where the ranks capture together, they
-   agree on that in the gather that agrees on the capture (Note [A capture
-   that fails on one rank], cgraph/_ranks.py), so that none captures while
-   the others replay.  A capture that failed, here or on another rank,
-   drops the state it made (never written: a capture runs no kernel); the
-   optimizer's next step, eager or captured, makes it again.  The modes are
-   those the capturing call found (a step that calls ``model.train()``
-   itself, run between ``model.eval()`` calls, keeps its graph).  An lr
-   that changes inside the step after its optimizer stepped
-   (``scheduler.step()`` in the step) is refused at the first warm-up
-   call: the scheduler would fill the graph's device lr once, at capture,
-   and every replay would step with that lr.  Modes: Note [The modules a
-   graphed step's modes are read from] (cgraph/_modes.py).  Not seen:
-   parameters replaced by new objects (``load_state_dict(assign=True)``),
-   which the optimizer no longer steps
-   in eager mode either, and the memory of a tensor subclass other than
-   DTensor (float8 weights).  A change before every call captures at every
-   call: warned once, at the third in a row, as a baked value is.
-
-Note [Grads no optimizer of the step holds]
-Q: A forward-and-backward step (micro-batches graphed, the optimizer
-   stepped outside), or a part of the model trained by an optimizer the
-   step does not call: autograd assigns those parameters' grads where they
-   were None at capture, and adds into them where they existed; a replay
-   repeats what the capture did, at the memory it did it in.  The grads of
-   the step's optimizers' parameters follow Note [Grads around a graphed
-   step] (cgraph/_step_grads.py).  What of these, which code outside sets
-   to None (``zero_grad()``) or replaces between calls?
-A: Each one's grad object as the capture began (weakly) and as it ended
-   is kept (_OtherGrads), frozen parameters left out.  Before a replay, one
-   native pointer compare per parameter (``_C.grads_are``): a grad that is
-   not the object it was as the capture began (None where it was a tensor,
-   a tensor where it was None, another tensor) would be assigned where the
-   graph adds or added to where it assigns; that call steps eagerly and the
-   next captures again, from that state.  A grad the step clears itself
-   (a zero_grad() inside, noted as Note [Grads around a graphed step]
-   notes it) is made anew by every replay, so it is not checked; one the
-   backward added into is held from then on (a post-accumulate-grad hook
-   around the capture notes it), so that a grad the step replaces after
-   its backward (``p.grad = p.grad * mask``) is still checked.  After a
-   replay, each parameter gets the grad the capture left, as an eager
-   backward would give it.  So grads cleared to None before each call, or
-   never cleared, replay; a pattern that alternates (cleared before every
-   other call: micro-batches) captures at every other call, correct, and
-   warned of at the third such call in a row.
-
-Note [Grad sync set outside a graphed step]
-Q: A step graphed whole replays the collectives its capture issued.  FSDP2's
-   set_requires_gradient_sync(False) and DDP's no_sync(), called outside
-   the step (micro-batches, each a call of a forward-and-backward step),
-   decide whether the backward reduces its grads.  What if they change
-   between the capture and a replay?
-A: Each replay would reduce, or not, as the capture did: the optimizer
-   would step rank-local or stale grads.  So the settings the capture left
-   (_GradSync: FSDP's reduce_grads, all_reduce_grads and
-   reshard_after_backward of each group of the modules the step names,
-   DDP's require_backward_grad_sync of each DDP model it calls) are
-   compared before each replay, an attribute read each, and a change makes
-   the call step eagerly and the next capture again, as a changed mode
-   does.  A capture that would start with an FSDP group not reducing is
-   refused, naming the fix: FSDP then accumulates unsharded grads in its
-   own Python state, assigned on the first micro-batch and added after,
-   which no replay can follow.  A step that turns sync off and on itself,
-   inside, ends with it on, as its capture and every replay do.
-
 Note [RNG inside a graphed step]
 Q: How do dropout masks inside torch.utils.checkpoint (preserve_rng_state=
    True) come out as eager's in a graphed step?
@@ -227,8 +137,8 @@ from ._api import _live, _pool_id, _require_cuda
 from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
                        asked_by_the_compiler, graph, one_setup_at_a_time, patched)
 from ._ddp import DDPInStep
-from ._describe import (CONSTANT_TYPES, Target, _named_state, draft, step_replacing_epoch,
-                        watch_for_steps)
+from ._describe import CONSTANT_TYPES, Target, draft
+from ._step_checks import GradSync, Marks, OtherGrads, SinceCapture
 from ._step_grads import StepGrads
 from ._modes import Modes, roots
 
@@ -472,24 +382,16 @@ class GraphedStep:
         # whether that was warned of: Note [Capturable optimizers].
         self.stale_in_a_row, self._warned_stale = 0, False
         self.grads: StepGrads | None = None  # Note [Grads around a graphed step]
-        # Each parameter's memory and requires_grad at capture (_C.param_marks):
-        # Note [What a graphed step checks before a replay].
-        self.marks: _Marks | None = None
-        # The modes of the modules it names, at capture: Note [The modules a
-        # graphed step's modes are read from] (cgraph/_modes.py).
-        self.modes: Modes | None = None
-        # Its FSDP groups' and DDP models' grad sync, as its capture left it:
-        # Note [Grad sync set outside a graphed step].
-        self.grad_sync: _GradSync | None = None
-        # The grads no optimizer of it holds: Note [Grads no optimizer of the
-        # step holds].
-        self.other_grads: _OtherGrads | None = None
+        # What its capture found that code outside can change, checked
+        # before each replay: Note [What a graphed step checks before a
+        # replay] (cgraph/_step_checks.py).
+        self.since: SinceCapture | None = None
         # The FSDP groups of the modules it names: Note [FSDP2's host state
         # around a graphed step] (cgraph/_fsdp.py).
         self.resharded = _fsdp.Resharded(())
         # Its capture made optimizer state (on some rank: captures_again; here:
         # made_at_capture): the next call captures again (Note [What a graphed
-        # step checks before a replay]).
+        # step checks before a replay], cgraph/_step_checks.py).
         self.captures_again = False
         self.made_at_capture: list[_Made] = []
         self.stats = {"eager": 0, "captures": 0, "replays": 0}
@@ -665,14 +567,14 @@ class GraphedStep:
         where the ranks capture it together, after they agreed that every
         one did, and on whether any made optimizer state (Note [A capture
         that fails on one rank], cgraph/_ranks.py; Note [What a graphed step
-        checks before a replay]).  False where it was dropped before its
+        checks before a replay], cgraph/_step_checks.py).  False where it was dropped before its
         replay (Note [GradScaler with any optimizer]): the call steps
         eagerly."""
         started = time.perf_counter()
         recapture = self.graphed is not None
-        together = self._holds_collectives(leaves)  # before anything can fail
+        took = _Took(roots=roots(self.fn, self.ddp.models()))
+        together = self._holds_collectives(leaves, took.roots)  # before anything can fail
         put_back = _as_they_are(list(self.optimizers))
-        took = _Took()
         self._captured(leaves, spec, took)
         try:
             self.captures_again = _ranks.agree(took.failure, "the training step's capture",
@@ -700,11 +602,10 @@ class GraphedStep:
             return False
         self.outputs, self.grads = took.returned[0], took.grads[0]
         try:  # every record, or none: a half-built step would replay unchecked
-            self.marks = _Marks(self.grads.params, took.roots, self.grads.label)
-            self.modes = took.modes
-            self.grad_sync = _GradSync(self.resharded.groups, self.ddp.models())
-            self.other_grads = took.other_grads
-            self.other_grads.captured(self.grads.cleared)
+            took.sync.captured()
+            took.other_grads.captured(self.grads.cleared)
+            self.since = SinceCapture(Marks(self.grads.params, took.roots, self.grads.label),
+                                      took.modes, took.sync, took.other_grads)
         except BaseException:
             _forget(took.made)
             self._free()
@@ -731,14 +632,14 @@ class GraphedStep:
                           "the capture never wrote, or hang. Restart the training loop from "
                           "a checkpoint, and report the error.", stacklevel=3)
 
-    def _holds_collectives(self, leaves: list) -> bool:
+    def _holds_collectives(self, leaves: list, named_modules: list) -> bool:
         """Whether the ranks capture this step together, and so agree on its
         capture: decided from what every rank running it holds alike."""
         params = [p for opt in list(self.optimizers) for g in opt.param_groups
                   for p in g["params"]]
         # A step without optimizers (a forward and backward over FSDP2 or
-        # TP modules) holds their collectives too.
-        named = [p for m in roots(self.fn, self.ddp.models()) for p in m.parameters()]
+        # TP modules, `named_modules`) holds their collectives too.
+        named = [p for m in named_modules for p in m.parameters()]
         return _ranks.may_hold_collectives(self.ddp.models(), [*params, *named, *leaves])
 
     def _captured(self, leaves: list, spec, took: _Took) -> None:
@@ -747,13 +648,13 @@ class GraphedStep:
         rank hears of it before it is raised)."""
         warm = None
         try:
-            named = roots(self.fn, self.ddp.models())
-            took.modes, took.roots = Modes.under(named), named  # as the call found them
-            self.resharded = _fsdp.Resharded(named)
+            took.modes = Modes.under(took.roots)  # as the call found them
+            self.resharded = _fsdp.Resharded(took.roots)
             _fsdp.refuse_offloaded(self.resharded.groups)
             self.resharded()  # Note [FSDP2's host state around a graphed step]
+            took.sync = GradSync(self.resharded.groups, self.ddp.models())
             state = _state_keys(self.optimizers)
-            self._refuse_what_no_graph_can_step()
+            self._refuse_what_no_graph_can_step(took.sync)
             self._free()
             static = [_static_copy(x) if isinstance(x, torch.Tensor) else _constant(i, x)
                       for i, x in enumerate(leaves)]
@@ -771,7 +672,7 @@ class GraphedStep:
             drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
             stepped = {id(p) for opt in list(self.optimizers) for g in opt.param_groups
                        for p in g["params"]}
-            took.other_grads = _OtherGrads(took.roots, stepped)
+            took.other_grads = OtherGrads(took.roots, stepped)
             # The SGD check of device_resident_steps runs kernels: first, eagerly.
             try:
                 with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
@@ -795,7 +696,7 @@ class GraphedStep:
             # pool goes back, not kept by the error's traceback (this frame).
             warm = None  # noqa: F841
 
-    def _refuse_what_no_graph_can_step(self) -> None:
+    def _refuse_what_no_graph_can_step(self, sync: GradSync) -> None:
         """Raises, naming the fix, before the capture copies its inputs and
         before the optimizers change (a CPU caller goes on as before, once
         the ranks agreed where they capture together).  A
@@ -809,7 +710,7 @@ class GraphedStep:
             for opt in list(self.optimizers):
                 _check_capturable(opt, opt in self.scaled)
             self.ddp.before_capture()
-            _GradSync(self.resharded.groups, self.ddp.models()).refuse_unreduced()
+            sync.refuse_unreduced()
             _require_cuda()
             for opt in list(self.optimizers):
                 _check_on_the_gpu(opt)
@@ -873,12 +774,10 @@ class GraphedStep:
         if self.captures_again:  # the capture made optimizer state: replayed once
             self.captures_again = False
             # A change since counts as ever: an eager step first, then the capture.
-            if not (self._params_changed() or self._modes_changed() or self._sync_changed()
-                    or self._other_grads_changed()):
+            if not self._changed_since_capture():
                 self._free()
             return True
-        if (self._optimizer_replaced() or self._params_changed() or self._modes_changed()
-                or self._sync_changed() or self._other_grads_changed()):
+        if self._optimizer_replaced() or self._changed_since_capture():
             return True
         for g in self.groups:
             group = g.group
@@ -923,53 +822,20 @@ class GraphedStep:
                 return True
         return False
 
-    def _params_changed(self) -> bool:
-        """Whether a parameter of the step's optimizers moved to other memory
-        or was frozen or unfrozen since capture; if so, warmed up again:
-        Note [What a graphed step checks before a replay]."""
-        if self.marks is None or self.marks.same():
+    def _changed_since_capture(self) -> bool:
+        """Whether what the capture found changed since (SinceCapture: a
+        tensor it reads moved, was replaced, frozen or unfrozen; a module's
+        mode; grad sync set outside; a grad no optimizer of it holds set or
+        cleared outside); if so, logged, and warmed up again: Note [What a
+        graphed step checks before a replay] (cgraph/_step_checks.py)."""
+        change = self.since.first_changed() if self.since is not None else None
+        if change is None:
             return False
-        _log.step_params_changed(self, *self.marks.first_changed())
-        self._changed_in_a_row("step", "parameters")
+        _log.step_params_changed(self, change.what, change.how)
+        self._changed_in_a_row("step", change.key)
         self._warm_up_again(None)
-        self._wait_for_unskipped_steps()
-        return True
-
-    def _modes_changed(self) -> bool:
-        """Whether a module the step names was switched between train and
-        eval since capture; if so, warmed up again (compiled code compiles
-        for the new mode in that eager step, not inside the capture): Note
-        [The modules a graphed step's modes are read from]."""
-        if self.modes is None or self.modes.same():
-            return False
-        _log.step_params_changed(self, "a module it calls", self.modes.first_changed())
-        self._changed_in_a_row("step", "modes")
-        self._warm_up_again(None)
-        return True
-
-    def _sync_changed(self) -> bool:
-        """Whether an FSDP group or DDP model the step names reduces its grads
-        otherwise than at capture; if so, warmed up again: Note [Grad sync
-        set outside a graphed step]."""
-        changed = self.grad_sync.first_changed() if self.grad_sync is not None else None
-        if changed is None:
-            return False
-        _log.step_params_changed(self, changed, "changed")
-        self._changed_in_a_row("step", "grad sync")
-        self._warm_up_again(None)
-        return True
-
-    def _other_grads_changed(self) -> bool:
-        """Whether a grad no optimizer of the step holds is not the object it
-        was as the capture began; if so, warmed up again: Note [Grads no
-        optimizer of the step holds]."""
-        changed = self.other_grads.first_changed() if self.other_grads is not None else None
-        if changed is None:
-            return False
-        _log.step_params_changed(self, f"the grad of {changed}",
-                                 "was set or cleared outside the step")
-        self._changed_in_a_row("step", "grads")
-        self._warm_up_again(None)
+        if change.waits:
+            self._wait_for_unskipped_steps()
         return True
 
     def _stepped_inside_a_condition(self) -> list:
@@ -989,7 +855,7 @@ class GraphedStep:
         """What the graph steps is not what the optimizers step now: an
         optimizer's containers were replaced or grown, or it is gone
         (`optimizer` it, or None), or a parameter or a module's mode
-        changed (_params_changed, _modes_changed).  The graph
+        changed (_changed_since_capture).  The graph
         is freed, and the next call is an eager step, which creates the state
         of parameters added or unfrozen since (created inside a capture, it
         would be zeroed again at every replay), before the call after it
@@ -1012,7 +878,7 @@ class GraphedStep:
         with torch.no_grad():
             out = graphed(*args, **kwargs)
         self.grads.leave()
-        self.other_grads.leave()
+        self.since.other_grads.leave()
         return out if self.outputs is None else self.outputs.rebuild(out)
 
     # -- 4. reset --------------------------------------------------------------
@@ -1030,7 +896,7 @@ class GraphedStep:
         if self.graphed is not None:
             self.graphed.reset()
         self.graphed, self.static, self.outputs, self.groups = None, None, None, []
-        self.marks, self.modes, self.grad_sync, self.other_grads = None, None, None, None
+        self.since = None
         self.grads, self.scaler_factors = None, []
 
     def __repr__(self) -> str:
@@ -1090,195 +956,6 @@ def _out_of_the_pool(made: list[_Made]) -> None:
                 m.state[key] = value.clone()
 
 
-class _Marks:
-    """Each tensor a step's graph reads or steps in place, with its memory
-    and requires_grad at capture (one ``_C.param_marks`` tuple): the
-    parameters of its optimizers, then the other parameters and the buffers
-    of the modules it names (an EMA copy it updates, a frozen backbone,
-    BatchNorm's running stats).  Note [What a graphed step checks before a
-    replay].  Held strongly: a tensor moved away (``ema.cpu()``) keeps its
-    old memory until the check sees the move, so no other tensor can take
-    it and be written by a replay.  A tensor replaced in its module by
-    another object (``model.to(torch.bfloat16)`` converting a buffer,
-    ``module.buf = t``) is found by walking the modules again, only after a
-    registration, conversion or swap on one of them (watch_for_steps in
-    cgraph/_describe.py)."""
-
-    __slots__ = ("params", "modules", "tensors", "marks", "labels", "epoch")
-
-    def __init__(self, params: tuple, modules: list, label: Callable[[Any], str]):
-        self.params, self.modules = params, tuple(modules)
-        others = self._others()
-        self.tensors = (*params, *(t for _, t in others.values()))
-        self.labels = (*map(label, params), *(name for name, _ in others.values()))
-        self.marks = _C.param_marks(self.tensors)
-        self.epoch = watch_for_steps(self.modules)
-
-    def _others(self) -> dict:
-        """id -> (label, tensor): the modules' parameters no optimizer of the
-        step holds and their buffers, now.  Tensors without memory of their
-        own to compare (sparse ones; subclasses other than DTensor, such as
-        a QLoRA base's NF4 weights) are left out."""
-        stepped = {id(p) for p in self.params}
-        others: dict = {}
-        for module in self.modules:
-            # FSDP2 swaps its modules' sharded and unsharded parameters
-            # itself: their shards are the optimizers'.
-            sharded = any(map(_fsdp.is_fsdp, module.modules()))
-            state = module.named_buffers() if sharded else _named_state(module)
-            for name, t in state:
-                if id(t) not in stepped and _has_memory(t):
-                    others.setdefault(id(t), (f"{type(module).__name__}.{name}", t))
-        return others
-
-    def same(self) -> bool:
-        if not _C.params_are(self.tensors, self.marks):
-            return False
-        if self.epoch == step_replacing_epoch():
-            return True
-        now, held = [t for _, t in self._others().values()], self.tensors[len(self.params):]
-        if len(now) != len(held) or any(a is not b for a, b in zip(now, held)):
-            return False
-        self.epoch = watch_for_steps(self.modules)  # submodules added since too
-        return True
-
-    def first_changed(self) -> tuple[str, str]:
-        """(the first changed tensor's label, how it changed)."""
-        now = _C.param_marks(self.tensors)
-        changed = [k for k, (was, got) in enumerate(zip(self.marks, now)) if was != got]
-        if not changed:
-            held = {id(t) for t in self.tensors}
-            label = next((name for name, t in self._others().values() if id(t) not in held),
-                         "a buffer or parameter")
-            return label, "was replaced (module.to(), a new tensor assigned)"
-        k = changed[0]
-        if now[k][1] != self.marks[k][1]:
-            return self.labels[k], "was unfrozen" if now[k][1] else "was frozen"
-        return self.labels[k], "moved to other memory (.to(), .data = ...)"
-
-
-def _has_memory(t: torch.Tensor) -> bool:
-    """Whether _C.param_marks can read where `t`'s kernels read: a strided
-    tensor of no dispatch subclass, or a DTensor (its local shard)."""
-    return t.layout == torch.strided and (
-        _dtensor.is_dtensor(t) or type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
-
-
-class _OtherGrads:
-    """The grads of the parameters of the modules a step names that none of
-    its optimizers holds (a forward-and-backward step's; a part trained by
-    an optimizer stepped outside), frozen ones left out: Note [Grads no
-    optimizer of the step holds].  Each parameter's grad as the capture
-    began (weakly: the step's own zero_grad() frees it for the capture to
-    reuse) and as it ended."""
-
-    __slots__ = ("params", "labels", "before", "read", "after", "checked", "checked_before",
-                 "checked_labels")
-
-    def __init__(self, modules: list, stepped: set):
-        found = {id(p): (f"{type(m).__name__}.{name}", p) for m in modules
-                 for name, p in m.named_parameters()
-                 if id(p) not in stepped and p.requires_grad}
-        self.params = tuple(p for _, p in found.values())
-        self.labels = tuple(name for name, _ in found.values())
-        self.before = tuple(None if p.grad is None else weakref.ref(p.grad) for p in self.params)
-        self.read: dict = {}  # id(p) -> the starting grad the capture's backward added into
-        self.after: tuple | None = None  # set once the capture returned
-        self.checked: tuple = ()  # (parameters, their grads as the capture began, labels)
-        self.checked_before: tuple = ()
-        self.checked_labels: tuple = ()
-
-    @contextlib.contextmanager
-    def noting(self):
-        """Around the capture: a post-accumulate-grad hook per parameter that
-        had a grad notes whether the backward added into it, and holds it:
-        every replay adds into that memory."""
-        def noted(param):
-            was = self.before[index[id(param)]]
-            if was is not None and was() is param.grad:
-                self.read.setdefault(id(param), param.grad)
-
-        index = {id(p): k for k, p in enumerate(self.params)}
-        handles = [p.register_post_accumulate_grad_hook(noted)
-                   for p, was in zip(self.params, self.before) if was is not None]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
-
-    def captured(self, cleared: frozenset) -> None:
-        """Once the capture returned.  A grad the step cleared itself
-        (zero_grad() inside) is made anew by every replay, whatever it was
-        before the call, and so is one the backward did not add into that
-        is gone since (set to None inside): not checked.  One the backward
-        added into is, held, even where the step replaced it after."""
-        self.after = tuple(p.grad for p in self.params)
-        kept = []
-        for p, was, label in zip(self.params, self.before, self.labels):
-            grad = self.read.get(id(p), None if was is None else was())
-            if id(p) not in cleared and (was is None or grad is not None):
-                kept.append((p, grad, label))
-        self.checked = tuple(p for p, _, _ in kept)
-        self.checked_before = tuple(grad for _, grad, _ in kept)
-        self.checked_labels = tuple(label for _, _, label in kept)
-        self.before, self.read = (), {}
-
-    def first_changed(self) -> str | None:
-        """The label of the first checked parameter whose grad is not the
-        object it was when the capture began, or None."""
-        if _C.grads_are(self.checked, self.checked_before):
-            return None
-        return next(label for p, was, label in zip(self.checked, self.checked_before,
-                                                   self.checked_labels) if p.grad is not was)
-
-    def leave(self) -> None:
-        """After a replay: each grad the one the capture left."""
-        if self.after is None or _C.grads_are(self.params, self.after):
-            return
-        for p, grad in zip(self.params, self.after):
-            if p.grad is not grad:
-                p.grad = grad
-
-
-class _GradSync:
-    """Whether the FSDP2 groups and DDP models a step names reduce their
-    grads, as its capture left them: Note [Grad sync set outside a graphed
-    step].  One (owner, attribute, label) per setting, and its value."""
-
-    __slots__ = ("settings", "values")
-    _FSDP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward")
-
-    def __init__(self, fsdp_groups, ddp_models: list):
-        settings = [(g, name, f"FSDP's {name} of {_fsdp.group_name(g)}")
-                    for g in fsdp_groups for name in self._FSDP if hasattr(g, name)]
-        settings += [(m, "require_backward_grad_sync", "DDP's require_backward_grad_sync "
-                      "(no_sync())") for m in ddp_models]
-        self.settings = tuple(settings)
-        self.values = tuple(getattr(owner, name) for owner, name, _ in self.settings)
-
-    def first_changed(self) -> str | None:
-        """The label of the first setting changed since, or None."""
-        for (owner, name, label), value in zip(self.settings, self.values):
-            if getattr(owner, name) != value:
-                return label
-        return None
-
-    def refuse_unreduced(self) -> None:
-        """Refuses to capture a call that starts with an FSDP group not
-        reducing its grads."""
-        for (_, name, label), value in zip(self.settings, self.values):
-            if name == "reduce_grads" and not value:
-                raise ValueError(
-                    f"cgraph: this call of the step, which would capture it, starts with "
-                    f"{label} off (set_requires_gradient_sync(False) before the call): FSDP "
-                    "then keeps the unsharded grads across calls in its own Python state, "
-                    "which a replay cannot follow. Run the micro-batches inside the step, calling "
-                    "set_requires_gradient_sync(i == last) before each backward (the step "
-                    "then ends with sync on), or graph the layers instead "
-                    "(cgraph.make_graphed(layer) for each fully_shard-ed layer).")
-
-
 @dataclasses.dataclass
 class _Took:
     """What one capture of a step gave on this rank, noted as it goes
@@ -1288,7 +965,8 @@ class _Took:
     grads: list = dataclasses.field(default_factory=list)  # StepGrads.noted's record
     modes: Modes | None = None  # the modes of the modules it names, as the call found them
     roots: list = dataclasses.field(default_factory=list)  # the modules it names
-    other_grads: _OtherGrads | None = None  # as the capture began
+    sync: GradSync | None = None  # the grad sync of what it names, as the capture began
+    other_grads: OtherGrads | None = None  # as the capture began
     made: list[_Made] = dataclasses.field(default_factory=list)  # optimizer state it made
     failure: BaseException | None = None
 
@@ -1468,7 +1146,7 @@ _SCHEDULER_INSIDE = (
 def _schedulers_refused():
     """While the step warms up or is captured, on this thread, every LR
     scheduler's step() raises, naming the fix (Note [What a graphed step
-    checks before a replay]); other threads' step as before."""
+    checks before a replay] in cgraph/_step_checks.py); other threads' step as before."""
     me = threading.get_ident()
     base = torch.optim.lr_scheduler.LRScheduler
     made_now: set = set()  # ids of schedulers inside their __init__'s own step

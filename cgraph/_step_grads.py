@@ -100,7 +100,7 @@ class StepGrads:
         self.copied = False  # logged that grads made outside are copied in
         # The ids of every parameter whose grads a zero_grad() in the capture
         # cleared, any optimizer's or module's (Note [Grads no optimizer of
-        # the step holds] in cgraph/_step.py).
+        # the step holds] in cgraph/_step_checks.py).
         self.cleared = cleared
 
     @classmethod
@@ -186,11 +186,18 @@ class StepGrads:
 
     def leave(self) -> None:
         """Rule 3, after a replay."""
-        if _C.grads_are(self.params, self.after):
-            return
-        for p, grad in zip(self.params, self.after):
-            if p.grad is not grad:
-                p.grad = grad
+        give_grads(self.params, self.after)
+
+
+def give_grads(params: tuple, grads: tuple) -> None:
+    """Each of `params` gets the grad object at its place in `grads` (None:
+    no grad), as a replay leaves them: one native pointer compare where
+    every one has it already, as after most replays."""
+    if _C.grads_are(params, grads):
+        return
+    for p, grad in zip(params, grads):
+        if p.grad is not grad:
+            p.grad = grad
 
 
 def _params_of(optimizer) -> list:

@@ -4,7 +4,7 @@
 // cgraph/_ddp.py); their grads compared with the ones its graph uses, around
 // each replay (Note [Grads around a graphed step] in cgraph/_step_grads.py);
 // their memory and requires_grad compared with the capture's (Note [What a
-// graphed step checks before a replay] in cgraph/_step.py).
+// graphed step checks before a replay] in cgraph/_step_checks.py).
 #include "aten_engine.hpp"
 
 #include <torch/csrc/autograd/functions/accumulate_grad.h>

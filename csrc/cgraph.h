@@ -281,7 +281,7 @@ int cg_grads_are(PyObject *params, PyObject *grads);
  * whether it requires grad); NULL with an exception set.  And whether each
  * parameter still has its mark: 1, 0, or -1 with an exception set.  The
  * check before each replay of a graphed step: Note [What a graphed step
- * checks before a replay] in cgraph/_step.py. */
+ * checks before a replay] in cgraph/_step_checks.py. */
 PyObject *cg_param_marks(PyObject *params);
 int cg_params_are(PyObject *params, PyObject *marks);
 

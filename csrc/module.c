@@ -512,7 +512,8 @@ PyDoc_STRVAR(cgm_param_marks_doc,
 "param_marks(params) -> tuple\n\n"
 "Per tensor of the tuple `params`: (the address of the memory its kernels\n"
 "read, a DTensor's local shard's; whether it requires grad).  Note [What a\n"
-"graphed step checks before a replay] in cgraph/_step.py.  Not a public API.");
+"graphed step checks before a replay] in cgraph/_step_checks.py.  Not a public\n"
+"API.");
 
 /* Returns a NEW reference to a tuple, or NULL with an exception set. */
 static PyObject *
@@ -541,7 +542,7 @@ PyDoc_STRVAR(cgm_modes_are_doc,
 "modes_are(modules, modes) -> bool\n\n"
 "Whether each module of the tuple `modules` has as its `training` flag the\n"
 "bool at the same place of the tuple `modes`.  Note [What a graphed step\n"
-"checks before a replay] in cgraph/_step.py.  Not a public API.");
+"checks before a replay] in cgraph/_step_checks.py.  Not a public API.");
 
 /* nn.Module keeps the flag in the instance dict (Module.__init__ sets it
  * there; no class of torch's defines it): read there, a dict lookup by an

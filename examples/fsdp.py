@@ -532,7 +532,7 @@ def failing_capture(rank, world, inside_a_layer=False):
 
 
 def sync_set_outside(rank):
-    """Note [Grad sync set outside a graphed step] in cgraph/_step.py: a
+    """Note [Grad sync set outside a graphed step] in cgraph/_step_checks.py: a
     forward-and-backward step graphed whole, called once per micro-batch,
     FSDP's grad sync set outside it (on for the last of two) and the
     optimizer stepped outside.  A call that finds sync changed since the

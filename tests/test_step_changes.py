@@ -1,6 +1,6 @@
 """What a graphed step checks before a replay (Note [What a graphed step
-checks before a replay] in cgraph/_step.py): a parameter frozen, unfrozen
-or moved to other memory since capture, a capture that made optimizer
+checks before a replay] in cgraph/_step_checks.py): a parameter frozen,
+unfrozen or moved to other memory since capture, a capture that made optimizer
 state, and an lr changed inside the step.  The GPU tests train a graphed
 step and its eager twin (a deep copy, a second optimizer) on the same
 batches and compare after every call: bitwise, except foreach AdamW, which
@@ -21,10 +21,11 @@ from torch import nn
 import cgraph
 from _helpers import CUDA, assert_equal
 from cgraph import _C
-from cgraph._step import (_forget, _GradSync, _lrs, _Marks, _OtherGrads, _out_of_the_pool,
-                          _Outputs,
-                          _refuse_lrs_moved_inside, _refuse_scalers_updated_outside,
-                          _schedulers_refused, _state_keys, _state_made)
+from cgraph._modes import Modes
+from cgraph._step import (_forget, _lrs, _out_of_the_pool, _Outputs, _refuse_lrs_moved_inside,
+                          _refuse_scalers_updated_outside, _schedulers_refused, _state_keys,
+                          _state_made)
+from cgraph._step_checks import GradSync, Marks, OtherGrads, SinceCapture
 from cgraph._step_grads import StepGrads
 
 OPTIMIZERS = {
@@ -443,7 +444,16 @@ def as_captured(step, model, opt):
     with StepGrads.noted([opt], into):
         train_step(model, opt)(torch.randn(3, 4), torch.randint(0, 2, (3,)))
     step.grads = into[0]
-    step.marks = _Marks(step.grads.params, [model], step.grads.label)
+    step.since = since(step, model)
+
+
+def since(step, model):
+    """The record a capture leaves (SinceCapture): `model`'s tensors, no
+    modes read, no grad sync, no other grads."""
+    others = OtherGrads([], set())
+    others.captured(frozenset())
+    return SinceCapture(Marks(step.grads.params, [model], step.grads.label), Modes.now(()),
+                        GradSync([], []), others)
 
 
 def moved(p):
@@ -495,7 +505,7 @@ def test_a_parameter_frozen_unfrozen_or_moved_since_capture_warms_the_step_up_ag
 @pytest.mark.parametrize("what", ["running_mean", "weight"])
 def test_a_buffer_or_a_parameter_no_optimizer_steps_moved_since_capture_warms_up_again(
         what, caplog):
-    """_Marks: the graph also reads the other tensors of the modules the step
+    """Marks: the graph also reads the other tensors of the modules the step
     names (BatchNorm's running stats, a frozen backbone, an EMA copy it
     updates), and one moved since capture (ema.cpu(); ema.cuda()) would be
     read, or written, at memory freed since: named, and the step runs
@@ -505,7 +515,7 @@ def test_a_buffer_or_a_parameter_no_optimizer_steps_moved_since_capture_warms_up
     opt = torch.optim.SGD(model[2].parameters(), lr=0.1)
     step = cgraph.make_graphed_step(lambda: None)
     as_captured(step, model, opt)
-    assert len(step.marks.tensors) == 2 + 4 + 3  # stepped, other parameters, buffers
+    assert len(step.since.marks.tensors) == 2 + 4 + 3  # stepped, other parameters, buffers
     assert not step._stale()
     moved(getattr(model[0 if what == "weight" else 1], what))
     with caplog.at_level(logging.INFO, logger="cgraph"):
@@ -527,18 +537,18 @@ def test_grads_no_optimizer_of_the_step_holds_are_checked_before_and_put_back_af
     as_captured(step, model, opt)
     for p in model[0].parameters():
         p.grad = None  # zero_grad() outside, before the capture
-    step.other_grads = _OtherGrads([model], {id(p) for p in model[1].parameters()})
-    assert len(step.other_grads.params) == 2
+    step.since.other_grads = OtherGrads([model], {id(p) for p in model[1].parameters()})
+    assert len(step.since.other_grads.params) == 2
     model(torch.randn(3, 4)).sum().backward()  # the grads the capture makes
-    step.other_grads.captured(frozenset())
+    step.since.other_grads.captured(frozenset())
     made = [p.grad for p in model[0].parameters()]
     for p in model[0].parameters():
         p.grad = None  # zero_grad() outside, before this call
     assert not step._stale()
-    step.other_grads.leave()
+    step.since.other_grads.leave()
     assert all(p.grad is g for p, g in zip(model[0].parameters(), made))
     with caplog.at_level(logging.INFO, logger="cgraph"):
-        assert step._stale() and step.other_grads is None  # not cleared this time
+        assert step._stale() and step.since is None  # not cleared this time
     assert_logged(caplog, "the grad of Sequential.0.weight", "set or cleared outside the step")
 
 
@@ -552,7 +562,7 @@ def test_a_grad_the_backward_added_into_then_replaced_is_held_and_checked():
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     model(torch.randn(3, 4)).sum().backward()  # grads from outside, added into
-    others = _OtherGrads([model], set())
+    others = OtherGrads([model], set())
     started = [p.grad for p in others.params]
     with others.noting():
         model(torch.randn(3, 4)).sum().backward()
@@ -575,7 +585,7 @@ def test_grads_the_step_clears_itself_are_not_checked_before_a_replay():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model[1].bias.requires_grad_(False)
     model(torch.randn(3, 4)).sum().backward()  # the last warm-up's grads
-    others = _OtherGrads([model], set())
+    others = OtherGrads([model], set())
     assert len(others.params) == 3
     model.zero_grad()  # inside the capture
     model(torch.randn(3, 4)).sum().backward()
@@ -591,7 +601,7 @@ def test_grads_the_step_clears_itself_are_not_checked_before_a_replay():
 
 @pytest.mark.parametrize("how", ["converted", "assigned"])
 def test_a_buffer_replaced_by_another_tensor_since_capture_warms_up_again(how, caplog):
-    """_Marks: a buffer replaced in its module by a new object, its old one
+    """Marks: a buffer replaced in its module by a new object, its old one
     unmoved (model.to(torch.bfloat16) converting the fp32 buffer of a bf16
     model, parameters already bf16; or module.buf = t): found by walking the
     modules again after the conversion or registration, named."""
@@ -605,7 +615,7 @@ def test_a_buffer_replaced_by_another_tensor_since_capture_warms_up_again(how, c
     with StepGrads.noted([opt], into):
         pass
     step.grads = into[0]
-    step.marks = _Marks(step.grads.params, [model], step.grads.label)
+    step.since = since(step, model)
     assert not step._stale()
     torch.nn.Linear(2, 2)  # a registration elsewhere: walked again, nothing replaced
     assert not step._stale()
@@ -632,16 +642,16 @@ def test_grad_sync_set_outside_the_step_since_capture_warms_up_again(owner, capl
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = cgraph.make_graphed_step(lambda: None)
     as_captured(step, model, opt)
-    step.grad_sync = _GradSync([group], [ddp])
+    step.since.sync = GradSync([group], [ddp])
     assert not step._stale()
     if owner == "fsdp":
         group.reduce_grads, said = False, "FSDP's reduce_grads of 'layers.0'"
     else:
         ddp.require_backward_grad_sync, said = False, "DDP's require_backward_grad_sync"
     with caplog.at_level(logging.INFO, logger="cgraph"):
-        assert step._stale() and step.grads is None and step.grad_sync is None
+        assert step._stale() and step.grads is None and step.since is None
     assert_logged(caplog, said, "changed since capture")
-    refused = _GradSync([group], [ddp])
+    refused = GradSync([group], [ddp])
     if owner == "ddp":
         refused.refuse_unreduced()  # DDP's grads accumulate in .grad, which a replay follows
         return

@@ -15,6 +15,7 @@ from torch import nn
 
 import cgraph
 from cgraph import _ranks
+from cgraph._modes import roots
 from cgraph._step import _Containers, _ScalerFactors
 
 
@@ -268,20 +269,23 @@ def test_ranks_agree_on_a_steps_capture_only_where_it_may_hold_collectives(mesh)
     from torch.distributed.tensor import DTensor, Replicate
     from torch.nn.parallel import DistributedDataParallel
 
+    def holds(step, leaves):
+        return step._holds_collectives(leaves, roots(step.fn, step.ddp.models()))
+
     x = torch.randn(3, 4)
     step = cgraph.make_graphed_step(lambda x: None, (x,))
     step.optimizers.add(torch.optim.SGD(nn.Linear(4, 2).parameters(), lr=0.1))
-    assert not step._holds_collectives([x])
-    assert step._holds_collectives([DTensor.from_local(x, mesh, [Replicate()])])
+    assert not holds(step, [x])
+    assert holds(step, [DTensor.from_local(x, mesh, [Replicate()])])
     sharded = nn.Linear(4, 2)
     fully_shard(sharded, mesh=mesh)
     step.optimizers.add(sgd := torch.optim.SGD(sharded.parameters(), lr=0.1))
-    assert step._holds_collectives([x])
+    assert holds(step, [x])
     step.optimizers.discard(sgd)
     ddp = DistributedDataParallel(nn.Linear(4, 2))
     step = cgraph.make_graphed_step(lambda x: ddp(x).sum().backward(), (x,))
     step(x)  # warm-up: the DDP model is found
-    assert step._holds_collectives([x])
+    assert holds(step, [x])
 
 
 class _NoCapturableForm(torch.optim.Optimizer):

@@ -1,0 +1,361 @@
+"""What a graphed step's capture found that code outside the step can
+change between calls, checked before each replay (SinceCapture): the
+memory of the tensors it reads, its modules' modes, their grad sync, and
+the grads no optimizer of it holds.  cgraph/_step.py builds the record at
+capture and asks it before each replay; a change makes that call step
+eagerly and the next capture again.
+
+Note [What a graphed step checks before a replay]
+Q: A step's graph steps the parameters in the memory they had at capture,
+   makes grads for those that required grad then, and steps the optimizer
+   state the capture found.  What if one of these changes between calls?
+A: Before each replay, one native call (``_C.params_are``: a pointer and a
+   flag per tensor, about 17 ns each on the CI machine) compares the memory
+   (a DTensor's local shard's) and ``requires_grad`` of each parameter of
+   the step's optimizers, and of the other parameters and buffers of the
+   modules it names (Marks), with the capture's.  A tensor moved to other
+   memory (``.to()``, ``p.data = ...``, an EMA copy moved to the CPU for an
+   evaluation and back) would leave the graph reading, or writing, memory
+   freed since; a parameter frozen since would still be stepped (eager's
+   optimizer skips a parameter whose grad is None), one unfrozen never.
+   On any change the graph is freed, the call steps eagerly (creating the
+   state of a parameter unfrozen), and the next one captures, logged.  A
+   capture that made optimizer state (a parameter without grad in every
+   warm-up call gets one at the capture: unfrozen between them, or the
+   first capture after a ``reset()``) would make it again at every replay:
+   Adam's first step at every step, an SGD momentum buffer never
+   accumulating.  Its graph is that first step, so it replays for the
+   capturing call, as any capture does, and the next call captures again,
+   with the state there, copied out of the first graph's pool before that
+   pool goes (it lives as long as the optimizer: a released pool whose
+   blocks are still allocated is unsafe under expandable segments, Note [A
+   step's warm-up in its pool] in csrc/aten_setup.cpp, and keeps its
+   segments reserved otherwise); where the ranks capture together, they
+   agree on that in the gather that agrees on the capture (Note [A capture
+   that fails on one rank], cgraph/_ranks.py), so that none captures while
+   the others replay.  A capture that failed, here or on another rank,
+   drops the state it made (never written: a capture runs no kernel); the
+   optimizer's next step, eager or captured, makes it again.  The modes are
+   those the capturing call found (a step that calls ``model.train()``
+   itself, run between ``model.eval()`` calls, keeps its graph).  An lr
+   that changes inside the step after its optimizer stepped
+   (``scheduler.step()`` in the step) is refused at the first warm-up
+   call: the scheduler would fill the graph's device lr once, at capture,
+   and every replay would step with that lr.  Modes: Note [The modules a
+   graphed step's modes are read from] (cgraph/_modes.py).  Not seen:
+   parameters replaced by new objects (``load_state_dict(assign=True)``),
+   which the optimizer no longer steps
+   in eager mode either, and the memory of a tensor subclass other than
+   DTensor (float8 weights).  A change before every call captures at every
+   call: warned once, at the third in a row, as a baked value is.
+
+Note [Grads no optimizer of the step holds]
+Q: A forward-and-backward step (micro-batches graphed, the optimizer
+   stepped outside), or a part of the model trained by an optimizer the
+   step does not call: autograd assigns those parameters' grads where they
+   were None at capture, and adds into them where they existed; a replay
+   repeats what the capture did, at the memory it did it in.  The grads of
+   the step's optimizers' parameters follow Note [Grads around a graphed
+   step] (cgraph/_step_grads.py).  What of these, which code outside sets
+   to None (``zero_grad()``) or replaces between calls?
+A: Each one's grad object as the capture began (weakly) and as it ended
+   is kept (OtherGrads), frozen parameters left out.  Before a replay, one
+   native pointer compare per parameter (``_C.grads_are``): a grad that is
+   not the object it was as the capture began (None where it was a tensor,
+   a tensor where it was None, another tensor) would be assigned where the
+   graph adds or added to where it assigns; that call steps eagerly and the
+   next captures again, from that state.  A grad the step clears itself
+   (a zero_grad() inside, noted as Note [Grads around a graphed step]
+   notes it) is made anew by every replay, so it is not checked; one the
+   backward added into is held from then on (a post-accumulate-grad hook
+   around the capture notes it), so that a grad the step replaces after
+   its backward (``p.grad = p.grad * mask``) is still checked.  After a
+   replay, each parameter gets the grad the capture left, as an eager
+   backward would give it.  So grads cleared to None before each call, or
+   never cleared, replay; a pattern that alternates (cleared before every
+   other call: micro-batches) captures at every other call, correct, and
+   warned of at the third such call in a row.
+
+Note [Grad sync set outside a graphed step]
+Q: A step graphed whole replays the collectives its capture issued.  FSDP2's
+   set_requires_gradient_sync(False) and DDP's no_sync(), called outside
+   the step (micro-batches, each a call of a forward-and-backward step),
+   decide whether the backward reduces its grads.  What if they change
+   between the capture and a replay?
+A: Each replay would reduce, or not, as the capture did: the optimizer
+   would step rank-local or stale grads.  So the settings the capture left
+   (GradSync: FSDP's reduce_grads, all_reduce_grads and
+   reshard_after_backward of each group of the modules the step names,
+   DDP's require_backward_grad_sync of each DDP model it calls) are
+   compared before each replay, an attribute read each, and a change makes
+   the call step eagerly and the next capture again, as a changed mode
+   does.  A capture that would start with an FSDP group not reducing is
+   refused, naming the fix: FSDP then accumulates unsharded grads in its
+   own Python state, assigned on the first micro-batch and added after,
+   which no replay can follow.  A step that turns sync off and on itself,
+   inside, ends with it on, as its capture and every replay do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from . import _C, _dtensor, _fsdp
+from ._describe import _named_state, step_replacing_epoch, watch_for_steps
+from ._modes import Modes
+from ._step_grads import give_grads
+
+
+class Change(NamedTuple):
+    """What changed since capture, for the log: `what` `how` ("parameter 0
+    of param group 0 of SGD", "was frozen"); `key`, the kind of change,
+    counted in a row (GraphedStep._changed_in_a_row); `waits`, whether
+    optimizers stepped inside a GradScaler's condition count as not found
+    again (a parameter unfrozen needs its state made by a step the scaler
+    does not skip: Note [GradScaler with any optimizer] in cgraph/_step.py)."""
+
+    what: str
+    how: str
+    key: str
+    waits: bool = False
+
+
+class SinceCapture:
+    """One record of what a step's capture found and each replay checks
+    first, in the order asked: the tensors it reads (Marks), the modes of
+    the modules it names (Modes, cgraph/_modes.py), their grad sync
+    (GradSync) and the grads no optimizer of it holds (OtherGrads)."""
+
+    __slots__ = ("marks", "modes", "sync", "other_grads")
+
+    def __init__(self, marks: "Marks", modes: Modes, sync: "GradSync",
+                 other_grads: "OtherGrads"):
+        self.marks, self.modes, self.sync, self.other_grads = marks, modes, sync, other_grads
+
+    def first_changed(self) -> Change | None:
+        """The first change since capture, or None (a native compare or two
+        per record: Note [The step's hot path] in cgraph/_step.py)."""
+        if not self.marks.same():
+            return Change(*self.marks.first_changed(), "parameters", waits=True)
+        if not self.modes.same():
+            return Change("a module it calls", self.modes.first_changed(), "modes")
+        label = self.sync.first_changed()
+        if label is not None:
+            return Change(label, "changed", "grad sync")
+        label = self.other_grads.first_changed()
+        if label is not None:
+            return Change(f"the grad of {label}", "was set or cleared outside the step", "grads")
+        return None
+
+
+def _labelled(modules, state_of: Callable, keep: Callable[[torch.Tensor], bool]) -> dict:
+    """id -> (label, tensor): each tensor that `state_of(module)` names in
+    `modules` and `keep` accepts, once, labelled ``Class.name`` as the
+    first module naming it calls it."""
+    found: dict = {}
+    for module in modules:
+        for name, t in state_of(module):
+            if id(t) not in found and keep(t):
+                found[id(t)] = (f"{type(module).__name__}.{name}", t)
+    return found
+
+
+class Marks:
+    """Each tensor a step's graph reads or steps in place, with its memory
+    and requires_grad at capture (one ``_C.param_marks`` tuple): the
+    parameters of its optimizers, then the other parameters and the buffers
+    of the modules it names (an EMA copy it updates, a frozen backbone,
+    BatchNorm's running stats).  Note [What a graphed step checks before a
+    replay].  Held strongly: a tensor moved away (``ema.cpu()``) keeps its
+    old memory until the check sees the move, so no other tensor can take
+    it and be written by a replay.  A tensor replaced in its module by
+    another object (``model.to(torch.bfloat16)`` converting a buffer,
+    ``module.buf = t``) is found by walking the modules again, only after a
+    registration, conversion or swap on one of them (watch_for_steps in
+    cgraph/_describe.py)."""
+
+    __slots__ = ("params", "modules", "tensors", "marks", "labels", "epoch")
+
+    def __init__(self, params: tuple, modules: list, label: Callable[[Any], str]):
+        self.params, self.modules = params, tuple(modules)
+        others = self._others()
+        self.tensors = (*params, *(t for _, t in others.values()))
+        self.labels = (*map(label, params), *(name for name, _ in others.values()))
+        self.marks = _C.param_marks(self.tensors)
+        self.epoch = watch_for_steps(self.modules)
+
+    def _others(self) -> dict:
+        """id -> (label, tensor): the modules' parameters no optimizer of the
+        step holds and their buffers, now.  Tensors without memory of their
+        own to compare (sparse ones; subclasses other than DTensor, such as
+        a QLoRA base's NF4 weights) are left out."""
+        stepped = {id(p) for p in self.params}
+
+        def state_of(module):
+            # FSDP2 swaps its modules' sharded and unsharded parameters
+            # itself: their shards are the optimizers'.
+            sharded = any(map(_fsdp.is_fsdp, module.modules()))
+            return module.named_buffers() if sharded else _named_state(module)
+
+        return _labelled(self.modules, state_of,
+                         lambda t: id(t) not in stepped and has_memory(t))
+
+    def same(self) -> bool:
+        if not _C.params_are(self.tensors, self.marks):
+            return False
+        if self.epoch == step_replacing_epoch():
+            return True
+        now, held = [t for _, t in self._others().values()], self.tensors[len(self.params):]
+        if len(now) != len(held) or any(a is not b for a, b in zip(now, held)):
+            return False
+        self.epoch = watch_for_steps(self.modules)  # submodules added since too
+        return True
+
+    def first_changed(self) -> tuple[str, str]:
+        """(the first changed tensor's label, how it changed)."""
+        now = _C.param_marks(self.tensors)
+        changed = [k for k, (was, got) in enumerate(zip(self.marks, now)) if was != got]
+        if not changed:
+            held = {id(t) for t in self.tensors}
+            label = next((name for name, t in self._others().values() if id(t) not in held),
+                         "a buffer or parameter")
+            return label, "was replaced (module.to(), a new tensor assigned)"
+        k = changed[0]
+        if now[k][1] != self.marks[k][1]:
+            return self.labels[k], "was unfrozen" if now[k][1] else "was frozen"
+        return self.labels[k], "moved to other memory (.to(), .data = ...)"
+
+
+def has_memory(t: torch.Tensor) -> bool:
+    """Whether _C.param_marks can read where `t`'s kernels read: a strided
+    tensor of no dispatch subclass, or a DTensor (its local shard)."""
+    return t.layout == torch.strided and (
+        _dtensor.is_dtensor(t) or type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
+
+
+class OtherGrads:
+    """The grads of the parameters of the modules a step names that none of
+    its optimizers holds (a forward-and-backward step's; a part trained by
+    an optimizer stepped outside), frozen ones left out: Note [Grads no
+    optimizer of the step holds].  Each parameter's grad as the capture
+    began (weakly: the step's own zero_grad() frees it for the capture to
+    reuse) and as it ended."""
+
+    __slots__ = ("params", "labels", "before", "read", "after", "checked", "checked_before",
+                 "checked_labels")
+
+    def __init__(self, modules: list, stepped: set):
+        found = _labelled(modules, lambda m: m.named_parameters(),
+                          lambda p: id(p) not in stepped and p.requires_grad)
+        self.params = tuple(p for _, p in found.values())
+        self.labels = tuple(name for name, _ in found.values())
+        self.before = tuple(None if p.grad is None else weakref.ref(p.grad) for p in self.params)
+        self.read: dict = {}  # id(p) -> the starting grad the capture's backward added into
+        self.after: tuple | None = None  # set once the capture returned
+        self.checked: tuple = ()  # (parameters, their grads as the capture began, labels)
+        self.checked_before: tuple = ()
+        self.checked_labels: tuple = ()
+
+    @contextlib.contextmanager
+    def noting(self):
+        """Around the capture: a post-accumulate-grad hook per parameter that
+        had a grad notes whether the backward added into it, and holds it:
+        every replay adds into that memory."""
+        def noted(param):
+            was = self.before[index[id(param)]]
+            if was is not None and was() is param.grad:
+                self.read.setdefault(id(param), param.grad)
+
+        index = {id(p): k for k, p in enumerate(self.params)}
+        handles = [p.register_post_accumulate_grad_hook(noted)
+                   for p, was in zip(self.params, self.before) if was is not None]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def captured(self, cleared: frozenset) -> None:
+        """Once the capture returned.  A grad the step cleared itself
+        (zero_grad() inside) is made anew by every replay, whatever it was
+        before the call, and so is one the backward did not add into that
+        is gone since (set to None inside): not checked.  One the backward
+        added into is, held, even where the step replaced it after."""
+        self.after = tuple(p.grad for p in self.params)
+        kept = []
+        for p, was, label in zip(self.params, self.before, self.labels):
+            grad = self.read.get(id(p), None if was is None else was())
+            if id(p) not in cleared and (was is None or grad is not None):
+                kept.append((p, grad, label))
+        self.checked = tuple(p for p, _, _ in kept)
+        self.checked_before = tuple(grad for _, grad, _ in kept)
+        self.checked_labels = tuple(label for _, _, label in kept)
+        self.before, self.read = (), {}
+
+    def first_changed(self) -> str | None:
+        """The label of the first checked parameter whose grad is not the
+        object it was when the capture began, or None."""
+        if _C.grads_are(self.checked, self.checked_before):
+            return None
+        return next(label for p, was, label in zip(self.checked, self.checked_before,
+                                                   self.checked_labels) if p.grad is not was)
+
+    def leave(self) -> None:
+        """After a replay: each grad the one the capture left."""
+        if self.after is not None:
+            give_grads(self.params, self.after)
+
+
+class GradSync:
+    """Whether the FSDP2 groups and DDP models a step names reduce their
+    grads: Note [Grad sync set outside a graphed step].  One owner,
+    attribute and label per setting, aligned, and its value as the capture
+    began, then (captured()) as it left it."""
+
+    __slots__ = ("owners", "names", "labels", "values")
+    _FSDP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward")
+
+    def __init__(self, fsdp_groups, ddp_models: list):
+        settings = [(g, name, f"FSDP's {name} of {_fsdp.group_name(g)}")
+                    for g in fsdp_groups for name in self._FSDP if hasattr(g, name)]
+        settings += [(m, "require_backward_grad_sync", "DDP's require_backward_grad_sync "
+                      "(no_sync())") for m in ddp_models]
+        self.owners = tuple(owner for owner, _, _ in settings)
+        self.names = tuple(name for _, name, _ in settings)
+        self.labels = tuple(label for _, _, label in settings)
+        self.values = self._now()
+
+    def _now(self) -> tuple:
+        return tuple(map(getattr, self.owners, self.names))
+
+    def captured(self) -> None:
+        """Once the capture returned: the settings it left are those every
+        replay keeps (a step that turns sync off and on itself ends with it
+        on)."""
+        self.values = self._now()
+
+    def first_changed(self) -> str | None:
+        """The label of the first setting changed since, or None."""
+        now = self._now()
+        if now == self.values:
+            return None
+        return next(label for label, was, got in zip(self.labels, self.values, now)
+                    if got != was)
+
+    def refuse_unreduced(self) -> None:
+        """Refuses to capture a call that starts with an FSDP group not
+        reducing its grads."""
+        for name, label, value in zip(self.names, self.labels, self.values):
+            if name == "reduce_grads" and not value:
+                raise ValueError(
+                    f"cgraph: this call of the step, which would capture it, starts with "
+                    f"{label} off (set_requires_gradient_sync(False) before the call): FSDP "
+                    "then keeps the unsharded grads across calls in its own Python state, "
+                    "which a replay cannot follow. Run the micro-batches inside the step, calling "
+                    "set_requires_gradient_sync(i == last) before each backward (the step "
+                    "then ends with sync on), or graph the layers instead "
+                    "(cgraph.make_graphed(layer) for each fully_shard-ed layer).")
