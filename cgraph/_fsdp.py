@@ -345,8 +345,10 @@ class Resharded:
 #    rest as torch 2.14's FSDPModule.reset_iter_state puts it, less that
 #    reset's waits for the pass's CUDA events: those were recorded inside
 #    the capture, and a stream outside it cannot wait on them.  A rank whose
-#    capture succeeded (another one failed) is at rest already, and its
-#    state (an HSDP partial reduction from earlier micro-batches) is kept.
+#    capture succeeded (another one failed) is at rest already.  No rank
+#    drops grads held for a later reduction: a capture never starts with
+#    any (Note [Grad sync set outside a graphed step],
+#    cgraph/_step_checks.py).
 def _inside_a_pass(root_state) -> bool:
     ctx = root_state._state_ctx
     if ctx.iter_forward_root is not None or getattr(ctx, "post_backward_final_callback_queued",
@@ -395,6 +397,26 @@ def _reset_iter_state(root_state) -> None:
             g.reshard()
     root_state._state_ctx.iter_forward_root = None
     root_state._state_ctx.post_backward_final_callback_queued = False
+
+
+def all_reduces(group) -> bool:
+    """Whether `group` all-reduces its reduced grads across replicas (HSDP's
+    replicate dimension), which its all_reduce_grads turns off."""
+    return getattr(getattr(group, "mesh_info", None), "replicate_mesh_dim", None) is not None
+
+
+def holding_grads(groups) -> str | None:
+    """The name of the first of `groups` holding grads of earlier backwards
+    in its own Python state for a later reduction (unsharded grads kept
+    with reduce_grads off, an HSDP partial reduction kept with
+    all_reduce_grads off), or None: Note [Grad sync set outside a graphed
+    step] (cgraph/_step_checks.py)."""
+    for g in groups:
+        if getattr(g, "_partial_reduce_output", None) is not None or any(
+                getattr(p, "unsharded_accumulated_grad", None) is not None
+                for p in g.fsdp_params):
+            return group_name(g)
+    return None
 
 
 def refuse_offloaded(groups) -> None:

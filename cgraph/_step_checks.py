@@ -78,10 +78,11 @@ A: Each one's grad object as the capture began (weakly) and as it ended
 
 Note [Grad sync set outside a graphed step]
 Q: A step graphed whole replays the collectives its capture issued.  FSDP2's
-   set_requires_gradient_sync(False) and DDP's no_sync(), called outside
-   the step (micro-batches, each a call of a forward-and-backward step),
-   decide whether the backward reduces its grads.  What if they change
-   between the capture and a replay?
+   set_requires_gradient_sync(False) (or HSDP's set_requires_all_reduce)
+   and DDP's no_sync(), called outside the step (micro-batches, each a call
+   of a forward-and-backward step), decide whether the backward reduces its
+   grads; DDP's last forward decides whether the next broadcasts rank 0's
+   buffers.  What if they change between the capture and a replay?
 A: Each replay would reduce, or not, as the capture did: the optimizer
    would step rank-local or stale grads.  So the settings the capture left
    (GradSync: FSDP's reduce_grads, all_reduce_grads and
@@ -89,11 +90,21 @@ A: Each replay would reduce, or not, as the capture did: the optimizer
    DDP's require_backward_grad_sync of each DDP model it calls) are
    compared before each replay, an attribute read each, and a change makes
    the call step eagerly and the next capture again, as a changed mode
-   does.  A capture that would start with an FSDP group not reducing is
-   refused, naming the fix: FSDP then accumulates unsharded grads in its
-   own Python state, assigned on the first micro-batch and added after,
-   which no replay can follow.  A step that turns sync off and on itself,
-   inside, ends with it on, as its capture and every replay do.
+   does.  So is DDP's require_forward_param_sync, of a model that
+   broadcasts buffers, against its value as the capture began: a forward
+   under no_grad() or no_sync() turns it off and eager's next forward then
+   broadcasts nothing, where a replay would, and a capture after such a
+   forward would never broadcast.  A capture that would start with an FSDP
+   group not reducing (reduce_grads off; all_reduce_grads off on a group
+   with a replicate dimension), or holding grads that earlier calls left
+   for a later reduction, is refused, naming the fix: FSDP keeps those
+   grads in its own Python state (unsharded grads, HSDP's partial
+   reduction), assigned on the first micro-batch and added after, which no
+   replay can follow; a replay would add into the memory the capture found,
+   freed since.  A step that turns sync off and on itself, inside, ends with
+   it on, as its capture and every replay do.  So a failed capture that
+   puts FSDP back to rest (Note [A capture that fails inside FSDP2's pass],
+   cgraph/_fsdp.py) drops no grads held for a later reduction.
 """
 
 from __future__ import annotations
@@ -314,9 +325,14 @@ class GradSync:
     """Whether the FSDP2 groups and DDP models a step names reduce their
     grads: Note [Grad sync set outside a graphed step].  One owner,
     attribute and label per setting, aligned, and its value as the capture
-    began, then (captured()) as it left it."""
+    began, then (captured()) as it left it; the FSDP group holding grads
+    for a later reduction as it began (_fsdp.holding_grads); and whether
+    each DDP model that broadcasts buffers was to broadcast them as the
+    capture began (require_forward_param_sync, which a replay does not set,
+    compared with that)."""
 
-    __slots__ = ("owners", "names", "labels", "values")
+    __slots__ = ("owners", "names", "labels", "values", "holding", "broadcasting",
+                 "broadcast")
     _FSDP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward")
 
     def __init__(self, fsdp_groups, ddp_models: list):
@@ -328,6 +344,12 @@ class GradSync:
         self.names = tuple(name for _, name, _ in settings)
         self.labels = tuple(label for _, _, label in settings)
         self.values = self._now()
+        self.holding = _fsdp.holding_grads(fsdp_groups)
+        self.broadcasting = tuple(m for m in ddp_models if _broadcasts_buffers(m))
+        self.broadcast = self._broadcast_now()
+
+    def _broadcast_now(self) -> tuple:
+        return tuple(m.require_forward_param_sync for m in self.broadcasting)
 
     def _now(self) -> tuple:
         return tuple(map(getattr, self.owners, self.names))
@@ -341,21 +363,47 @@ class GradSync:
     def first_changed(self) -> str | None:
         """The label of the first setting changed since, or None."""
         now = self._now()
-        if now == self.values:
-            return None
-        return next(label for label, was, got in zip(self.labels, self.values, now)
-                    if got != was)
+        if now != self.values:
+            return next(label for label, was, got in zip(self.labels, self.values, now)
+                        if got != was)
+        if self._broadcast_now() != self.broadcast:
+            return ("DDP's require_forward_param_sync (whether its forward broadcasts rank 0's "
+                    "buffers, off after a forward under no_grad() or no_sync())")
+        return None
 
     def refuse_unreduced(self) -> None:
         """Refuses to capture a call that starts with an FSDP group not
-        reducing its grads."""
-        for name, label, value in zip(self.names, self.labels, self.values):
-            if name == "reduce_grads" and not value:
-                raise ValueError(
-                    f"cgraph: this call of the step, which would capture it, starts with "
-                    f"{label} off (set_requires_gradient_sync(False) before the call): FSDP "
-                    "then keeps the unsharded grads across calls in its own Python state, "
-                    "which a replay cannot follow. Run the micro-batches inside the step, calling "
-                    "set_requires_gradient_sync(i == last) before each backward (the step "
-                    "then ends with sync on), or graph the layers instead "
-                    "(cgraph.make_graphed(layer) for each fully_shard-ed layer).")
+        reducing its grads (HSDP's all-reduce included), or holding grads
+        earlier calls left for a later reduction."""
+        for owner, name, label, value in zip(self.owners, self.names, self.labels, self.values):
+            if value:
+                continue
+            if name == "reduce_grads":
+                _refuse_held(f"starts with {label} off (set_requires_gradient_sync(False) "
+                             "before the call): FSDP then keeps the unsharded grads across "
+                             "calls in its own Python state")
+            if name == "all_reduce_grads" and _fsdp.all_reduces(owner):
+                _refuse_held(f"starts with {label} off (set_requires_all_reduce(False) before "
+                             "the call): FSDP then keeps HSDP's partial reduction across calls "
+                             "in its own Python state")
+        if self.holding is not None:
+            _refuse_held(f"starts with FSDP's {self.holding} holding grads that earlier calls "
+                         "made with sync off left for a later reduction, in FSDP's own Python "
+                         "state")
+
+
+def _broadcasts_buffers(model) -> bool:
+    """Whether DDP `model` broadcasts rank 0's buffers at a forward that
+    follows a grad-syncing one (DistributedDataParallel.
+    will_sync_module_buffers, less the flag)."""
+    syncs = getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", False))
+    return bool(syncs) and len(getattr(model, "modules_buffers", ())) > 0
+
+
+def _refuse_held(what: str) -> None:
+    raise ValueError(
+        f"cgraph: this call of the step, which would capture it, {what}, which a replay "
+        "cannot follow. Run the micro-batches inside the step, calling "
+        "set_requires_gradient_sync(i == last) before each backward (the step then ends with "
+        "sync on), or graph the layers instead (cgraph.make_graphed(layer) for each "
+        "fully_shard-ed layer).")

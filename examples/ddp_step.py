@@ -24,7 +24,13 @@ them):
    also counts its calls on the host and in a GPU tensor.  The host count
    stops at the capture; the GPU count goes on by one per bucket per replay,
    so the reduction DDP launches is replayed by the graph, not the host.
-4. teardown: step.reset(), then dist.destroy_process_group().
+4. buffers after a forward under no_grad(): an MLP with BatchNorm (DDP
+   broadcasts rank 0's running stats at a forward that follows a
+   grad-syncing one), a forward under no_grad() in train mode before the
+   last step, after which eager DDP broadcasts nothing: parameters and
+   buffers bitwise equal to eager DDP's on every rank, the last step eager
+   (Note [Grad sync set outside a graphed step] in cgraph/_step_checks.py).
+5. teardown: step.reset(), then dist.destroy_process_group().
 """
 
 import os
@@ -44,6 +50,12 @@ WIDTH, CLASSES, BATCH, STEPS = 64, 10, 32, 16
 def mlp():
     torch.manual_seed(0)  # the same weights on every rank (DDP broadcasts them anyway)
     return nn.Sequential(nn.Linear(WIDTH, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
+                         nn.Linear(128, CLASSES)).cuda()
+
+
+def bn_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(WIDTH, 128), nn.BatchNorm1d(128), nn.GELU(),
                          nn.Linear(128, CLASSES)).cuda()
 
 
@@ -122,12 +134,37 @@ def allreduce_in_graph(rank, device):
     return step
 
 
+def buffers_after_a_no_grad_forward(rank, device):
+    model, eager = DDP(bn_mlp(), device_ids=[device]), DDP(bn_mlp(), device_ids=[device])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, fused=True)
+    step = cgraph.make_graphed_step(train_step(model, opt), batch(0, rank))
+    eager_step = train_step(eager, opt_e)
+    for i in range(STEPS):
+        x, y = batch(i, rank)
+        step(x, y)
+        eager_step(x, y)
+        if i == STEPS - 2:  # after the capture: the last step broadcasts nothing
+            with torch.no_grad():
+                model(x)
+                eager(x)
+    same = all(torch.equal(a, b) for a, b in zip(
+        [*model.module.parameters(), *model.module.buffers()],
+        [*eager.module.parameters(), *eager.module.buffers()]))
+    want = {"eager": 12, "captures": 1, "replays": STEPS - 12}
+    check(same and step.stats == want, rank,
+          f"buffers after a forward under no_grad(): parameters and buffers equal to eager "
+          f"DDP: {same}, {step.stats} (want {want})")
+    return step
+
+
 def main():
     device = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")
     rank = dist.get_rank()
-    steps = [graphed_vs_eager(rank, device), allreduce_in_graph(rank, device)]
+    steps = [graphed_vs_eager(rank, device), allreduce_in_graph(rank, device),
+             buffers_after_a_no_grad_forward(rank, device)]
     for step in steps:
         step.reset()
     dist.barrier()

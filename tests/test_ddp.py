@@ -31,7 +31,8 @@ def test_ddp_recipes_on_two_gpus():
 
 STEP_CHECKS = ("graphed DDP step: losses, parameters and grads equal to eager DDP",
                "warm-up: {'eager': 11, 'captures': 1, 'replays': 5}",
-               "allreduce in the graph:", "teardown:")
+               "allreduce in the graph:", "buffers after a forward under no_grad():",
+               "teardown:")
 
 
 def assert_step_checks(out, ranks):
@@ -194,6 +195,39 @@ def test_find_unused_parameters_is_refused_at_capture_with_the_fix(gloo):
         step(x, y)
     with pytest.raises(ValueError, match="find_unused_parameters=False"):
         step(*data[11])  # the capture: refused before any CUDA call
+
+
+def test_ddp_s_buffer_broadcast_is_compared_with_its_setting_as_the_capture_began(gloo):
+    """Note [Grad sync set outside a graphed step]: DDP broadcasts rank 0's
+    buffers (BatchNorm's running stats) at a forward that follows a
+    grad-syncing one, not after a forward under no_grad(); a replay
+    broadcasts as its capture began.  The setting, read from a real DDP
+    model: a forward under no_grad() since capture is a change, one with
+    grad is not; a model without buffers broadcasts nothing to compare."""
+    from cgraph._step_checks import GradSync
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)))
+    x = torch.randn(6, 8)
+    model(x).sum().backward()  # as the capture leaves it: broadcast at the next forward
+    sync = GradSync([], [model])
+    sync.captured()
+    assert sync.first_changed() is None
+    with torch.no_grad():
+        model(x)
+    assert "require_forward_param_sync" in sync.first_changed()
+    model(x).sum().backward()
+    assert sync.first_changed() is None
+    with torch.no_grad():
+        model(x)
+    began_off = GradSync([], [model])  # a capture right after: replays would never broadcast
+    model(x).sum().backward()  # the capture's own forward turns it on
+    began_off.captured()
+    assert "require_forward_param_sync" in began_off.first_changed()
+    plain = DDP(cpu_model())
+    with torch.no_grad():
+        plain(x)
+    assert GradSync([], [plain]).first_changed() is None and not GradSync([], [plain]).broadcasting
 
 
 def test_ddp_hooks_survive_the_captured_call(gloo, caplog):

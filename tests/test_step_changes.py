@@ -634,8 +634,7 @@ def test_grad_sync_set_outside_the_step_since_capture_warms_up_again(owner, capl
     FSDP param group and a DDP model: a replay would reduce grads, or not,
     as the capture did; a change is named and the step runs eagerly once
     more.  A call that would capture with FSDP's sync off is refused."""
-    group = SimpleNamespace(reduce_grads=True, all_reduce_grads=True,
-                            reshard_after_backward=True, _module_fqn="layers.0")
+    group = fsdp_group()
     ddp = SimpleNamespace(require_backward_grad_sync=True)
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
@@ -658,6 +657,38 @@ def test_grad_sync_set_outside_the_step_since_capture_warms_up_again(owner, capl
     with pytest.raises(ValueError, match=r"starts with FSDP's reduce_grads of 'layers.0' off.*"
                                          r"set_requires_gradient_sync\(i == last\)"):
         refused.refuse_unreduced()
+
+
+def fsdp_group(hsdp=False, **settings):
+    """A stand-in for an FSDP2 param group of one parameter, at rest: every
+    setting on, nothing held for a later reduction."""
+    return SimpleNamespace(**{"reduce_grads": True, "all_reduce_grads": True,
+                              "reshard_after_backward": True, **settings},
+                           _module_fqn="layers.0", _partial_reduce_output=None,
+                           fsdp_params=[SimpleNamespace(unsharded_accumulated_grad=None)],
+                           mesh_info=SimpleNamespace(replicate_mesh_dim=0 if hsdp else None))
+
+
+def test_a_capture_starting_with_grads_fsdp_holds_for_a_later_reduction_is_refused():
+    """Note [Grad sync set outside a graphed step]: HSDP's all-reduce off
+    (set_requires_all_reduce(False)) keeps a partial reduction across calls,
+    and a group may hold grads that earlier calls with sync off left (the
+    last micro-batch's call capturing): a replay would add into memory freed
+    since, and FSDP's next eager call would miss what replays reduced.
+    Refused, naming the group.  all_reduce_grads off without a replicate
+    dimension does nothing in FSDP: not refused."""
+    GradSync([fsdp_group(hsdp=False, all_reduce_grads=False)], []).refuse_unreduced()
+    with pytest.raises(ValueError, match=r"all_reduce_grads of 'layers.0' off \(set_requires_all"
+                                         r"_reduce\(False\).*HSDP's partial reduction"):
+        GradSync([fsdp_group(hsdp=True, all_reduce_grads=False)], []).refuse_unreduced()
+    held = fsdp_group(hsdp=True)
+    held._partial_reduce_output = torch.zeros(2)
+    accumulated = fsdp_group()
+    accumulated.fsdp_params[0].unsharded_accumulated_grad = torch.zeros(2)
+    for group in (held, accumulated):
+        with pytest.raises(ValueError, match=r"starts with FSDP's 'layers.0' holding grads that "
+                                             r"earlier calls made with sync off"):
+            GradSync([group], []).refuse_unreduced()
 
 
 def test_a_step_returning_an_object_holding_tensors_pytree_cannot_see_is_refused():
