@@ -24,10 +24,10 @@ meaning the padding needs: a padding mask's 0 (or False) masks a position,
 so padded keys stay out of the real rows' attention; token ids and labels
 of 0 are valid values that no op divides by.  Copying the last column of a
 (batch, seq) padding mask would let real queries attend to padded keys.  A
-padding mask passed positionally must therefore be integer or bool (as
-tokenizers return it): a float one there is padded with its last column, as
-any float tensor; under a mask keyword a float one is padded masked (Note
-[Attention masks under sequence buckets]).  Along the
+padding mask passed positionally to a function must therefore be integer
+or bool (as tokenizers return it): a float one there is padded with its
+last column, as any float tensor; under a mask keyword a float one is
+padded masked (Note [Attention masks under sequence buckets]).  Along the
 batch (dimension 0) every tensor is padded with copies of its last real
 row, integers and bools too: a padded batch row then holds a real row's
 tokens and mask, where zeros would mask every key of it (a hand-written
@@ -59,9 +59,10 @@ size ``n`` at ``d``" misses them.  Names first, then shape:
   attention: ``hidden_states``, ``query``, ``key_states``, ...), ``t`` is
   not a mask: it is padded at ``d`` like any tensor (a heads-first
   ``(B, H, T, hd)`` query with ``hd == T`` is left as it is);
-- passed under any other keyword (T5's ``position_bias=``) or
-  positionally (pytree keeps no names), ``t`` is a mask by its shape alone,
-  when all of:
+- passed under any other keyword (T5's ``position_bias=``), or
+  positionally to a function (a module's positional arguments are read
+  under their names in its forward's signature), ``t`` is a mask by its
+  shape alone, when all of:
 
   - ``d < t.dim() - 2``: the bucketed dimension comes before the last two
     (a ``(B, T, T)`` mask under ``{1: ...}`` has its queries at ``d`` and is
@@ -74,8 +75,8 @@ size ``n`` at ``d``" misses them.  Names first, then shape:
   These keep a weight ``(64, 64)`` passed as an argument at ``T = 64`` (2
   dimensions), a ``(B, T, d)`` activation and a ``(B, T, H, hd)`` one (size
   ``n`` at ``d``) from being read as masks.  A heads-first ``(B, H, T, hd)``
-  tensor with ``hd == T`` passed positionally is misread as one (and,
-  returned at the bucket's size, sliced in ``hd`` too).
+  tensor with ``hd == T`` passed so is misread as one (and, returned at
+  the bucket's size, sliced in ``hd`` too).
 
 Why names?  Shape alone cannot tell a per-head mask ``(B, H, T, T)`` from a
 heads-first ``(B, H, T, hd)`` tensor at ``hd == T``, nor a ``(B, T, T)`` mask
@@ -85,7 +86,15 @@ are passed under these ones (``attention_mask=`` to Hugging Face's layers,
 ``nn.MultiheadAttention`` take it, ``key_padding_mask=`` as
 ``nn.MultiheadAttention`` and fairseq do, ``mask=`` in gpt-fast).  Outputs
 have no names: they are sliced by the positional rule.  Pass a mask of
-another keyword positionally.
+another keyword with a head dimension.
+
+A decoder layer's cross-attention reads an encoder's sequence, another one
+than the bucketed: its states (``encoder_hidden_states``,
+``key_value_states``) are padded along the batch only, and its masks and
+biases (``encoder_attention_mask``, ``encoder_decoder_position_bias``,
+``cross_attention_mask``), laid out ``(..., queries, encoder keys)``, in
+their queries too (3 or more dimensions), with copies of the last real
+query's row: new queries attend as it does, new keys there are none.
 
 How is a mask padded?  The new key columns are masked, so the real queries'
 attention is unchanged, and the new query rows (where ``t.shape[-2] == n``:
@@ -131,6 +140,7 @@ sliced back in both of its last two dimensions.
 from __future__ import annotations
 
 import bisect
+import inspect
 import weakref
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -153,8 +163,12 @@ NOT_MASK_KEYWORDS = frozenset({"hidden_states", "encoder_hidden_states", "x", "i
 # sequence than the bucketed one, whatever its length, so never padded along
 # it (padded as the decoder's at the same length, its new keys would be
 # attended, no mask covering them).  Along the batch it is padded as any tensor.
-_OTHER_SEQUENCE = frozenset({"encoder_hidden_states", "key_value_states",
-                             "encoder_attention_mask"})
+_OTHER_SEQUENCE = frozenset({"encoder_hidden_states", "key_value_states"})
+# Its masks and biases, (..., decoder queries, encoder keys): padded along the
+# batch, and in their queries only (Note [Attention masks under sequence
+# buckets]).
+_CROSS_MASKS = frozenset({"encoder_attention_mask", "encoder_decoder_position_bias",
+                          "cross_attention_mask"})
 # Masks whose True (or nonzero) masks, and whose floats are added to the
 # scores at any rank (nn.MultiheadAttention's, nn.Transformer's, fairseq's):
 # a keyword ending so.
@@ -213,7 +227,7 @@ class Bucketed:
 
     # __weakref__: a module whose forward it is keeps it weakly (_api._Installed).
     __slots__ = ("graphed", "buckets", "_module", "_batchnorms", "_true_masks",
-                 "_bidirectional", "__weakref__")
+                 "_bidirectional", "_names", "__weakref__")
 
     def __init__(self, graphed: _C.Graphed, buckets: dict[int, tuple[int, ...]],
                  module: nn.Module | None):
@@ -228,12 +242,12 @@ class Bucketed:
         # Keywords whose masks mask with True in this module's own forward.
         self._true_masks = next((keywords for cls, keywords in _TRUE_MASKS_OF.items()
                                  if isinstance(module, cls)), frozenset())
-        # The module's name where its attention says it is not causal and
-        # none says it is (an encoder's: BERT's), else None: Note [A padded
-        # sequence with no mask].
-        causal = {getattr(m, "is_causal", None) for m in module.modules()} if module else set()
-        self._bidirectional = (type(module).__name__ if False in causal and True not in causal
-                               else None)
+        # The module's name where its attention is not causal and none says
+        # it is (an encoder's: BERT's; torch's nn.MultiheadAttention, which
+        # has no such flag), else None: Note [A padded sequence with no mask].
+        self._bidirectional = _bidirectional(module) if module is not None else None
+        # The names its positional arguments are read under.
+        self._names = _positional_names(module) if module is not None else ()
 
     @property
     def module(self) -> nn.Module | None:
@@ -243,7 +257,9 @@ class Bucketed:
     def __call__(self, *args, **kwargs) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         padding = self._padding(leaves)
-        if not padding:
+        if not padding or _holds_cache(args, kwargs):
+            # A call carrying a KV cache (generate()) runs eagerly (Regraph):
+            # unpadded, so that the cache keeps real positions only.
             return self.graphed(*args, **kwargs)
         mixing = _mixing_batchnorm(self._batchnorms)
         if mixing is not None:
@@ -254,7 +270,7 @@ class Bucketed:
                 "change the real ones. Call it unpadded (a size in the buckets), or graph "
                 "it without buckets.")
         if any(dim >= 1 for dim in padding):  # names and the batch matter along sequences
-            keywords = _keywords(len(leaves), kwargs)
+            keywords = _keywords(args, kwargs, self._names)
             if self._bidirectional is not None and not _has_mask(leaves, keywords, padding):
                 _unmasked_bidirectional(self)
                 return self.graphed(*args, **kwargs)  # unpadded: a graph of its own size
@@ -311,14 +327,44 @@ def _size_at(leaves: list, dim: int) -> int:
 #    graph of its own, or eagerly past max_graphs), logged once; other
 #    modules are padded as before: a decoder layer's causal self-attention
 #    with a cross-attention (BART's, Whisper's) reads the encoder's
-#    sequence, which is never padded with the decoder's (_OTHER_SEQUENCE).
+#    sequence, which is never padded with the decoder's (_OTHER_SEQUENCE;
+#    its masks in their queries only, _CROSS_MASKS).  torch's
+#    nn.MultiheadAttention (inside nn.TransformerEncoderLayer) has no
+#    is_causal flag and attends both ways unless a mask says otherwise: a
+#    module holding one and no attention that says is_causal=True counts as
+#    not causal too.
+def _bidirectional(module: nn.Module) -> str | None:
+    causal = {getattr(m, "is_causal", None) for m in module.modules()}
+    torchs = any(isinstance(m, nn.MultiheadAttention) for m in module.modules())
+    return type(module).__name__ if (False in causal or torchs) and True not in causal else None
+
+
+def _positional_names(module: nn.Module) -> tuple:
+    """The names of `module`'s forward's positional parameters, in order
+    (a ``*args`` ends them); () where it has no signature to read."""
+    try:
+        params = inspect.signature(module.forward).parameters.values()
+    except (TypeError, ValueError):
+        return ()
+    names = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(p.name)
+    return tuple(names)
+
+
+def _holds_cache(args: tuple, kwargs: dict) -> bool:
+    from ._describe import holds_cache  # which imports this module
+    return holds_cache((args, kwargs))
+
 def _has_mask(leaves: list, keywords: list, padding: dict) -> bool:
     """Whether a call padded along a sequence (`padding` beyond dimension
     0) passes an attention mask for it; True when it pads the batch only."""
     sequences = [(d, n) for d, (n, _) in padding.items() if d >= 1]
     return not sequences or any(
         isinstance(t, torch.Tensor) and keyword not in _OTHER_SEQUENCE
-        and _is_mask(t, d, n, keyword)
+        and keyword not in _CROSS_MASKS and _is_mask(t, d, n, keyword)
         for t, keyword in zip(leaves, keywords) for d, n in sequences)
 
 
@@ -345,14 +391,15 @@ def _batch_of(leaves: list, keywords: list) -> int | None:
     return next((b for b in sizes if b != 1), sizes[0] if sizes else None)
 
 
-def _keywords(count: int, kwargs: dict) -> list[str | None]:
-    """The keyword each of a call's `count` leaves was passed under (None:
-    positionally), in the order pytree flattens ``(args, kwargs)``: the
-    arguments' leaves, then each keyword's value's, in the dict's order.
-    Read only for padded calls."""
-    named = [k for k, v in kwargs.items()
-             for _ in ((v,) if isinstance(v, torch.Tensor) else pytree.tree_leaves(v))]
-    return [None] * (count - len(named)) + named
+def _keywords(args: tuple, kwargs: dict, names: tuple) -> list[str | None]:
+    """The keyword each leaf of a call was passed under, a positional
+    argument's its parameter's name in `names` (None past them), in the
+    order pytree flattens ``(args, kwargs)``: the arguments' leaves, then
+    each keyword's value's, in the dict's order.  Read only for padded
+    calls."""
+    keys = [*(names[i] if i < len(names) else None for i in range(len(args))), *kwargs]
+    return [k for k, v in zip(keys, (*args, *kwargs.values()))
+            for _ in ((v,) if isinstance(v, torch.Tensor) else pytree.tree_leaves(v))]
 
 
 class _Padded(NamedTuple):
@@ -405,10 +452,14 @@ class _Call(NamedTuple):
 
 def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]], keyword: str | None,
          call: _Call) -> torch.Tensor:
-    """`t`, passed under `keyword` (None: positionally) in `call`, padded
-    for every dimension of `padding`."""
+    """`t`, passed under `keyword` (None: positionally to a function) in
+    `call`, padded for every dimension of `padding`."""
     for dim, (n, bucket) in padding.items():
         if dim >= 1 and keyword in _OTHER_SEQUENCE:
+            continue
+        if dim >= 1 and keyword in _CROSS_MASKS:
+            if t.dim() >= 3 and t.shape[-2] == n:  # (..., queries, encoder keys)
+                t = _last_rows(t, t.dim() - 2, n, bucket)
             continue
         if _is_mask(t, dim, n, keyword):
             # (T, T) beside a batch of another size: queries and keys.
@@ -422,14 +473,20 @@ def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]], keyword: str | No
 
 def _pad_rows(t: torch.Tensor, dim: int, n: int, bucket: int) -> torch.Tensor:
     """`t` padded at `dim` from `n` to `bucket` rows: Note [What padded rows hold]."""
+    if dim == 0 or t.is_floating_point() or t.is_complex():
+        return _last_rows(t, dim, n, bucket)
     shape = list(t.shape)
     shape[dim] = bucket - n
-    if dim == 0 or t.is_floating_point() or t.is_complex():
-        # Detached: a stand-in value, whose grads are dropped as zeros' were.
-        fill = t.narrow(dim, n - 1, 1).detach().expand(shape)
-    else:
-        fill = t.new_zeros(shape)
-    return torch.cat([t, fill], dim)
+    return torch.cat([t, t.new_zeros(shape)], dim)
+
+
+def _last_rows(t: torch.Tensor, dim: int, n: int, bucket: int) -> torch.Tensor:
+    """`t` padded at `dim` from `n` to `bucket` rows with copies of its last
+    real row."""
+    shape = list(t.shape)
+    shape[dim] = bucket - n
+    # Detached: a stand-in value, whose grads are dropped as zeros' were.
+    return torch.cat([t, t.narrow(dim, n - 1, 1).detach().expand(shape)], dim)
 
 
 def _is_mask(t: torch.Tensor, dim: int, n: int, keyword: str | None = None) -> bool:

@@ -544,6 +544,83 @@ def test_an_encoder_s_sequence_is_not_padded_with_the_decoder_s():
     assert recorder.kwargs["encoder_attention_mask"].shape == (4, 11)
 
 
+def test_a_decoder_layer_s_positional_cross_attention_inputs_are_read_by_their_names():
+    """transformers passes a decoder layer's encoder_hidden_states (and its
+    mask) positionally: read under their names in the layer's forward, the
+    encoder's states are padded along the batch only, and a (B, 1, T, S)
+    cross-attention mask or T5's (1, H, T, S) bias in its queries only, with
+    copies of the last real query's row (a bool row of zeros would mask
+    every key).  Before, the states were padded as the decoder's (real
+    queries attended to copies of the last encoder position), and the mask
+    not at all (a shape error)."""
+    class Attention(nn.Module):
+        def __init__(self, causal):
+            super().__init__()
+            self.is_causal = causal
+
+    class DecoderLayer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.self_attn, self.encoder_attn = Attention(True), Attention(False)
+
+        def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                    encoder_attention_mask=None, encoder_decoder_position_bias=None):
+            raise AssertionError("the recorder stands in for the graphs")
+
+    recorder = Recorder()
+    layer = Bucketed(recorder, normalize({1: [16]}), DecoderLayer())
+    memory = torch.randn(3, 11, 8)  # the encoder's length, equal to the decoder's
+    cross = torch.rand(3, 1, 11, 11) > 0.3
+    bias = torch.randn(1, 2, 11, 5)
+    layer(torch.randn(3, 11, 8), None, memory, cross, bias)
+    hidden, _, padded_memory, padded_cross, padded_bias = recorder.args
+    assert hidden.shape == (3, 16, 8) and torch.equal(padded_memory, memory)
+    assert padded_cross.shape == (3, 1, 16, 11) and padded_bias.shape == (1, 2, 16, 5)
+    assert torch.equal(padded_cross[:, :, :11], cross)
+    assert torch.equal(padded_cross[:, :, 11:], cross[:, :, 10:].expand(3, 1, 5, 11))
+    assert torch.equal(padded_bias[:, :, 11:], bias[:, :, 10:].expand(1, 2, 5, 5))
+
+
+def test_a_torch_transformer_encoder_layer_pads_a_call_only_with_a_mask(caplog):
+    """nn.TransformerEncoderLayer's nn.MultiheadAttention attends both ways
+    and has no is_causal flag: a call with no mask runs at its own size
+    (padded, its real queries would attend to the new keys), equal to eager;
+    one with a key padding mask is padded, its real rows equal to eager's."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    calls = []
+
+    def forward(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return layer(*args, **kwargs)
+
+    graphed = Bucketed(forward, normalize({1: [16]}), layer)
+    x = torch.randn(2, 11, 8)
+    with caplog.at_level(logging.INFO, logger="cgraph"), torch.no_grad():
+        torch.testing.assert_close(graphed(x), layer(x))
+        keep = torch.arange(11)[None, :] >= torch.tensor([[11], [7]])
+        out = graphed(x, src_key_padding_mask=keep)
+        want = layer(x, src_key_padding_mask=keep)
+    torch.testing.assert_close(out[0], want[0])
+    torch.testing.assert_close(out[1, :7], want[1, :7])
+    assert calls == [11, 16] and "is not padded to a bucket" in caplog.text
+
+
+def test_a_call_carrying_a_kv_cache_is_not_padded():
+    """generate() calls a graphed layer with its KV cache, which that call
+    runs eagerly (Regraph): padded, the cache would keep the padded
+    positions and every later step would attend to them.  Unpadded."""
+    class DynamicCache:
+        pass
+
+    recorder = Recorder()
+    x = torch.randn(2, 1, 8)
+    bucketed(recorder, {1: [8]})(x, past_key_values=DynamicCache())
+    assert recorder.args[0].shape == (2, 1, 8)
+    bucketed(recorder, {1: [8]})(x)
+    assert recorder.args[0].shape == (2, 8, 8)
+
+
 def test_key_padding_mask_under_multihead_attention_keeps_the_real_outputs():
     """nn.MultiheadAttention (batch first) with a bool key_padding_mask,
     True = ignore: the padded keys are ignored as the real padding is, so
