@@ -157,12 +157,14 @@ int cg_engine_warmup_begin(cg_engine* engine) {
 }
 
 int cg_engine_warmup_end(cg_engine* engine, int completed) {
-  HANDLE_TH_ERRORS
-  if (completed) {
-    engine->ptr->rng.warmup_end();
-  } else {
-    engine->ptr->rng.capture_end();  // leaves the RNG hooks; keeps the caller's exception
+  if (!completed) {
+    // Outside HANDLE_TH_ERRORS: its warning handler would raise a warning
+    // as Python's while the caller's exception, the one reported, is set.
+    engine->ptr->rng.capture_end();  // noexcept; leaves the RNG hooks
+    return 0;
   }
+  HANDLE_TH_ERRORS
+  engine->ptr->rng.warmup_end();
   return 0;
   END_HANDLE_TH_ERRORS_RET(-1)
 }
@@ -349,7 +351,11 @@ int cg_if_end(cg_if_region* region, int completed) {
 PyObject* cg_engine_replay(cg_engine* engine, PyObject* const* args, Py_ssize_t nargs,
                            int accepted) {
   HANDLE_TH_ERRORS
-  return cgraph::replay(engine->ptr, args, static_cast<size_t>(nargs), accepted != 0);
+  // A copy: Python code run inside the replay (a finalizer of a collection
+  // that allocating an output starts) may reset() the callable and free
+  // the handle; the engine then lives until the replay returns.
+  const std::shared_ptr<cgraph::Engine> held = engine->ptr;
+  return cgraph::replay(held, args, static_cast<size_t>(nargs), accepted != 0);
   END_HANDLE_TH_ERRORS_RET(nullptr)
 }
 

@@ -467,6 +467,10 @@ session_open(session *s, PyObject *module, PyObject *args)
     if (pool == Py_None) {
         return cg_new_pool(&s->pool);
     }
+    if (!PyTuple_Check(pool)) {  /* PyArg_ParseTuple takes a tuple only */
+        PyErr_SetString(PyExc_TypeError, "cgraph: pool must be a pair of ints");
+        return -1;
+    }
     return PyArg_ParseTuple(pool, "KK;cgraph: pool must be a pair of ints",
                             &s->pool.first, &s->pool.second) ? 0 : -1;
 }

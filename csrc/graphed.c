@@ -297,6 +297,11 @@ cg_new_graphed(PyObject *module, PyObject *args, PyObject *kwargs)
     self->casts = (char)casts;
     self->eager = eager == Py_None ? NULL : Py_NewRef(eager);
     self->has_shared = shared != Py_None;
+    if (self->has_shared && !PyTuple_Check(shared)) {  /* PyArg_ParseTuple takes tuples */
+        PyErr_SetString(PyExc_TypeError, "new_graphed: shared_pool must be a pair of ints");
+        Py_DECREF(self);
+        return NULL;
+    }
     if ((self->has_shared &&
          !PyArg_ParseTuple(shared, "KK;new_graphed: shared_pool must be a pair of ints",
                            &self->shared.first, &self->shared.second)) ||
@@ -1166,6 +1171,9 @@ Graphed_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf,
     if (self->is_reset) {
         return raise_reset();
     }
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) == 0) {
+        kwnames = NULL;  /* the protocol allows an empty tuple for no keywords */
+    }
     if (self->on_miss != NULL) {
         return call_any(self, args, nargs, kwnames);
     }
@@ -1222,14 +1230,19 @@ Graphed_get_spec(GraphedObject *self, void *closure)
     return Py_NewRef(self->entries[0].spec);
 }
 
-/* Returns a NEW reference: a list of every graph's CallableSpec. */
+/* Returns a NEW reference: a list of every graph's CallableSpec, or NULL
+ * with an exception set.  Appended, self->entries read again at each: an
+ * allocation may run a collection, whose finalizers may reset() this
+ * callable (a list sized first would then keep empty slots). */
 static PyObject *
 Graphed_get_specs(GraphedObject *self, void *closure)
 {
-    PyObject *specs = PyList_New(self->n_entries);
+    PyObject *specs = PyList_New(0);
 
     for (Py_ssize_t k = 0; specs != NULL && k < self->n_entries; k++) {
-        PyList_SET_ITEM(specs, k, Py_NewRef(self->entries[k].spec));
+        if (PyList_Append(specs, (PyObject *)self->entries[k].spec) < 0) {
+            Py_CLEAR(specs);
+        }
     }
     return specs;
 }
@@ -1394,17 +1407,19 @@ callable_name(const cg_spec *spec)
     return name;
 }
 
-/* "[(16, 64), (16,)]": the shapes of one graph's tensor arguments.  Returns
- * a NEW reference, or NULL with an exception set. */
+/* "[(16, 64), (16,)]": the shapes of the tensor arguments of the graph
+ * captured from `spec` (borrowed; the tuple of its samples held here: a
+ * finalizer run by an allocation may reset the callable and free its
+ * entries).  Returns a NEW reference, or NULL with an exception set. */
 static PyObject *
-entry_shapes(const graph_entry *entry)
+entry_shapes(const cg_spec *spec)
 {
-    Py_ssize_t n = PyTuple_GET_SIZE(entry->spec->tensors);
+    PyObject *samples = Py_NewRef(spec->tensors);
+    Py_ssize_t n = PyTuple_GET_SIZE(samples);
     PyObject *shapes = PyList_New(n), *text = NULL;
 
     for (Py_ssize_t i = 0; shapes != NULL && i < n; i++) {
-        PyObject *shape = PyObject_GetAttrString(PyTuple_GET_ITEM(entry->spec->tensors, i),
-                                                 "shape");
+        PyObject *shape = PyObject_GetAttrString(PyTuple_GET_ITEM(samples, i), "shape");
         PyObject *tuple = shape ? PySequence_Tuple(shape) : NULL;
         Py_XDECREF(shape);
         if (tuple == NULL) {
@@ -1413,6 +1428,7 @@ entry_shapes(const graph_entry *entry)
         }
         PyList_SET_ITEM(shapes, i, tuple);
     }
+    Py_DECREF(samples);
     text = shapes ? PyObject_Repr(shapes) : NULL;
     Py_XDECREF(shapes);
     return text;
@@ -1424,7 +1440,7 @@ entry_shapes(const graph_entry *entry)
 static PyObject *
 Graphed_repr(GraphedObject *self)
 {
-    PyObject *name, *shapes, *sep, *joined, *result;
+    PyObject *first, *name, *shapes, *sep, *joined, *result;
     cg_stats stats = summed_stats(self);
 
     if (self->is_reset) {
@@ -1434,21 +1450,23 @@ Graphed_repr(GraphedObject *self)
         return PyUnicode_FromString("<cgraph.Graphed: no graph yet (captures on its first "
                                     "call)>");
     }
-    shapes = PyList_New(self->n_entries);
+    /* Held, and self->entries read again at each step: as Graphed_get_specs. */
+    first = Py_NewRef((PyObject *)self->entries[0].spec);
+    shapes = PyList_New(0);
     for (Py_ssize_t k = 0; shapes != NULL && k < self->n_entries; k++) {
-        PyObject *one = entry_shapes(&self->entries[k]);
-        if (one == NULL) {
+        PyObject *one = entry_shapes(self->entries[k].spec);
+        if (one == NULL || PyList_Append(shapes, one) < 0) {
             Py_CLEAR(shapes);
-            break;
         }
-        PyList_SET_ITEM(shapes, k, one);
+        Py_XDECREF(one);
     }
-    name = shapes ? callable_name(self->entries[0].spec) : NULL;
+    name = shapes ? callable_name((const cg_spec *)first) : NULL;
+    Py_DECREF(first);
     sep = name ? PyUnicode_FromString(" ") : NULL;
     joined = sep ? PyUnicode_Join(sep, shapes) : NULL;
     result = joined ? PyUnicode_FromFormat(
         "<cgraph.Graphed of %U: %zd graph%s %U, %llu replays, %llu eager calls, pool (%llu, "
-        "%llu)>", name, self->n_entries, self->n_entries == 1 ? "" : "s", joined,
+        "%llu)>", name, PyList_GET_SIZE(shapes), PyList_GET_SIZE(shapes) == 1 ? "" : "s", joined,
         stats.forward, self->eager_pending + self->eager_past_limit + self->eager_on_miss,
         self->pool.first,
         self->pool.second) : NULL;

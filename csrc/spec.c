@@ -152,14 +152,24 @@ check_types(cg_spec *spec)
                         "kwargs: dict)");
         return -1;
     }
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec->constants); i++) {
+    /* In increasing leaf order: drop_constants and cg_call_from_tensors walk
+     * them beside the leaves (arguments.c). */
+    for (Py_ssize_t i = 0, last = -1; i < PyTuple_GET_SIZE(spec->constants); i++) {
         PyObject *entry = PyTuple_GET_ITEM(spec->constants, i);
-        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 3 ||
-            !PyLong_Check(PyTuple_GET_ITEM(entry, CG_CONSTANT_POSITION))) {
-            PyErr_SetString(PyExc_TypeError,
-                            "CallableSpec.constants must hold (position, name, value) tuples");
+        Py_ssize_t position = -1;
+        if (PyTuple_Check(entry) && PyTuple_GET_SIZE(entry) == 3 &&
+            PyLong_Check(PyTuple_GET_ITEM(entry, CG_CONSTANT_POSITION)) &&
+            PyUnicode_Check(PyTuple_GET_ITEM(entry, CG_CONSTANT_NAME))) {
+            position = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, CG_CONSTANT_POSITION));
+        }
+        if (position <= last) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_TypeError, "CallableSpec.constants must hold "
+                                "(position, name: str, value) tuples, positions increasing");
+            }
             return -1;
         }
+        last = position;
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(spec->defaults); i++) {
         PyObject *entry = PyTuple_GET_ITEM(spec->defaults, i);

@@ -159,6 +159,11 @@ def test_callable_spec_refuses_missing_unknown_and_mistyped_fields():
     for bad in ((), ((), {}, {}), ([], {}), ((), [])):  # walked in C unchecked
         with pytest.raises(TypeError, match="walk must be None or"):
             cgraph._C.CallableSpec(**dict(fields, walk=bad))
+    # Walked in C beside the leaves, their names formatted into errors: a
+    # name that is no str aborted the process before.
+    for bad in (((1, 12345, 3),), ((2, "b", 0), (1, "a", 0)), ((-1, "a", 0),), ([1, "a", 0],)):
+        with pytest.raises(TypeError, match="constants must hold"):
+            cgraph._C.CallableSpec(**dict(fields, constants=bad))
 
 
 def test_samples_sharing_memory_get_their_own_static_buffers():
