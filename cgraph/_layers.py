@@ -95,7 +95,7 @@ def graph_layers(model: nn.Module, *, layers: str | nn.Module | None = None,
     if pool == "shared":
         pool = graph_pool_handle()
     _graph_each(found.blocks, pool, make_graphed_kwargs)
-    _cache_off(root, found.container, found.blocks[0])
+    _cache_off(root, found.container, found.blocks)
     share = _parameter_count(found.container) / max(_parameter_count(root), 1)
     if layers is None:
         _warn_if_more_blocks(root, found, share)
@@ -163,7 +163,9 @@ def _find(root: nn.Module, layers) -> Blocks:
                         "blocks.")
     found = Blocks.of(path, blocks)
     if any(is_graphed(block) for block in found.blocks):
-        raise ValueError(f"cgraph: graph_layers: the blocks at {found.where} are graphed already.")
+        raise ValueError(f"cgraph: graph_layers: the blocks at {found.where} are graphed already "
+                         "(some or all). Reset every one first (block.forward.reset() for each, "
+                         "or cgraph.reset_all()), then graph them again.")
     return found
 
 
@@ -250,7 +252,7 @@ _cache_hooks: "weakref.WeakKeyDictionary[nn.Module, RemovableHandle]" = \
     weakref.WeakKeyDictionary()
 
 
-def _cache_off(root: nn.Module, container: nn.Module, first_block: nn.Module) -> None:
+def _cache_off(root: nn.Module, container: nn.Module, blocks) -> None:
     """Hugging Face models (the root, or inside a LightningModule) build a
     KV cache per forward when config.use_cache is on, and hand it to every
     block, whose graphs cannot append to it (such a call runs the block
@@ -259,10 +261,10 @@ def _cache_off(root: nn.Module, container: nn.Module, first_block: nn.Module) ->
     off in a call leaving use_cache unset, while the blocks are graphed.
     The config stays as it is: save_pretrained writes it to checkpoints,
     and generate() from them should keep its cache.  The hook checks the
-    first block at each call rather than being removed at the blocks'
-    reset, which runs in the native core and knows nothing of it; a weak
-    reference and an isinstance per model call cost nothing beside the
-    model's forward."""
+    blocks at each call rather than being removed at the blocks' reset,
+    which runs in the native core and knows nothing of it; a weak reference
+    and an isinstance per model call (the first block, while it is
+    graphed) cost nothing beside the model's forward."""
     inside = {id(m) for m in container.modules()}
     hooked = []
     for module in root.modules():
@@ -275,7 +277,7 @@ def _cache_off(root: nn.Module, container: nn.Module, first_block: nn.Module) ->
         earlier = _cache_hooks.pop(module, None)
         if earlier is not None:  # blocks graphed again after a reset
             earlier.remove()
-        hook = _NoCacheUnlessAsked(first_block, position)
+        hook = _NoCacheUnlessAsked(blocks, position)
         _cache_hooks[module] = module.register_forward_pre_hook(hook, with_kwargs=True)
         hooked.append(type(module).__name__)
     if hooked:
@@ -306,8 +308,9 @@ def _use_cache_position(module: nn.Module) -> int | None:
 class _NoCacheUnlessAsked:
     """The forward pre-hook of _cache_off: ``use_cache=False`` where the call
     leaves it unset (absent, or None positionally or by keyword), while
-    the first block is graphed; once it is not (reset, or dropped), the
-    hook removes itself.  It holds the block weakly: a list of blocks the
+    any block is graphed (one reset alone, as an error names it, leaves the
+    others graphed); once none is (reset, or dropped), the hook removes
+    itself.  It holds the blocks weakly: a list of blocks the
     user swapped out keeps no graphs alive through it, and the module it
     hooks is not held at all (no reference cycle).  A copy of the model
     (copy.deepcopy, pickle) runs its blocks eagerly (Note [Copying a graphed
@@ -316,15 +319,15 @@ class _NoCacheUnlessAsked:
     of a hand-written decoding loop, whose next call would find no cache
     and lose the context) warns, once per model, naming use_cache=True."""
 
-    __slots__ = ("first_block", "position", "warned")
+    __slots__ = ("blocks", "position", "warned")
 
-    def __init__(self, first_block: nn.Module, position: int):
-        self.first_block, self.position = weakref.ref(first_block), position
+    def __init__(self, blocks, position: int):
+        self.blocks, self.position = tuple(map(weakref.ref, blocks)), position
         self.warned = False
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
-        block = self.first_block()
-        if block is None or not is_graphed(block):
+        if not any(block is not None and is_graphed(block)
+                   for block in (ref() for ref in self.blocks)):
             handle = _cache_hooks.pop(module, None)
             if handle is not None:
                 handle.remove()
@@ -376,8 +379,11 @@ def _checkpointing_inside(block: nn.Module) -> None:
     during backward would capture there.  The block's class becomes a
     subclass that checkpoints in ``forward``, as 5.23 and later do, and an
     instance ``forward`` (a compiled one) checkpoints the same way, each
-    reading the block's flags at every call (enabled or disabled later
-    too); inside the captured forward, checkpointing works as in any
+    reading the block's flags whenever that forward runs: in warm-up, at
+    capture and in eager calls.  A graph keeps what its capture read:
+    checkpointing enabled or disabled after a block's capture changes its
+    eager calls only, until ``reset()`` (a Python flag, baked in: README,
+    Limits).  Inside the captured forward, checkpointing works as in any
     graphed callable and keeps its memory saving."""
     cls = type(block)
     if getattr(cls.__call__, "__qualname__", "") != "GradientCheckpointingLayer.__call__":
@@ -419,7 +425,8 @@ def _maybe_checkpointed(block: nn.Module, forward, args: tuple, kwargs: dict):
     if kwargs.get("use_cache"):  # no cache under checkpointing, as transformers has it
         kwargs["use_cache"] = False
     if not getattr(block, "_can_checkpoint_with_cache", False):
-        for name in ("past_key_values", "layer_past"):
+        # past_key_value: the name older transformers versions' layers take.
+        for name in ("past_key_values", "past_key_value", "layer_past"):
             if kwargs.get(name) is not None:
                 kwargs[name] = None
     return block._gradient_checkpointing_func(functools.partial(forward, **kwargs), *args)

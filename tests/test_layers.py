@@ -658,7 +658,8 @@ def test_the_cache_hook_leaves_a_call_that_asks_and_goes_after_a_reset(stand_in)
     """Positionally or by keyword, a use_cache the caller gave is kept.
     Graphed again after a reset, the model has one hook, not two; once the
     blocks are reset, calls get the config's cache again and the hook
-    removes itself."""
+    removes itself, not while one block alone was reset (as an error
+    names it: the others stay graphed, and a cache would send them eager)."""
     model, x = CacheModel(), torch.randn(2, 8)
     cgraph.graph_layers(model)
     assert model(x)[1] is None and model(x, None)[1] is None
@@ -668,14 +669,15 @@ def test_the_cache_hook_leaves_a_call_that_asks_and_goes_after_a_reset(stand_in)
         block.forward.reset()
     cgraph.graph_layers(model)
     assert len(model._forward_pre_hooks) == 1 and model(x)[1] is None
-    for block in model.blocks:
-        block.forward.reset()
+    model.blocks[0].forward.reset()  # one block alone: the others are graphed still
+    assert model(x)[1] is None and len(model._forward_pre_hooks) == 1
+    model.blocks[1].forward.reset()
     assert model(x)[1].appended == 2  # the config's cache: the blocks run their own forward
     assert len(model._forward_pre_hooks) == 0 and model not in _layers._cache_hooks
 
 
 def test_the_cache_hook_keeps_no_model_alive(stand_in):
-    """The hook holds the first block weakly, and the model not at all: a
+    """The hook holds the blocks weakly, and the model not at all: a
     dropped model goes without the garbage collector (its blocks' stand-ins
     are bound to them, a cycle of their own)."""
     import weakref

@@ -88,25 +88,43 @@ def _hf_run(transformers, tmp_path, callbacks, setting):
                                    callbacks=callbacks)
     trainer.train()
     losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
-    return losses, [p.detach().cpu() for p in model.parameters()]
+    stats = [layer.forward.stats for layer in model.model.layers if callbacks]
+    return losses, [p.detach().cpu() for p in model.parameters()], stats
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", [None, "bf16", "gradient_checkpointing"])
-def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, setting):
+def test_hf_trainer_with_the_callback_trains_as_without_it(tmp_path, setting, request):
     """Plain, bf16 autocast, and gradient checkpointing (each decoder layer
-    checkpointed inside its own graphs)."""
-    if torch.cuda.device_count() > 1:
-        pytest.skip("several GPUs visible: the Trainer would use DataParallel, which the "
-                    "callback refuses (tested on the CPU)")
+    checkpointed inside its own graphs); every layer replays its graphs,
+    no call of it runs eagerly.  Where several GPUs are visible (the
+    Trainer would use DataParallel over them, which the callback refuses:
+    tested on the CPU), in a process that sees the first one."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
+    if torch.cuda.device_count() > 1:
+        _again_on_one_gpu(request.node.nodeid)
+        return
     from cgraph.transformers import CUDAGraphsCallback
     eager = _hf_run(transformers, tmp_path, [], setting)
     graphed = _hf_run(transformers, tmp_path, [CUDAGraphsCallback()], setting)
     assert graphed[0] == eager[0]
     for i, (g, e) in enumerate(zip(graphed[1], eager[1])):
         assert torch.equal(g, e), f"parameter {i}"
+    for stats in graphed[2]:
+        assert stats["forward"] > 0 and stats["eager_on_miss"] == stats["eager_past_limit"] == 0, \
+            stats
+
+
+def _again_on_one_gpu(nodeid: str) -> None:
+    """Runs the test `nodeid` in a pytest process that sees one GPU (the
+    first visible one), and fails unless it passed there."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", str(torch.cuda.current_device()))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-rfEs", nodeid], capture_output=True, text=True, timeout=600,
+                         cwd=root, env={**os.environ, "CUDA_VISIBLE_DEVICES": first.split(",")[0]})
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout + run.stderr
 
 
 EXAMPLES = [("hf_trainer", ("transformers", "accelerate")), ("lightning_callback", ("lightning",)),
