@@ -226,7 +226,7 @@ def test_lightning_callback_with_16_mixed_precision_trains_as_without_it(monkeyp
 
 
 def lightning_run(lightning, callbacks, *, accelerator="cpu", precision="32-true",
-                  optimizer="sgd", accumulate=1, max_steps=8, module_class=None):
+                  optimizer="sgd", accumulate=1, max_steps=8, module_class=None, clip=None):
     """Fits a small LightningModule (dropout on, self.log of the loss on
     step and on epoch, a validation loop, 13 samples in batches of 2: a
     short last batch) and returns (parameters, what its logger got, global
@@ -262,7 +262,8 @@ def lightning_run(lightning, callbacks, *, accelerator="cpu", precision="32-true
     data = torch.randint(0, 64, (13, 12), generator=torch.Generator().manual_seed(0))
     trainer = lightning.Trainer(
         accelerator=accelerator, devices=1, precision=precision, max_steps=max_steps,
-        accumulate_grad_batches=accumulate, logger=recorder, log_every_n_steps=1,
+        accumulate_grad_batches=accumulate, gradient_clip_val=clip, logger=recorder,
+        log_every_n_steps=1,
         limit_val_batches=2, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[*callbacks, grads])
     loader = torch.utils.data.DataLoader(data, batch_size=2)
@@ -454,10 +455,11 @@ def test_lightning_callback_refuses_an_unknown_scope():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("precision, optimizer, accumulate", [
-    ("32-true", "adamw-fused", 1), ("32-true", "sgd-fused", 2), ("16-mixed", "sgd", 1),
-    ("bf16-mixed", "adamw-fused", 2)])
-def test_lightning_step_scope_trains_as_eager(precision, optimizer, accumulate):
+@pytest.mark.parametrize("precision, optimizer, accumulate, clip", [
+    ("32-true", "adamw-fused", 1, None), ("32-true", "sgd-fused", 2, None),
+    ("16-mixed", "sgd", 1, None), ("bf16-mixed", "adamw-fused", 2, None),
+    ("32-true", "sgd", 2, 0.05), ("16-mixed", "sgd", 1, 0.05)])
+def test_lightning_step_scope_trains_as_eager(precision, optimizer, accumulate, clip):
     """The whole step graphed, against the same fit without the callback:
     parameters bitwise, every logged value, global_step.  Dropout draws
     eager's masks; the LR schedule steps the device lr; with accumulation
@@ -465,19 +467,21 @@ def test_lightning_step_scope_trains_as_eager(precision, optimizer, accumulate):
     the epoch's last batch); the grads after each batch are eager's, also
     after each epoch's validation has set them to None; the short last batch of 1 runs eagerly where
     its phase was graphed with batches of 2; 16-mixed's GradScaler skips
-    through a conditional node with SGD unfused."""
+    through a conditional node with SGD unfused; Lightning's gradient
+    clipping (gradient_clip_val, after the scaler's unscale_ under
+    16-mixed) runs inside the graph."""
     assert_step_scope_trains_as_eager(pytest.importorskip("lightning"), precision, optimizer,
-                                      accumulate)
+                                      accumulate, clip)
 
 
 def assert_step_scope_trains_as_eager(lightning, precision: str, optimizer: str,
-                                      accumulate: int) -> None:
+                                      accumulate: int, clip: float | None = None) -> None:
     """A fit of 16 steps with CUDAGraphs(scope="step") against the same fit
     without it, in `lightning`'s namespace: parameters bitwise, every logged
     value, global_step, the grads after each batch."""
     from cgraph.lightning import CUDAGraphs
     kwargs = dict(accelerator="gpu", precision=precision, optimizer=optimizer,
-                  accumulate=accumulate, max_steps=16)
+                  accumulate=accumulate, max_steps=16, clip=clip)
     eager = lightning_run(lightning, [], **kwargs)
     callback = CUDAGraphs(scope="step")
     graphed = lightning_run(lightning, [callback], **kwargs)
