@@ -407,13 +407,16 @@ def all_reduces(group) -> bool:
 
 def holding_grads(groups) -> str | None:
     """The name of the first of `groups` holding grads of earlier backwards
-    in its own Python state for a later reduction (unsharded grads kept
-    with reduce_grads off, an HSDP partial reduction kept with
-    all_reduce_grads off), or None: Note [Grad sync set outside a graphed
-    step] (cgraph/_step_checks.py)."""
+    in its own Python state for a later reduction, or None: Note [Grad sync
+    set outside a graphed step] (cgraph/_step_checks.py).  Unsharded grads
+    kept with reduce_grads off stay the unsharded parameters' .grad, or
+    move to unsharded_accumulated_grad where the reduce dtype is another;
+    an HSDP partial reduction is kept with all_reduce_grads off.  At rest
+    after a reducing backward, FSDP holds none of them."""
     for g in groups:
         if getattr(g, "_partial_reduce_output", None) is not None or any(
                 getattr(p, "unsharded_accumulated_grad", None) is not None
+                or getattr(getattr(p, "_unsharded_param", None), "grad", None) is not None
                 for p in g.fsdp_params):
             return group_name(g)
     return None

@@ -44,6 +44,7 @@ CHECKS = (*PER_LAYER, "graphed FSDP2 step:", "graphed FSDP2 step, 2 micro-batche
           "graphed FSDP2 step, resumed from a state dict:",
           "graphed FSDP2 step, evaluated between steps:",
           "graphed FSDP2 forward and backward, grad sync set outside:",
+          "graphed FSDP2 forward and backward, grad sync set outside, bf16 params fp32 reduce:",
           "graph then shard: refused", "graph then shard the root only: refused",
           "failed capture: raised on every rank",
           "failed capture inside a layer: raised on every rank", "teardown:")

@@ -691,6 +691,31 @@ def test_a_capture_starting_with_grads_fsdp_holds_for_a_later_reduction_is_refus
             GradSync([group], []).refuse_unreduced()
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-params-fp32-reduce"])
+def test_a_real_fsdp_model_holding_grads_of_a_call_with_sync_off_refuses_a_capture(mesh, mixed):
+    """The refusal above, on real FSDP2 modules: a backward with sync off
+    leaves the unsharded grads on the unsharded parameters (fp32), or in
+    FSDP's accumulated grads (another reduce dtype); a capture starting so
+    is refused.  After a reducing backward, FSDP holds none: not refused."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from cgraph import _fsdp
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    policy = ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32)} if mixed else {})
+    for layer in (*model, model):
+        fully_shard(layer, mesh=mesh, **policy)
+    groups = _fsdp.Resharded([model]).groups
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(3, 4)).sum().backward()
+    model.set_requires_gradient_sync(True)
+    with pytest.raises(ValueError, match="holding grads that earlier calls made with sync off"):
+        GradSync(groups, []).refuse_unreduced()
+    model(torch.randn(3, 4)).sum().backward()  # the last micro-batch: reduced
+    GradSync(groups, []).refuse_unreduced()
+
+
 def test_a_step_returning_an_object_holding_tensors_pytree_cannot_see_is_refused():
     """Such an object is a leaf kept as captured: every replay would return
     the capture's object and tensors.  Refused, naming the registration;
