@@ -109,9 +109,10 @@ scores (0.0 attends, the dtype's min masks, as transformers fills them:
   as ``nn.MultiheadAttention``, ``nn.Transformer`` and fairseq define it,
   so its new keys are True (1), and a float one is added to the scores at
   any rank (its new keys the dtype's min).
-  ``nn.MultiheadAttention``'s bool ``attn_mask`` masks with True too: read
-  so where the graphed module is an ``nn.MultiheadAttention`` (``_TRUE_MASKS_OF``);
-  passed to another module that hands it on, the name cannot tell it from
+  ``nn.MultiheadAttention``'s bool ``attn_mask`` masks with True too, as
+  do ``nn.Transformer``'s ``src_mask`` and ``tgt_mask``: read so where the
+  graphed module is or holds an ``nn.MultiheadAttention`` (``_MHA_MASKS``);
+  elsewhere the name cannot tell it from
   ``F.scaled_dot_product_attention``'s (True attends): pass it as a float
   mask, which both add;
 - a 2-D float (batch, keys) mask under another name: Hugging Face's 2-D
@@ -155,7 +156,7 @@ from . import _C, _log
 # NOT_MASK_KEYWORDS it is not one; under others its shape decides: Note
 # [Attention masks under sequence buckets].
 MASK_KEYWORDS = frozenset({"attention_mask", "attn_mask", "mask", "causal_mask",
-                           "key_padding_mask"})
+                           "key_padding_mask", "src_mask", "tgt_mask"})
 NOT_MASK_KEYWORDS = frozenset({"hidden_states", "encoder_hidden_states", "x", "input",
                                "query", "key", "value", "query_states", "key_states",
                                "value_states", "q", "k", "v"})
@@ -163,19 +164,23 @@ NOT_MASK_KEYWORDS = frozenset({"hidden_states", "encoder_hidden_states", "x", "i
 # sequence than the bucketed one, whatever its length, so never padded along
 # it (padded as the decoder's at the same length, its new keys would be
 # attended, no mask covering them).  Along the batch it is padded as any tensor.
-_OTHER_SEQUENCE = frozenset({"encoder_hidden_states", "key_value_states"})
+_OTHER_SEQUENCE = frozenset({"encoder_hidden_states", "key_value_states", "memory",
+                             "memory_key_padding_mask"})
 # Its masks and biases, (..., decoder queries, encoder keys): padded along the
 # batch, and in their queries only (Note [Attention masks under sequence
 # buckets]).
 _CROSS_MASKS = frozenset({"encoder_attention_mask", "encoder_decoder_position_bias",
-                          "cross_attention_mask"})
+                          "cross_attention_mask", "memory_mask"})
+# Flags by which a call says its attention is causal without a mask.
+_CAUSAL_FLAGS = frozenset({"is_causal", "tgt_is_causal"})
 # Masks whose True (or nonzero) masks, and whose floats are added to the
 # scores at any rank (nn.MultiheadAttention's, nn.Transformer's, fairseq's):
 # a keyword ending so.
 _TRUE_MASK = "key_padding_mask"
-# Modules whose own forward reads a bool mask under these keywords with True
-# masking (a float one is added, as every convention adds it).
-_TRUE_MASKS_OF = {nn.MultiheadAttention: frozenset({"attn_mask"})}
+# Keywords under which a module that is or holds an nn.MultiheadAttention
+# reads a bool mask with True masking (a float one is added, as every
+# convention adds it).
+_MHA_MASKS = frozenset({"attn_mask", "src_mask", "tgt_mask"})
 
 
 def normalize(buckets) -> dict[int, tuple[int, ...]]:
@@ -227,7 +232,7 @@ class Bucketed:
 
     # __weakref__: a module whose forward it is keeps it weakly (_api._Installed).
     __slots__ = ("graphed", "buckets", "_module", "_batchnorms", "_true_masks",
-                 "_bidirectional", "_names", "__weakref__")
+                 "_bidirectional", "_names", "_label", "__weakref__")
 
     def __init__(self, graphed: _C.Graphed, buckets: dict[int, tuple[int, ...]],
                  module: nn.Module | None):
@@ -240,14 +245,14 @@ class Bucketed:
         # Found once: a padded call reads only their modes.
         self._batchnorms = tuple((name, weakref.ref(m)) for name, m in batchnorms)
         # Keywords whose masks mask with True in this module's own forward.
-        self._true_masks = next((keywords for cls, keywords in _TRUE_MASKS_OF.items()
-                                 if isinstance(module, cls)), frozenset())
+        self._true_masks = _MHA_MASKS if _holds_mha(module) else frozenset()
         # The module's name where its attention is not causal and none says
         # it is (an encoder's: BERT's; torch's nn.MultiheadAttention, which
         # has no such flag), else None: Note [A padded sequence with no mask].
         self._bidirectional = _bidirectional(module) if module is not None else None
         # The names its positional arguments are read under.
         self._names = _positional_names(module) if module is not None else ()
+        self._label = type(module).__name__ if module is not None else "the graphed callable"
 
     @property
     def module(self) -> nn.Module | None:
@@ -272,8 +277,11 @@ class Bucketed:
         if any(dim >= 1 for dim in padding):  # names and the batch matter along sequences
             keywords = _keywords(args, kwargs, self._names)
             if self._bidirectional is not None and not _has_mask(leaves, keywords, padding):
-                _unmasked_bidirectional(self)
+                _unpadded(self, _UNMASKED)
                 return self.graphed(*args, **kwargs)  # unpadded: a graph of its own size
+            if _encoder_as_long(leaves, keywords, padding):
+                _unpadded(self, _ENCODER_AT_BUCKET)
+                return self.graphed(*args, **kwargs)
             call = _Call(_batch_of(leaves, keywords), self._true_masks)
         else:
             keywords, call = [None] * len(leaves), _Call(None, self._true_masks)
@@ -335,8 +343,30 @@ def _size_at(leaves: list, dim: int) -> int:
 #    not causal too.
 def _bidirectional(module: nn.Module) -> str | None:
     causal = {getattr(m, "is_causal", None) for m in module.modules()}
-    torchs = any(isinstance(m, nn.MultiheadAttention) for m in module.modules())
-    return type(module).__name__ if (False in causal or torchs) and True not in causal else None
+    bidirectional = (False in causal or _holds_mha(module)) and True not in causal
+    return type(module).__name__ if bidirectional else None
+
+
+def _holds_mha(module: nn.Module | None) -> bool:
+    return module is not None and any(isinstance(m, nn.MultiheadAttention)
+                                      for m in module.modules())
+
+
+def _encoder_as_long(leaves: list, keywords: list, padding: dict) -> bool:
+    """Whether an encoder's sequence handed to a decoder layer (its states,
+    masks or biases) is as long as a bucket this call pads a sequence to:
+    what the layer returns of it (T5's cross-attention bias, (B, H, T, S))
+    would then be read as the decoder's and sliced in its keys."""
+    sizes = {d: bucket for d, (_, bucket) in padding.items() if d >= 1}
+    for t, keyword in zip(leaves, keywords):
+        if not isinstance(t, torch.Tensor) or keyword not in _OTHER_SEQUENCE | _CROSS_MASKS:
+            continue
+        keys_last = keyword in _CROSS_MASKS or _masks_with_true(keyword)
+        for d, bucket in sizes.items():
+            at = -1 if keys_last else d
+            if t.dim() > max(d, 1) and t.shape[at] == bucket:
+                return True
+    return False
 
 
 def _positional_names(module: nn.Module) -> tuple:
@@ -362,23 +392,32 @@ def _has_mask(leaves: list, keywords: list, padding: dict) -> bool:
     """Whether a call padded along a sequence (`padding` beyond dimension
     0) passes an attention mask for it; True when it pads the batch only."""
     sequences = [(d, n) for d, (n, _) in padding.items() if d >= 1]
+    if any(keyword in _CAUSAL_FLAGS and t is True for t, keyword in zip(leaves, keywords)):
+        return True  # causal attention: no real query sees a new key
     return not sequences or any(
         isinstance(t, torch.Tensor) and keyword not in _OTHER_SEQUENCE
         and keyword not in _CROSS_MASKS and _is_mask(t, d, n, keyword)
         for t, keyword in zip(leaves, keywords) for d, n in sequences)
 
 
-_told_unmasked: "weakref.WeakSet" = weakref.WeakSet()
+# Why a padded call ran at its own size instead, for the log (once per
+# graphed callable and reason).
+_UNMASKED = ("no attention mask", "its attention is not causal, so nothing would mask the "
+             "new positions (Note [A padded sequence with no mask] in cgraph/_buckets.py). "
+             "Pass a mask, or set is_causal = True on its attention module if it is causal, "
+             "to pad such calls")
+_ENCODER_AT_BUCKET = ("an encoder sequence as long as the bucket", "what it returns of the "
+                      "encoder's sequence would be read as its own and sliced (Note "
+                      "[Attention masks under sequence buckets] in cgraph/_buckets.py)")
+_told: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _unmasked_bidirectional(bucketed: "Bucketed") -> None:
-    if bucketed not in _told_unmasked:
-        _told_unmasked.add(bucketed)
-        _log.log.info(
-            "cgraph: a call of %s with no attention mask is not padded to a bucket: its "
-            "attention is not causal, so nothing would mask the new positions (Note [A "
-            "padded sequence with no mask] in cgraph/_buckets.py). Pass a mask to pad such "
-            "calls; logged once.", bucketed._bidirectional)
+def _unpadded(bucketed: "Bucketed", why: tuple[str, str]) -> None:
+    told = _told.setdefault(bucketed, set())
+    if why not in told:
+        told.add(why)
+        _log.log.info("cgraph: a call of %s with %s is not padded to a bucket: %s; logged "
+                      "once.", bucketed._label, *why)
 
 
 def _batch_of(leaves: list, keywords: list) -> int | None:
@@ -392,14 +431,20 @@ def _batch_of(leaves: list, keywords: list) -> int | None:
 
 
 def _keywords(args: tuple, kwargs: dict, names: tuple) -> list[str | None]:
-    """The keyword each leaf of a call was passed under, a positional
-    argument's its parameter's name in `names` (None past them), in the
-    order pytree flattens ``(args, kwargs)``: the arguments' leaves, then
-    each keyword's value's, in the dict's order.  Read only for padded
-    calls."""
-    keys = [*(names[i] if i < len(names) else None for i in range(len(args))), *kwargs]
-    return [k for k, v in zip(keys, (*args, *kwargs.values()))
-            for _ in ((v,) if isinstance(v, torch.Tensor) else pytree.tree_leaves(v))]
+    """The keyword each leaf of a call was passed under, in the order
+    pytree flattens ``(args, kwargs)``: the arguments' leaves, then each
+    keyword's value's, in the dict's order.  A tensor passed positionally
+    is read under its parameter's name in `names`; a leaf inside a
+    positional container (``forward(self, x)`` with ``h, mask = x``), or
+    past `names`, under none (None).  Read only for padded calls."""
+    named = [*(names[i] if i < len(names) else None for i in range(len(args))), *kwargs]
+    keywords = []
+    for k, (name, v) in enumerate(zip(named, (*args, *kwargs.values()))):
+        if isinstance(v, torch.Tensor):
+            keywords.append(name)
+        else:
+            keywords += [name if k >= len(args) else None] * len(pytree.tree_leaves(v))
+    return keywords
 
 
 class _Padded(NamedTuple):
@@ -444,7 +489,7 @@ class _Written(NamedTuple):
 
 class _Call(NamedTuple):
     """How a padded call's masks are read: its batch (_batch_of), and the
-    keywords whose masks mask with True in the graphed module (_TRUE_MASKS_OF)."""
+    keywords whose masks mask with True in the graphed module (_MHA_MASKS)."""
 
     batch: int | None
     true_masks: frozenset
@@ -458,7 +503,8 @@ def _pad(t: torch.Tensor, padding: dict[int, tuple[int, int]], keyword: str | No
         if dim >= 1 and keyword in _OTHER_SEQUENCE:
             continue
         if dim >= 1 and keyword in _CROSS_MASKS:
-            if t.dim() >= 3 and t.shape[-2] == n:  # (..., queries, encoder keys)
+            # (..., queries, encoder keys); nn.Transformer's memory_mask is (T, S).
+            if (t.dim() >= 3 or keyword == "memory_mask") and t.shape[-2] == n:
                 t = _last_rows(t, t.dim() - 2, n, bucket)
             continue
         if _is_mask(t, dim, n, keyword):

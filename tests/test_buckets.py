@@ -289,8 +289,8 @@ def test_the_keyword_decides_before_the_shape():
     is the length; under an activation's keyword none; under another
     keyword (T5's position_bias=), positionally and for outputs, the shape
     rule."""
-    assert {"attention_mask", "attn_mask", "mask", "causal_mask",
-            "key_padding_mask"} == MASK_KEYWORDS
+    assert {"attention_mask", "attn_mask", "mask", "causal_mask", "key_padding_mask",
+            "src_mask", "tgt_mask"} == MASK_KEYWORDS
     for shape in [(2, 64), (2, 1, 64), (2, 64, 64), (2, 1, 64, 64), (2, 3, 64, 64)]:
         assert _is_mask(torch.empty(shape), 1, 64, "mask"), shape
     for shape in [(64,), (2, 64, 3), (2, 1, 64, 3)]:
@@ -604,6 +604,96 @@ def test_a_torch_transformer_encoder_layer_pads_a_call_only_with_a_mask(caplog):
     torch.testing.assert_close(out[0], want[0])
     torch.testing.assert_close(out[1, :7], want[1, :7])
     assert calls == [11, 16] and "is not padded to a bucket" in caplog.text
+
+
+def test_a_block_holding_multihead_attention_reads_its_positional_bool_mask_as_it_does():
+    """A block passing its positional attn_mask on to nn.MultiheadAttention
+    (True masks there): padded with its new keys masked in that convention,
+    the real rows equal to eager.  Read by its name now, it was padded the
+    other way round (new keys attended) until the block's MHA was seen."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x, attn_mask):
+            return self.attn(x, x, x, attn_mask=attn_mask, need_weights=False)[0]
+
+    torch.manual_seed(0)
+    block, x = Block().eval(), torch.randn(2, 11, 8)
+    future = torch.ones(11, 11, dtype=torch.bool).triu(1)
+    graphed = Bucketed(block.forward, normalize({1: [16]}), block)
+    with torch.no_grad():
+        torch.testing.assert_close(graphed(x, future), block(x, future))
+
+
+def test_a_mask_inside_a_positional_container_is_read_by_its_shape():
+    """forward(self, x) with h, mask = x (stages handing on a tuple): the
+    mask inside is not read under the parameter's name (an activation's),
+    but by its shape, and padded as a mask."""
+    class Stage(nn.Module):
+        is_causal = True
+
+        def forward(self, x):
+            raise AssertionError("the recorder stands in for the graphs")
+
+    recorder = Recorder()
+    mask = padding_mask([11, 7], 11)
+    Bucketed(recorder, normalize({1: [16]}), Stage())((torch.randn(2, 11, 8), mask))
+    (hidden, padded), = recorder.args
+    assert hidden.shape == (2, 16, 8) and padded.shape == (2, 1, 16, 16)
+    assert not padded[..., :11, 11:].any()  # new keys masked for the real queries
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_torch_transformer_decoder_layer_keeps_its_memory_and_real_rows(causal, caplog):
+    """nn.TransformerDecoderLayer: its memory (the encoder's sequence, here
+    as long as the decoder's) is padded along the batch only, its key
+    padding mask too; the call pads with tgt_key_padding_mask, or with a
+    causal tgt_mask and tgt_is_causal=True.  Real rows equal to eager.
+    Before, the memory was padded as the decoder's sequence: real queries
+    attended to copies of its last position."""
+    torch.manual_seed(0)
+    layer = nn.TransformerDecoderLayer(8, 2, 16, dropout=0.0, batch_first=True).eval()
+    calls = []
+
+    def forward(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return layer(*args, **kwargs)
+
+    graphed = Bucketed(forward, normalize({1: [16]}), layer)
+    x, memory = torch.randn(2, 11, 8), torch.randn(2, 11, 8)
+    keep = torch.arange(11)[None, :] >= torch.tensor([[11], [9]])  # True: ignore
+    if causal:
+        mask = nn.Transformer.generate_square_subsequent_mask(11)
+        kwargs = dict(tgt_mask=mask, tgt_is_causal=True, memory_key_padding_mask=keep)
+    else:
+        kwargs = dict(tgt_key_padding_mask=keep)  # the memory's keys all attended
+    with torch.no_grad():
+        out, want = graphed(x, memory, **kwargs), layer(x, memory, **kwargs)
+    real = slice(None) if causal else slice(0, 9)
+    torch.testing.assert_close(out[0], want[0])
+    torch.testing.assert_close(out[1, real], want[1, real])
+    assert calls == [16]
+
+
+def test_an_encoder_sequence_as_long_as_the_bucket_runs_the_call_unpadded(caplog):
+    """T5's decoder layers return their cross-attention bias (B, H, T, S):
+    at S equal to the bucket, it would be read as the decoder's own mask
+    and sliced in its keys.  Such a call runs at its own size, logged."""
+    class DecoderLayer(nn.Module):
+        is_causal = True
+
+        def forward(self, hidden_states, encoder_hidden_states=None):
+            raise AssertionError("the recorder stands in for the graphs")
+
+    recorder = Recorder()
+    layer = Bucketed(recorder, normalize({1: [16]}), DecoderLayer())
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        layer(torch.randn(2, 11, 8), torch.randn(2, 16, 8))
+    assert recorder.args[0].shape == (2, 11, 8) and "as long as the bucket" in caplog.text
+    layer(torch.randn(2, 11, 8), torch.randn(2, 9, 8))
+    assert recorder.args[0].shape == (2, 16, 8) and recorder.args[1].shape == (2, 9, 8)
 
 
 def test_a_call_carrying_a_kv_cache_is_not_padded():
