@@ -518,22 +518,32 @@ def test_a_call_with_no_mask_is_padded_only_where_attention_is_causal(causal, ca
     assert recorder.args[0].shape == (2, 16, 8)
 
 
+class _Attention(nn.Module):
+    def __init__(self, causal):
+        super().__init__()
+        self.is_causal = causal
+
+
+class DecoderLayer(nn.Module):
+    """A decoder layer as transformers has them: causal self-attention, a
+    cross-attention that says is_causal=False, the encoder's sequence among
+    its arguments.  Its calls go to a Recorder."""
+
+    def __init__(self):
+        super().__init__()
+        self.self_attn, self.encoder_attn = _Attention(True), _Attention(False)
+
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, encoder_decoder_position_bias=None):
+        raise AssertionError("the recorder stands in for the graphs")
+
+
 def test_an_encoder_s_sequence_is_not_padded_with_the_decoder_s():
     """A decoder layer's cross-attention reads the encoder's states, another
     sequence: at the decoder's length too, they and their mask are padded
     along the batch only (padded with the decoder's, their new keys would
     be attended).  A decoder layer, whose self-attention says is_causal=True
     beside a cross-attention that says False, pads a call with no mask."""
-    class Attention(nn.Module):
-        def __init__(self, causal):
-            super().__init__()
-            self.is_causal = causal
-
-    class DecoderLayer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.self_attn, self.encoder_attn = Attention(True), Attention(False)
-
     recorder = Recorder()
     layer = Bucketed(recorder, normalize({0: [4], 1: [16]}), DecoderLayer())
     memory, memory_mask = torch.randn(3, 11, 8), torch.ones(3, 11, dtype=torch.bool)
@@ -553,20 +563,6 @@ def test_a_decoder_layer_s_positional_cross_attention_inputs_are_read_by_their_n
     every key).  Before, the states were padded as the decoder's (real
     queries attended to copies of the last encoder position), and the mask
     not at all (a shape error)."""
-    class Attention(nn.Module):
-        def __init__(self, causal):
-            super().__init__()
-            self.is_causal = causal
-
-    class DecoderLayer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.self_attn, self.encoder_attn = Attention(True), Attention(False)
-
-        def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None,
-                    encoder_attention_mask=None, encoder_decoder_position_bias=None):
-            raise AssertionError("the recorder stands in for the graphs")
-
     recorder = Recorder()
     layer = Bucketed(recorder, normalize({1: [16]}), DecoderLayer())
     memory = torch.randn(3, 11, 8)  # the encoder's length, equal to the decoder's
