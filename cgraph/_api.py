@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _C, _describe, _fsdp, _group, _log
-from ._buckets import Bucketed
+from ._buckets import Bucketed, refuse_sequence_first
 from ._buckets import normalize as normalize_buckets
 from ._capture import CaptureOptions, graph
 from ._describe import Target, draft
@@ -411,6 +411,9 @@ def make_graphed(
         graphed.reset()
     """
     inner = _unwrap_ddp(fn)
+    if buckets is not None:  # before any capture
+        buckets = normalize_buckets(buckets)
+        refuse_sequence_first(inner)
     options = _options(num_warmup_iters, allow_unused_input, capture_error_mode,
                        _kept_outputs(kept_outputs, guard_outputs))
     target, pool_id = Target.of(0, inner), _pool_id(pool)
@@ -439,8 +442,7 @@ def make_graphed(
             _live.add(g)
     call = g
     if buckets is not None:
-        call = Bucketed(g, normalize_buckets(buckets),
-                        inner if isinstance(inner, nn.Module) else None)
+        call = Bucketed(g, buckets, inner if isinstance(inner, nn.Module) else None)
     if inner is not fn:  # DistributedDataParallel: see _unwrap_ddp
         _install_forward(inner, g, call)
         return fn

@@ -110,7 +110,8 @@ scores (0.0 attends, the dtype's min masks, as transformers fills them:
   so its new keys are True (1), and a float one is added to the scores at
   any rank (its new keys the dtype's min).
   ``nn.MultiheadAttention``'s bool ``attn_mask`` masks with True too, as
-  do ``nn.Transformer``'s ``src_mask`` and ``tgt_mask``: read so where the
+  do ``nn.Transformer``'s ``src_mask`` and ``tgt_mask`` and
+  ``nn.TransformerEncoder``'s ``mask``: read so where the
   graphed module is or holds an ``nn.MultiheadAttention`` (``_MHA_MASKS``);
   elsewhere the name cannot tell it from
   ``F.scaled_dot_product_attention``'s (True attends): pass it as a float
@@ -180,7 +181,7 @@ _TRUE_MASK = "key_padding_mask"
 # Keywords under which a module that is or holds an nn.MultiheadAttention
 # reads a bool mask with True masking (a float one is added, as every
 # convention adds it).
-_MHA_MASKS = frozenset({"attn_mask", "src_mask", "tgt_mask"})
+_MHA_MASKS = frozenset({"attn_mask", "src_mask", "tgt_mask", "mask"})
 
 
 def normalize(buckets) -> dict[int, tuple[int, ...]]:
@@ -232,7 +233,7 @@ class Bucketed:
 
     # __weakref__: a module whose forward it is keeps it weakly (_api._Installed).
     __slots__ = ("graphed", "buckets", "_module", "_batchnorms", "_true_masks",
-                 "_bidirectional", "_names", "_label", "__weakref__")
+                 "_bidirectional", "_names", "_label", "_two_sequences", "__weakref__")
 
     def __init__(self, graphed: _C.Graphed, buckets: dict[int, tuple[int, ...]],
                  module: nn.Module | None):
@@ -253,6 +254,10 @@ class Bucketed:
         # The names its positional arguments are read under.
         self._names = _positional_names(module) if module is not None else ()
         self._label = type(module).__name__ if module is not None else "the graphed callable"
+        # A forward taking a source and a target sequence (nn.Transformer
+        # graphed whole): which tensors are whose, and whose length a call
+        # has, the names cannot tell.
+        self._two_sequences = {"src", "tgt"} <= set(self._names)
 
     @property
     def module(self) -> nn.Module | None:
@@ -276,6 +281,9 @@ class Bucketed:
                 "it without buckets.")
         if any(dim >= 1 for dim in padding):  # names and the batch matter along sequences
             keywords = _keywords(args, kwargs, self._names)
+            if self._two_sequences:
+                _unpadded(self, _TWO_SEQUENCES)
+                return self.graphed(*args, **kwargs)
             if self._bidirectional is not None and not _has_mask(leaves, keywords, padding):
                 _unpadded(self, _UNMASKED)
                 return self.graphed(*args, **kwargs)  # unpadded: a graph of its own size
@@ -347,6 +355,28 @@ def _bidirectional(module: nn.Module) -> str | None:
     return type(module).__name__ if bidirectional else None
 
 
+_TORCH_TRANSFORMERS = (nn.MultiheadAttention, nn.Transformer, nn.TransformerEncoder,
+                       nn.TransformerDecoder, nn.TransformerEncoderLayer,
+                       nn.TransformerDecoderLayer)
+
+
+def refuse_sequence_first(module) -> None:
+    """Buckets on torch's own attention modules built sequence first
+    (batch_first=False, their default): buckets read dimension 0 as the
+    batch and later ones as sequences, so the sequence would be padded as a
+    batch, unmasked.  Raises, naming batch_first=True."""
+    if not isinstance(module, _TORCH_TRANSFORMERS):
+        return
+    attention = next((m for m in module.modules() if isinstance(m, nn.MultiheadAttention)),
+                     None)
+    if attention is not None and not attention.batch_first:
+        raise ValueError(
+            f"cgraph: buckets= on {type(module).__name__} built with batch_first=False (its "
+            "inputs sequence first): buckets read dimension 0 as the batch and later "
+            "dimensions as sequences, so its sequence would be padded as a batch, unmasked. "
+            "Build it with batch_first=True, or graph it without buckets.")
+
+
 def _holds_mha(module: nn.Module | None) -> bool:
     return module is not None and any(isinstance(m, nn.MultiheadAttention)
                                       for m in module.modules())
@@ -406,6 +436,9 @@ _UNMASKED = ("no attention mask", "its attention is not causal, so nothing would
              "new positions (Note [A padded sequence with no mask] in cgraph/_buckets.py). "
              "Pass a mask, or set is_causal = True on its attention module if it is causal, "
              "to pad such calls")
+_TWO_SEQUENCES = ("a source and a target sequence", "which tensors belong to which "
+                  "sequence, and so how to pad and mask them, cannot be told from their names; "
+                  "graph the encoder and the decoder apart")
 _ENCODER_AT_BUCKET = ("an encoder sequence as long as the bucket", "what it returns of the "
                       "encoder's sequence would be read as its own and sliced (Note "
                       "[Attention masks under sequence buckets] in cgraph/_buckets.py)")
@@ -433,17 +466,17 @@ def _batch_of(leaves: list, keywords: list) -> int | None:
 def _keywords(args: tuple, kwargs: dict, names: tuple) -> list[str | None]:
     """The keyword each leaf of a call was passed under, in the order
     pytree flattens ``(args, kwargs)``: the arguments' leaves, then each
-    keyword's value's, in the dict's order.  A tensor passed positionally
-    is read under its parameter's name in `names`; a leaf inside a
-    positional container (``forward(self, x)`` with ``h, mask = x``), or
-    past `names`, under none (None).  Read only for padded calls."""
+    keyword's value's, in the dict's order.  A leaf passed positionally
+    (a tensor, a flag) is read under its parameter's name in `names`; a leaf
+    inside a positional container (``forward(self, x)`` with ``h, mask =
+    x``), or past `names`, under none (None).  Read only for padded
+    calls."""
     named = [*(names[i] if i < len(names) else None for i in range(len(args))), *kwargs]
     keywords = []
     for k, (name, v) in enumerate(zip(named, (*args, *kwargs.values()))):
-        if isinstance(v, torch.Tensor):
-            keywords.append(name)
-        else:
-            keywords += [name if k >= len(args) else None] * len(pytree.tree_leaves(v))
+        leaves = (v,) if isinstance(v, torch.Tensor) else pytree.tree_leaves(v)
+        alone = len(leaves) == 1 and leaves[0] is v  # a tensor or a flag: no container
+        keywords += [name if alone or k >= len(args) else None] * len(leaves)
     return keywords
 
 

@@ -387,9 +387,9 @@ class GradSync:
                              "the call): FSDP then keeps HSDP's partial reduction across calls "
                              "in its own Python state")
         if self.holding is not None:
-            _refuse_held(f"starts with FSDP's {self.holding} holding grads that earlier calls "
-                         "made with sync off left for a later reduction, in FSDP's own Python "
-                         "state")
+            _refuse_held(f"starts with FSDP's {self.holding} holding unsharded grads not yet "
+                         "reduced (left by calls with sync off, or by a backward that raised, "
+                         "or set by hand), in FSDP's own Python state")
 
 
 def _broadcasts_buffers(model) -> bool:

@@ -692,6 +692,58 @@ def test_an_encoder_sequence_as_long_as_the_bucket_runs_the_call_unpadded(caplog
     assert recorder.args[0].shape == (2, 16, 8) and recorder.args[1].shape == (2, 9, 8)
 
 
+def test_torch_s_transformer_graphed_whole_runs_unpadded_and_its_encoder_pads_masked(caplog):
+    """nn.Transformer graphed whole takes two sequences (src, tgt) whose
+    tensors the names cannot tell apart: its calls run at their own size
+    (logged), equal to eager.  nn.TransformerEncoder's bool mask masks with
+    True, as nn.MultiheadAttention's: padded so, equal to eager."""
+    import cgraph
+    torch.manual_seed(0)
+    whole = nn.Transformer(8, 2, 1, 1, 16, dropout=0.0, batch_first=True).eval()
+    calls = []
+
+    def forward(*args, **kwargs):
+        calls.append(args[0].shape[1])
+        return whole(*args, **kwargs)
+
+    graphed = Bucketed(forward, normalize({1: [16]}), whole)
+    src, tgt = torch.randn(2, 11, 8), torch.randn(2, 11, 8)
+    causal = nn.Transformer.generate_square_subsequent_mask(11)
+    with caplog.at_level(logging.INFO, logger="cgraph"), torch.no_grad():
+        out = graphed(src, tgt, tgt_mask=causal, tgt_is_causal=True)
+        torch.testing.assert_close(out, whole(src, tgt, tgt_mask=causal, tgt_is_causal=True))
+    assert calls == [11] and "a source and a target sequence" in caplog.text
+    encoder = nn.TransformerEncoder(nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0,
+                                                               batch_first=True), 2,
+                                    enable_nested_tensor=False).eval()
+    future = torch.ones(11, 11, dtype=torch.bool).triu(1)
+    with torch.no_grad():
+        out = Bucketed(encoder.forward, normalize({1: [16]}), encoder)(src, mask=future)
+        torch.testing.assert_close(out, encoder(src, mask=future))
+    with pytest.raises(ValueError, match="batch_first=False.*Build it with batch_first=True"):
+        cgraph.make_graphed(nn.TransformerEncoderLayer(8, 2, 16), buckets={1: [16]})
+
+
+def test_a_causal_flag_passed_positionally_counts_as_a_mask():
+    """forward(self, x, is_causal): is_causal=True passed positionally, read
+    under its name, tells a module that holds no causal flag of its own
+    that no real query sees a new key: padded."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
+
+        def forward(self, x, is_causal=False):
+            raise AssertionError("the recorder stands in for the graphs")
+
+    recorder = Recorder()
+    layer = Bucketed(recorder, normalize({1: [16]}), Block())
+    layer(torch.randn(2, 11, 8), True)
+    assert recorder.args[0].shape == (2, 16, 8)
+    layer(torch.randn(2, 11, 8), False)
+    assert recorder.args[0].shape == (2, 11, 8)
+
+
 def test_a_call_carrying_a_kv_cache_is_not_padded():
     """generate() calls a graphed layer with its KV cache, which that call
     runs eagerly (Regraph): padded, the cache would keep the padded

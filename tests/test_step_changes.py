@@ -686,8 +686,8 @@ def test_a_capture_starting_with_grads_fsdp_holds_for_a_later_reduction_is_refus
     accumulated = fsdp_group()
     accumulated.fsdp_params[0].unsharded_accumulated_grad = torch.zeros(2)
     for group in (held, accumulated):
-        with pytest.raises(ValueError, match=r"starts with FSDP's 'layers.0' holding grads that "
-                                             r"earlier calls made with sync off"):
+        with pytest.raises(ValueError, match=r"starts with FSDP's 'layers.0' holding unsharded "
+                                             r"grads not yet reduced"):
             GradSync([group], []).refuse_unreduced()
 
 
@@ -710,7 +710,7 @@ def test_a_real_fsdp_model_holding_grads_of_a_call_with_sync_off_refuses_a_captu
     model.set_requires_gradient_sync(False)
     model(torch.randn(3, 4)).sum().backward()
     model.set_requires_gradient_sync(True)
-    with pytest.raises(ValueError, match="holding grads that earlier calls made with sync off"):
+    with pytest.raises(ValueError, match="holding unsharded grads not yet reduced"):
         GradSync(groups, []).refuse_unreduced()
     model(torch.randn(3, 4)).sum().backward()  # the last micro-batch: reduced
     GradSync(groups, []).refuse_unreduced()
