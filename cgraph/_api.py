@@ -249,7 +249,9 @@ def make_graphed_callables(
       (:func:`make_graphed` gives it a graph of its own instead).
     * Leaves that require grad but are neither arguments nor parameters (a
       tensor in a closure) get their grads; torch drops them silently.
-    * Warm-up leaves module buffers (BatchNorm running stats) as they were.
+    * Warm-up leaves the buffers of the modules it graphs (BatchNorm running
+      stats) as they were; a function calling a module keeps the warm-up's
+      updates, as torch's does (README, Limits).
     * Deleting the graphed callable returns its pool memory to the device.
     * Autocast works with its weight cache on (torch requires it off).
     * ``torch.utils.checkpoint`` works inside (``use_reentrant`` False or

@@ -157,6 +157,8 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
     tensors, tensor_names, constants = _classify_leaves(index, leaves, names)
     flat = not kwargs and all(isinstance(a, torch.Tensor) for a in args)
     module = isinstance(fn, nn.Module)
+    if module:
+        _refuse_weight_hooks(index, fn)
     fields = dict(
         index=index, **target.fields, training=fn.training if module else False,
         modes=Modes.inside(fn) if module else Modes((), ()),
@@ -343,6 +345,30 @@ def _target_fields(index: int, fn) -> dict:
     # The module weakly: module.forward holds the Graphed, which holds the spec.
     return dict(function=None, module=weakref.ref(fn), eager=eager,
                 eager_takes_module=takes_module, verify=StateCheck(index, fn))
+
+
+def _refuse_weight_hooks(index: int, module: nn.Module) -> None:
+    """A module's own forward pre-hook from torch.nn.utils.prune, weight_norm
+    or spectral_norm recomputes its weight (``weight = weight_orig * mask``)
+    before each call, outside the graphs, where the graphed forward reads
+    the weight of the call that captured: warm-up's second backward raises
+    autograd's "backward through the graph a second time", and the
+    optimizer's steps of weight_orig would never reach the graphs.  Refused,
+    naming the ways that keep the computation inside."""
+    from torch.nn.utils.prune import BasePruningMethod
+    from torch.nn.utils.spectral_norm import SpectralNorm
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    kinds = (BasePruningMethod, WeightNorm, SpectralNorm)
+    hook = next((h for h in module._forward_pre_hooks.values() if isinstance(h, kinds)), None)
+    if hook is not None:
+        raise ValueError(
+            f"cgraph: module {index} ({type(module).__name__}) has a forward pre-hook of "
+            f"{type(hook).__name__} that recomputes its weight before each call, outside the "
+            "graphs, which would keep reading the weight of the call that captured. Graph "
+            "the module that calls it (the hook then runs inside the graphs), use "
+            "torch.nn.utils.parametrize (parametrizations.weight_norm, spectral_norm), or "
+            "call torch.nn.utils.prune.remove(module, name) first.")
 
 
 def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:

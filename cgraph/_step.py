@@ -56,7 +56,13 @@ A: Before capture, every param group that has torch's ``capturable`` flag
    too.  The optimizer counts as not found until it has stepped again, so
    a GradScaler skipping that step prolongs the warm-up.  A state emptied
    or refilled in place is not seen.  A GradScaler with such
-   an optimizer: Note [GradScaler with any optimizer].
+   an optimizer: Note [GradScaler with any optimizer].  The capturable flags
+   cgraph turned on stay on (its graph and recaptures need them), but the
+   optimizer's ``state_dict()`` saves those groups with capturable off, as
+   they were built, so that a checkpoint loads where an eager run's does
+   (a CPU copy of the model; torch refuses capturable=True off the GPU).
+   An lr the step sets itself (``group["lr"] = ...`` inside) would be baked
+   in at its capture's value: refused at capture, naming the fix.
 
 Note [GradScaler with any optimizer]
 Q: GradScaler.step skips the optimizer's step when unscale_ found an inf or
@@ -737,7 +743,7 @@ class GraphedStep:
     def _capturable(self, optimizer, group: dict) -> _Group:
         """Note [Capturable optimizers], for one param group."""
         if "capturable" in group and not group["capturable"]:
-            group["capturable"] = True
+            _make_capturable(optimizer, group)
         if not group["params"]:  # steps nothing: no lr to read, nothing baked
             return _Group(group, None, None, {}, ())
         if "capturable" in group or isinstance(optimizer, _DEVICE_RESIDENT):
@@ -760,8 +766,14 @@ class GraphedStep:
         try:
             yield
         finally:
+            replaced = [g for g, _ in swapped if g.group["lr"] is not g.lr]
             for g, own in swapped:
                 g.group["lr"] = own
+        if replaced:  # the captured step read the lr it set, baked in
+            raise RuntimeError(
+                "cgraph: the graphed step sets the learning rate of a param group itself "
+                "(group['lr'] = ...): the graph would step with the value of its capture at "
+                f"every replay. Set it outside the step, before the call. {_SCHEDULER_FIX}")
 
     # -- 3. replay: the native call (Note [The step's hot path]) ---------------
 
@@ -1079,9 +1091,14 @@ _DEVICE_RESIDENT = (torch.optim.Adagrad,)
 # host (``alpha=-lr``), a sync a capture cannot hold: their lr stays a number,
 # baked into the graph, and a change recaptures (Note [Capturable optimizers]).
 _SINGLE_TENSOR_LR_ON_HOST = (torch.optim.Adadelta, torch.optim.RMSprop)
+# Rprop reads lr only where it makes a parameter's state (torch.full_like(grad,
+# lr), on the host in any form): a number, which a capture may read.
+_LR_AT_STATE_ONLY = (torch.optim.Rprop,)
 
 
 def _reads_lr_on_the_host(optimizer, group: dict) -> bool:
+    if isinstance(optimizer, _LR_AT_STATE_ONLY):
+        return True
     if not isinstance(optimizer, _SINGLE_TENSOR_LR_ON_HOST):
         return False
     foreach, differentiable = group.get("foreach"), bool(group.get("differentiable"))
@@ -1108,7 +1125,9 @@ def _device_lr(optimizer, group: dict) -> torch.Tensor | None:
             "change then recaptures the step (logged).")
     if not reads_device_lr or (isinstance(lr, torch.Tensor) and lr.device == device):
         return None
-    return torch.tensor(float(lr), device=device)
+    # float32, as torch's own tensor lr for fused kernels, whatever the
+    # default dtype (fused kernels read it as a float).
+    return torch.tensor(float(lr), dtype=torch.float32, device=device)
 
 
 def _lrs(optimizer) -> list[float]:
@@ -1223,6 +1242,32 @@ def _as_they_are(optimizers: list) -> Callable[[], None]:
     return put_back
 
 
+# The param groups cgraph made capturable, by optimizer (weakly), which its
+# state_dict() saves as they were configured: Note [Capturable optimizers].
+_made_capturable: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _make_capturable(optimizer, group: dict) -> None:
+    made = _made_capturable.get(optimizer)
+    if made is None:
+        made = _made_capturable[optimizer] = []
+        optimizer.register_state_dict_post_hook(_saved_as_configured)
+    if not any(g is group for g in made):
+        made.append(group)
+    group["capturable"] = True
+
+
+def _saved_as_configured(optimizer, state_dict: dict) -> dict:
+    """An optimizer's state_dict post-hook: each group cgraph made capturable
+    saved with capturable off, as its user built it, so that a checkpoint
+    loads where eager's does (a CPU copy of the model, an eager run)."""
+    made = _made_capturable.get(optimizer, ())
+    for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
+        if any(g is group for g in made):
+            saved["capturable"] = False
+    return state_dict
+
+
 def _state_to_device(state: dict, device: torch.device) -> None:
     """An optimizer's one-element state (step counts; NAdam's mu_product)
     moved to its parameter's device, as capturable=True keeps it."""
@@ -1253,12 +1298,21 @@ def _check_capturable(optimizer, scaled: bool) -> None:
             "AdamW, SGD, RMSprop, ...; Adagrad cgraph steps on the device itself).")
     if (scaled and not getattr(optimizer, "_step_supports_amp_scaling", False)
             and not _C.conditional_nodes()):
+        fused = ("Build it with "
+                 f"{name}(..., fused=True): the scaler then hands it the scale and found_inf "
+                 "on the device" if isinstance(optimizer, _FUSED_ON_CUDA) else
+                 f"{name} has no fused form that takes them on the device: use Adam, AdamW "
+                 "or SGD with fused=True, a CUDA 12.4+ build, or step it outside the graphed "
+                 "step")
         raise ValueError(
             f"cgraph: a GradScaler steps this {name} by reading found_inf on the host (a "
             "sync a graph cannot hold), and this torch or CUDA (before 12.4) has no "
-            "conditional graph nodes to skip it on the device. Build it with "
-            f"{name}(..., fused=True): the scaler then hands it the scale and found_inf on "
-            "the device.")
+            f"conditional graph nodes to skip it on the device. {fused}.")
+
+
+# Optimizers with fused=True CUDA kernels, which take GradScaler's scale and
+# found_inf on the device.
+_FUSED_ON_CUDA = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
 def _check_on_the_gpu(optimizer) -> None:

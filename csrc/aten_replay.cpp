@@ -222,9 +222,10 @@ bool check_params(const Engine& e) {
     if (p.tensor.requires_grad()) {
       TORCH_CHECK(p.requires_grad, "cgraph: parameter ", j, " (shape ", p.tensor.sizes(),
                   ") requires grad, but did not at capture, so the backward graph computes "
-                  "no grad for it. Reset the graphs after unfreezing it (graphed.reset(); "
-                  "layer.forward.reset() for graph_layers; or cgraph.reset_all()): the next "
-                  "call captures it trained.");
+                  "no grad for it. After unfreezing it, graph the callable again: reset these "
+                  "graphs (graphed.reset(), or cgraph.reset_all() after graph_layers or "
+                  "make_graphed_callables), then call make_graphed, graph_layers or "
+                  "make_graphed_callables on it anew.");
       need_grad = true;
     }
   }

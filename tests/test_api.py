@@ -166,6 +166,28 @@ def test_callable_spec_refuses_missing_unknown_and_mistyped_fields():
             cgraph._C.CallableSpec(**dict(fields, constants=bad))
 
 
+def test_a_module_whose_own_pre_hook_recomputes_its_weight_is_refused_naming_the_fix():
+    """torch.nn.utils.prune and the legacy weight_norm/spectral_norm set the
+    weight in a forward pre-hook, which runs around the graphed module's
+    calls, outside its graphs: refused, naming parametrize and prune.remove.
+    Inside a graphed parent the hook runs in the graphs: described."""
+    import warnings
+
+    from torch.nn.utils import prune
+
+    from cgraph._describe import Target, draft
+    pruned = torch.nn.Linear(4, 4)
+    prune.l1_unstructured(pruned, "weight", 0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # weight_norm's deprecation
+        normed = torch.nn.utils.weight_norm(torch.nn.Linear(4, 4))
+    for module, kind in ((pruned, "L1Unstructured"), (normed, "WeightNorm")):
+        with pytest.raises(ValueError, match=rf"{kind} that recomputes its weight.*parametrize"):
+            draft(Target.of(0, module), (torch.randn(2, 4),), None, set())
+    parent = torch.nn.Sequential(pruned)
+    assert draft(Target.of(0, parent), (torch.randn(2, 4),), None, set()).fields["module"]
+
+
 def test_samples_sharing_memory_get_their_own_static_buffers():
     from cgraph._describe import Target, draft
 
@@ -508,6 +530,46 @@ def test_a_step_refuses_optimizers_it_cannot_capture_naming_the_fix(monkeypatch)
     monkeypatch.setattr(_step._C, "conditional_nodes", lambda: False)
     with pytest.raises(ValueError, match=r"GradScaler.*Adam\(\.\.\., fused=True\)"):
         _check_capturable(torch.optim.Adam(params), scaled=True)
+    with pytest.raises(ValueError, match=r"NAdam has no fused form.*Adam, AdamW or SGD"):
+        _check_capturable(torch.optim.NAdam(params), scaled=True)  # it has no fused=
+
+
+def test_a_group_made_capturable_is_saved_as_built_and_loads_on_the_cpu():
+    """Note [Capturable optimizers]: the graph needs capturable=True, but a
+    checkpoint saved meanwhile records the group as its user built it:
+    loaded into a CPU copy, it steps (torch refuses capturable=True off the
+    GPU).  A group built capturable is saved so."""
+    params = [torch.nn.Parameter(torch.randn(3))]
+    opt = torch.optim.Adam([{"params": params}, {"params": [torch.nn.Parameter(torch.randn(2))],
+                                                  "capturable": True}], lr=1e-3)
+    step = cgraph.make_graphed_step(lambda: None)
+    for group in opt.param_groups:
+        step._capturable(opt, group)
+    assert all(g["capturable"] for g in opt.param_groups)
+    saved = opt.state_dict()
+    assert [g["capturable"] for g in saved["param_groups"]] == [False, True]
+    copy = torch.optim.Adam([torch.nn.Parameter(torch.randn(3))], lr=1e-3)
+    saved["param_groups"] = saved["param_groups"][:1]
+    copy.load_state_dict(saved)
+    copy.param_groups[0]["params"][0].grad = torch.ones(3)
+    copy.step()
+
+
+def test_an_lr_the_step_sets_itself_is_refused_at_capture():
+    """group["lr"] = ... inside the step replaces the device lr the capture
+    hands the optimizer: the graph would bake that value in.  Refused as the
+    capture's device lrs are put back."""
+    from cgraph._step import _Group
+    group = {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}
+    step = cgraph.make_graphed_step(lambda: None)
+    step.groups = [_Group(group, torch.tensor(0.1), 0.1, {}, ())]
+    with step._device_lrs():
+        assert isinstance(group["lr"], torch.Tensor)
+    assert group["lr"] == 0.1
+    with pytest.raises(RuntimeError, match=r"sets the learning rate.*after the graphed step"):
+        with step._device_lrs():
+            group["lr"] = 0.05
+    assert group["lr"] == 0.1  # put back all the same
 
 
 def test_a_step_refuses_an_optimizer_of_parameters_off_the_gpu():
