@@ -415,7 +415,7 @@ def make_graphed(
     inner = _unwrap_ddp(fn)
     if buckets is not None:  # before any capture
         buckets = normalize_buckets(buckets)
-        refuse_sequence_first(inner)
+        refuse_sequence_first(inner, buckets)
     options = _options(num_warmup_iters, allow_unused_input, capture_error_mode,
                        _kept_outputs(kept_outputs, guard_outputs))
     target, pool_id = Target.of(0, inner), _pool_id(pool)

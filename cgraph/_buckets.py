@@ -360,21 +360,22 @@ _TORCH_TRANSFORMERS = (nn.MultiheadAttention, nn.Transformer, nn.TransformerEnco
                        nn.TransformerDecoderLayer)
 
 
-def refuse_sequence_first(module) -> None:
-    """Buckets on torch's own attention modules built sequence first
-    (batch_first=False, their default): buckets read dimension 0 as the
-    batch and later ones as sequences, so the sequence would be padded as a
-    batch, unmasked.  Raises, naming batch_first=True."""
-    if not isinstance(module, _TORCH_TRANSFORMERS):
+def refuse_sequence_first(module, buckets: dict) -> None:
+    """Buckets on dimension 0 of torch's own attention modules built
+    sequence first (batch_first=False, their default; inputs (T, B, d)):
+    buckets read dimension 0 as the batch, so the sequence would be padded
+    as a batch, unmasked.  Raises, naming batch_first=True.  (Buckets on
+    their dimension 1, the batch, pad it as one.)"""
+    if 0 not in buckets or not isinstance(module, _TORCH_TRANSFORMERS):
         return
     attention = next((m for m in module.modules() if isinstance(m, nn.MultiheadAttention)),
                      None)
     if attention is not None and not attention.batch_first:
         raise ValueError(
-            f"cgraph: buckets= on {type(module).__name__} built with batch_first=False (its "
-            "inputs sequence first): buckets read dimension 0 as the batch and later "
-            "dimensions as sequences, so its sequence would be padded as a batch, unmasked. "
-            "Build it with batch_first=True, or graph it without buckets.")
+            f"cgraph: buckets= on dimension 0 of {type(module).__name__}, built with "
+            "batch_first=False (its inputs sequence first): buckets read dimension 0 as the "
+            "batch, so its sequence would be padded as a batch, unmasked. Build it with "
+            "batch_first=True, or bucket its batch (dimension 1).")
 
 
 def _holds_mha(module: nn.Module | None) -> bool:

@@ -750,8 +750,8 @@ class GraphedStep:
             for p in group["params"]:
                 _state_to_device(optimizer.state.get(p, {}), p.device)
         lr = _device_lr(optimizer, group)
-        baked = {k: v for k, v in group.items()
-                 if k != "params" and not (k == "lr" and lr is not None)}
+        unread = lr is not None or isinstance(optimizer, _LR_AT_STATE_ONLY)
+        baked = {k: v for k, v in group.items() if k != "params" and not (k == "lr" and unread)}
         return _Group(group, lr, float(group["lr"]) if lr is not None else None, baked,
                       tuple(baked.values()))
 
@@ -766,7 +766,10 @@ class GraphedStep:
         try:
             yield
         finally:
-            replaced = [g for g, _ in swapped if g.group["lr"] is not g.lr]
+            # A group holding another group's device lr is fine: ZeRO's step
+            # copies its own groups' values into its inner optimizer's.
+            device_lrs = {id(g.lr) for g, _ in swapped}
+            replaced = [g for g, _ in swapped if id(g.group["lr"]) not in device_lrs]
             for g, own in swapped:
                 g.group["lr"] = own
         if replaced:  # the captured step read the lr it set, baked in
@@ -1092,13 +1095,14 @@ _DEVICE_RESIDENT = (torch.optim.Adagrad,)
 # baked into the graph, and a change recaptures (Note [Capturable optimizers]).
 _SINGLE_TENSOR_LR_ON_HOST = (torch.optim.Adadelta, torch.optim.RMSprop)
 # Rprop reads lr only where it makes a parameter's state (torch.full_like(grad,
-# lr), on the host in any form): a number, which a capture may read.
+# lr), on the host in any form), never in its update: its lr is neither
+# swapped for a device tensor (a capture that makes state may read it) nor
+# compared before a replay (a change after the state exists changes nothing,
+# in eager too).
 _LR_AT_STATE_ONLY = (torch.optim.Rprop,)
 
 
 def _reads_lr_on_the_host(optimizer, group: dict) -> bool:
-    if isinstance(optimizer, _LR_AT_STATE_ONLY):
-        return True
     if not isinstance(optimizer, _SINGLE_TENSOR_LR_ON_HOST):
         return False
     foreach, differentiable = group.get("foreach"), bool(group.get("differentiable"))
@@ -1114,6 +1118,8 @@ def _device_lr(optimizer, group: dict) -> torch.Tensor | None:
     off its parameters' device (a CPU tensor, which fused kernels read on
     the host); None where the graph bakes lr in or reads the group's own
     tensor in place (Note [Capturable optimizers])."""
+    if isinstance(optimizer, _LR_AT_STATE_ONLY):
+        return None
     lr, device = group["lr"], group["params"][0].device
     reads_device_lr = group.get("fused") or (
         group.get("capturable") and not _reads_lr_on_the_host(optimizer, group))
@@ -1252,6 +1258,8 @@ def _make_capturable(optimizer, group: dict) -> None:
     if made is None:
         made = _made_capturable[optimizer] = []
         optimizer.register_state_dict_post_hook(_saved_as_configured)
+    # Groups replaced since (load_state_dict) are let go.
+    made[:] = [g for g in made if any(g is h for h in optimizer.param_groups)]
     if not any(g is group for g in made):
         made.append(group)
     group["capturable"] = True
@@ -1259,12 +1267,23 @@ def _make_capturable(optimizer, group: dict) -> None:
 
 def _saved_as_configured(optimizer, state_dict: dict) -> dict:
     """An optimizer's state_dict post-hook: each group cgraph made capturable
-    saved with capturable off, as its user built it, so that a checkpoint
-    loads where eager's does (a CPU copy of the model, an eager run)."""
+    saved with capturable off, as its user built it, and (not fused) its
+    step counts on the CPU, where torch keeps them then, so that a
+    checkpoint loads where eager's does (a CPU copy of the model), and
+    resumes as eager's (a step count on the GPU costs a non-capturable step
+    a sync per parameter).  The saved state is copied, not the live one."""
     made = _made_capturable.get(optimizer, ())
+    state = state_dict["state"]
     for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
-        if any(g is group for g in made):
-            saved["capturable"] = False
+        if not any(g is group for g in made):
+            continue
+        saved["capturable"] = False
+        if group.get("fused"):
+            continue
+        for index in saved["params"]:
+            step = state.get(index, {}).get("step")
+            if isinstance(step, torch.Tensor) and step.device.type != "cpu":
+                state[index] = {**state[index], "step": step.cpu()}
     return state_dict
 
 

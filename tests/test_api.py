@@ -570,6 +570,25 @@ def test_an_lr_the_step_sets_itself_is_refused_at_capture():
         with step._device_lrs():
             group["lr"] = 0.05
     assert group["lr"] == 0.1  # put back all the same
+    # Another group's device lr is no lr of the step's own: ZeRO's step
+    # copies its groups' values into its inner optimizer's.
+    inner = {"params": [torch.nn.Parameter(torch.zeros(2))], "lr": 0.1}
+    step.groups.append(_Group(inner, torch.tensor(0.1), 0.1, {}, ()))
+    with step._device_lrs():
+        inner["lr"] = group["lr"]
+    assert inner["lr"] == 0.1
+
+
+def test_rprop_s_lr_is_neither_a_device_tensor_nor_compared():
+    """Rprop reads lr only where it makes a parameter's state, on the host:
+    its lr stays the group's own (a float or a tensor, not refused), and a
+    scheduler changing it does not recapture (it changes nothing once the
+    state exists, in eager too)."""
+    step = cgraph.make_graphed_step(lambda: None)
+    for lr in (0.01, torch.tensor(0.01)):
+        opt = torch.optim.Rprop([torch.nn.Parameter(torch.zeros(2))], lr=lr)
+        g = step._capturable(opt, opt.param_groups[0])
+        assert g.lr is None and "lr" not in g.baked and opt.param_groups[0]["capturable"]
 
 
 def test_a_step_refuses_an_optimizer_of_parameters_off_the_gpu():

@@ -720,8 +720,8 @@ def test_torch_s_transformer_graphed_whole_runs_unpadded_and_its_encoder_pads_ma
     with torch.no_grad():
         out = Bucketed(encoder.forward, normalize({1: [16]}), encoder)(src, mask=future)
         torch.testing.assert_close(out, encoder(src, mask=future))
-    with pytest.raises(ValueError, match="batch_first=False.*Build it with batch_first=True"):
-        cgraph.make_graphed(nn.TransformerEncoderLayer(8, 2, 16), buckets={1: [16]})
+    with pytest.raises(ValueError, match="dimension 0 .*batch_first=False.*batch_first=True"):
+        cgraph.make_graphed(nn.TransformerEncoderLayer(8, 2, 16), buckets=[16])
 
 
 def test_a_causal_flag_passed_positionally_counts_as_a_mask():
