@@ -1166,3 +1166,28 @@ def test_garbage_that_appears_while_a_step_is_captured_is_collected_after_it():
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr[-3000:]
+
+
+def test_a_checkpoint_of_a_graphed_optimizer_loads_on_the_cpu_and_keeps_the_live_state():
+    """Note [Capturable optimizers]: the graph needs capturable=True and step
+    counts on the device; a state_dict() saved meanwhile has the groups as
+    built and their step counts on the CPU, as eager's, loads into a CPU
+    copy and steps there, and leaves the live optimizer as it is."""
+    model, batches = model_and_data(dropout=0.0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # foreach: made capturable
+    step = cgraph.make_graphed_step(make_step(model, opt), batches[0])
+    run(step, batches)
+    assert step.stats["replays"] >= 1, step.stats
+    saved = opt.state_dict()
+    assert [g["capturable"] for g in saved["param_groups"]] == [False]
+    assert all(s["step"].device.type == "cpu" for s in saved["state"].values())
+    assert opt.param_groups[0]["capturable"] and all(s["step"].is_cuda
+                                                      for s in opt.state.values())
+    cpu = copy.deepcopy(model).cpu()
+    cpu_opt = torch.optim.AdamW(cpu.parameters(), lr=1e-2)
+    cpu_opt.load_state_dict(saved)
+    for p in cpu.parameters():
+        p.grad = torch.ones_like(p)
+    cpu_opt.step()
+    run(step, batches[:2])  # the graphed step goes on replaying
+    assert step.stats["captures"] == 1, step.stats
