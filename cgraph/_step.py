@@ -573,9 +573,9 @@ class GraphedStep:
         where the ranks capture it together, after they agreed that every
         one did, and on whether any made optimizer state (Note [A capture
         that fails on one rank], cgraph/_ranks.py; Note [What a graphed step
-        checks before a replay], cgraph/_step_checks.py).  False where it was dropped before its
-        replay (Note [GradScaler with any optimizer]): the call steps
-        eagerly."""
+        checks before a replay], cgraph/_step_checks.py).  False where it
+        was dropped before its replay (Note [GradScaler with any
+        optimizer]): the call steps eagerly."""
         started = time.perf_counter()
         recapture = self.graphed is not None
         took = _Took(roots=roots(self.fn, self.ddp.models()))
