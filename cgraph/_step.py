@@ -144,7 +144,7 @@ from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donate
                        asked_by_the_compiler, graph, one_setup_at_a_time, patched)
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
-from ._step_checks import GradSync, Marks, OtherGrads, SinceCapture
+from ._step_checks import GradSync, Marks, OtherGrads, SinceCapture, grad_mode
 from ._step_grads import StepGrads
 from ._modes import Modes, roots
 
@@ -610,7 +610,8 @@ class GraphedStep:
         try:  # every record, or none: a half-built step would replay unchecked
             took.sync.captured()
             took.other_grads.captured(self.grads.cleared)
-            self.since = SinceCapture(Marks(self.grads.params, took.roots, self.grads.label),
+            self.since = SinceCapture(took.grad_mode,
+                                      Marks(self.grads.params, took.roots, self.grads.label),
                                       took.modes, took.sync, took.other_grads)
         except BaseException:
             _forget(took.made)
@@ -655,6 +656,7 @@ class GraphedStep:
         warm = None
         try:
             took.modes = Modes.under(took.roots)  # as the call found them
+            took.grad_mode = grad_mode()
             self.resharded = _fsdp.Resharded(took.roots)
             _fsdp.refuse_offloaded(self.resharded.groups)
             self.resharded()  # Note [FSDP2's host state around a graphed step]
@@ -749,8 +751,9 @@ class GraphedStep:
         if "capturable" in group or isinstance(optimizer, _DEVICE_RESIDENT):
             for p in group["params"]:
                 _state_to_device(optimizer.state.get(p, {}), p.device)
-        lr = _device_lr(optimizer, group)
-        unread = lr is not None or isinstance(optimizer, _LR_AT_STATE_ONLY)
+        read = _lr_read(optimizer, group)
+        lr = _device_lr(optimizer, group, read)
+        unread = lr is not None or read == "state"
         baked = {k: v for k, v in group.items() if k != "params" and not (k == "lr" and unread)}
         return _Group(group, lr, float(group["lr"]) if lr is not None else None, baked,
                       tuple(baked.values()))
@@ -894,6 +897,7 @@ class GraphedStep:
             out = graphed(*args, **kwargs)
         self.grads.leave()
         self.since.other_grads.leave()
+        self.since.sync.leave()
         return out if self.outputs is None else self.outputs.rebuild(out)
 
     # -- 4. reset --------------------------------------------------------------
@@ -979,6 +983,7 @@ class _Took:
     returned: list = dataclasses.field(default_factory=list)  # _captured_call's _Outputs
     grads: list = dataclasses.field(default_factory=list)  # StepGrads.noted's record
     modes: Modes | None = None  # the modes of the modules it names, as the call found them
+    grad_mode: tuple = (True, False)  # _step_checks.grad_mode() around the call
     roots: list = dataclasses.field(default_factory=list)  # the modules it names
     sync: GradSync | None = None  # the grad sync of what it names, as the capture began
     other_grads: OtherGrads | None = None  # as the capture began
@@ -1091,15 +1096,30 @@ _DEVICE_RESIDENT = (torch.optim.Adagrad,)
 
 
 # Capturable optimizers whose single-tensor step reads a tensor lr back to the
-# host (``alpha=-lr``), a sync a capture cannot hold: their lr stays a number,
-# baked into the graph, and a change recaptures (Note [Capturable optimizers]).
+# host (``alpha=-lr``), a sync a capture cannot hold.
 _SINGLE_TENSOR_LR_ON_HOST = (torch.optim.Adadelta, torch.optim.RMSprop)
-# Rprop reads lr only where it makes a parameter's state (torch.full_like(grad,
-# lr), on the host in any form), never in its update: its lr is neither
-# swapped for a device tensor (a capture that makes state may read it) nor
-# compared before a replay (a change after the state exists changes nothing,
-# in eager too).
-_LR_AT_STATE_ONLY = (torch.optim.Rprop,)
+
+
+def _lr_read(optimizer, group: dict) -> str:
+    """Where a param group's step reads its lr (Note [Capturable optimizers]):
+
+    - "device": from a tensor on its parameters' device, every kernel (fused
+      steps; capturable foreach and single-tensor ones): the graph reads it
+      at each replay, refreshed before (_device_lr);
+    - "host": as a number, baked into the graph, a change recapturing: a
+      step neither fused nor capturable, and the single-tensor step of
+      _SINGLE_TENSOR_LR_ON_HOST;
+    - "state": only where it makes a parameter's state (Rprop's
+      ``torch.full_like(grad, lr)``, on the host in any form), never in its
+      update: neither swapped for a device tensor (a capture that makes
+      state may read it) nor compared before a replay (a change after the
+      state exists changes nothing, in eager too)."""
+    if isinstance(optimizer, torch.optim.Rprop):
+        return "state"
+    if group.get("fused") or (group.get("capturable")
+                              and not _reads_lr_on_the_host(optimizer, group)):
+        return "device"
+    return "host"
 
 
 def _reads_lr_on_the_host(optimizer, group: dict) -> bool:
@@ -1112,24 +1132,20 @@ def _reads_lr_on_the_host(optimizer, group: dict) -> bool:
     return not foreach or differentiable
 
 
-def _device_lr(optimizer, group: dict) -> torch.Tensor | None:
+def _device_lr(optimizer, group: dict, read: str) -> torch.Tensor | None:
     """The device tensor the graph reads lr from, while captured, for a
-    group whose step reads it there and whose lr is a number or a tensor
-    off its parameters' device (a CPU tensor, which fused kernels read on
-    the host); None where the graph bakes lr in or reads the group's own
-    tensor in place (Note [Capturable optimizers])."""
-    if isinstance(optimizer, _LR_AT_STATE_ONLY):
-        return None
+    group whose step reads it there (`read`, _lr_read) and whose lr is a
+    number or a tensor off its parameters' device (a CPU tensor, which
+    fused kernels read on the host); None where the graph bakes lr in or
+    reads the group's own tensor in place."""
     lr, device = group["lr"], group["params"][0].device
-    reads_device_lr = group.get("fused") or (
-        group.get("capturable") and not _reads_lr_on_the_host(optimizer, group))
-    if not reads_device_lr and isinstance(lr, torch.Tensor):
+    if read == "host" and isinstance(lr, torch.Tensor):
         raise ValueError(
             f"cgraph: this {type(optimizer).__name__} has a tensor lr, but its step reads "
             "lr as a number, which the graph would keep at its value at capture (an LR "
             "scheduler changes a tensor lr in place, unseen). Pass lr as a float: a "
             "change then recaptures the step (logged).")
-    if not reads_device_lr or (isinstance(lr, torch.Tensor) and lr.device == device):
+    if read != "device" or (isinstance(lr, torch.Tensor) and lr.device == device):
         return None
     # float32, as torch's own tensor lr for fused kernels, whatever the
     # default dtype (fused kernels read it as a float).

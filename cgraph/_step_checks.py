@@ -37,7 +37,12 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    drops the state it made (never written: a capture runs no kernel); the
    optimizer's next step, eager or captured, makes it again.  The modes are
    those the capturing call found (a step that calls ``model.train()``
-   itself, run between ``model.eval()`` calls, keeps its graph).  An lr
+   itself, run between ``model.eval()`` calls, keeps its graph).  So is
+   the grad mode around the call (grad enabled, ``torch.no_grad()``,
+   ``torch.inference_mode()``): a training step called under no_grad()
+   would replay its backward and optimizer step where eager raises, and
+   one captured under inference_mode holds inference tensors that no call
+   outside it may write.  An lr
    that changes inside the step after its optimizer stepped
    (``scheduler.step()`` in the step) is refused at the first warm-up
    call: the scheduler would fill the graph's device lr once, at capture,
@@ -94,10 +99,13 @@ A: Each replay would reduce, or not, as the capture did: the optimizer
    broadcasts buffers, against its value as the capture began: a forward
    under no_grad() or no_sync() turns it off and eager's next forward then
    broadcasts nothing, where a replay would, and a capture after such a
-   forward would never broadcast.  A capture that would start with an FSDP
-   group not reducing (reduce_grads off; all_reduce_grads off on a group
-   with a replicate dimension), or holding grads that earlier calls left
-   for a later reduction, is refused, naming the fix: FSDP keeps those
+   forward would never broadcast.  And a replay sets it as its capture's
+   forward left it, as eager's forward does: a step graphed for evaluation
+   under no_grad() turns it off for the training step's next call.  A
+   capture that would start with an FSDP group not reducing (reduce_grads
+   off; all_reduce_grads off on a group with a replicate dimension), or
+   holding grads that earlier calls left for a later reduction, is
+   refused, naming the fix: FSDP keeps those
    grads in its own Python state (unsharded grads, HSDP's partial
    reduction), assigned on the first micro-batch and added after, which no
    replay can follow; a replay would add into the memory the capture found,
@@ -135,21 +143,40 @@ class Change(NamedTuple):
     waits: bool = False
 
 
+def grad_mode() -> tuple[bool, bool]:
+    """(grad enabled, inference mode) now: a step replays only under those
+    of its capture."""
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+def _grad_mode_named(mode: tuple[bool, bool]) -> str:
+    enabled, inference = mode
+    return ("torch.inference_mode()" if inference else
+            "grad enabled" if enabled else "torch.no_grad()")
+
+
 class SinceCapture:
     """One record of what a step's capture found and each replay checks
-    first, in the order asked: the tensors it reads (Marks), the modes of
-    the modules it names (Modes, cgraph/_modes.py), their grad sync
-    (GradSync) and the grads no optimizer of it holds (OtherGrads)."""
+    first, in the order asked: the grad mode around the call (grad_mode()),
+    the tensors it reads (Marks), the modes of the modules it names (Modes,
+    cgraph/_modes.py), their grad sync (GradSync) and the grads no
+    optimizer of it holds (OtherGrads)."""
 
-    __slots__ = ("marks", "modes", "sync", "other_grads")
+    __slots__ = ("grad_mode", "marks", "modes", "sync", "other_grads")
 
-    def __init__(self, marks: "Marks", modes: Modes, sync: "GradSync",
-                 other_grads: "OtherGrads"):
-        self.marks, self.modes, self.sync, self.other_grads = marks, modes, sync, other_grads
+    def __init__(self, grad_mode: tuple[bool, bool], marks: "Marks", modes: Modes,
+                 sync: "GradSync", other_grads: "OtherGrads"):
+        self.grad_mode, self.marks, self.modes = grad_mode, marks, modes
+        self.sync, self.other_grads = sync, other_grads
 
     def first_changed(self) -> Change | None:
         """The first change since capture, or None (a native compare or two
         per record: Note [The step's hot path] in cgraph/_step.py)."""
+        now = grad_mode()
+        if now != self.grad_mode:
+            return Change("the grad mode around the call", f"changed from "
+                          f"{_grad_mode_named(self.grad_mode)} to {_grad_mode_named(now)}",
+                          "grad mode")
         if not self.marks.same():
             return Change(*self.marks.first_changed(), "parameters", waits=True)
         if not self.modes.same():
@@ -328,11 +355,12 @@ class GradSync:
     began, then (captured()) as it left it; the FSDP group holding grads
     for a later reduction as it began (_fsdp.holding_grads); and whether
     each DDP model that broadcasts buffers was to broadcast them as the
-    capture began (require_forward_param_sync, which a replay does not set,
-    compared with that)."""
+    capture began (require_forward_param_sync, compared with that) and as
+    the capture left it (set again after each replay, as eager's forward
+    sets it)."""
 
     __slots__ = ("owners", "names", "labels", "values", "holding", "broadcasting",
-                 "broadcast")
+                 "broadcast", "left")
     _FSDP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward")
 
     def __init__(self, fsdp_groups, ddp_models: list):
@@ -347,6 +375,7 @@ class GradSync:
         self.holding = _fsdp.holding_grads(fsdp_groups)
         self.broadcasting = tuple(m for m in ddp_models if _broadcasts_buffers(m))
         self.broadcast = self._broadcast_now()
+        self.left: tuple = ()
 
     def _broadcast_now(self) -> tuple:
         return tuple(m.require_forward_param_sync for m in self.broadcasting)
@@ -359,6 +388,7 @@ class GradSync:
         replay keeps (a step that turns sync off and on itself ends with it
         on)."""
         self.values = self._now()
+        self.left = self._broadcast_now()
 
     def first_changed(self) -> str | None:
         """The label of the first setting changed since, or None."""
@@ -366,10 +396,18 @@ class GradSync:
         if now != self.values:
             return next(label for label, was, got in zip(self.labels, self.values, now)
                         if got != was)
-        if self._broadcast_now() != self.broadcast:
+        if self.broadcasting and self._broadcast_now() != self.broadcast:
             return ("DDP's require_forward_param_sync (whether its forward broadcasts rank 0's "
                     "buffers, off after a forward under no_grad() or no_sync())")
         return None
+
+    def leave(self) -> None:
+        """After a replay: each DDP model's require_forward_param_sync as the
+        capture's forward left it (off after a step that ran it under
+        no_grad(), an evaluation step), as eager's forward would set it; the
+        next call of any step reads it."""
+        for model, value in zip(self.broadcasting, self.left):
+            model.require_forward_param_sync = value
 
     def refuse_unreduced(self) -> None:
         """Refuses to capture a call that starts with an FSDP group not

@@ -30,7 +30,16 @@ them):
    last step, after which eager DDP broadcasts nothing: parameters and
    buffers bitwise equal to eager DDP's on every rank, the last step eager
    (Note [Grad sync set outside a graphed step] in cgraph/_step_checks.py).
-5. teardown: step.reset(), then dist.destroy_process_group().
+5. buffers around a graphed evaluation: the BatchNorm MLP's training step
+   and an evaluation step (its forward under no_grad(), the model in eval
+   mode), each graphed, called in turn.  Eager DDP broadcasts rank 0's
+   running stats at each evaluation (it follows a grad-syncing forward) and
+   at no training forward (each follows a forward under no_grad()); every
+   replay leaves DDP's flag as its capture's forward did, so the graphs do
+   the same: every evaluation's output, and the parameters and buffers
+   after, bitwise equal to eager DDP's on every rank, and no call eager
+   after the capture.
+6. teardown: step.reset(), then dist.destroy_process_group().
 """
 
 import os
@@ -158,13 +167,48 @@ def buffers_after_a_no_grad_forward(rank, device):
     return step
 
 
+def buffers_around_a_graphed_evaluation(rank, device):
+    model, eager = DDP(bn_mlp(), device_ids=[device]), DDP(bn_mlp(), device_ids=[device])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, fused=True)
+    step = cgraph.make_graphed_step(train_step(model, opt), batch(0, rank))
+
+    def evaluation(ddp):
+        def evaluate(x):
+            with torch.no_grad():
+                return ddp(x)
+        return evaluate
+
+    evaluate = cgraph.make_graphed_step(evaluation(model), batch(0, rank)[:1])
+    eager_step, evaluate_e = train_step(eager, opt_e), evaluation(eager)
+    same = True
+    for i in range(STEPS):
+        x, y = batch(i, rank)
+        step(x, y)
+        eager_step(x, y)
+        model.eval()
+        eager.eval()
+        same &= torch.equal(evaluate(x), evaluate_e(x))
+        model.train()
+        eager.train()
+    same &= all(torch.equal(a, b) for a, b in zip(
+        [*model.module.parameters(), *model.module.buffers()],
+        [*eager.module.parameters(), *eager.module.buffers()]))
+    want = {"eager": 11, "captures": 1, "replays": STEPS - 11}
+    check(same and step.stats == want and evaluate.stats == want, rank,
+          f"buffers around a graphed evaluation: outputs, parameters and buffers equal to "
+          f"eager DDP: {bool(same)}, {step.stats} and {evaluate.stats} (want {want})")
+    return [step, evaluate]
+
+
 def main():
     device = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(device)
     dist.init_process_group("nccl")
     rank = dist.get_rank()
     steps = [graphed_vs_eager(rank, device), allreduce_in_graph(rank, device),
-             buffers_after_a_no_grad_forward(rank, device)]
+             buffers_after_a_no_grad_forward(rank, device),
+             *buffers_around_a_graphed_evaluation(rank, device)]
     for step in steps:
         step.reset()
     dist.barrier()

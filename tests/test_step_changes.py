@@ -186,6 +186,48 @@ def test_a_layer_unfrozen_after_capture_is_stepped_from_then_on(name, caplog):
 
 
 @pytest.mark.gpu
+def test_a_training_step_called_under_no_grad_raises_as_eager_and_trains_on_after(caplog):
+    """A training step captured with grad, called under no_grad(): eager
+    raises at the backward; before, the replay ran the captured backward
+    and optimizer step anyway.  The call runs eagerly (and raises as eager
+    does), and the calls after it train as eager, captured again."""
+    t = Twins("sgd-momentum")
+    for i in range(3):  # warm-up, capture, replay
+        t.call(i)
+    with caplog.at_level(logging.INFO, logger="cgraph"), torch.no_grad():
+        for fn in (t.step, t.plain):
+            with pytest.raises(RuntimeError, match="does not require grad"):
+                fn(*t.batches[3])
+    for i in range(4, 7):
+        t.call(i)
+    t.assert_same_training()
+    assert t.step.stats == {"eager": 2, "captures": 2, "replays": 4}, t.step.stats
+    assert_logged(caplog, "the grad mode around the call",
+                  "changed from grad enabled to torch.no_grad()")
+
+
+@pytest.mark.gpu
+def test_an_evaluation_step_captured_under_inference_mode_runs_eagerly_outside_it(caplog):
+    """An evaluation step captured under inference_mode() holds inference
+    tensors; called under no_grad() with an argument ATen copies into its
+    static input (not contiguous), it raised torch's "Inplace update to
+    inference tensor outside InferenceMode".  Now that call runs eagerly,
+    logged, and every output is eager's."""
+    model, batches = model_and_batches()
+    step = cgraph.make_graphed_step(lambda x: model(x), num_warmup_iters=1)
+    with torch.inference_mode():
+        for x, _ in batches[:3]:  # warm-up, capture, replay
+            assert_equal(step(x), model(x), "under inference_mode")
+    x = batches[3][0].t().contiguous().t()  # its values, another layout
+    with caplog.at_level(logging.INFO, logger="cgraph"), torch.no_grad():
+        out = step(x)
+        assert_equal(out, model(x), "under no_grad()")
+    assert not out.is_inference()
+    assert step.stats == {"eager": 2, "captures": 1, "replays": 2}, step.stats
+    assert_logged(caplog, "changed from torch.inference_mode() to torch.no_grad()")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_a_layer_unfrozen_between_warm_up_and_capture_gets_its_state_once(name, caplog):
     """model[0] frozen in the one warm-up call, unfrozen before the next:
@@ -452,8 +494,8 @@ def since(step, model):
     modes read, no grad sync, no other grads."""
     others = OtherGrads([], set())
     others.captured(frozenset())
-    return SinceCapture(Marks(step.grads.params, [model], step.grads.label), Modes.now(()),
-                        GradSync([], []), others)
+    return SinceCapture((True, False), Marks(step.grads.params, [model], step.grads.label),
+                        Modes.now(()), GradSync([], []), others)
 
 
 def moved(p):
@@ -500,6 +542,26 @@ def test_a_parameter_frozen_unfrozen_or_moved_since_capture_warms_the_step_up_ag
     assert stale and step.grads is None
     assert step.num_warmup_iters == step.stats["eager"] + 1
     assert_logged(caplog, "parameter 0 of param group 0 of SGD", f"{what} ")
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_call_under_another_grad_mode_than_its_capture_warms_up_again(mode, caplog):
+    """A step captured with grad, called under no_grad() or inference_mode():
+    a replay would run its backward and optimizer step, where eager raises
+    (or steps, where the step enables grad itself); so the call runs
+    eagerly, named, and the next one with grad captures again."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = cgraph.make_graphed_step(lambda: None)
+    as_captured(step, model, opt)
+    assert not step._stale()
+    context = torch.no_grad() if mode == "no_grad" else torch.inference_mode()
+    with caplog.at_level(logging.INFO, logger="cgraph"), context:
+        assert step._stale() and step.grads is None
+    named = "torch.no_grad()" if mode == "no_grad" else "torch.inference_mode()"
+    assert_logged(caplog, "the grad mode around the call",
+                  f"changed from grad enabled to {named} since capture")
 
 
 @pytest.mark.parametrize("what", ["running_mean", "weight"])
