@@ -262,6 +262,10 @@ def make_graphed_callables(
     * A submodule switched between train and eval after capture
       (``bn.eval()``) gets a graph of its own mode (with ``max_graphs=1``:
       runs eagerly); torch replays the captured mode.
+    * A parameter unfrozen after capture (``requires_grad_(True)``, a
+      fine-tuning schedule) gets a graph whose backward computes its grad
+      (with ``max_graphs=1``: raises, naming the fix); torch's replays
+      compute no grad for it, silently.
     * An argument the callable writes in place (a cache filled inside
       ``forward``) is copied back into the tensor passed after each replay;
       torch leaves the caller's tensor as it was.
@@ -348,9 +352,10 @@ def make_graphed(
 
     Several graphs: a call that none of the callable's graphs takes
     (tensors of another shape or dtype, another constant or keyword,
-    another autocast or grad mode, the module, or a submodule that reads its
+    another autocast or grad mode, outside ``torch.inference_mode()`` where
+    the graph was captured in it, the module, or a submodule that reads its
     mode, in the other train/eval mode, an input that requires grad unlike
-    the sample) captures one more
+    the sample, a parameter unfrozen since) captures one more
     forward/backward pair for it on the spot, with the same warm-up and
     checks, and replays it from then on.  So does a call made while the
     backward of an earlier call of the same signature is still pending

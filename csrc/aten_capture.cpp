@@ -5,6 +5,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <torch/csrc/autograd/functions/utils.h>
 
 #include <algorithm>
@@ -42,6 +43,7 @@ void Engine::capture_begin(cg_pass pass, at::cuda::MempoolId_t pool_id,
   if (pass == CG_FORWARD) {
     autocast = Autocast::current();
     grad_mode = at::GradMode::is_enabled();
+    inference_mode = c10::InferenceMode::is_enabled();
     // Where the graph reads them: a warm-up's move may have given one new
     // memory (Note [Warm-up in the pool], aten_setup.cpp).
     for (Param& p : params) {

@@ -107,6 +107,11 @@ void check_call(const Engine& e, size_t nargs) {
               "cgraph: the graph was captured under torch.no_grad() (it has no backward) but "
               "is called with grad enabled. Call it under torch.no_grad(), or graph it with "
               "grad enabled (or with max_graphs > 1, which captures a graph for each).");
+  TORCH_CHECK(!e.inference_mode || c10::InferenceMode::is_enabled(),
+              "cgraph: the graph was captured under torch.inference_mode() (its static "
+              "tensors are inference tensors, which no call outside it may write) but is "
+              "called outside it. Call it under inference_mode, or graph it outside "
+              "inference_mode (or with max_graphs > 1, which captures a graph for each).");
   TORCH_CHECK_TYPE(nargs == e.inputs.size(), "cgraph: the graph was captured with ",
                    e.inputs.size(), " tensor argument(s), got ", nargs, ".");
 }
@@ -714,17 +719,37 @@ void Engine::order_after_current() {
   wait_for(caller_stream, now);
 }
 
-// The same checks as check_call and check_argument, answered instead of
-// raised.  Where a graph for the call can be captured: with exact_grad, an
-// argument that requires grad unlike its sample does not fit; with
-// exact_dtype, one of another dtype does not either, so a graph of its own
-// computes what eager does (a bf16 tensor through a function without
-// parameters stays bf16; through a float32 Linear, eager raises), where
-// the cast would compute in the sample's.
+namespace {
+
+// Whether a parameter frozen at capture requires grad now (unfrozen since:
+// the backward graph computes no grad for it).  One frozen since is fine:
+// its grad is dropped (wire_backward).
+bool unfrozen_since(const Engine& e) {
+  for (const Param& p : e.params) {
+    if (!p.requires_grad && p.tensor.requires_grad()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+// The same checks as check_call, check_argument and check_params, answered
+// instead of raised.  Where a graph for the call can be captured: with
+// exact_grad, an argument that requires grad unlike its sample does not
+// fit, nor a parameter unfrozen since (a fine-tuning schedule: a graph
+// whose backward computes its grad is captured); with exact_dtype, one of
+// another dtype does not either, so a graph of its own computes what eager
+// does (a bf16 tensor through a function without parameters stays bf16;
+// through a float32 Linear, eager raises), where the cast would compute in
+// the sample's.
 bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_grad,
              bool exact_dtype) {
   if (!e.alive() || nargs != e.inputs.size() || !(Autocast::current() == e.autocast) ||
-      (at::GradMode::is_enabled() && !e.grad_mode)) {
+      (at::GradMode::is_enabled() && !e.grad_mode) ||
+      (e.inference_mode && !c10::InferenceMode::is_enabled()) ||
+      (exact_grad && unfrozen_since(e))) {
     return false;
   }
   for (size_t i = 0; i < nargs; ++i) {

@@ -384,6 +384,70 @@ def test_a_submodule_switched_to_eval_after_capture_gets_its_own_graph():
     assert graphed.num_graphs == 3 and graphed.stats["forward"] == 6
 
 
+def test_a_parameter_unfrozen_after_capture_gets_a_graph_that_computes_its_grad():
+    """A fine-tuning schedule: the first layer frozen while the rest trains,
+    unfrozen at step 2 (the call captures a graph whose backward computes
+    its grad), frozen again at step 4 (that graph replays, the grad
+    dropped): every step equal to eager.  With max_graphs=None the unfrozen
+    call raises, naming the fix (before, every callable raised)."""
+    torch.manual_seed(53)
+    model = dropout_mlp()
+    eager = copy.deepcopy(model)
+    for m in (model, eager):
+        m[0].requires_grad_(False)
+    graphed = cgraph.make_graphed(model)
+
+    def switch(step):
+        if step in (2, 4):
+            for m in (model, eager):
+                m[0].requires_grad_(step == 2)
+
+    trains_as_eager(graphed, model, eager, steps=6, seed=30, before=switch)
+    assert graphed.num_graphs == 2 and graphed.stats["forward"] == 6
+
+    frozen = dropout_mlp()
+    frozen[0].requires_grad_(False)
+    one = cgraph.make_graphed(frozen, (torch.randn(4, 64, device=CUDA),), max_graphs=None)
+    frozen[0].requires_grad_(True)
+    with pytest.raises(RuntimeError, match="did not at capture.*graph the callable again"):
+        one(torch.randn(4, 64, device=CUDA))
+
+
+def test_a_graph_captured_under_inference_mode_serves_calls_under_it_only():
+    """A quick evaluation under inference_mode() before training, through a
+    module graphed without samples: its graph (inference static tensors)
+    replays for calls under inference_mode only.  A call under no_grad()
+    with an argument ATen copies into the static input (not contiguous)
+    raised torch's "Inplace update to inference tensor outside
+    InferenceMode"; it now gets a graph of its own, as training does, every
+    output eager's.  With max_graphs=None such a call raises, naming the
+    fix."""
+    torch.manual_seed(59)
+    model = dropout_mlp().eval()
+    eager = copy.deepcopy(model)
+    graphed = cgraph.make_graphed(model)
+    with torch.inference_mode():
+        for _ in range(2):
+            x = torch.randn(16, 64, device=CUDA)
+            assert_equal(graphed(x), eager(x), "under inference_mode")
+    x = torch.randn(64, 16, device=CUDA).t()
+    with torch.no_grad():
+        out = graphed(x)
+        assert_equal(out, eager(x), "under no_grad()")
+    assert not out.is_inference() and graphed.num_graphs == 2
+    model.train()
+    eager.train()
+    trains_as_eager(graphed, model, eager, steps=3, seed=40)
+    assert graphed.num_graphs == 3
+
+    with torch.inference_mode():
+        one = cgraph.make_graphed(dropout_mlp().eval(), (torch.randn(4, 64, device=CUDA),),
+                                  max_graphs=None)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="captured under "
+                                        r"torch.inference_mode\(\).*Call it under"):
+        one(torch.randn(4, 64, device=CUDA))
+
+
 class _Titan(nn.Module):
     """torchtitan's layout: the blocks in an nn.ModuleDict."""
 
