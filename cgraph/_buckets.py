@@ -172,6 +172,8 @@ _OTHER_SEQUENCE = frozenset({"encoder_hidden_states", "key_value_states", "memor
 # buckets]).
 _CROSS_MASKS = frozenset({"encoder_attention_mask", "encoder_decoder_position_bias",
                           "cross_attention_mask", "memory_mask"})
+# Either: what an encoder hands a decoder layer.
+_ENCODERS = _OTHER_SEQUENCE | _CROSS_MASKS
 # Flags by which a call says its attention is causal without a mask.
 _CAUSAL_FLAGS = frozenset({"is_causal", "tgt_is_causal"})
 # Masks whose True (or nonzero) masks, and whose floats are added to the
@@ -246,11 +248,12 @@ class Bucketed:
         # Found once: a padded call reads only their modes.
         self._batchnorms = tuple((name, weakref.ref(m)) for name, m in batchnorms)
         # Keywords whose masks mask with True in this module's own forward.
-        self._true_masks = _MHA_MASKS if _holds_mha(module) else frozenset()
+        holds_mha = _holds_mha(module)
+        self._true_masks = _MHA_MASKS if holds_mha else frozenset()
         # The module's name where its attention is not causal and none says
         # it is (an encoder's: BERT's; torch's nn.MultiheadAttention, which
         # has no such flag), else None: Note [A padded sequence with no mask].
-        self._bidirectional = _bidirectional(module) if module is not None else None
+        self._bidirectional = _bidirectional(module, holds_mha) if module is not None else None
         # The names its positional arguments are read under.
         self._names = _positional_names(module) if module is not None else ()
         self._label = type(module).__name__ if module is not None else "the graphed callable"
@@ -349,9 +352,9 @@ def _size_at(leaves: list, dim: int) -> int:
 #    is_causal flag and attends both ways unless a mask says otherwise: a
 #    module holding one and no attention that says is_causal=True counts as
 #    not causal too.
-def _bidirectional(module: nn.Module) -> str | None:
+def _bidirectional(module: nn.Module, holds_mha: bool) -> str | None:
     causal = {getattr(m, "is_causal", None) for m in module.modules()}
-    bidirectional = (False in causal or _holds_mha(module)) and True not in causal
+    bidirectional = (False in causal or holds_mha) and True not in causal
     return type(module).__name__ if bidirectional else None
 
 
@@ -390,7 +393,7 @@ def _encoder_as_long(leaves: list, keywords: list, padding: dict) -> bool:
     would then be read as the decoder's and sliced in its keys."""
     sizes = {d: bucket for d, (_, bucket) in padding.items() if d >= 1}
     for t, keyword in zip(leaves, keywords):
-        if not isinstance(t, torch.Tensor) or keyword not in _OTHER_SEQUENCE | _CROSS_MASKS:
+        if not isinstance(t, torch.Tensor) or keyword not in _ENCODERS:
             continue
         keys_last = keyword in _CROSS_MASKS or _masks_with_true(keyword)
         for d, bucket in sizes.items():
