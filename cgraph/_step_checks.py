@@ -76,7 +76,11 @@ A: Each one's grad object as the capture began (weakly) and as it ended
    around the capture notes it), so that a grad the step replaces after
    its backward (``p.grad = p.grad * mask``) is still checked.  After a
    replay, each parameter gets the grad the capture left, as an eager
-   backward would give it.  So grads cleared to None before each call, or
+   backward would give it.  A grad the capture left as it found it (no
+   backward through it: an evaluation step over a model a training step
+   trains) is neither checked nor put back: no replay reads or writes it,
+   and putting the capture's object back would undo the training step's
+   grads.  So grads cleared to None before each call, or
    never cleared, replay; a pattern that alternates (cleared before every
    other call: micro-batches) captures at every other call, correct, and
    warned of at the third such call in a row.
@@ -281,10 +285,10 @@ class OtherGrads:
     an optimizer stepped outside), frozen ones left out: Note [Grads no
     optimizer of the step holds].  Each parameter's grad as the capture
     began (weakly: the step's own zero_grad() frees it for the capture to
-    reuse) and as it ended."""
+    reuse) and, for those the capture touched, as it ended."""
 
-    __slots__ = ("params", "labels", "before", "read", "after", "checked", "checked_before",
-                 "checked_labels")
+    __slots__ = ("params", "labels", "before", "read", "touched", "after", "checked",
+                 "checked_before", "checked_labels")
 
     def __init__(self, modules: list, stepped: set):
         found = _labelled(modules, lambda m: m.named_parameters(),
@@ -293,7 +297,10 @@ class OtherGrads:
         self.labels = tuple(name for name, _ in found.values())
         self.before = tuple(None if p.grad is None else weakref.ref(p.grad) for p in self.params)
         self.read: dict = {}  # id(p) -> the starting grad the capture's backward added into
-        self.after: tuple | None = None  # set once the capture returned
+        # Set once the capture returned: the parameters whose grad it added
+        # into, made, replaced or cleared, and each one's grad as it ended.
+        self.touched: tuple = ()
+        self.after: tuple | None = None
         self.checked: tuple = ()  # (parameters, their grads as the capture began, labels)
         self.checked_before: tuple = ()
         self.checked_labels: tuple = ()
@@ -318,17 +325,26 @@ class OtherGrads:
                 handle.remove()
 
     def captured(self, cleared: frozenset) -> None:
-        """Once the capture returned.  A grad the step cleared itself
-        (zero_grad() inside) is made anew by every replay, whatever it was
-        before the call, and so is one the backward did not add into that
-        is gone since (set to None inside): not checked.  One the backward
-        added into is, held, even where the step replaced it after."""
-        self.after = tuple(p.grad for p in self.params)
-        kept = []
+        """Once the capture returned.  A grad the capture left as it found
+        it (the same object, not added into: a step without a backward
+        through it, an evaluation) is no replay's business: neither checked
+        nor put back, so that a training step's grads between its calls
+        stay.  A grad the step cleared itself (zero_grad() inside) is made
+        anew by every replay, whatever it was before the call, and so is one
+        the backward did not add into that is gone since (set to None
+        inside): not checked.  One the backward added into is, held, even
+        where the step replaced it after."""
+        kept, touched = [], []
         for p, was, label in zip(self.params, self.before, self.labels):
-            grad = self.read.get(id(p), None if was is None else was())
+            found = None if was is None else was()  # None too where it was freed inside
+            if id(p) not in self.read and p.grad is found and (was is None) == (found is None):
+                continue  # untouched
+            touched.append(p)
+            grad = self.read.get(id(p), found)
             if id(p) not in cleared and (was is None or grad is not None):
                 kept.append((p, grad, label))
+        self.touched = tuple(touched)
+        self.after = tuple(p.grad for p in self.touched)
         self.checked = tuple(p for p, _, _ in kept)
         self.checked_before = tuple(grad for _, grad, _ in kept)
         self.checked_labels = tuple(label for _, _, label in kept)
@@ -343,9 +359,9 @@ class OtherGrads:
                                                    self.checked_labels) if p.grad is not was)
 
     def leave(self) -> None:
-        """After a replay: each grad the one the capture left."""
+        """After a replay: each grad the capture touched, the one it left."""
         if self.after is not None:
-            give_grads(self.params, self.after)
+            give_grads(self.touched, self.after)
 
 
 class GradSync:

@@ -207,6 +207,26 @@ def test_a_training_step_called_under_no_grad_raises_as_eager_and_trains_on_afte
 
 
 @pytest.mark.gpu
+def test_an_evaluation_step_beside_a_training_step_replays_and_leaves_its_grads():
+    """A training step and an evaluation step (its forward only, called
+    under no_grad()), each graphed, over one model, in turn: the evaluation
+    replays from its capture on and leaves the training step's grads as
+    they are.  Before, it checked those grads (changed by every training
+    call: it captured again at every call) and put its capture's back."""
+    t = Twins("adamw-fused")
+    evaluate = cgraph.make_graphed_step(lambda x: t.model(x), num_warmup_iters=1)
+    for i in range(6):
+        t.call(i)
+        grads = [p.grad for p in t.model.parameters()]
+        x = t.batches[i][0]
+        with torch.no_grad():
+            assert_equal(evaluate(x), t.eager(x), f"evaluation {i}")
+        assert all(p.grad is g for p, g in zip(t.model.parameters(), grads)), i
+    t.assert_same_training()
+    assert evaluate.stats == {"eager": 1, "captures": 1, "replays": 5}, evaluate.stats
+
+
+@pytest.mark.gpu
 def test_an_evaluation_step_captured_under_inference_mode_runs_eagerly_outside_it(caplog):
     """An evaluation step captured under inference_mode() holds inference
     tensors; called under no_grad() with an argument ATen copies into its
@@ -659,6 +679,29 @@ def test_grads_the_step_clears_itself_are_not_checked_before_a_replay():
     assert others.first_changed() is None
     others.leave()
     assert all(p.grad is g for p, g in zip(others.params, made))
+
+
+def test_grads_a_capture_left_as_it_found_them_are_neither_checked_nor_put_back():
+    """An evaluation step (no backward) over a model that a training step
+    trains: the grads it found are the training step's, which change
+    between its calls.  Before, they were checked (every call of the
+    evaluation step captured again, warned) and put back after each replay
+    (the objects of its capture: the training step's grads undone)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    model(torch.randn(3, 4)).sum().backward()  # the training step's grads
+    others = OtherGrads([model], set())
+    with others.noting():
+        with torch.no_grad():
+            model(torch.randn(3, 4))
+    others.captured(frozenset())
+    assert others.checked == () and others.touched == ()
+    model.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()  # the training step again
+    trained = [p.grad for p in model.parameters()]
+    assert others.first_changed() is None
+    others.leave()
+    assert all(p.grad is g for p, g in zip(model.parameters(), trained))
 
 
 @pytest.mark.parametrize("how", ["converted", "assigned"])
