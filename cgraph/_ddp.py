@@ -105,10 +105,11 @@ _running = threading.local()  # .paces: this thread's first calls' pace dicts
 
 
 def _counted_pre_forward(module, *inputs, **kwargs):
-    # As DDP's _pre_forward: only these forwards count an iteration.
-    if torch.is_grad_enabled() and module.require_backward_grad_sync:
-        for pace in getattr(_running, "paces", ()):
-            pace[module] = pace.get(module, 0) + 1
+    # As DDP's _pre_forward: only grad-syncing forwards count an iteration;
+    # the others (an evaluation's, under no_grad()) note the model at 0.
+    syncing = torch.is_grad_enabled() and module.require_backward_grad_sync
+    for pace in getattr(_running, "paces", ()):
+        pace[module] = pace.get(module, 0) + int(syncing)
     return _unpatched(module, *inputs, **kwargs)
 
 
@@ -177,13 +178,20 @@ class DDPInStep:
     # -- capture ---------------------------------------------------------------
 
     def models(self) -> list:
+        """Every DDP model the step calls: their collectives (a buffer
+        broadcast, at any forward) and flags are the step's."""
         return list(self.pace.keys())
+
+    def syncing(self) -> list:
+        """Those whose forwards in the step sync grads: their backward
+        reduces inside the step."""
+        return [model for model, pace in self.pace.items() if pace > 0]
 
     def before_capture(self) -> None:
         """Refuses, naming the fix, a DDP model a graph cannot reduce for;
         turns off DDP's runtime-stats sampling (Note [DDP inside a graphed
         step], 2)."""
-        for model in self.models():
+        for model in self.syncing():
             if model.find_unused_parameters and not model.static_graph:
                 raise ValueError(
                     "cgraph: this DistributedDataParallel model has "
@@ -200,7 +208,7 @@ class DDPInStep:
         """fn(*args, **kwargs), the captured call or a warm-up step after the
         first: with DDP's grad accumulators on the current (capture) stream
         meanwhile."""
-        models = self.models()
+        models = self.syncing()
         if not models:
             return fn(*args, **kwargs)
         params = [p for model in models for p in model.parameters() if p.requires_grad]

@@ -23,7 +23,9 @@ A: The graphs read each DTensor parameter's local tensor, through a plain
    a copy of its grad per backward, one kernel per parameter.  A parameter
    frozen after capture gets no grad (the hook drops the graph's); one
    unfrozen after capture is not seen by the replays (the leaf the graphs
-   were captured with computes no grad), as README's Limits say.
+   were captured with computes no grad, and is synced to its parameter only
+   when the layer captures again, another shape's graph), as README's
+   Limits say.
    DTensor arguments and outputs are refused, naming use_local_output=True
    (sequence parallelism planned as torchtitan plans it passes plain shards
    of the sequence between blocks, and DTensors only inside them; a norm's

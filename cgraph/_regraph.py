@@ -1,5 +1,7 @@
 """Graphs captured after the first: for a call that none of a callable's
-graphs takes (another shape, constant, autocast or grad mode, train/eval),
+graphs takes (another shape, constant, autocast or grad mode, train/eval,
+a parameter unfrozen since, a call outside inference_mode of a graph with
+inference tensors),
 for a second call before the first one's backward, and for the first call of
 a callable graphed without samples.  The native core decides every such call
 and calls on_miss only to capture, where it says: Note [Several graphs per

@@ -660,7 +660,7 @@ class GraphedStep:
             self.resharded = _fsdp.Resharded(took.roots)
             _fsdp.refuse_offloaded(self.resharded.groups)
             self.resharded()  # Note [FSDP2's host state around a graphed step]
-            took.sync = GradSync(self.resharded.groups, self.ddp.models())
+            took.sync = GradSync(self.resharded.groups, self.ddp.syncing(), self.ddp.models())
             state = _state_keys(self.optimizers)
             self._refuse_what_no_graph_can_step(took.sync)
             self._free()

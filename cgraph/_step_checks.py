@@ -38,11 +38,11 @@ A: Before each replay, one native call (``_C.params_are``: a pointer and a
    optimizer's next step, eager or captured, makes it again.  The modes are
    those the capturing call found (a step that calls ``model.train()``
    itself, run between ``model.eval()`` calls, keeps its graph).  So is
-   the grad mode around the call (grad enabled, ``torch.no_grad()``,
-   ``torch.inference_mode()``): a training step called under no_grad()
-   would replay its backward and optimizer step where eager raises, and
-   one captured under inference_mode holds inference tensors that no call
-   outside it may write.  An lr
+   the grad mode around the call (grad enabled or not; and, for a step
+   captured under ``torch.inference_mode()``, that mode): a training step
+   called under no_grad() would replay its backward and optimizer step
+   where eager raises, and one captured under inference_mode holds
+   inference tensors that no call outside it may write.  An lr
    that changes inside the step after its optimizer stepped
    (``scheduler.step()`` in the step) is refused at the first warm-up
    call: the scheduler would fill the graph's device lr once, at capture,
@@ -148,8 +148,10 @@ class Change(NamedTuple):
 
 
 def grad_mode() -> tuple[bool, bool]:
-    """(grad enabled, inference mode) now: a step replays only under those
-    of its capture."""
+    """(grad enabled, inference mode) now: a step replays under the grad
+    mode of its capture, and one captured under inference_mode only under
+    it (its static tensors are inference tensors); one captured outside
+    also replays under it."""
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
@@ -177,7 +179,7 @@ class SinceCapture:
         """The first change since capture, or None (a native compare or two
         per record: Note [The step's hot path] in cgraph/_step.py)."""
         now = grad_mode()
-        if now != self.grad_mode:
+        if now != self.grad_mode and (now[0] != self.grad_mode[0] or self.grad_mode[1]):
             return Change("the grad mode around the call", f"changed from "
                           f"{_grad_mode_named(self.grad_mode)} to {_grad_mode_named(now)}",
                           "grad mode")
@@ -379,11 +381,13 @@ class GradSync:
                  "broadcast", "left")
     _FSDP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward")
 
-    def __init__(self, fsdp_groups, ddp_models: list):
+    def __init__(self, fsdp_groups, ddp_syncing: list, ddp_models: list):
+        """`ddp_syncing`: the DDP models whose forwards in the step sync
+        grads; `ddp_models`: every one it calls (DDPInStep)."""
         settings = [(g, name, f"FSDP's {name} of {_fsdp.group_name(g)}")
                     for g in fsdp_groups for name in self._FSDP if hasattr(g, name)]
         settings += [(m, "require_backward_grad_sync", "DDP's require_backward_grad_sync "
-                      "(no_sync())") for m in ddp_models]
+                      "(no_sync())") for m in ddp_syncing]
         self.owners = tuple(owner for owner, _, _ in settings)
         self.names = tuple(name for _, name, _ in settings)
         self.labels = tuple(label for _, _, label in settings)

@@ -43,7 +43,9 @@ void Engine::capture_begin(cg_pass pass, at::cuda::MempoolId_t pool_id,
   if (pass == CG_FORWARD) {
     autocast = Autocast::current();
     grad_mode = at::GradMode::is_enabled();
-    inference_mode = c10::InferenceMode::is_enabled();
+    inference_statics = c10::InferenceMode::is_enabled() ||
+                        std::any_of(inputs.begin(), inputs.end(),
+                                    [](const Input& in) { return in.buffer.is_inference(); });
     // Where the graph reads them: a warm-up's move may have given one new
     // memory (Note [Warm-up in the pool], aten_setup.cpp).
     for (Param& p : params) {

@@ -664,9 +664,10 @@ struct Engine : std::enable_shared_from_this<Engine> {
   std::vector<Output> outputs;
   Autocast autocast;          // at the forward's capture
   bool grad_mode = true;      // grad mode at the forward's capture
-  // Inference mode at the forward's capture: its static tensors are then
-  // inference tensors, which only a call in inference mode may write.
-  bool inference_mode = false;
+  // Whether its static tensors are inference tensors (the forward captured
+  // under inference mode, or samples made under it), which only a call in
+  // inference mode may write.
+  bool inference_statics = false;
   EngineRng rng;  // Note [RNG in checkpointed regions] (aten_rng.cpp)
 
   // Present from construction to finish_setup().

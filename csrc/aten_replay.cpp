@@ -107,11 +107,12 @@ void check_call(const Engine& e, size_t nargs) {
               "cgraph: the graph was captured under torch.no_grad() (it has no backward) but "
               "is called with grad enabled. Call it under torch.no_grad(), or graph it with "
               "grad enabled (or with max_graphs > 1, which captures a graph for each).");
-  TORCH_CHECK(!e.inference_mode || c10::InferenceMode::is_enabled(),
-              "cgraph: the graph was captured under torch.inference_mode() (its static "
-              "tensors are inference tensors, which no call outside it may write) but is "
-              "called outside it. Call it under inference_mode, or graph it outside "
-              "inference_mode (or with max_graphs > 1, which captures a graph for each).");
+  TORCH_CHECK(!e.inference_statics || c10::InferenceMode::is_enabled(),
+              "cgraph: the graph was captured under torch.inference_mode(), or with samples "
+              "made under it (its static tensors are inference tensors, which no call "
+              "outside it may write), but is called outside it. Call it under "
+              "inference_mode, or graph it outside inference_mode with samples made outside "
+              "it (or with max_graphs > 1, which captures a graph for each).");
   TORCH_CHECK_TYPE(nargs == e.inputs.size(), "cgraph: the graph was captured with ",
                    e.inputs.size(), " tensor argument(s), got ", nargs, ".");
 }
@@ -748,7 +749,7 @@ bool accepts(const Engine& e, PyObject* const* args, size_t nargs, bool exact_gr
              bool exact_dtype) {
   if (!e.alive() || nargs != e.inputs.size() || !(Autocast::current() == e.autocast) ||
       (at::GradMode::is_enabled() && !e.grad_mode) ||
-      (e.inference_mode && !c10::InferenceMode::is_enabled()) ||
+      (e.inference_statics && !c10::InferenceMode::is_enabled()) ||
       (exact_grad && unfrozen_since(e))) {
     return false;
   }

@@ -329,8 +329,9 @@ PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args, Py_ssize_t 
 /* 1 if cg_engine_replay would take these tensor arguments as they are: the
  * count, each one's shape, device and (floating) dtype, the autocast state,
  * grad mode (a graph captured without grad cannot serve a call with it)
- * and inference mode (one captured under it serves calls under it only: its
- * static tensors are inference tensors).  With exact_grad, also no
+ * and inference mode (one captured under it, or with samples made under
+ * it, serves calls under it only: its static tensors are inference
+ * tensors).  With exact_grad, also no
  * argument that requires grad unlike its sample, nor a parameter frozen at
  * capture and unfrozen since; with exact_dtype, none of another dtype (else
  * another floating one is cast, as torch's drop-in does).  0 if not; -1 with an exception

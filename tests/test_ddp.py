@@ -8,6 +8,7 @@ refusal of find_unused_parameters, and that DDP's hooks survive the move of
 its grad accumulators."""
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -210,7 +211,7 @@ def test_ddp_s_buffer_broadcast_is_compared_with_its_setting_as_the_capture_bega
     model = DDP(nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)))
     x = torch.randn(6, 8)
     model(x).sum().backward()  # as the capture leaves it: broadcast at the next forward
-    sync = GradSync([], [model])
+    sync = GradSync([], [model], [model])
     sync.captured()
     assert sync.first_changed() is None
     with torch.no_grad():
@@ -220,14 +221,48 @@ def test_ddp_s_buffer_broadcast_is_compared_with_its_setting_as_the_capture_bega
     assert sync.first_changed() is None
     with torch.no_grad():
         model(x)
-    began_off = GradSync([], [model])  # a capture right after: replays would never broadcast
+    # A capture right after: replays would never broadcast.
+    began_off = GradSync([], [model], [model])
     model(x).sum().backward()  # the capture's own forward turns it on
     began_off.captured()
     assert "require_forward_param_sync" in began_off.first_changed()
     plain = DDP(cpu_model())
     with torch.no_grad():
         plain(x)
-    assert GradSync([], [plain]).first_changed() is None and not GradSync([], [plain]).broadcasting
+    unbuffered = GradSync([], [plain], [plain])
+    assert unbuffered.first_changed() is None and not unbuffered.broadcasting
+
+
+def test_an_evaluation_step_s_ddp_model_is_found_and_its_flag_left_as_eager_leaves_it(gloo):
+    """A step whose DDP forward runs under no_grad() (an evaluation): the
+    model is found at pace 0 (its warm-up is a plain step's; a
+    find_unused_parameters model is not refused: it searches nothing
+    without grad), and after a replay DDP's require_forward_param_sync is
+    what the capture's forward left, off, as eager's forward leaves it.
+    Before, the model was not found, and a replay left the flag on: the
+    training step's next forward broadcast rank 0's buffers where eager's
+    does not."""
+    from cgraph._ddp import DDPInStep
+    from cgraph._step_checks import GradSync
+
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4)), find_unused_parameters=True)
+    x = torch.randn(6, 8)
+    found = DDPInStep()
+    with found.watch(), torch.no_grad():
+        model(x)
+    assert found.models() == [model] and found.syncing() == []
+    assert found.warmup_iters(SimpleNamespace(num_warmup_iters=3)) == 3
+    found.before_capture()  # not refused
+    model(x).sum().backward()  # a training step: the next forward broadcasts
+    sync = GradSync([], found.syncing(), found.models())
+    with torch.no_grad():
+        model(x)  # the capture's forward
+    sync.captured()
+    model(x).sum().backward()  # the training step again
+    assert model.require_forward_param_sync
+    sync.leave()  # after the evaluation's replay
+    assert not model.require_forward_param_sync
 
 
 def test_ddp_hooks_survive_the_captured_call(gloo, caplog):

@@ -388,8 +388,9 @@ def test_a_parameter_unfrozen_after_capture_gets_a_graph_that_computes_its_grad(
     """A fine-tuning schedule: the first layer frozen while the rest trains,
     unfrozen at step 2 (the call captures a graph whose backward computes
     its grad), frozen again at step 4 (that graph replays, the grad
-    dropped): every step equal to eager.  With max_graphs=None the unfrozen
-    call raises, naming the fix (before, every callable raised)."""
+    dropped): every step equal to eager.  With max_graphs=None and samples
+    the unfrozen call raises, naming the fix (before, every callable
+    raised)."""
     torch.manual_seed(53)
     model = dropout_mlp()
     eager = copy.deepcopy(model)
@@ -420,8 +421,9 @@ def test_a_graph_captured_under_inference_mode_serves_calls_under_it_only():
     with an argument ATen copies into the static input (not contiguous)
     raised torch's "Inplace update to inference tensor outside
     InferenceMode"; it now gets a graph of its own, as training does, every
-    output eager's.  With max_graphs=None such a call raises, naming the
-    fix."""
+    output eager's.  With max_graphs=None and samples such a call raises,
+    naming the fix, as it does for a graph whose samples were made under
+    inference_mode."""
     torch.manual_seed(59)
     model = dropout_mlp().eval()
     eager = copy.deepcopy(model)
@@ -440,12 +442,18 @@ def test_a_graph_captured_under_inference_mode_serves_calls_under_it_only():
     trains_as_eager(graphed, model, eager, steps=3, seed=40)
     assert graphed.num_graphs == 3
 
+    # One graph, torch's rules: captured under inference_mode, or outside it
+    # with a sample made under it.
+    under, made_under = dropout_mlp().eval(), dropout_mlp().eval()
     with torch.inference_mode():
-        one = cgraph.make_graphed(dropout_mlp().eval(), (torch.randn(4, 64, device=CUDA),),
-                                  max_graphs=None)
-    with torch.no_grad(), pytest.raises(RuntimeError, match="captured under "
-                                        r"torch.inference_mode\(\).*Call it under"):
-        one(torch.randn(4, 64, device=CUDA))
+        one = cgraph.make_graphed(under, (torch.randn(4, 64, device=CUDA),), max_graphs=None)
+        sample = torch.randn(4, 64, device=CUDA)
+    with torch.no_grad():
+        other = cgraph.make_graphed(made_under, (sample,), max_graphs=None)
+    for g in (one, other):
+        with torch.no_grad(), pytest.raises(RuntimeError, match="captured under "
+                                            r"torch.inference_mode\(\).*Call it under"):
+            g(torch.randn(64, 4, device=CUDA).t())
 
 
 class _Titan(nn.Module):

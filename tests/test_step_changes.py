@@ -515,7 +515,7 @@ def since(step, model):
     others = OtherGrads([], set())
     others.captured(frozenset())
     return SinceCapture((True, False), Marks(step.grads.params, [model], step.grads.label),
-                        Modes.now(()), GradSync([], []), others)
+                        Modes.now(()), GradSync([], [], []), others)
 
 
 def moved(p):
@@ -582,6 +582,16 @@ def test_a_call_under_another_grad_mode_than_its_capture_warms_up_again(mode, ca
     named = "torch.no_grad()" if mode == "no_grad" else "torch.inference_mode()"
     assert_logged(caplog, "the grad mode around the call",
                   f"changed from grad enabled to {named} since capture")
+    # Captured under no_grad(): it replays under inference_mode too, its
+    # static tensors being plain; captured under inference_mode, not under
+    # no_grad().
+    as_captured(step, model, opt)
+    step.since.grad_mode = (False, False)
+    with torch.inference_mode():
+        assert not step._stale()
+    step.since.grad_mode = (False, True)
+    with torch.no_grad():
+        assert step._stale()
 
 
 @pytest.mark.parametrize("what", ["running_mean", "weight"])
@@ -746,7 +756,7 @@ def test_grad_sync_set_outside_the_step_since_capture_warms_up_again(owner, capl
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = cgraph.make_graphed_step(lambda: None)
     as_captured(step, model, opt)
-    step.since.sync = GradSync([group], [ddp])
+    step.since.sync = GradSync([group], [ddp], [ddp])
     assert not step._stale()
     if owner == "fsdp":
         group.reduce_grads, said = False, "FSDP's reduce_grads of 'layers.0'"
@@ -755,7 +765,7 @@ def test_grad_sync_set_outside_the_step_since_capture_warms_up_again(owner, capl
     with caplog.at_level(logging.INFO, logger="cgraph"):
         assert step._stale() and step.grads is None and step.since is None
     assert_logged(caplog, said, "changed since capture")
-    refused = GradSync([group], [ddp])
+    refused = GradSync([group], [ddp], [ddp])
     if owner == "ddp":
         refused.refuse_unreduced()  # DDP's grads accumulate in .grad, which a replay follows
         return
@@ -782,10 +792,10 @@ def test_a_capture_starting_with_grads_fsdp_holds_for_a_later_reduction_is_refus
     since, and FSDP's next eager call would miss what replays reduced.
     Refused, naming the group.  all_reduce_grads off without a replicate
     dimension does nothing in FSDP: not refused."""
-    GradSync([fsdp_group(hsdp=False, all_reduce_grads=False)], []).refuse_unreduced()
+    GradSync([fsdp_group(hsdp=False, all_reduce_grads=False)], [], []).refuse_unreduced()
     with pytest.raises(ValueError, match=r"all_reduce_grads of 'layers.0' off \(set_requires_all"
                                          r"_reduce\(False\).*HSDP's partial reduction"):
-        GradSync([fsdp_group(hsdp=True, all_reduce_grads=False)], []).refuse_unreduced()
+        GradSync([fsdp_group(hsdp=True, all_reduce_grads=False)], [], []).refuse_unreduced()
     held = fsdp_group(hsdp=True)
     held._partial_reduce_output = torch.zeros(2)
     accumulated = fsdp_group()
@@ -793,7 +803,7 @@ def test_a_capture_starting_with_grads_fsdp_holds_for_a_later_reduction_is_refus
     for group in (held, accumulated):
         with pytest.raises(ValueError, match=r"starts with FSDP's 'layers.0' holding unsharded "
                                              r"grads not yet reduced"):
-            GradSync([group], []).refuse_unreduced()
+            GradSync([group], [], []).refuse_unreduced()
 
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-params-fp32-reduce"])
@@ -816,9 +826,9 @@ def test_a_real_fsdp_model_holding_grads_of_a_call_with_sync_off_refuses_a_captu
     model(torch.randn(3, 4)).sum().backward()
     model.set_requires_gradient_sync(True)
     with pytest.raises(ValueError, match="holding unsharded grads not yet reduced"):
-        GradSync(groups, []).refuse_unreduced()
+        GradSync(groups, [], []).refuse_unreduced()
     model(torch.randn(3, 4)).sum().backward()  # the last micro-batch: reduced
-    GradSync(groups, []).refuse_unreduced()
+    GradSync(groups, [], []).refuse_unreduced()
 
 
 def test_a_step_returning_an_object_holding_tensors_pytree_cannot_see_is_refused():
