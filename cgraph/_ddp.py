@@ -187,6 +187,15 @@ class DDPInStep:
         reduces inside the step."""
         return [model for model, pace in self.pace.items() if pace > 0]
 
+    def communicating(self) -> list:
+        """Those whose calls in the step issue collectives: the syncing ones,
+        and those whose forward broadcasts rank 0's buffers.  A forward
+        under no_grad() of a model without buffers issues none: a step of
+        it may run on some ranks only (Note [A capture that fails on one
+        rank], cgraph/_ranks.py)."""
+        return [model for model, pace in self.pace.items()
+                if pace > 0 or broadcasts_buffers(model)]
+
     def before_capture(self) -> None:
         """Refuses, naming the fix, a DDP model a graph cannot reduce for;
         turns off DDP's runtime-stats sampling (Note [DDP inside a graphed
@@ -216,3 +225,11 @@ class DDPInStep:
         _log.log.debug("cgraph: %d grad accumulators of %d DDP model(s) on the capture "
                        "stream.", moved, len(models))
         return out
+
+
+def broadcasts_buffers(model) -> bool:
+    """Whether DDP `model` broadcasts rank 0's buffers at a forward that
+    follows a grad-syncing one (DistributedDataParallel.
+    will_sync_module_buffers, less the flag)."""
+    syncs = getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", False))
+    return bool(syncs) and len(getattr(model, "modules_buffers", ())) > 0

@@ -21,7 +21,9 @@ A: After a whole-step capture, where torch.distributed is initialized with
    agreed on too: each rank calls agree once per capture, wherever it
    stopped.
    Only a step that may hold collectives is agreed on: one that calls a
-   DDP model (seen in its warm-up) or whose optimizers' parameters or
+   DDP model that reduces grads or broadcasts buffers in it (seen in its
+   warm-up; not one evaluated under no_grad() without buffers, which
+   issues none) or whose optimizers' parameters or
    arguments include a DTensor (FSDP2, tensor parallelism), decided before
    capture from what every rank running the step holds alike
    (may_hold_collectives).  A step without them may run on some ranks only

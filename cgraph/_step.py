@@ -647,7 +647,8 @@ class GraphedStep:
         # A step without optimizers (a forward and backward over FSDP2 or
         # TP modules, `named_modules`) holds their collectives too.
         named = [p for m in named_modules for p in m.parameters()]
-        return _ranks.may_hold_collectives(self.ddp.models(), [*params, *named, *leaves])
+        return _ranks.may_hold_collectives(self.ddp.communicating(),
+                                           [*params, *named, *leaves])
 
     def _captured(self, leaves: list, spec, took: _Took) -> None:
         """Refusals, static inputs, and the capture into ``self.graphed``,

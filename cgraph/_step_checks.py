@@ -128,6 +128,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from . import _C, _dtensor, _fsdp
+from ._ddp import broadcasts_buffers
 from ._describe import _named_state, step_replacing_epoch, watch_for_steps
 from ._modes import Modes
 from ._step_grads import give_grads
@@ -393,7 +394,7 @@ class GradSync:
         self.labels = tuple(label for _, _, label in settings)
         self.values = self._now()
         self.holding = _fsdp.holding_grads(fsdp_groups)
-        self.broadcasting = tuple(m for m in ddp_models if _broadcasts_buffers(m))
+        self.broadcasting = tuple(m for m in ddp_models if broadcasts_buffers(m))
         self.broadcast = self._broadcast_now()
         self.left: tuple = ()
 
@@ -448,14 +449,6 @@ class GradSync:
             _refuse_held(f"starts with FSDP's {self.holding} holding unsharded grads not yet "
                          "reduced (left by calls with sync off, or by a backward that raised, "
                          "or set by hand), in FSDP's own Python state")
-
-
-def _broadcasts_buffers(model) -> bool:
-    """Whether DDP `model` broadcasts rank 0's buffers at a forward that
-    follows a grad-syncing one (DistributedDataParallel.
-    will_sync_module_buffers, less the flag)."""
-    syncs = getattr(model, "forward_sync_buffers", getattr(model, "broadcast_buffers", False))
-    return bool(syncs) and len(getattr(model, "modules_buffers", ())) > 0
 
 
 def _refuse_held(what: str) -> None:

@@ -36,8 +36,9 @@ them):
    running stats at each evaluation (it follows a grad-syncing forward) and
    at no training forward (each follows a forward under no_grad()); every
    replay leaves DDP's flag as its capture's forward did, so the graphs do
-   the same: every evaluation's output, and the parameters and buffers
-   after, bitwise equal to eager DDP's on every rank, and no call eager
+   the same: every evaluation's output, DDP's flag after it, and the
+   parameters and buffers after, bitwise equal to eager DDP's on every
+   rank, and no call eager
    after either capture (the evaluation leaves the training step's grads
    alone: Note [Grads no optimizer of the step holds]).
 6. teardown: step.reset(), then dist.destroy_process_group().
@@ -190,6 +191,10 @@ def buffers_around_a_graphed_evaluation(rank, device):
         model.eval()
         eager.eval()
         same &= torch.equal(evaluate(x), evaluate_e(x))
+        # Off after eager's evaluation: the next training forward broadcasts
+        # nothing (rank 0's stats just came with the evaluation's broadcast,
+        # so the values alone would not show an extra one).
+        same &= model.require_forward_param_sync == eager.require_forward_param_sync
         model.train()
         eager.train()
     same &= all(torch.equal(a, b) for a, b in zip(

@@ -263,6 +263,14 @@ def test_an_evaluation_step_s_ddp_model_is_found_and_its_flag_left_as_eager_leav
     assert model.require_forward_param_sync
     sync.leave()  # after the evaluation's replay
     assert not model.require_forward_param_sync
+    # The ranks agree on its capture (a collective), but not on that of a
+    # model without buffers evaluated so: it issues none, and such a step
+    # may run on rank 0 only.
+    assert found.communicating() == [model]
+    plain, only = DDP(cpu_model()), DDPInStep()
+    with only.watch(), torch.no_grad():
+        plain(torch.randn(6, 8))
+    assert only.models() == [plain] and only.communicating() == []
 
 
 def test_ddp_hooks_survive_the_captured_call(gloo, caplog):
