@@ -136,7 +136,8 @@ def _counting_forwards(pace: weakref.WeakKeyDictionary):
 
 class DDPInStep:
     """The DDP models one graphed step calls, each with its grad-syncing
-    forwards per step (weakly held), found in the step's first eager call."""
+    forwards per step (0 for one whose forwards there sync none: an
+    evaluation's), weakly held, found in the step's first eager call."""
 
     def __init__(self) -> None:
         self.pace: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
