@@ -5,13 +5,16 @@ PyTorch."""
 
 import copy
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, assert_equal, assert_grads_equal, pool_segments
+from _helpers import CUDA, ROOT, assert_equal, assert_grads_equal, pool_segments
 
 pytestmark = pytest.mark.gpu
 
@@ -359,3 +362,83 @@ def test_a_step_captures_in_the_memory_its_warm_up_steps_left():
     assert graphed - eager < grads // 4, (graphed, eager, grads)
     for i, (loss, eager_loss) in enumerate(zip(losses, eager_losses)):
         assert_equal(loss, eager_loss, f"loss {i}")
+
+
+# ---- torch's other allocator settings ------------------------------------------
+
+# Run in a process of its own: the allocator is configured before CUDA starts.
+_ALLOCATOR_SCRIPT = r'''
+import copy, sys
+import torch
+import torch.nn.functional as F
+from torch import nn
+import cgraph
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10)).cuda()
+
+def batch(i, n=32):
+    torch.manual_seed(100 + i)
+    return torch.randn(n, 64, device="cuda"), torch.randint(0, 10, (n,), device="cuda")
+
+def make_step(net, opt):
+    def step(x, y):
+        opt.zero_grad()
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+def same(a, b, what):
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        if not torch.equal(p, q):
+            sys.exit(f"{what}: parameter {name} differs from eager")
+
+# A step graphed whole, as eager, then reset and trained on eagerly.
+model, eager = mlp(), mlp()
+opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, eager)]
+step, plain = cgraph.make_graphed_step(make_step(model, opts[0])), make_step(eager, opts[1])
+for i in range(8):
+    if not torch.equal(step(*batch(i)), plain(*batch(i))):
+        sys.exit(f"step: loss {i} differs from eager")
+step.reset()
+for i in range(8, 10):
+    make_step(model, opts[0])(*batch(i))
+    plain(*batch(i))
+same(model, eager, "step")
+stats = dict(step.stats)
+
+# A module graphed per call shape (a short last batch captures one more graph).
+model, eager = mlp(), mlp()
+opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (model, eager)]
+graphed = cgraph.make_graphed(model)
+for i in range(6):
+    n = 32 if i < 4 else 20
+    for net, opt in ((graphed, opts[0]), (eager, opts[1])):
+        make_step(net, opt)(*batch(i, n))
+same(model, eager, "graphed module")
+graphs = graphed.num_graphs
+graphed.reset()
+del graphed, step
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+print("ALLOCATOR OK", stats, graphs, flush=True)
+'''
+
+
+@pytest.mark.parametrize("conf", ["expandable_segments:True", "backend:cudaMallocAsync"])
+def test_training_under_torch_s_other_allocator_settings_matches_eager(conf):
+    """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Megatron's and
+    torchtitan's usual setting) and the cudaMallocAsync backend: a step's
+    warm-up cannot run in its pool there (_C.can_call_in_pool), and a
+    released pool whose blocks are still allocated is unsafe under
+    expandable segments (Note [A step's warm-up in its pool]).  A step
+    graphed whole and a module graphed per shape train as eager, bitwise,
+    and reset() and empty_cache() after them go through."""
+    run = subprocess.run([sys.executable, "-c", _ALLOCATOR_SCRIPT], cwd=ROOT, timeout=240,
+                         capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT, "PYTORCH_CUDA_ALLOC_CONF": conf})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "ALLOCATOR OK {'eager': 3, 'captures': 1, 'replays': 5} 2" in run.stdout, run.stdout
