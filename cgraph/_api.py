@@ -679,6 +679,17 @@ def _require_cuda() -> None:
             "cgraph: no CUDA device is available (torch.cuda.is_available() is False). "
             "CUDA graphs need an NVIDIA GPU; run the callable eagerly on this machine."
         )
+    # Every graph's memory is a private pool of torch's native allocator:
+    # its static tensors, its outputs freed back into it, the pools graphs
+    # share (csrc/aten_pool.cpp).  The cudaMallocAsync backend has none (a
+    # training run aborted in a free under it).
+    if torch.cuda.get_allocator_backend() != "native":
+        raise RuntimeError(
+            "cgraph: PYTORCH_CUDA_ALLOC_CONF selects the "
+            f"{torch.cuda.get_allocator_backend()} backend, which has no private memory "
+            "pools; cgraph's graphs live in those of torch's native allocator. Remove "
+            "backend:cudaMallocAsync from PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True "
+            "works), or run the callable eagerly.")
 
 
 def _pool_id(pool) -> tuple[int, int] | None:

@@ -400,6 +400,18 @@ def same(a, b, what):
 model, eager = mlp(), mlp()
 opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, eager)]
 step, plain = cgraph.make_graphed_step(make_step(model, opts[0])), make_step(eager, opts[1])
+if torch.cuda.get_allocator_backend() != "native":  # refused at the capture, naming the fix
+    for i in range(3):
+        step(*batch(i))
+    try:
+        step(*batch(3))
+    except RuntimeError as exc:
+        print("REFUSED", exc, flush=True)
+    try:
+        cgraph.make_graphed(mlp())
+    except RuntimeError as exc:
+        print("REFUSED", exc, flush=True)
+    sys.exit(0)
 for i in range(8):
     if not torch.equal(step(*batch(i)), plain(*batch(i))):
         sys.exit(f"step: loss {i} differs from eager")
@@ -431,14 +443,20 @@ print("ALLOCATOR OK", stats, graphs, flush=True)
 @pytest.mark.parametrize("conf", ["expandable_segments:True", "backend:cudaMallocAsync"])
 def test_training_under_torch_s_other_allocator_settings_matches_eager(conf):
     """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Megatron's and
-    torchtitan's usual setting) and the cudaMallocAsync backend: a step's
-    warm-up cannot run in its pool there (_C.can_call_in_pool), and a
-    released pool whose blocks are still allocated is unsafe under
-    expandable segments (Note [A step's warm-up in its pool]).  A step
+    torchtitan's usual setting): a step's warm-up cannot run in its pool
+    there (_C.can_call_in_pool), and a released pool whose blocks are still
+    allocated is unsafe (Note [A step's warm-up in its pool]).  A step
     graphed whole and a module graphed per shape train as eager, bitwise,
-    and reset() and empty_cache() after them go through."""
+    and reset() and empty_cache() after them go through.  The
+    cudaMallocAsync backend has no private pools: a step's capture and
+    make_graphed are refused, naming the fix (the process aborted in a free
+    before)."""
     run = subprocess.run([sys.executable, "-c", _ALLOCATOR_SCRIPT], cwd=ROOT, timeout=240,
                          capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": ROOT, "PYTORCH_CUDA_ALLOC_CONF": conf})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    if "cudaMallocAsync" in conf:
+        assert run.stdout.count("REFUSED cgraph: PYTORCH_CUDA_ALLOC_CONF selects the "
+                                "cudaMallocAsync backend") == 2, run.stdout
+        return
     assert "ALLOCATOR OK {'eager': 3, 'captures': 1, 'replays': 5} 2" in run.stdout, run.stdout
