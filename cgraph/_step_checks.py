@@ -76,11 +76,13 @@ A: Each one's grad object as the capture began (weakly) and as it ended
    around the capture notes it), so that a grad the step replaces after
    its backward (``p.grad = p.grad * mask``) is still checked.  After a
    replay, each parameter gets the grad the capture left, as an eager
-   backward would give it.  A grad the capture left as it found it (no
-   backward through it: an evaluation step over a model a training step
-   trains) is neither checked nor put back: no replay reads or writes it,
-   and putting the capture's object back would undo the training step's
-   grads.  So grads cleared to None before each call, or
+   backward would give it.  A grad the capture left as it found it (the
+   same object, not added into, not written in place: an evaluation step
+   over a model a training step trains) is neither checked nor put back:
+   putting the capture's object back would undo the training step's
+   grads.  Not seen so: a step that only reads such a grad (its norm, for
+   a log) with no backward through it; its replays read the memory of
+   the grad its capture found.  So grads cleared to None before each call, or
    never cleared, replay; a pattern that alternates (cleared before every
    other call: micro-batches) captures at every other call, correct, and
    warned of at the third such call in a row.
@@ -290,8 +292,8 @@ class OtherGrads:
     began (weakly: the step's own zero_grad() frees it for the capture to
     reuse) and, for those the capture touched, as it ended."""
 
-    __slots__ = ("params", "labels", "before", "read", "touched", "after", "checked",
-                 "checked_before", "checked_labels")
+    __slots__ = ("params", "labels", "before", "versions", "read", "touched", "after",
+                 "checked", "checked_before", "checked_labels")
 
     def __init__(self, modules: list, stepped: set):
         found = _labelled(modules, lambda m: m.named_parameters(),
@@ -299,6 +301,9 @@ class OtherGrads:
         self.params = tuple(p for _, p in found.values())
         self.labels = tuple(name for name, _ in found.values())
         self.before = tuple(None if p.grad is None else weakref.ref(p.grad) for p in self.params)
+        # Their versions: a grad written in place without a backward
+        # (clip_grad_norm_ in a step of its own) is touched too.
+        self.versions = tuple(None if p.grad is None else p.grad._version for p in self.params)
         self.read: dict = {}  # id(p) -> the starting grad the capture's backward added into
         # Set once the capture returned: the parameters whose grad it added
         # into, made, replaced or cleared, and each one's grad as it ended.
@@ -338,9 +343,10 @@ class OtherGrads:
         inside): not checked.  One the backward added into is, held, even
         where the step replaced it after."""
         kept, touched = [], []
-        for p, was, label in zip(self.params, self.before, self.labels):
+        for p, was, version, label in zip(self.params, self.before, self.versions, self.labels):
             found = None if was is None else was()  # None too where it was freed inside
-            if id(p) not in self.read and p.grad is found and (was is None) == (found is None):
+            if (id(p) not in self.read and p.grad is found and (was is None) == (found is None)
+                    and (found is None or found._version == version)):
                 continue  # untouched
             touched.append(p)
             grad = self.read.get(id(p), found)
@@ -351,7 +357,7 @@ class OtherGrads:
         self.checked = tuple(p for p, _, _ in kept)
         self.checked_before = tuple(grad for _, grad, _ in kept)
         self.checked_labels = tuple(label for _, _, label in kept)
-        self.before, self.read = (), {}
+        self.before, self.versions, self.read = (), (), {}
 
     def first_changed(self) -> str | None:
         """The label of the first checked parameter whose grad is not the

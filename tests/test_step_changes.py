@@ -712,6 +712,16 @@ def test_grads_a_capture_left_as_it_found_them_are_neither_checked_nor_put_back(
     assert others.first_changed() is None
     others.leave()
     assert all(p.grad is g for p, g in zip(model.parameters(), trained))
+    # Written in place without a backward (clip_grad_norm_ in a step of its
+    # own): touched, so a grad replaced since is seen.
+    clipped = OtherGrads([model], set())
+    with clipped.noting():
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+    clipped.captured(frozenset())
+    assert len(clipped.touched) == 2 and len(clipped.checked) == 2
+    model.zero_grad()
+    model(torch.randn(3, 4)).sum().backward()
+    assert clipped.first_changed() == "Linear.weight"
 
 
 @pytest.mark.parametrize("how", ["converted", "assigned"])
