@@ -479,8 +479,8 @@ class GraphedStep:
         pool its capture will take (Note [A step's warm-up in its pool] in
         csrc/aten_setup.cpp).  As called where that pool is not the step's
         own (pool= given: graphs may already live there), where the
-        allocator cannot route there safely (cudaMallocAsync, expandable
-        segments) or without CUDA."""
+        allocator cannot route there safely (expandable segments; and
+        cudaMallocAsync, refused at the capture after) or without CUDA."""
         if device is None or self.pool is not None or not _C.can_call_in_pool():
             return self.fn(*args, **kwargs)
         if self.warm_pool is None or self.warm_pool.device != device:

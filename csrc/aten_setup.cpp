@@ -480,7 +480,8 @@ void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
 //      segments (can_allocate_all_from_a_pool): there torch's allocator counts a segment's
 //      growths and unmaps apart, and a released pool can be erased while blocks in it are
 //      still allocated; the warm-up's state (optimizer moments) would outlive the step's
-//      graph in such a pool.  The step then warms up on the caller's stream, as before.
+//      graph in such a pool.  The step then warms up on the caller's stream, as before
+//      (under cudaMallocAsync it is then refused at its capture: _require_cuda).
 //    Costs: two device synchronizations and an emptied cache per warm-up step.  While a
 //    warm-up step runs, the allocator acts as during a capture: memory freed into the
 //    device's cache is not given back to satisfy the pool, so a step whose first warm-up

@@ -331,11 +331,11 @@ PyObject *cg_engine_replay(cg_engine *engine, PyObject *const *args, Py_ssize_t 
  * grad mode (a graph captured without grad cannot serve a call with it)
  * and inference mode (one captured under it, or with samples made under
  * it, serves calls under it only: its static tensors are inference
- * tensors).  With exact_grad, also no
- * argument that requires grad unlike its sample, nor a parameter frozen at
- * capture and unfrozen since; with exact_dtype, none of another dtype (else
- * another floating one is cast, as torch's drop-in does).  0 if not; -1 with an exception
- * set only on an internal error.
+ * tensors).  With exact_grad, also no argument that requires grad unlike
+ * its sample, nor a parameter frozen at capture and unfrozen since; with
+ * exact_dtype, none of another dtype (else another floating one is cast,
+ * as torch's drop-in does).  0 if not; -1 with an exception set only on an
+ * internal error.
  * Graphed callables with several graphs ask this of each before replaying
  * one (Note [Several graphs per callable] in graphed.c). */
 int cg_engine_accepts(const cg_engine *engine, PyObject *const *args, Py_ssize_t nargs,

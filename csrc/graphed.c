@@ -63,10 +63,10 @@
  * Q: How does one callable get several graphs, and when may each replay?
  * A: A call that no entry takes (another shape or dtype, constant,
  *    autocast, grad mode or train/eval; a call outside inference_mode of
- *    an entry whose static tensors are inference tensors; an input that requires grad unlike the
- *    sample, a parameter unfrozen since; with `casts`, the drop-in's,
- *    another floating dtype is cast into an entry instead) is decided
- *    here, from native state only.
+ *    an entry whose static tensors are inference tensors; an input that
+ *    requires grad unlike the sample, a parameter unfrozen since; with
+ *    `casts`, the drop-in's, another floating dtype is cast into an entry
+ *    instead) is decided here, from native state only.
  *    What needs Python, capturing, is on_miss's (cgraph/_regraph.py): it
  *    captures one more pair for the call where a CaptureSite says and
  *    returns it, and this file takes it as a new entry; nothing comes back
