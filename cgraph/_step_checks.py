@@ -98,10 +98,16 @@ A: Each replay would reduce, or not, as the capture did: the optimizer
    would step rank-local or stale grads.  So the settings the capture left
    (GradSync: FSDP's reduce_grads, all_reduce_grads and
    reshard_after_backward of each group of the modules the step names,
-   DDP's require_backward_grad_sync of each DDP model it calls) are
+   DDP's require_backward_grad_sync of each DDP model whose forwards in
+   the step's first call synced grads) are
    compared before each replay, an attribute read each, and a change makes
    the call step eagerly and the next capture again, as a changed mode
-   does.  So is DDP's require_forward_param_sync, of a model that
+   does.  Not yet so: a DDP model whose forwards in the first call ran
+   with grad under no_sync() (no_sync() around that call, gradient
+   accumulation's first micro-batch): it counts as syncing nothing, so the
+   step neither waits for DDP's eleven forwards nor moves its grad
+   accumulators, and its capture is expected to fail (README, Limits).  So
+   is DDP's require_forward_param_sync, of a model that
    broadcasts buffers, against its value as the capture began: a forward
    under no_grad() or no_sync() turns it off and eager's next forward then
    broadcasts nothing, where a replay would, and a capture after such a
