@@ -105,9 +105,9 @@ A: Each replay would reduce, or not, as the capture did: the optimizer
    does.  Not yet so: a DDP model whose forwards in the first call ran
    with grad under no_sync() (no_sync() around that call, gradient
    accumulation's first micro-batch): it counts as syncing nothing, so the
-   step neither waits for DDP's eleven forwards nor moves its grad
-   accumulators, and its capture is expected to fail (README, Limits).  So
-   is DDP's require_forward_param_sync, of a model that
+   step neither waits for DDP's eleven forwards nor compares its
+   require_backward_grad_sync (README, Limits; one graphed step per
+   setting, as cgraph/lightning.py makes, is unaffected).  So is DDP's require_forward_param_sync, of a model that
    broadcasts buffers, against its value as the capture began: a forward
    under no_grad() or no_sync() turns it off and eager's next forward then
    broadcasts nothing, where a replay would, and a capture after such a
