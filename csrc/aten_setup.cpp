@@ -3,7 +3,7 @@
 // the state only set-up needs, freed when capture completes.
 #include "aten_engine.hpp"
 
-#include <c10/cuda/CUDAAllocatorConfig.h>
+#include <c10/core/AllocatorConfig.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -489,9 +489,15 @@ void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
 //    warm-up steps the pool's free memory serves no other eager work.  Another thread's
 //    allocations on the device during a warm-up step go to the pool too, as during a
 //    capture in the global mode.  With pool= the warm-up runs on the caller's stream.
+// The setting is read where torch's allocator reads it.  CUDAAllocatorConfig::
+// expandable_segments() is inline in its header and answers false (with a "not supported
+// on this platform" warning) wherever PYTORCH_C10_DRIVER_API_SUPPORTED is undefined: in
+// every extension, torch's own build alone defines it.  Read through it, this check
+// passed under expandable_segments:True and the warm-up ran in a pool the allocator
+// cannot route to safely (an illegal memory access, intermittently, on an H200).
 bool can_allocate_all_from_a_pool() {
   return c10::cuda::CUDACachingAllocator::get()->name() == "native" &&
-         !c10::cuda::CUDACachingAllocator::CUDAAllocatorConfig::expandable_segments();
+         !c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
 }
 
 void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool) {

@@ -396,6 +396,9 @@ def same(a, b, what):
         if not torch.equal(p, q):
             sys.exit(f"{what}: parameter {name} differs from eager")
 
+if cgraph._C.can_call_in_pool():
+    sys.exit("a step's warm-up would run in its pool under " + sys.argv[1])
+
 # A step graphed whole, as eager, then reset and trained on eagerly.
 model, eager = mlp(), mlp()
 opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, eager)]
@@ -445,13 +448,15 @@ def test_training_under_torch_s_other_allocator_settings_matches_eager(conf):
     """PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (Megatron's and
     torchtitan's usual setting): a step's warm-up cannot run in its pool
     there (_C.can_call_in_pool), and a released pool whose blocks are still
-    allocated is unsafe (Note [A step's warm-up in its pool]).  A step
-    graphed whole and a module graphed per shape train as eager, bitwise,
-    and reset() and empty_cache() after them go through.  The
+    allocated is unsafe (Note [A step's warm-up in its pool]); the check
+    that keeps the warm-up out once read the setting wrong, and an H200 met
+    an illegal memory access.  A step graphed whole and a module graphed per
+    shape train as eager, bitwise, and reset() and empty_cache() after them
+    go through.  The
     cudaMallocAsync backend has no private pools: a step's capture and
     make_graphed are refused, naming the fix (the process aborted in a free
     before)."""
-    run = subprocess.run([sys.executable, "-c", _ALLOCATOR_SCRIPT], cwd=ROOT, timeout=240,
+    run = subprocess.run([sys.executable, "-c", _ALLOCATOR_SCRIPT, conf], cwd=ROOT, timeout=240,
                          capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": ROOT, "PYTORCH_CUDA_ALLOC_CONF": conf})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

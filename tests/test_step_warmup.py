@@ -7,6 +7,9 @@ step are in tests/test_step.py."""
 
 import gc
 import logging
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -17,6 +20,7 @@ import cgraph
 from cgraph import _ranks
 from cgraph._modes import roots
 from cgraph._step import _Containers, _ScalerFactors
+from _helpers import ROOT
 
 
 def as_captured(step, *optimizers):
@@ -391,3 +395,21 @@ def test_an_interrupted_capture_is_agreed_on_and_drops_the_state_it_made(monkeyp
         step(x)
     assert agreed == [KeyboardInterrupt]
     assert model.bias not in opt.state and "momentum_buffer" in opt.state[model.weight]
+
+
+@pytest.mark.parametrize("conf, in_pool", [
+    ("", True), ("expandable_segments:False", True),
+    ("expandable_segments:True", False), ("max_split_size_mb:64,expandable_segments:True", False),
+    ("backend:cudaMallocAsync", False)])
+def test_a_step_warms_up_in_its_pool_only_where_torch_s_allocator_can_route_there(conf, in_pool):
+    """Read from PYTORCH_CUDA_ALLOC_CONF as torch's allocator reads it: with
+    expandable segments the warm-up stays on the caller's stream (Note [A
+    step's warm-up in its pool]).  The check read the setting through a
+    header that answers False in every extension, so it let warm-ups into
+    the pool under expandable_segments:True, where an H200 then met an
+    illegal memory access."""
+    code = "import cgraph._C as C; print('IN POOL', C.can_call_in_pool())"
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=ROOT, timeout=120,
+                         capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": ROOT, "PYTORCH_CUDA_ALLOC_CONF": conf})
+    assert f"IN POOL {in_pool}" in run.stdout, run.stdout + run.stderr
