@@ -43,10 +43,20 @@ A: Three things, each from torch's source:
       100th, read before prepare_for_forward counts the forward.  Forwards
       2 to 11 sync, so the forward captured must be the 12th or later; DDP
       also rebuilds its buckets at the 2nd (a broadcast and a host copy).  So
-      the step stays eager for as many calls as DDP_WARMUP_FORWARDS
-      grad-syncing forwards of each DDP model take (logged), counted in the
-      first call through DistributedDataParallel._pre_forward, patched for
-      that call (a step does the same every call: its graph replays it).
+      the step stays eager until each DDP model it trains has run
+      DDP_WARMUP_FORWARDS grad-syncing forwards, as DDP's logger records
+      them (its "iteration": the sampled count, 10 from the 11th on;
+      ddp_warmed_up), checked after every eager step: also where no_sync()
+      is set outside the step, so that its first calls sync nothing and the
+      synced ones come every few calls (gradient accumulation), and none
+      where the model trained eagerly before; a model trained under
+      no_sync() at every call never gets there, and its step stays eager.  The calls that takes are
+      logged, estimated from the grad-syncing forwards of the step's first
+      call, counted through DistributedDataParallel._pre_forward, patched
+      for that call (a step does the same every call: its graph replays it),
+      which also finds the models the step calls and those it trains
+      (forwards with grad, synced or not: their accumulators move, their
+      require_backward_grad_sync is the step's).
       Not a global module hook: torch.compile traces a module compiled in
       that call with the hook in it (and recompiles once it is gone), and
       with it a compiled model's steps came out 1 ulp off the same model
@@ -104,12 +114,29 @@ _unpatched: Callable | None = None  # DDP's _pre_forward as it was before
 _running = threading.local()  # .paces: this thread's first calls' pace dicts
 
 
+class Forwards:
+    """One DDP model's forwards in a step's first call: those with grad
+    (under no_sync() too: the model trains in the step) and those that
+    synced grads (DDP counts only these as iterations).  An evaluation's,
+    under no_grad(), are neither."""
+
+    __slots__ = ("with_grad", "synced")
+
+    def __init__(self) -> None:
+        self.with_grad = self.synced = 0
+
+    def __repr__(self) -> str:
+        return f"Forwards(with_grad={self.with_grad}, synced={self.synced})"
+
+
 def _counted_pre_forward(module, *inputs, **kwargs):
-    # As DDP's _pre_forward: only grad-syncing forwards count an iteration;
-    # the others (an evaluation's, under no_grad()) note the model at 0.
-    syncing = torch.is_grad_enabled() and module.require_backward_grad_sync
+    grad = torch.is_grad_enabled()
     for pace in getattr(_running, "paces", ()):
-        pace[module] = pace.get(module, 0) + int(syncing)
+        forwards = pace.get(module)
+        if forwards is None:
+            forwards = pace[module] = Forwards()
+        forwards.with_grad += grad
+        forwards.synced += grad and module.require_backward_grad_sync
     return _unpatched(module, *inputs, **kwargs)
 
 
@@ -135,13 +162,13 @@ def _counting_forwards(pace: weakref.WeakKeyDictionary):
 
 
 class DDPInStep:
-    """The DDP models one graphed step calls, each with its grad-syncing
-    forwards per step (0 for one whose forwards there sync none: an
-    evaluation's), weakly held, found in the step's first eager call."""
+    """The DDP models one graphed step calls, each with its Forwards per
+    step, weakly held, found in the step's first eager call."""
 
     def __init__(self) -> None:
-        self.pace: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.pace: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> Forwards
         self.watched = False
+        self.waiting_logged = False
 
     # -- warm-up ---------------------------------------------------------------
 
@@ -166,15 +193,23 @@ class DDPInStep:
         self.watched = True
 
     def warmup_iters(self, step) -> int:
-        """The step's num_warmup_iters after an eager step: raised (and
-        logged) to the steps DDP_WARMUP_FORWARDS forwards take of the DDP
-        model the step calls least often."""
-        paces = [p for p in self.pace.values() if p > 0]
-        wanted = max((-(-DDP_WARMUP_FORWARDS // p) for p in paces), default=0)
-        if wanted > step.num_warmup_iters:
-            _log.step_ddp_warmup(step, wanted, DDP_WARMUP_FORWARDS)
-            return wanted
-        return step.num_warmup_iters
+        """The step's num_warmup_iters after an eager step: one more call
+        while a DDP model it trains has run fewer than DDP_WARMUP_FORWARDS
+        grad-syncing forwards (Note [DDP inside a graphed step], 2).  Logged
+        once, with the calls that take where the step's own forwards sync
+        (and raised to them at once: the count a user reads)."""
+        waiting = [m for m in self.training() if not ddp_warmed_up(m)]
+        if not waiting:
+            return step.num_warmup_iters
+        wanted = step.stats["eager"] + 1
+        if not self.waiting_logged:
+            self.waiting_logged = True
+            paces = [self.pace[m].synced for m in waiting]
+            calls = (step.stats["eager"] - 1 + max(-(-DDP_WARMUP_FORWARDS // p) for p in paces)
+                     if min(paces) > 0 else None)
+            _log.step_ddp_warmup(step, calls, DDP_WARMUP_FORWARDS)
+            wanted = max(wanted, calls or 0)
+        return max(step.num_warmup_iters, wanted)
 
     # -- capture ---------------------------------------------------------------
 
@@ -183,25 +218,27 @@ class DDPInStep:
         broadcast, at any forward) and flags are the step's."""
         return list(self.pace.keys())
 
-    def syncing(self) -> list:
-        """Those whose forwards in the step sync grads: their backward
-        reduces inside the step."""
-        return [model for model, pace in self.pace.items() if pace > 0]
+    def training(self) -> list:
+        """Those the step runs forwards of with grad: their backward runs
+        in the step, and reduces there unless no_sync() is set, inside or
+        out (then, as its require_backward_grad_sync is compared before
+        each replay, a call under the other setting captures again)."""
+        return [model for model, f in self.pace.items() if f.with_grad > 0]
 
     def communicating(self) -> list:
-        """Those whose calls in the step issue collectives: the syncing ones,
-        and those whose forward broadcasts rank 0's buffers.  A forward
-        under no_grad() of a model without buffers issues none: a step of
-        it may run on some ranks only (Note [A capture that fails on one
-        rank], cgraph/_ranks.py)."""
-        return [model for model, pace in self.pace.items()
-                if pace > 0 or broadcasts_buffers(model)]
+        """Those whose calls in the step issue collectives: the ones it
+        trains, and those whose forward broadcasts rank 0's buffers.  A
+        forward under no_grad() of a model without buffers issues none: a
+        step of it may run on some ranks only (Note [A capture that fails
+        on one rank], cgraph/_ranks.py)."""
+        return [model for model, f in self.pace.items()
+                if f.with_grad > 0 or broadcasts_buffers(model)]
 
     def before_capture(self) -> None:
         """Refuses, naming the fix, a DDP model a graph cannot reduce for;
         turns off DDP's runtime-stats sampling (Note [DDP inside a graphed
         step], 2)."""
-        for model in self.syncing():
+        for model in self.training():
             if model.find_unused_parameters and not model.static_graph:
                 raise ValueError(
                     "cgraph: this DistributedDataParallel model has "
@@ -218,7 +255,7 @@ class DDPInStep:
         """fn(*args, **kwargs), the captured call or a warm-up step after the
         first: with DDP's grad accumulators on the current (capture) stream
         meanwhile."""
-        models = self.syncing()
+        models = self.training()
         if not models:
             return fn(*args, **kwargs)
         params = [p for model in models for p in model.parameters() if p.requires_grad]
@@ -226,6 +263,18 @@ class DDPInStep:
         _log.log.debug("cgraph: %d grad accumulators of %d DDP model(s) on the capture "
                        "stream.", moved, len(models))
         return out
+
+
+def ddp_warmed_up(model) -> bool:
+    """Whether DDP `model` has run DDP_WARMUP_FORWARDS grad-syncing
+    forwards, as its logger records them: "iteration" is its Reducer's
+    count before the forward, recorded at sampled forwards only (2..11, then
+    every sample-rate-th), so it reads 10 from the 11th on.  A model
+    without a C++ logger, or that delays every allreduce, times nothing."""
+    if (getattr(model, "logger", None) is None or getattr(model, "_use_python_reducer", False)
+            or getattr(model, "_delay_all_reduce_all_params", False)):
+        return True  # its _pre_forward returns before the logger's timing
+    return model._get_ddp_logging_data().get("iteration", 0) >= DDP_WARMUP_FORWARDS - 1
 
 
 def broadcasts_buffers(model) -> bool:

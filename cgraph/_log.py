@@ -215,6 +215,19 @@ def step_params_changed(step, what: str, how: str) -> None:
              "so that the graph runs the step as it is now.", step, what, how)
 
 
+def step_sync_flips(step, what: str, changes: int) -> None:
+    """Grad sync set outside a step changed before `changes` of its calls,
+    each then captured again (Note [Grad sync set outside a graphed step]
+    in cgraph/_step_checks.py): gradient accumulation's micro-batches, one
+    call each."""
+    log.warning("%r: %s changed before %d of its calls: each change steps eagerly and "
+                "captures the step again, far slower than a replay (gradient accumulation "
+                "with one call per micro-batch and no_sync() or set_requires_gradient_sync() "
+                "set outside). Run the micro-batches inside the step, sync turned off around "
+                "all but the last, or graph one step per setting (as cgraph.lightning does). "
+                "Logged once per step.", step, what, changes)
+
+
 def step_capture_dropped(step, optimizers: list) -> None:
     """A capture made optimizer state that a GradScaler's conditional node
     would have left unwritten: dropped, the call stepped eagerly (Note
@@ -240,11 +253,21 @@ def step_reset(step) -> None:
     log.info("%r: reset: its graph freed; the next call captures again.", step)
 
 
-def step_ddp_warmup(step, eager: int, forwards: int) -> None:
-    """A step calls DistributedDataParallel: its first `eager` calls run eagerly."""
-    log.info("%r: the step calls DistributedDataParallel, whose first %d forwards sync the GPU "
-             "(Note [DDP inside a graphed step] in cgraph/_ddp.py): %d eager steps before "
-             "capture, not %d.", step, forwards, eager, step.num_warmup_iters)
+def step_ddp_warmup(step, eager: int | None, forwards: int) -> None:
+    """A step trains a DistributedDataParallel model: its first `eager`
+    calls run eagerly, or (None) as many as DDP's grad-syncing forwards
+    take, synced from outside."""
+    if eager is not None:
+        log.info("%r: the step trains a DistributedDataParallel model, whose first %d "
+                 "grad-syncing forwards sync the GPU (Note [DDP inside a graphed step] in "
+                 "cgraph/_ddp.py): %d eager steps before capture, not %d.", step, forwards,
+                 eager, step.num_warmup_iters)
+        return
+    log.info("%r: the step trains a DistributedDataParallel model, whose first %d "
+             "grad-syncing forwards sync the GPU (Note [DDP inside a graphed step] in "
+             "cgraph/_ddp.py), and this call synced none (no_sync() around it): the step "
+             "runs eagerly until the model has run %d, however many calls that takes.",
+             step, forwards, forwards)
 
 
 def step_grads_copied(moved: int, held: int) -> None:

@@ -387,6 +387,9 @@ class GraphedStep:
         # Calls in a row captured again for a changed hyperparameter, and
         # whether that was warned of: Note [Capturable optimizers].
         self.stale_in_a_row, self._warned_stale = 0, False
+        # Calls that found grad sync set otherwise outside (no_sync(), FSDP's
+        # set_requires_gradient_sync): Note [Grad sync set outside a graphed step].
+        self.sync_changes = 0
         self.grads: StepGrads | None = None  # Note [Grads around a graphed step]
         # What its capture found that code outside can change, checked
         # before each replay: Note [What a graphed step checks before a
@@ -661,7 +664,7 @@ class GraphedStep:
             self.resharded = _fsdp.Resharded(took.roots)
             _fsdp.refuse_offloaded(self.resharded.groups)
             self.resharded()  # Note [FSDP2's host state around a graphed step]
-            took.sync = GradSync(self.resharded.groups, self.ddp.syncing(), self.ddp.models())
+            took.sync = GradSync(self.resharded.groups, self.ddp.training(), self.ddp.models())
             state = _state_keys(self.optimizers)
             self._refuse_what_no_graph_can_step(took.sync)
             self._free()
@@ -852,6 +855,10 @@ class GraphedStep:
             return False
         _log.step_params_changed(self, change.what, change.how)
         self._changed_in_a_row("step", change.key)
+        if change.key == "grad sync":
+            self.sync_changes += 1
+            if self.sync_changes == _STALE_WARNING_AT:
+                _log.step_sync_flips(self, change.what, self.sync_changes)
         self._warm_up_again(None)
         if change.waits:
             self._wait_for_unskipped_steps()

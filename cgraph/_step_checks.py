@@ -98,16 +98,18 @@ A: Each replay would reduce, or not, as the capture did: the optimizer
    would step rank-local or stale grads.  So the settings the capture left
    (GradSync: FSDP's reduce_grads, all_reduce_grads and
    reshard_after_backward of each group of the modules the step names,
-   DDP's require_backward_grad_sync of each DDP model whose forwards in
-   the step's first call synced grads) are
-   compared before each replay, an attribute read each, and a change makes
-   the call step eagerly and the next capture again, as a changed mode
-   does.  Not yet so: a DDP model whose forwards in the first call ran
-   with grad under no_sync() (no_sync() around that call, gradient
-   accumulation's first micro-batch): it counts as syncing nothing, so the
-   step neither waits for DDP's eleven forwards nor compares its
-   require_backward_grad_sync (README, Limits; one graphed step per
-   setting, as cgraph/lightning.py makes, is unaffected).  So is DDP's require_forward_param_sync, of a model that
+   DDP's require_backward_grad_sync of each DDP model the step trains,
+   its forwards run with grad, under no_sync() or not) are compared
+   before each replay, an attribute read each, and a change makes the
+   call step eagerly and the next capture again, as a changed mode does.
+   So gradient accumulation with no_sync() set outside (a
+   forward-and-backward step per micro-batch, all but the last under
+   no_sync()) is correct but captures once per accumulation cycle: warned
+   of at the third such change (the fix: the micro-batches inside the
+   step, or one graphed step per setting, as cgraph/lightning.py makes).
+   And such a step waits for DDP's eleven grad-syncing forwards however
+   many calls they take (Note [DDP inside a graphed step], 2).  So is
+   DDP's require_forward_param_sync, of a model that
    broadcasts buffers, against its value as the capture began: a forward
    under no_grad() or no_sync() turns it off and eager's next forward then
    broadcasts nothing, where a replay would, and a capture after such a
@@ -394,13 +396,13 @@ class GradSync:
                  "broadcast", "left")
     _FSDP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward")
 
-    def __init__(self, fsdp_groups, ddp_syncing: list, ddp_models: list):
-        """`ddp_syncing`: the DDP models whose forwards in the step sync
-        grads; `ddp_models`: every one it calls (DDPInStep)."""
+    def __init__(self, fsdp_groups, ddp_training: list, ddp_models: list):
+        """`ddp_training`: the DDP models whose backward the step runs;
+        `ddp_models`: every one it calls (DDPInStep)."""
         settings = [(g, name, f"FSDP's {name} of {_fsdp.group_name(g)}")
                     for g in fsdp_groups for name in self._FSDP if hasattr(g, name)]
         settings += [(m, "require_backward_grad_sync", "DDP's require_backward_grad_sync "
-                      "(no_sync())") for m in ddp_syncing]
+                      "(no_sync())") for m in ddp_training]
         self.owners = tuple(owner for owner, _, _ in settings)
         self.names = tuple(name for _, name, _ in settings)
         self.labels = tuple(label for _, _, label in settings)

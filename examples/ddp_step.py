@@ -41,9 +41,19 @@ them):
    rank, and no call eager
    after either capture (the evaluation leaves the training step's grads
    alone: Note [Grads no optimizer of the step holds]).
-6. teardown: step.reset(), then dist.destroy_process_group().
+6. gradient accumulation, no_sync() outside: a forward-and-backward step
+   called once per micro-batch, no_sync() around all but the last of
+   each 3, its first call among them; the optimizer steps outside.  The
+   step stays eager until DDP has run its 11 grad-syncing forwards (33
+   calls), then captures under no_sync(); the synced call after finds
+   DDP's require_backward_grad_sync changed and steps eagerly (a replay
+   would reduce nothing), and the next captures again, warned of at the
+   third such change.  Parameters and grads bitwise equal to eager DDP's.
+7. teardown: step.reset(), then dist.destroy_process_group().
 """
 
+import contextlib
+import logging
 import os
 
 import torch
@@ -210,6 +220,46 @@ def buffers_around_a_graphed_evaluation(rank, device):
     return [step, evaluate]
 
 
+def accumulation_with_no_sync_outside(rank, device, micro=3, cycles=14):
+    model, eager = DDP(mlp(), device_ids=[device]), DDP(mlp(), device_ids=[device])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
+    opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, fused=True)
+
+    def forward_backward(ddp):
+        def fb(x, y):
+            (F.cross_entropy(ddp(x), y) / micro).backward()
+        return fb
+
+    step, step_e = cgraph.make_graphed_step(forward_backward(model), batch(0, rank)), \
+        forward_backward(eager)
+    warned = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warned.append(record.getMessage())
+    handler.setLevel(logging.WARNING)
+    logging.getLogger("cgraph").addHandler(handler)
+    try:
+        for i in range(micro * cycles):
+            last = i % micro == micro - 1
+            for ddp, fb in ((model, step), (eager, step_e)):
+                with contextlib.nullcontext() if last else ddp.no_sync():
+                    fb(*batch(i, rank))
+            if last:
+                for o in (opt, opt_e):
+                    o.step()
+                    o.zero_grad(set_to_none=False)  # the same grads: replays add into them
+    finally:
+        logging.getLogger("cgraph").removeHandler(handler)
+    same = all(torch.equal(p, q) and torch.equal(p.grad, q.grad)
+               for p, q in zip(model.parameters(), eager.parameters()))
+    late = cycles - 11  # the cycles after DDP's 11 synced forwards: a capture and a replay each
+    want = {"eager": 33 + late, "captures": late, "replays": 2 * late}
+    flips = sum("changed before 3 of its calls" in m for m in warned)
+    check(same and step.stats == want and flips == 1, rank,
+          f"gradient accumulation, no_sync() outside: parameters and grads equal to eager DDP: "
+          f"{same}, {step.stats} (want {want}), warned once of the recaptures: {flips == 1}")
+    return step
+
+
 def main():
     device = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(device)
@@ -217,7 +267,8 @@ def main():
     rank = dist.get_rank()
     steps = [graphed_vs_eager(rank, device), allreduce_in_graph(rank, device),
              buffers_after_a_no_grad_forward(rank, device),
-             *buffers_around_a_graphed_evaluation(rank, device)]
+             *buffers_around_a_graphed_evaluation(rank, device),
+             accumulation_with_no_sync_outside(rank, device)]
     for step in steps:
         step.reset()
     dist.barrier()

@@ -7,6 +7,7 @@ On the CPU, a one-process gloo group checks the warm-up DDP needs, the
 refusal of find_unused_parameters, and that DDP's hooks survive the move of
 its grad accumulators."""
 
+import contextlib
 import logging
 from types import SimpleNamespace
 
@@ -33,7 +34,8 @@ def test_ddp_recipes_on_two_gpus():
 STEP_CHECKS = ("graphed DDP step: losses, parameters and grads equal to eager DDP",
                "warm-up: {'eager': 11, 'captures': 1, 'replays': 5}",
                "allreduce in the graph:", "buffers after a forward under no_grad():",
-               "buffers around a graphed evaluation:", "teardown:")
+               "buffers around a graphed evaluation:",
+               "gradient accumulation, no_sync() outside:", "teardown:")
 
 
 def assert_step_checks(out, ranks):
@@ -111,7 +113,8 @@ def test_a_step_calling_ddp_stays_eager_for_11_ddp_forwards(gloo, caplog, forwar
             step(x, y)
     assert step.stats == {"eager": eager, "captures": 0, "replays": 0}
     assert step.num_warmup_iters == eager
-    assert step.ddp.pace[model] == forwards
+    assert (step.ddp.pace[model].synced, step.ddp.pace[model].with_grad) == (forwards,
+                                                                           forwards + no_sync)
     assert f"{eager} eager steps before capture, not 3" in caplog.text
 
 
@@ -143,7 +146,7 @@ def test_a_steps_first_call_counts_ddp_forwards_without_a_global_hook(gloo):
     original = DDP._pre_forward
     graphed = cgraph.make_graphed_step(step, batches(1)[0])
     graphed(*batches(1)[0])
-    assert hooks == [0] and graphed.ddp.pace[model] == 1
+    assert hooks == [0] and graphed.ddp.pace[model].synced == 1
     assert DDP._pre_forward is original, "the patch outlived the first call"
 
 
@@ -164,7 +167,7 @@ def test_first_calls_counting_ddp_forwards_may_end_in_any_order(gloo):
     model(batches(1)[0][0])
     inner.__exit__(None, None, None)
     assert DDP._pre_forward is original
-    assert first.pace[model] == 1 and second.pace[model] == 2
+    assert first.pace[model].synced == 1 and second.pace[model].synced == 2
 
 
 def test_a_first_call_that_raises_leaves_the_count_to_the_next(gloo):
@@ -184,7 +187,60 @@ def test_a_first_call_that_raises_leaves_the_count_to_the_next(gloo):
     with pytest.raises(RuntimeError, match="planted"):
         graphed(*batches(1)[0])
     graphed(*batches(1)[0])
-    assert graphed.ddp.pace[model] == 1 and graphed.num_warmup_iters == 11
+    assert graphed.ddp.pace[model].synced == 1 and graphed.num_warmup_iters == 11
+
+
+def test_no_sync_set_outside_the_step_waits_for_ddp_s_forwards_and_is_compared(gloo, caplog):
+    """Gradient accumulation with one call per micro-batch, no_sync()
+    around all but the last, the step's first call among them: its first
+    call syncs no grad, yet the step stays eager until DDP has run 11
+    grad-syncing forwards (33 calls at 3 micro-batches), and DDP's
+    require_backward_grad_sync is the step's, compared before a replay
+    (Note [Grad sync set outside a graphed step]).  Before, the model
+    counted as syncing nothing: the step captured after 3 calls, and a
+    graph captured under one setting replayed under the other."""
+    from cgraph._step_checks import GradSync
+
+    model = DDP(cpu_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def forward_backward(x, y):
+        F.cross_entropy(model(x), y).backward()
+
+    step = cgraph.make_graphed_step(forward_backward, batches(1)[0], num_warmup_iters=3)
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for i, (x, y) in enumerate(batches(33)):
+            with model.no_sync() if i % 3 < 2 else contextlib.nullcontext():
+                step(x, y)
+            if i % 3 == 2:
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+            assert step.num_warmup_iters == max(3, min(i + 2, 33)), i  # one more while DDP waits
+    assert step.stats == {"eager": 33, "captures": 0, "replays": 0}
+    assert model._get_ddp_logging_data()["iteration"] == 10
+    assert "however many calls that takes" in caplog.text
+    assert step.ddp.training() == [model] and step.ddp.communicating() == [model]
+    with model.no_sync():
+        sync = GradSync([], step.ddp.training(), step.ddp.models())
+        sync.captured()
+        assert sync.first_changed() is None
+    assert "require_backward_grad_sync" in sync.first_changed()
+
+
+def test_a_ddp_model_trained_before_the_step_needs_no_more_warm_up(gloo, caplog):
+    """DDP's own count of its grad-syncing forwards: a model trained
+    eagerly for 11 steps first has run them, so the step keeps its
+    num_warmup_iters (before, it waited 11 more calls)."""
+    model = DDP(cpu_model())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    train = ddp_step(model, opt)
+    for x, y in batches(11):
+        train(x, y)
+    step = cgraph.make_graphed_step(train, batches(1)[0], num_warmup_iters=3)
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for x, y in batches(3):
+            step(x, y)
+    assert step.num_warmup_iters == 3 and "DistributedDataParallel" not in caplog.text
 
 
 def test_find_unused_parameters_is_refused_at_capture_with_the_fix(gloo):
@@ -235,7 +291,7 @@ def test_ddp_s_buffer_broadcast_is_compared_with_its_setting_as_the_capture_bega
 
 def test_an_evaluation_step_s_ddp_model_is_found_and_its_flag_left_as_eager_leaves_it(gloo):
     """A step whose DDP forward runs under no_grad() (an evaluation): the
-    model is found at pace 0 (its warm-up is a plain step's; a
+    model is found, trained by no forward (its warm-up is a plain step's; a
     find_unused_parameters model is not refused: it searches nothing
     without grad), and after a replay DDP's require_forward_param_sync is
     what the capture's forward left, off, as eager's forward leaves it.
@@ -251,11 +307,11 @@ def test_an_evaluation_step_s_ddp_model_is_found_and_its_flag_left_as_eager_leav
     found = DDPInStep()
     with found.watch(), torch.no_grad():
         model(x)
-    assert found.models() == [model] and found.syncing() == []
+    assert found.models() == [model] and found.training() == []
     assert found.warmup_iters(SimpleNamespace(num_warmup_iters=3)) == 3
     found.before_capture()  # not refused
     model(x).sum().backward()  # a training step: the next forward broadcasts
-    sync = GradSync([], found.syncing(), found.models())
+    sync = GradSync([], found.training(), found.models())
     with torch.no_grad():
         model(x)  # the capture's forward
     sync.captured()
