@@ -61,6 +61,43 @@ def check_cuda_torch(torch):
     check.require_cuda_torch(torch, SystemExit, check.HOW_TO_BUILD)
 
 
+def _version_number(text):
+    """"12.4" (torch.version.cuda) as CUDA_VERSION writes it, 12040."""
+    major, minor = (int(part) for part in text.split(".")[:2])
+    return major * 1000 + minor * 10
+
+
+def toolkit_version(cuda_home):
+    """CUDA_VERSION from the toolkit's cuda.h (13000 for CUDA 13.0), or None."""
+    try:
+        with open(os.path.join(cuda_home, "include", "cuda.h")) as header:
+            for line in header:
+                if line.startswith("#define CUDA_VERSION "):
+                    return int(line.split()[2])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_cuda_toolkit(torch_cuda, toolkit, graph_header):
+    """Stop the build where the toolkit is older than 12.4 and torch's CUDA
+    is 12.4 or newer, if torch's at::cuda::CUDAGraph has members only under
+    CUDA_VERSION >= 12040 (torch 2.12 on: conditional nodes' stacks).  The
+    header takes CUDA_VERSION from the toolkit compiling cgraph, not from
+    torch's build: cgraph's Graph, a subclass, would be laid out 320 bytes
+    short of the object torch's constructor and destructor write (heap
+    corruption).  `graph_header` is CUDAGraph.h's text."""
+    if toolkit is None or torch_cuda is None or toolkit >= 12040:
+        return
+    if _version_number(torch_cuda) < 12040 or "CUDA_VERSION >= 12040" not in graph_header:
+        return
+    raise SystemExit(
+        f"cgraph's build found CUDA {toolkit // 1000}.{toolkit % 1000 // 10} (CUDA_HOME), older "
+        f"than this torch's CUDA {torch_cuda}: torch's CUDAGraph class would compile to another "
+        "size here than in torch. Install a CUDA toolkit of 12.4 or newer (best: "
+        f"{torch_cuda}) and point CUDA_HOME at it, then install cgraph again.")
+
+
 def check_setuptools(version):
     """Stop with one sentence where setuptools cannot read pyproject.toml's
     license expression (PEP 639, setuptools 77; a Python 3.11 venv starts
@@ -279,6 +316,11 @@ def main():
     import torch
 
     check_cuda_torch(torch)
+    if cuda_home:
+        graph_header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "cuda",
+                                    "CUDAGraph.h")
+        with open(graph_header) as header:
+            check_cuda_toolkit(torch.version.cuda, toolkit_version(cuda_home), header.read())
     _ninja_on_path()  # before BuildExtension looks for it
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 

@@ -133,6 +133,31 @@ def test_build_refuses_a_cpu_only_torch():
         setup.check_cuda_torch(rocm)
 
 
+def test_build_refuses_a_toolkit_older_than_the_one_torch_s_cuda_graph_is_laid_out_for(tmp_path):
+    """at::cuda::CUDAGraph has members only under CUDA_VERSION >= 12040
+    (torch 2.12 on), read from the toolkit compiling cgraph: a toolkit
+    older than 12.4 beside a torch built with 12.4 or newer would lay out
+    cgraph's subclass short of torch's object.  Refused, naming the fix;
+    a header without such members, an older torch CUDA or a newer toolkit
+    pass."""
+    setup = _load("cgraph_setup", ROOT / "setup.py")
+    (tmp_path / "include").mkdir()
+    (tmp_path / "include" / "cuda.h").write_text("#pragma once\n#define CUDA_VERSION 12030\n")
+    assert setup.toolkit_version(str(tmp_path)) == 12030
+    assert setup.toolkit_version(str(tmp_path / "none")) is None
+    guarded = "#if !defined(USE_ROCM) && (defined(CUDA_VERSION) && CUDA_VERSION >= 12040)"
+    with pytest.raises(SystemExit, match=r"found CUDA 12\.3 .* older than this torch's CUDA "
+                                         r"13\.0.*Install a CUDA toolkit of 12\.4 or newer"):
+        setup.check_cuda_toolkit("13.0", 12030, guarded)
+    setup.check_cuda_toolkit("13.0", 12030, "class CUDAGraph {};")  # torch 2.11's header
+    setup.check_cuda_toolkit("12.1", 12030, guarded)
+    setup.check_cuda_toolkit("13.0", 13000, guarded)
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "cuda",
+                          "CUDAGraph.h")
+    setup.check_cuda_toolkit(torch.version.cuda, setup.toolkit_version("/usr/local/cuda"),
+                             open(header).read())  # this machine's build passes
+
+
 def test_build_refuses_an_old_setuptools():
     """A Python 3.11 venv's setuptools 65 gets one sentence, not its schema error."""
     setup = _load("cgraph_setup", ROOT / "setup.py")
