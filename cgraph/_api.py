@@ -683,13 +683,18 @@ def _require_cuda() -> None:
     # its static tensors, its outputs freed back into it, the pools graphs
     # share (csrc/aten_pool.cpp).  The cudaMallocAsync backend has none (a
     # training run aborted in a free under it).
-    if torch.cuda.get_allocator_backend() != "native":
+    backend = torch.cuda.get_allocator_backend()
+    if backend == "cudaMallocAsync":
         raise RuntimeError(
-            "cgraph: PYTORCH_CUDA_ALLOC_CONF selects the "
-            f"{torch.cuda.get_allocator_backend()} backend, which has no private memory "
-            "pools; cgraph's graphs live in those of torch's native allocator. Remove "
-            "backend:cudaMallocAsync from PYTORCH_CUDA_ALLOC_CONF (expandable_segments:True "
-            "works), or run the callable eagerly.")
+            "cgraph: PYTORCH_CUDA_ALLOC_CONF (or PYTORCH_ALLOC_CONF) selects the "
+            "cudaMallocAsync backend, which has no private memory pools; cgraph's graphs live "
+            "in those of torch's native allocator. Remove backend:cudaMallocAsync from it "
+            "(expandable_segments:True works), or run the callable eagerly.")
+    if backend != "native":  # torch.cuda.memory.change_current_allocator
+        raise RuntimeError(
+            f"cgraph: torch's CUDA allocator is {backend!r} (a pluggable allocator), not torch's "
+            "native one, in whose private memory pools cgraph's graphs live. Use the native "
+            "allocator (no change_current_allocator), or run the callable eagerly.")
 
 
 def _pool_id(pool) -> tuple[int, int] | None:

@@ -489,6 +489,24 @@ def test_clear_error_without_cuda():
         cgraph.graph_pool_handle()
 
 
+@pytest.mark.parametrize("backend, says", [
+    ("cudaMallocAsync", r"PYTORCH_CUDA_ALLOC_CONF \(or PYTORCH_ALLOC_CONF\) selects the "
+                        r"cudaMallocAsync backend.*Remove backend:cudaMallocAsync"),
+    ("pluggable", r"allocator is 'pluggable' \(a pluggable allocator\).*no "
+                  r"change_current_allocator")])
+def test_an_allocator_other_than_torch_s_native_one_is_refused_naming_its_fix(
+        monkeypatch, backend, says):
+    """Graphs live in the native allocator's private pools: another backend
+    is refused before anything runs, each with its own fix (a pluggable
+    allocator was told to remove backend:cudaMallocAsync before)."""
+    from cgraph import _api
+    monkeypatch.setattr(_api._C, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: backend)
+    with pytest.raises(RuntimeError, match=says):
+        cgraph.graph_pool_handle()
+
+
 def test_leaf_names_come_from_forward_signature():
     from cgraph._describe import Target, leaf_names
 
