@@ -50,7 +50,8 @@ A: Three things, each from torch's source:
       is set outside the step, so that its first calls sync nothing and the
       synced ones come every few calls (gradient accumulation), and none
       where the model trained eagerly before; a model trained under
-      no_sync() at every call never gets there, and its step stays eager.  The calls that takes are
+      no_sync() at every call never gets there, and its step stays eager
+      (warned of after 22 calls).  The calls that takes are
       logged, estimated from the grad-syncing forwards of the step's first
       call, counted through DistributedDataParallel._pre_forward, patched
       for that call (a step does the same every call: its graph replays it),
@@ -196,20 +197,34 @@ class DDPInStep:
         """The step's num_warmup_iters after an eager step: one more call
         while a DDP model it trains has run fewer than DDP_WARMUP_FORWARDS
         grad-syncing forwards (Note [DDP inside a graphed step], 2).  Logged
-        once, with the calls that take where the step's own forwards sync
-        (and raised to them at once: the count a user reads)."""
+        once, with the calls that take if every call syncs as the first did
+        (and raised to them at once: the count a user reads); warned of once
+        where DDP has synced at most once in 2 x DDP_WARMUP_FORWARDS calls
+        (a model trained under no_sync() at every call never captures)."""
         waiting = [m for m in self.training() if not ddp_warmed_up(m)]
         if not waiting:
             return step.num_warmup_iters
         wanted = step.stats["eager"] + 1
         if not self.waiting_logged:
             self.waiting_logged = True
-            paces = [self.pace[m].synced for m in waiting]
-            calls = (step.stats["eager"] - 1 + max(-(-DDP_WARMUP_FORWARDS // p) for p in paces)
-                     if min(paces) > 0 else None)
-            _log.step_ddp_warmup(step, calls, DDP_WARMUP_FORWARDS)
-            wanted = max(wanted, calls or 0)
+            calls = self._calls_left(waiting)
+            _log.step_ddp_warmup(step, None if calls is None else step.stats["eager"] + calls,
+                                 DDP_WARMUP_FORWARDS)
+            wanted = max(wanted, step.stats["eager"] + (calls or 0))
+        if step.stats["eager"] == 2 * DDP_WARMUP_FORWARDS and any(
+                _synced_forwards(m) <= 1 for m in waiting):
+            _log.step_ddp_never_synced(step, step.stats["eager"])
         return max(step.num_warmup_iters, wanted)
+
+    def _calls_left(self, waiting: list) -> int | None:
+        """The eager calls DDP still needs if every call syncs as the first
+        did, from DDP's own count (a model may have trained before); None
+        where the first call synced no grad of a model (no_sync() outside)."""
+        paces = [self.pace[m].synced for m in waiting]
+        if min(paces) == 0:
+            return None
+        return max(-(-(DDP_WARMUP_FORWARDS - _synced_forwards(m)) // p)
+                   for m, p in zip(waiting, paces))
 
     # -- capture ---------------------------------------------------------------
 
@@ -270,11 +285,20 @@ def ddp_warmed_up(model) -> bool:
     forwards, as its logger records them: "iteration" is its Reducer's
     count before the forward, recorded at sampled forwards only (2..11, then
     every sample-rate-th), so it reads 10 from the 11th on.  A model
-    without a C++ logger, or that delays every allreduce, times nothing."""
+    without a C++ logger, that delays every allreduce or that spans several
+    devices, times nothing."""
     if (getattr(model, "logger", None) is None or getattr(model, "_use_python_reducer", False)
             or getattr(model, "_delay_all_reduce_all_params", False)):
         return True  # its _pre_forward returns before the logger's timing
-    return model._get_ddp_logging_data().get("iteration", 0) >= DDP_WARMUP_FORWARDS - 1
+    if getattr(model, "is_multi_device_module", False):
+        return True  # its Reducer makes no timer, and its logger records nothing
+    return _synced_forwards(model) >= DDP_WARMUP_FORWARDS
+
+
+def _synced_forwards(model) -> int:
+    """DDP `model`'s grad-syncing forwards so far as its logger records
+    them, up to DDP_WARMUP_FORWARDS: exact from 2 on; 1 stands for 0 or 1."""
+    return model._get_ddp_logging_data().get("iteration", 0) + 1
 
 
 def broadcasts_buffers(model) -> bool:

@@ -215,17 +215,17 @@ def step_params_changed(step, what: str, how: str) -> None:
              "so that the graph runs the step as it is now.", step, what, how)
 
 
-def step_sync_flips(step, what: str, changes: int) -> None:
-    """Grad sync set outside a step changed before `changes` of its calls,
-    each then captured again (Note [Grad sync set outside a graphed step]
-    in cgraph/_step_checks.py): gradient accumulation's micro-batches, one
-    call each."""
-    log.warning("%r: %s changed before %d of its calls: each change steps eagerly and "
-                "captures the step again, far slower than a replay (gradient accumulation "
-                "with one call per micro-batch and no_sync() or set_requires_gradient_sync() "
-                "set outside). Run the micro-batches inside the step, sync turned off around "
-                "all but the last, or graph one step per setting (as cgraph.lightning does). "
-                "Logged once per step.", step, what, changes)
+def step_sync_flips(step, what: str, changes: int, span: int) -> None:
+    """Grad sync set outside a step changed `changes` times, each within
+    `span` calls of the last, each then captured again (Note [Grad sync set
+    outside a graphed step] in cgraph/_step_checks.py): gradient
+    accumulation's micro-batches, one call each."""
+    log.warning("%r: %s changed %d times, each within %d calls of the last: each change steps "
+                "eagerly and captures the step again, far slower than a replay (gradient "
+                "accumulation with one call per micro-batch and DDP's no_sync() set outside). "
+                "Run the micro-batches inside the step, sync turned off around all but the "
+                "last, or graph one step per setting (as cgraph.lightning does). Logged once "
+                "per step.", step, what, changes, span)
 
 
 def step_capture_dropped(step, optimizers: list) -> None:
@@ -268,6 +268,16 @@ def step_ddp_warmup(step, eager: int | None, forwards: int) -> None:
              "cgraph/_ddp.py), and this call synced none (no_sync() around it): the step "
              "runs eagerly until the model has run %d, however many calls that takes.",
              step, forwards, forwards)
+
+
+def step_ddp_never_synced(step, calls: int) -> None:
+    """A step's DDP model synced grads at most once in its first `calls`
+    calls: the step waits for DDP's grad-syncing forwards (Note [DDP inside
+    a graphed step] in cgraph/_ddp.py), however many calls they take."""
+    log.warning("%r: %d calls in, a DistributedDataParallel model it trains has synced grads "
+                "at most once (no_sync() around the calls): the step runs eagerly until DDP "
+                "has run its first 11 grad-syncing forwards, which sync the GPU, and never "
+                "captures if every call is under no_sync(). Logged once per step.", step, calls)
 
 
 def step_grads_copied(moved: int, held: int) -> None:

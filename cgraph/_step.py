@@ -308,6 +308,27 @@ _scaler_factors = operator.attrgetter(*_SCALER_FACTORS)
 _STALE_WARNING_AT = 3
 
 
+class _SyncChanges:
+    """A step's calls that found grad sync set otherwise outside: warned of
+    once, at the third of a run of them each at most SPAN calls after the
+    last (gradient accumulation's cycles; not a rare change now and then)."""
+
+    SPAN = 64
+    __slots__ = ("run", "last", "warned")
+
+    def __init__(self) -> None:
+        self.run, self.last, self.warned = 0, None, False
+
+    def warns(self, calls: int) -> bool:
+        """Counts a change found at the step's `calls`-th call; whether to warn."""
+        near = self.last is not None and calls - self.last <= self.SPAN
+        self.run, self.last = (self.run + 1 if near else 1), calls
+        if self.run < _STALE_WARNING_AT or self.warned:
+            return False
+        self.warned = True
+        return True
+
+
 class _ScalerFactors(NamedTuple):
     """A GradScaler's growth and backoff settings as the graph captured them
     (set_growth_factor and load_state_dict change them): compared before
@@ -389,7 +410,7 @@ class GraphedStep:
         self.stale_in_a_row, self._warned_stale = 0, False
         # Calls that found grad sync set otherwise outside (no_sync(), FSDP's
         # set_requires_gradient_sync): Note [Grad sync set outside a graphed step].
-        self.sync_changes = 0
+        self.sync_changes = _SyncChanges()
         self.grads: StepGrads | None = None  # Note [Grads around a graphed step]
         # What its capture found that code outside can change, checked
         # before each replay: Note [What a graphed step checks before a
@@ -855,10 +876,9 @@ class GraphedStep:
             return False
         _log.step_params_changed(self, change.what, change.how)
         self._changed_in_a_row("step", change.key)
-        if change.key == "grad sync":
-            self.sync_changes += 1
-            if self.sync_changes == _STALE_WARNING_AT:
-                _log.step_sync_flips(self, change.what, self.sync_changes)
+        if change.key == "grad sync" and self.sync_changes.warns(
+                self.stats["eager"] + self.stats["replays"]):
+            _log.step_sync_flips(self, change.what, _STALE_WARNING_AT, _SyncChanges.SPAN)
         self._warm_up_again(None)
         if change.waits:
             self._wait_for_unskipped_steps()

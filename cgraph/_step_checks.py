@@ -104,13 +104,16 @@ A: Each replay would reduce, or not, as the capture did: the optimizer
    call step eagerly and the next capture again, as a changed mode does.
    So gradient accumulation with no_sync() set outside (a
    forward-and-backward step per micro-batch, all but the last under
-   no_sync()) is correct but captures once per accumulation cycle: warned
-   of at the third such change (the fix: the micro-batches inside the
-   step, or one graphed step per setting, as cgraph/lightning.py makes).
-   And such a step waits for DDP's eleven grad-syncing forwards however
-   many calls they take (Note [DDP inside a graphed step], 2).  So is
-   DDP's require_forward_param_sync, of a model that
-   broadcasts buffers, against its value as the capture began: a forward
+   no_sync()) is correct but captures once per accumulation cycle.  That
+   is warned of once, at the third such change each within 64 calls of
+   the last (_SyncChanges in cgraph/_step.py), naming the fix: the
+   micro-batches inside the step, or one graphed step per setting, as
+   cgraph/lightning.py makes.  And such a step waits for DDP's eleven
+   grad-syncing forwards however many calls they take (Note [DDP inside a
+   graphed step], 2).  So is DDP's require_forward_param_sync, of a model
+   that broadcasts buffers (a change of it not counted as one of those:
+   an evaluation's forward outside turns it off), against its value as the
+   capture began: a forward
    under no_grad() or no_sync() turns it off and eager's next forward then
    broadcasts nothing, where a replay would, and a capture after such a
    forward would never broadcast.  And a replay sets it as its capture's
@@ -201,6 +204,9 @@ class SinceCapture:
         label = self.sync.first_changed()
         if label is not None:
             return Change(label, "changed", "grad sync")
+        label = self.sync.broadcast_changed()
+        if label is not None:
+            return Change(label, "changed", "buffer broadcast")
         label = self.other_grads.first_changed()
         if label is not None:
             return Change(f"the grad of {label}", "was set or cleared outside the step", "grads")
@@ -426,11 +432,16 @@ class GradSync:
         self.left = self._broadcast_now()
 
     def first_changed(self) -> str | None:
-        """The label of the first setting changed since, or None."""
+        """The label of the first grad sync setting changed since, or None."""
         now = self._now()
         if now != self.values:
             return next(label for label, was, got in zip(self.labels, self.values, now)
                         if got != was)
+        return None
+
+    def broadcast_changed(self) -> str | None:
+        """The label of DDP's buffer broadcast if it changed since (an
+        evaluation's forward outside, not gradient accumulation), or None."""
         if self.broadcasting and self._broadcast_now() != self.broadcast:
             return ("DDP's require_forward_param_sync (whether its forward broadcasts rank 0's "
                     "buffers, off after a forward under no_grad() or no_sync())")

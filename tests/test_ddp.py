@@ -227,20 +227,43 @@ def test_no_sync_set_outside_the_step_waits_for_ddp_s_forwards_and_is_compared(g
     assert "require_backward_grad_sync" in sync.first_changed()
 
 
-def test_a_ddp_model_trained_before_the_step_needs_no_more_warm_up(gloo, caplog):
+@pytest.mark.parametrize("before, warmup", [(11, 3), (5, 6)])
+def test_a_ddp_model_trained_before_the_step_waits_only_for_the_forwards_left(
+        gloo, caplog, before, warmup):
     """DDP's own count of its grad-syncing forwards: a model trained
     eagerly for 11 steps first has run them, so the step keeps its
-    num_warmup_iters (before, it waited 11 more calls)."""
+    num_warmup_iters; one trained for 5 waits 6 calls, logged so (before,
+    11 more calls either way)."""
     model = DDP(cpu_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     train = ddp_step(model, opt)
-    for x, y in batches(11):
+    for x, y in batches(before):
         train(x, y)
     step = cgraph.make_graphed_step(train, batches(1)[0], num_warmup_iters=3)
     with caplog.at_level(logging.INFO, logger="cgraph"):
-        for x, y in batches(3):
+        for x, y in batches(warmup):
             step(x, y)
-    assert step.num_warmup_iters == 3 and "DistributedDataParallel" not in caplog.text
+            assert step.num_warmup_iters == warmup
+    assert model._get_ddp_logging_data()["iteration"] == 10
+    assert (f"{warmup} eager steps before capture" in caplog.text) == (warmup > 3), caplog.text
+
+
+def test_a_ddp_model_trained_under_no_sync_at_every_call_is_warned_of(gloo, caplog):
+    """DDP counts no forward under no_sync(): such a step never captures
+    (its capture would wait for DDP's 11 grad-syncing forwards), said in a
+    warning after 22 calls, once."""
+    model = DDP(cpu_model())
+
+    def forward_backward(x, y):
+        F.cross_entropy(model(x), y).backward()
+
+    step = cgraph.make_graphed_step(forward_backward, batches(1)[0], num_warmup_iters=3)
+    with caplog.at_level(logging.WARNING, logger="cgraph"), model.no_sync():
+        for x, y in batches(30):
+            step(x, y)
+    assert step.stats["eager"] == 30 and step.num_warmup_iters == 31
+    assert caplog.text.count("22 calls in, a DistributedDataParallel model it trains has "
+                             "synced grads at most once") == 1, caplog.text
 
 
 def test_find_unused_parameters_is_refused_at_capture_with_the_fix(gloo):
@@ -269,24 +292,25 @@ def test_ddp_s_buffer_broadcast_is_compared_with_its_setting_as_the_capture_bega
     model(x).sum().backward()  # as the capture leaves it: broadcast at the next forward
     sync = GradSync([], [model], [model])
     sync.captured()
-    assert sync.first_changed() is None
+    assert sync.broadcast_changed() is None
     with torch.no_grad():
         model(x)
-    assert "require_forward_param_sync" in sync.first_changed()
+    assert "require_forward_param_sync" in sync.broadcast_changed()
+    assert sync.first_changed() is None  # not a grad sync setting: no accumulation warning
     model(x).sum().backward()
-    assert sync.first_changed() is None
+    assert sync.broadcast_changed() is None
     with torch.no_grad():
         model(x)
     # A capture right after: replays would never broadcast.
     began_off = GradSync([], [model], [model])
     model(x).sum().backward()  # the capture's own forward turns it on
     began_off.captured()
-    assert "require_forward_param_sync" in began_off.first_changed()
+    assert "require_forward_param_sync" in began_off.broadcast_changed()
     plain = DDP(cpu_model())
     with torch.no_grad():
         plain(x)
     unbuffered = GradSync([], [plain], [plain])
-    assert unbuffered.first_changed() is None and not unbuffered.broadcasting
+    assert unbuffered.broadcast_changed() is None and not unbuffered.broadcasting
 
 
 def test_an_evaluation_step_s_ddp_model_is_found_and_its_flag_left_as_eager_leaves_it(gloo):

@@ -10,6 +10,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -413,3 +414,27 @@ def test_a_step_warms_up_in_its_pool_only_where_torch_s_allocator_can_route_ther
                          capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": ROOT, "PYTORCH_CUDA_ALLOC_CONF": conf})
     assert f"IN POOL {in_pool}" in run.stdout, run.stdout + run.stderr
+
+
+@pytest.mark.parametrize("key, apart, warned", [
+    ("grad sync", 3, True), ("grad sync", 65, False), ("buffer broadcast", 3, False)])
+def test_grad_sync_set_otherwise_outside_again_and_again_is_warned_of_once(
+        caplog, key, apart, warned):
+    """Note [Grad sync set outside a graphed step]: a call that finds grad
+    sync changed steps eagerly and the next captures again.  Three such
+    calls each within 64 calls of the last (gradient accumulation's cycles,
+    no_sync() set outside) warn once, naming the recipes; rare changes far
+    apart, or DDP's buffer broadcast turned off by an evaluation's forward
+    outside, do not."""
+    from cgraph._step_checks import Change
+
+    step = cgraph.make_graphed_step(lambda x: x * 2, (torch.ones(2),))
+    change = Change("DDP's require_backward_grad_sync (no_sync())", "changed", key)
+    with caplog.at_level(logging.WARNING, logger="cgraph"):
+        for _ in range(4):
+            step.since = types.SimpleNamespace(first_changed=lambda: change)  # as captured
+            assert step._changed_since_capture()
+            step.stats["replays"] += apart
+    assert caplog.text.count("changed 3 times, each within 64 calls of the last") == warned
+    if warned:
+        assert "Run the micro-batches inside the step" in caplog.text
