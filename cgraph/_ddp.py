@@ -48,8 +48,8 @@ A: Three things, each from torch's source:
       them (its "iteration": the sampled count, 10 from the 11th on;
       ddp_warmed_up), checked after every eager step: also where no_sync()
       is set outside the step, so that its first calls sync nothing and the
-      synced ones come every few calls (gradient accumulation), and none
-      where the model trained eagerly before; a model trained under
+      synced ones come every few calls (gradient accumulation), and only
+      those left where the model trained eagerly before; a model trained under
       no_sync() at every call never gets there, and its step stays eager
       (warned of after 22 calls).  The calls that takes are
       logged, estimated from the grad-syncing forwards of the step's first
@@ -119,15 +119,18 @@ class Forwards:
     """One DDP model's forwards in a step's first call: those with grad
     (under no_sync() too: the model trains in the step) and those that
     synced grads (DDP counts only these as iterations).  An evaluation's,
-    under no_grad(), are neither."""
+    under no_grad(), are neither.  And DDP's own count of its grad-syncing
+    forwards after that call (_synced_forwards), where the step waits for
+    DDP: the warm-up warns if it has not grown."""
 
-    __slots__ = ("with_grad", "synced")
+    __slots__ = ("with_grad", "synced", "counted")
 
     def __init__(self) -> None:
-        self.with_grad = self.synced = 0
+        self.with_grad = self.synced = self.counted = 0
 
     def __repr__(self) -> str:
-        return f"Forwards(with_grad={self.with_grad}, synced={self.synced})"
+        return (f"Forwards(with_grad={self.with_grad}, synced={self.synced}, "
+                f"counted={self.counted})")
 
 
 def _counted_pre_forward(module, *inputs, **kwargs):
@@ -197,23 +200,28 @@ class DDPInStep:
         """The step's num_warmup_iters after an eager step: one more call
         while a DDP model it trains has run fewer than DDP_WARMUP_FORWARDS
         grad-syncing forwards (Note [DDP inside a graphed step], 2).  Logged
-        once, with the calls that take if every call syncs as the first did
-        (and raised to them at once: the count a user reads); warned of once
-        where DDP has synced at most once in 2 x DDP_WARMUP_FORWARDS calls
-        (a model trained under no_sync() at every call never captures)."""
+        once, with the calls that take if every call syncs as the first did,
+        where more than num_warmup_iters (and raised to them at once: the
+        count a user reads); warned of once where DDP has synced at most
+        once since, 2 x DDP_WARMUP_FORWARDS calls in (a model trained under
+        no_sync() at every call never captures)."""
         waiting = [m for m in self.training() if not ddp_warmed_up(m)]
         if not waiting:
             return step.num_warmup_iters
-        wanted = step.stats["eager"] + 1
+        eager = step.stats["eager"]
+        wanted = eager + 1
         if not self.waiting_logged:
             self.waiting_logged = True
+            for m in waiting:
+                self.pace[m].counted = _synced_forwards(m)
             calls = self._calls_left(waiting)
-            _log.step_ddp_warmup(step, None if calls is None else step.stats["eager"] + calls,
-                                 DDP_WARMUP_FORWARDS)
-            wanted = max(wanted, step.stats["eager"] + (calls or 0))
-        if step.stats["eager"] == 2 * DDP_WARMUP_FORWARDS and any(
-                _synced_forwards(m) <= 1 for m in waiting):
-            _log.step_ddp_never_synced(step, step.stats["eager"])
+            if calls is None or eager + calls > step.num_warmup_iters:
+                _log.step_ddp_warmup(step, None if calls is None else eager + calls,
+                                     DDP_WARMUP_FORWARDS)
+                wanted = max(wanted, eager + (calls or 0))
+        if eager == 2 * DDP_WARMUP_FORWARDS and any(
+                _synced_forwards(m) <= max(self.pace[m].counted, 1) for m in waiting):
+            _log.step_ddp_never_synced(step, eager)
         return max(step.num_warmup_iters, wanted)
 
     def _calls_left(self, waiting: list) -> int | None:
@@ -284,14 +292,13 @@ def ddp_warmed_up(model) -> bool:
     """Whether DDP `model` has run DDP_WARMUP_FORWARDS grad-syncing
     forwards, as its logger records them: "iteration" is its Reducer's
     count before the forward, recorded at sampled forwards only (2..11, then
-    every sample-rate-th), so it reads 10 from the 11th on.  A model
-    without a C++ logger, that delays every allreduce or that spans several
-    devices, times nothing."""
+    every sample-rate-th), so it reads 10 from the 11th on (a module
+    spanning devices too: the logger records it before its early return,
+    in torch 2.11 and 2.14).  A model without a C++ logger, or that delays
+    every allreduce, times nothing."""
     if (getattr(model, "logger", None) is None or getattr(model, "_use_python_reducer", False)
             or getattr(model, "_delay_all_reduce_all_params", False)):
         return True  # its _pre_forward returns before the logger's timing
-    if getattr(model, "is_multi_device_module", False):
-        return True  # its Reducer makes no timer, and its logger records nothing
     return _synced_forwards(model) >= DDP_WARMUP_FORWARDS
 
 

@@ -222,7 +222,8 @@ def step_sync_flips(step, what: str, changes: int, span: int) -> None:
     accumulation's micro-batches, one call each."""
     log.warning("%r: %s changed %d times, each within %d calls of the last: each change steps "
                 "eagerly and captures the step again, far slower than a replay (gradient "
-                "accumulation with one call per micro-batch and DDP's no_sync() set outside). "
+                "accumulation with one call per micro-batch and DDP's no_sync() or FSDP's "
+                "set_requires_gradient_sync() set outside). "
                 "Run the micro-batches inside the step, sync turned off around all but the "
                 "last, or graph one step per setting (as cgraph.lightning does). Logged once "
                 "per step.", step, what, changes, span)
@@ -271,13 +272,15 @@ def step_ddp_warmup(step, eager: int | None, forwards: int) -> None:
 
 
 def step_ddp_never_synced(step, calls: int) -> None:
-    """A step's DDP model synced grads at most once in its first `calls`
-    calls: the step waits for DDP's grad-syncing forwards (Note [DDP inside
-    a graphed step] in cgraph/_ddp.py), however many calls they take."""
+    """A step's DDP model synced grads at most once since its first call,
+    `calls` calls in: the step waits for DDP's grad-syncing forwards (Note
+    [DDP inside a graphed step] in cgraph/_ddp.py), however many calls they
+    take."""
     log.warning("%r: %d calls in, a DistributedDataParallel model it trains has synced grads "
-                "at most once (no_sync() around the calls): the step runs eagerly until DDP "
-                "has run its first 11 grad-syncing forwards, which sync the GPU, and never "
-                "captures if every call is under no_sync(). Logged once per step.", step, calls)
+                "at most once since its first call (no_sync() around the calls): the step "
+                "runs eagerly until DDP has run its first 11 grad-syncing forwards, which "
+                "sync the GPU, and never captures if every call is under no_sync(). Logged "
+                "once per step.", step, calls)
 
 
 def step_grads_copied(moved: int, held: int) -> None:

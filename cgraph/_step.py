@@ -187,7 +187,7 @@ def make_graphed_step(fn: Callable[..., Any], sample_args: tuple = (), *,
     again (logged).  Capturable
     optimizers compute their step sizes on the device in float32, not on the
     host in float64: parameters then match eager's to float32 rounding, not
-    bitwise (fused ones, SGD, Adagrad: bitwise).  A ``GradScaler`` works
+    bitwise (fused ones, SGD, Adagrad with lr_decay=0: bitwise).  A ``GradScaler`` works
     with any of them (Note [GradScaler with any optimizer]).  A
     ``DistributedDataParallel`` model built as usual may be called in ``fn``:
     its gradient allreduce is captured too, and the step stays eager until
@@ -503,8 +503,9 @@ class GraphedStep:
         pool its capture will take (Note [A step's warm-up in its pool] in
         csrc/aten_setup.cpp).  As called where that pool is not the step's
         own (pool= given: graphs may already live there), where the
-        allocator cannot route there safely (expandable segments; and
-        cudaMallocAsync, refused at the capture after) or without CUDA."""
+        allocator cannot route there safely (expandable segments; and an
+        allocator other than the native one, refused at the capture after)
+        or without CUDA."""
         if device is None or self.pool is not None or not _C.can_call_in_pool():
             return self.fn(*args, **kwargs)
         if self.warm_pool is None or self.warm_pool.device != device:

@@ -110,10 +110,15 @@ A: Each replay would reduce, or not, as the capture did: the optimizer
    micro-batches inside the step, or one graphed step per setting, as
    cgraph/lightning.py makes.  And such a step waits for DDP's eleven
    grad-syncing forwards however many calls they take (Note [DDP inside a
-   graphed step], 2).  So is DDP's require_forward_param_sync, of a model
-   that broadcasts buffers (a change of it not counted as one of those:
-   an evaluation's forward outside turns it off), against its value as the
-   capture began: a forward
+   graphed step], 2).  A model whose buffers DDP broadcasts (BatchNorm,
+   broadcast_buffers=True, the default) fares worse: its forward under
+   no_sync() also turns the broadcast off, compared below, so every call
+   after the first of a cycle finds a change and only the capturing calls
+   replay (broadcast_buffers=False, or the micro-batches inside the step,
+   avoid it); those changes are not counted for the warning, which an
+   evaluation's forward outside would otherwise set off.  DDP's
+   require_forward_param_sync, of a model that broadcasts buffers, is
+   compared too, against its value as the capture began: a forward
    under no_grad() or no_sync() turns it off and eager's next forward then
    broadcasts nothing, where a replay would, and a capture after such a
    forward would never broadcast.  And a replay sets it as its capture's
@@ -440,8 +445,10 @@ class GradSync:
         return None
 
     def broadcast_changed(self) -> str | None:
-        """The label of DDP's buffer broadcast if it changed since (an
-        evaluation's forward outside, not gradient accumulation), or None."""
+        """The label of DDP's buffer broadcast if it changed since, or None:
+        a forward under no_grad() outside (an evaluation) or under no_sync()
+        turns it off (so with gradient accumulation set outside, a model
+        with buffers changes it at every call: below)."""
         if self.broadcasting and self._broadcast_now() != self.broadcast:
             return ("DDP's require_forward_param_sync (whether its forward broadcasts rank 0's "
                     "buffers, off after a forward under no_grad() or no_sync())")
