@@ -202,9 +202,10 @@ class DDPInStep:
         grad-syncing forwards (Note [DDP inside a graphed step], 2).  Logged
         once, with the calls that take if every call syncs as the first did,
         where more than num_warmup_iters (and raised to them at once: the
-        count a user reads); warned of once where DDP has synced at most
-        once since, 2 x DDP_WARMUP_FORWARDS calls in (a model trained under
-        no_sync() at every call never captures)."""
+        count a user reads); warned of once where DDP's count has not grown
+        since the step's first call, 2 x DDP_WARMUP_FORWARDS calls in (a
+        count of 1 cannot tell 0 from 1; a model trained under no_sync() at
+        every call never captures)."""
         waiting = [m for m in self.training() if not ddp_warmed_up(m)]
         if not waiting:
             return step.num_warmup_iters

@@ -272,8 +272,9 @@ def step_ddp_warmup(step, eager: int | None, forwards: int) -> None:
 
 
 def step_ddp_never_synced(step, calls: int) -> None:
-    """A step's DDP model synced grads at most once since its first call,
-    `calls` calls in: the step waits for DDP's grad-syncing forwards (Note
+    """DDP's count of a step's model's grad-syncing forwards has not grown
+    since the step's first call (1 stands for 0 or 1), `calls` calls in:
+    the step waits for DDP's grad-syncing forwards (Note
     [DDP inside a graphed step] in cgraph/_ddp.py), however many calls they
     take."""
     log.warning("%r: %d calls in, a DistributedDataParallel model it trains has synced grads "

@@ -112,10 +112,11 @@ A: Each replay would reduce, or not, as the capture did: the optimizer
    grad-syncing forwards however many calls they take (Note [DDP inside a
    graphed step], 2).  A model whose buffers DDP broadcasts (BatchNorm,
    broadcast_buffers=True, the default) fares worse: its forward under
-   no_sync() also turns the broadcast off, compared below, so every call
-   after the first of a cycle finds a change and only the capturing calls
-   replay (broadcast_buffers=False, or the micro-batches inside the step,
-   avoid it); those changes are not counted for the warning, which an
+   no_sync() also turns the broadcast off, compared below, so with 3 or
+   more micro-batches the calls alternate between finding a change
+   (stepped eagerly) and capturing, and only the capturing calls replay
+   (broadcast_buffers=False, or the micro-batches inside the step, avoid
+   it); those changes are not counted for the warning, which an
    evaluation's forward outside would otherwise set off.  DDP's
    require_forward_param_sync, of a model that broadcasts buffers, is
    compared too, against its value as the capture began: a forward
