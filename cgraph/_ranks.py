@@ -20,11 +20,12 @@ A: After a whole-step capture, where torch.distributed is initialized with
    failure before the capture (a refusal, the static inputs' memory) is
    agreed on too: each rank calls agree once per capture, wherever it
    stopped.
-   Only a step that may hold collectives is agreed on: one that calls a
-   DDP model that reduces grads or broadcasts buffers in it (seen in its
+   Only a step that may hold collectives is agreed on: one that trains a
+   DDP model (forwards with grad, under no_sync() too: its setting may
+   change between calls) or calls one that broadcasts buffers (seen in its
    warm-up; not one evaluated under no_grad() without buffers, which
-   issues none) or whose optimizers' parameters or
-   arguments include a DTensor (FSDP2, tensor parallelism), decided before
+   issues none), or whose optimizers' parameters or arguments include a
+   DTensor (FSDP2, tensor parallelism), decided before
    capture from what every rank running the step holds alike
    (may_hold_collectives).  A step without them may run on some ranks only
    (``if rank == 0: make_graphed_step(evaluate)``), where a gather on the
