@@ -49,7 +49,21 @@ them):
    DDP's require_backward_grad_sync changed and steps eagerly (a replay
    would reduce nothing), and the next captures again, warned of at the
    third such change.  Parameters and grads bitwise equal to eager DDP's.
-7. teardown: step.reset(), then dist.destroy_process_group().
+7. static_graph with an unused parameter: DDP built with
+   find_unused_parameters=True and static_graph=True, the fix a graphed
+   step's refusal of find_unused_parameters=True alone names, over a model
+   one of whose parameters no forward uses.  DDP finds it unused in its
+   first step and then reduces without searching: losses, parameters and
+   grads (the unused one's None) bitwise equal to eager DDP's, captured
+   after DDP's 11 forwards as in check 2.
+8. a capture failing on one rank: an error planted after the backward on
+   the last rank, while capturing, once.  Every rank raises at the same
+   call, naming that rank and its error (Note [A capture that fails on one
+   rank] in cgraph/_ranks.py); the caller goes on calling the step, which
+   captures again at the next call and replays from then on.  Every other
+   call's loss, and the parameters and grads after, bitwise equal to eager
+   DDP's without the failed call's batch (a failed capture runs no kernel).
+9. teardown: step.reset(), then dist.destroy_process_group().
 """
 
 import contextlib
@@ -260,6 +274,86 @@ def accumulation_with_no_sync_outside(rank, device, micro=3, cycles=14):
     return step
 
 
+class WithUnused(nn.Module):
+    """The MLP beside a layer its forward never calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = mlp()  # seeds, so the layer below starts alike too
+        self.unused = nn.Linear(WIDTH, WIDTH).cuda()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def same_training(models, what: str) -> bool:
+    """Parameters and grads (None where None) of the graphed model, bitwise
+    equal to the eager twin's."""
+    for (name, p), q in zip(models[0].module.named_parameters(), models[1].module.parameters()):
+        grads = (p.grad is None and q.grad is None) or (
+            p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad))
+        if not (torch.equal(p, q) and grads):
+            print(f"{what}: {name} or its grad differs from eager DDP", flush=True)
+            return False
+    return True
+
+
+def static_graph_with_an_unused_parameter(rank, device):
+    models = [DDP(WithUnused(), device_ids=[device], find_unused_parameters=True,
+                  static_graph=True) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
+    step = cgraph.make_graphed_step(train_step(models[0], opts[0]), batch(0, rank))
+    eager_step = train_step(models[1], opts[1])
+    losses = True
+    for i in range(STEPS):
+        losses &= torch.equal(step(*batch(i, rank)), eager_step(*batch(i, rank)))
+    same = losses and same_training(models, f"rank {rank} static_graph")
+    unused = models[0].module.unused.weight.grad is None
+    want = {"eager": 11, "captures": 1, "replays": STEPS - 11}
+    check(same and unused and step.stats == want, rank,
+          f"static_graph with an unused parameter: losses, parameters and grads equal to eager "
+          f"DDP: {same}, the unused one's grad None: {unused}, {step.stats} (want {want})")
+    return step
+
+
+def capture_failing_on_one_rank(rank, world, device):
+    models = [DDP(mlp(), device_ids=[device]) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
+    armed = [rank == world - 1]
+
+    def planted_after_backward(x, y):
+        opts[0].zero_grad()
+        loss = F.cross_entropy(models[0](x), y)
+        loss.backward()
+        if armed[0] and torch.cuda.is_current_stream_capturing():
+            armed[0] = False
+            raise RuntimeError("planted at capture")
+        opts[0].step()
+        return loss
+
+    step = cgraph.make_graphed_step(planted_after_backward, batch(0, rank))
+    eager_step = train_step(models[1], opts[1])
+    failed_at, losses = [], True
+    for i in range(STEPS):
+        try:
+            loss = step(*batch(i, rank))
+        except RuntimeError as e:
+            said = " ".join([str(e), *getattr(e, "__notes__", [])])
+            named = world == 1 or f"failed on rank(s) [{world - 1}]" in said
+            if "planted at capture" not in said or not named:
+                raise
+            failed_at.append(i)  # the eager twin skips this batch too
+            continue
+        losses &= torch.equal(loss, eager_step(*batch(i, rank)))
+    same = losses and same_training(models, f"rank {rank} failed capture")
+    want = {"eager": 11, "captures": 1, "replays": STEPS - 12}
+    check(same and failed_at == [11] and step.stats == want, rank,
+          f"a capture failing on one rank: raised on every rank at call {failed_at} (want "
+          f"[11]), naming rank {world - 1} and its error; later losses, parameters and grads "
+          f"equal to eager DDP: {same}, {step.stats} (want {want})")
+    return step
+
+
 def main():
     device = int(os.environ.get("LOCAL_RANK", 0))
     torch.cuda.set_device(device)
@@ -268,7 +362,9 @@ def main():
     steps = [graphed_vs_eager(rank, device), allreduce_in_graph(rank, device),
              buffers_after_a_no_grad_forward(rank, device),
              *buffers_around_a_graphed_evaluation(rank, device),
-             accumulation_with_no_sync_outside(rank, device)]
+             accumulation_with_no_sync_outside(rank, device),
+             static_graph_with_an_unused_parameter(rank, device),
+             capture_failing_on_one_rank(rank, dist.get_world_size(), device)]
     for step in steps:
         step.reset()
     dist.barrier()

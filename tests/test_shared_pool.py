@@ -6,6 +6,7 @@ capture into it on their first calls (Note [One pool for separately
 graphed callables] in cgraph/_group.py).  Comparisons are bitwise against eager PyTorch."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -836,3 +837,73 @@ def test_state_only_cpp_holds_left_in_a_shared_pool_raises():
         for rows in (4096, 2048):
             forward(graphed, torch.randn(rows, 256, device=CUDA))
     assert again.value.kind == "warmup_state", again.value
+
+
+# ---- pool=torch.cuda.MemPool() and capture_error_mode -----------------------
+
+def _square_loss_step(model, opt):
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+    return step
+
+
+@pytest.mark.parametrize("api", ["make_graphed", "make_graphed_step"])
+def test_a_torch_mempool_as_pool_holds_the_graphs_and_trains_as_eager(api):
+    """pool=torch.cuda.MemPool(), as torch.cuda.graph takes its id: the
+    capture allocates in that pool (segments of it appear, and the graphs
+    count as its users), training is bitwise eager's, and dropping the
+    graphs gives the pool's use back."""
+    torch.manual_seed(86)
+    model = block()
+    eager = copy.deepcopy(model)
+    pool = torch.cuda.MemPool()
+    uses = pool.use_count()
+    xs = [torch.randn(16, 64, device=CUDA) for _ in range(6)]
+    if api == "make_graphed":
+        graphed = cgraph.make_graphed(model, (xs[0],), pool=pool)
+        for i, x in enumerate(xs):
+            upstream = torch.randn(16, 64, device=CUDA)
+            out, out_e = graphed(x), eager(x)
+            assert_equal(out, out_e, f"call {i}: output")
+            (out * upstream).sum().backward()
+            (out_e * upstream).sum().backward()
+            check_grads_and_clear([model], [eager], i)
+    else:
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, eager)]
+        graphed = cgraph.make_graphed_step(_square_loss_step(model, opts[0]), pool=pool)
+        eager_step = _square_loss_step(eager, opts[1])
+        for i, x in enumerate(xs):
+            assert_equal(graphed(x), eager_step(x), f"step {i}: loss")
+        assert graphed.stats["captures"] == 1 and graphed.stats["replays"] == 3, graphed.stats
+        for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+            assert_equal(p, q, f"parameter {k}")
+    assert pool_segments(pool.id), "nothing of the graphs lies in the MemPool"
+    assert pool.use_count() > uses, (pool.use_count(), uses)
+    graphed.reset()
+    del graphed
+    gc.collect()
+    assert pool.use_count() == uses, (pool.use_count(), uses)
+
+
+@pytest.mark.parametrize("mode", ["global", "thread_local", "relaxed"])
+def test_each_capture_error_mode_captures_and_trains_as_eager(mode):
+    """capture_error_mode (torch's three stream capture modes) is the mode
+    the capture runs under; each captures a forward and backward that
+    train bitwise as eager."""
+    torch.manual_seed(87)
+    model = block()
+    eager = copy.deepcopy(model)
+    x0 = torch.randn(16, 64, device=CUDA)
+    graphed = cgraph.make_graphed(model, (x0,), capture_error_mode=mode)
+    for i in range(3):
+        x, upstream = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
+        out, out_e = graphed(x), eager(x)
+        assert_equal(out, out_e, f"{mode}, call {i}: output")
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        check_grads_and_clear([model], [eager], i)
+    assert graphed.stats["forward"] == 3, graphed.stats
