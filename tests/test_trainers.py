@@ -226,11 +226,13 @@ def test_lightning_callback_with_16_mixed_precision_trains_as_without_it(monkeyp
 
 
 def lightning_run(lightning, callbacks, *, accelerator="cpu", precision="32-true",
-                  optimizer="sgd", accumulate=1, max_steps=8, module_class=None, clip=None):
+                  optimizer="sgd", accumulate=1, max_steps=8, module_class=None, clip=None,
+                  ckpt_path=None, save_to=None):
     """Fits a small LightningModule (dropout on, self.log of the loss on
     step and on epoch, a validation loop, 13 samples in batches of 2: a
     short last batch) and returns (parameters, what its logger got, global
-    step, the head's grad after each batch)."""
+    step, the head's grad after each batch).  From the checkpoint at
+    `ckpt_path` if given; saves one to `save_to` if given."""
 
     class Recorder(lightning.pytorch.loggers.Logger):
         def __init__(self):
@@ -267,7 +269,9 @@ def lightning_run(lightning, callbacks, *, accelerator="cpu", precision="32-true
         limit_val_batches=2, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[*callbacks, grads])
     loader = torch.utils.data.DataLoader(data, batch_size=2)
-    trainer.fit(module, loader, loader)
+    trainer.fit(module, loader, loader, ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     return ([p.detach().cpu() for p in module.parameters()], recorder.metrics, trainer.global_step,
             grads.seen)
 
@@ -537,6 +541,38 @@ def assert_fits_alike(fit, captures: int, replays: int) -> None:
     assert graphed[1] == eager[1]
     stats = callback.stats
     assert stats["captures"] >= captures and stats["replays"] >= replays, stats
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision, optimizer", [("32-true", "adamw-fused"), ("16-mixed", "sgd")])
+def test_lightning_step_scope_resumed_from_a_checkpoint_trains_as_eager(tmp_path, precision,
+                                                                        optimizer):
+    """A fit of 7 steps (one epoch) saved to a checkpoint, then a new
+    module and trainer resuming from it to 16 steps (fit(ckpt_path=...)
+    loads the optimizer's state, the LR scheduler's and, under 16-mixed,
+    the GradScaler's into objects the new steps then graph), each half with
+    CUDAGraphs(scope="step") and each without: the resumed fit's
+    parameters bitwise, every value it logged, and its global_step."""
+    lightning = pytest.importorskip("lightning")
+    from cgraph.lightning import CUDAGraphs
+    kwargs = dict(accelerator="gpu", precision=precision, optimizer=optimizer)
+    runs, stats = [], []
+    for graphed in (False, True):
+        callbacks = (lambda: [CUDAGraphs(scope="step")]) if graphed else list
+        path = str(tmp_path / f"{'graphed' if graphed else 'eager'}.ckpt")
+        first = callbacks()
+        lightning_run(lightning, first, max_steps=7, save_to=path, **kwargs)
+        second = callbacks()
+        runs.append(lightning_run(lightning, second, max_steps=16, ckpt_path=path, **kwargs))
+        stats += [(c.stats, c is second[0]) for c in first + second]
+    eager, graphed = runs
+    assert graphed[2] == eager[2] == 16
+    for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
+        assert torch.equal(g, e), f"parameter {i}"
+    assert graphed[1] == eager[1]
+    # Both halves graph the step; the resumed one replays at least 3 of its 9 batches.
+    assert all(s["captures"] >= 1 and (s["replays"] >= 3 or not resumed)
+               for s, resumed in stats), stats
 
 
 @pytest.mark.gpu
