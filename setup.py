@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sysconfig
+import typing
 
 import setuptools
 from setuptools import setup
@@ -67,34 +68,51 @@ def _version_number(text):
     return major * 1000 + minor * 10
 
 
-def toolkit_version(cuda_home):
-    """CUDA_VERSION from the toolkit's cuda.h (13000 for CUDA 13.0), or None."""
-    try:
-        with open(os.path.join(cuda_home, "include", "cuda.h")) as header:
-            for line in header:
-                if line.startswith("#define CUDA_VERSION "):
-                    return int(line.split()[2])
-    except (OSError, ValueError, IndexError):
-        pass
+class CudaHeader(typing.NamedTuple):
+    """The cuda.h the compiler reads, and the CUDA_VERSION it defines (13000
+    for CUDA 13.0; None where it defines none)."""
+
+    path: str
+    version: typing.Optional[int]
+
+
+def toolkit_version(include_dirs):
+    """The first cuda.h in `include_dirs`, the folders the compiler searches
+    in that order (pip's CUDA wheels, _cuda_library_includes, before
+    CUDA_HOME's include: each may have its own cuda.h), or None."""
+    for folder in include_dirs:
+        path = os.path.join(folder, "cuda.h")
+        if not os.path.exists(path):
+            continue
+        version = None
+        try:
+            with open(path) as header:
+                version = next((int(line.split()[2]) for line in header
+                                if line.startswith("#define CUDA_VERSION ")), None)
+        except (OSError, ValueError, IndexError):
+            pass
+        return CudaHeader(path, version)
     return None
 
 
 def check_cuda_toolkit(torch_cuda, toolkit, graph_header):
-    """Stop the build where the toolkit is older than 12.4 and torch's CUDA
-    is 12.4 or newer, if torch's at::cuda::CUDAGraph has members only under
+    """Stop the build where the CUDA the compiler reads (`toolkit`, a
+    CudaHeader or None) is older than 12.4 and torch's CUDA is 12.4 or
+    newer, if torch's at::cuda::CUDAGraph has members only under
     CUDA_VERSION >= 12040 (torch 2.12 on: conditional nodes' stacks).  The
-    header takes CUDA_VERSION from the toolkit compiling cgraph, not from
+    header takes CUDA_VERSION from the cuda.h compiling cgraph, not from
     torch's build: cgraph's Graph, a subclass, would be laid out 320 bytes
     short of the object torch's constructor and destructor write (heap
     corruption).  `graph_header` is CUDAGraph.h's text."""
-    if toolkit is None or torch_cuda is None or toolkit >= 12040:
+    version = toolkit.version if toolkit is not None else None
+    if version is None or torch_cuda is None or version >= 12040:
         return
     if _version_number(torch_cuda) < 12040 or "CUDA_VERSION >= 12040" not in graph_header:
         return
     raise SystemExit(
-        f"cgraph's build found CUDA {toolkit // 1000}.{toolkit % 1000 // 10} (CUDA_HOME), older "
-        f"than this torch's CUDA {torch_cuda}: torch's CUDAGraph class would compile to another "
-        "size here than in torch. Install a CUDA toolkit of 12.4 or newer (best: "
+        f"cgraph's build found CUDA {version // 1000}.{version % 1000 // 10} ({toolkit.path}), "
+        f"older than this torch's CUDA {torch_cuda}: torch's CUDAGraph class would compile to "
+        "another size here than in torch. Install a CUDA toolkit of 12.4 or newer (best: "
         f"{torch_cuda}) and point CUDA_HOME at it, then install cgraph again.")
 
 
@@ -316,11 +334,14 @@ def main():
     import torch
 
     check_cuda_torch(torch)
+    library_includes = _cuda_library_includes()
     if cuda_home:
         graph_header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "cuda",
                                     "CUDAGraph.h")
+        # In the compiler's order: ours (csrc has no cuda.h), then the toolkit's.
+        compiled = toolkit_version([*library_includes, os.path.join(cuda_home, "include")])
         with open(graph_header) as header:
-            check_cuda_toolkit(torch.version.cuda, toolkit_version(cuda_home), header.read())
+            check_cuda_toolkit(torch.version.cuda, compiled, header.read())
     _ninja_on_path()  # before BuildExtension looks for it
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
@@ -345,7 +366,7 @@ def main():
             CUDAExtension(
                 name="cgraph._C",
                 sources=sources["cxx"] + sources["cuda"],
-                include_dirs=[os.path.abspath("csrc"), *_cuda_library_includes()],
+                include_dirs=[os.path.abspath("csrc"), *library_includes],
                 # No -std: torch picks the standard its headers need (C++20 from 2.14).
                 extra_compile_args={
                     "cxx": ["-O2", *hidden, "-fvisibility-inlines-hidden"],

@@ -135,27 +135,36 @@ def test_build_refuses_a_cpu_only_torch():
 
 def test_build_refuses_a_toolkit_older_than_the_one_torch_s_cuda_graph_is_laid_out_for(tmp_path):
     """at::cuda::CUDAGraph has members only under CUDA_VERSION >= 12040
-    (torch 2.12 on), read from the toolkit compiling cgraph: a toolkit
-    older than 12.4 beside a torch built with 12.4 or newer would lay out
-    cgraph's subclass short of torch's object.  Refused, naming the fix;
-    a header without such members, an older torch CUDA or a newer toolkit
-    pass."""
+    (torch 2.12 on), read from the first cuda.h the compiler finds (a pip
+    CUDA wheel's before the toolkit's): one older than 12.4 beside a torch
+    built with 12.4 or newer would lay out cgraph's subclass short of
+    torch's object.  Refused, naming the header and the fix; a header
+    without such members, an older torch CUDA, a newer cuda.h (the wheel's
+    ahead of an old toolkit's) or none pass."""
     setup = _load("cgraph_setup", ROOT / "setup.py")
-    (tmp_path / "include").mkdir()
-    (tmp_path / "include" / "cuda.h").write_text("#pragma once\n#define CUDA_VERSION 12030\n")
-    assert setup.toolkit_version(str(tmp_path)) == 12030
-    assert setup.toolkit_version(str(tmp_path / "none")) is None
+    wheel, toolkit, empty = (tmp_path / name for name in ("wheel", "toolkit", "empty"))
+    for folder, version in ((wheel, 13000), (toolkit, 12030), (empty, None)):
+        folder.mkdir()
+        if version is not None:
+            (folder / "cuda.h").write_text(f"#pragma once\n#define CUDA_VERSION {version}\n")
+    old = setup.toolkit_version([str(empty), str(toolkit)])
+    assert old == (str(toolkit / "cuda.h"), 12030)
+    # A wheel's cuda.h searched first (_cuda_library_includes) is the one compiled.
+    assert setup.toolkit_version([str(wheel), str(toolkit)]).version == 13000
+    assert setup.toolkit_version([str(empty)]) is None
     guarded = "#if !defined(USE_ROCM) && (defined(CUDA_VERSION) && CUDA_VERSION >= 12040)"
-    with pytest.raises(SystemExit, match=r"found CUDA 12\.3 .* older than this torch's CUDA "
-                                         r"13\.0.*Install a CUDA toolkit of 12\.4 or newer"):
-        setup.check_cuda_toolkit("13.0", 12030, guarded)
-    setup.check_cuda_toolkit("13.0", 12030, "class CUDAGraph {};")  # torch 2.11's header
-    setup.check_cuda_toolkit("12.1", 12030, guarded)
-    setup.check_cuda_toolkit("13.0", 13000, guarded)
+    with pytest.raises(SystemExit, match=r"found CUDA 12\.3 \(.*toolkit/cuda\.h\), older than "
+                                         r"this torch's CUDA 13\.0.*Install a CUDA toolkit of "
+                                         r"12\.4 or newer"):
+        setup.check_cuda_toolkit("13.0", old, guarded)
+    setup.check_cuda_toolkit("13.0", old, "class CUDAGraph {};")  # torch 2.11's header
+    setup.check_cuda_toolkit("12.1", old, guarded)
+    setup.check_cuda_toolkit("13.0", setup.toolkit_version([str(wheel), str(toolkit)]), guarded)
+    setup.check_cuda_toolkit("13.0", None, guarded)
     header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "cuda",
                           "CUDAGraph.h")
-    setup.check_cuda_toolkit(torch.version.cuda, setup.toolkit_version("/usr/local/cuda"),
-                             open(header).read())  # this machine's build passes
+    here = setup.toolkit_version([*setup._cuda_library_includes(), "/usr/local/cuda/include"])
+    setup.check_cuda_toolkit(torch.version.cuda, here, open(header).read())  # this build passes
 
 
 def test_build_refuses_an_old_setuptools():
