@@ -91,6 +91,20 @@ def in_pool(t, pool):
                for s in pool_segments(pool))
 
 
+def square_loss_step(model, opt):
+    """An ordinary eager training step of `model` under `opt`, returning
+    the loss: the step several files graph with make_graphed_step."""
+
+    def step(x):
+        opt.zero_grad()
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
 # ---- models -----------------------------------------------------------------
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, ROOT, assert_equal, assert_grads_equal, pool_segments
+from _helpers import CUDA, ROOT, assert_equal, assert_grads_equal, pool_segments, square_loss_step
 
 pytestmark = pytest.mark.gpu
 
@@ -263,18 +263,9 @@ def test_a_graphed_steps_pool_holds_no_workspace():
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.1)
     xs = [torch.randn(64, 256, device=CUDA) for _ in range(5)]
 
-    def make(m, o):
-        def step(x):
-            o.zero_grad()
-            loss = m(x).square().mean()
-            loss.backward()
-            o.step()
-            return loss
-        return step
-
-    step = cgraph.make_graphed_step(make(model, opt), (xs[0],))
+    step = cgraph.make_graphed_step(square_loss_step(model, opt), (xs[0],))
     losses = [step(x).clone() for x in xs]
-    losses_e = [make(eager, opt_e)(x) for x in xs]
+    losses_e = [square_loss_step(eager, opt_e)(x) for x in xs]
     largest = max(s["total_size"] for s in pool_segments(step.graphed.pool))
     assert largest < workspace, (largest, workspace)
     for k, (a, b) in enumerate(zip(losses, losses_e)):

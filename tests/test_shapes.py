@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, assert_equal, assert_grads_equal, in_pool, twin
+from _helpers import CUDA, assert_equal, assert_grads_equal, in_pool, square_loss_step, twin
 
 pytestmark = pytest.mark.gpu
 
@@ -252,13 +252,7 @@ def test_captures_and_resets_are_logged_with_time_and_pool_memory(caplog):
     torch.manual_seed(43)
     model = nn.Linear(32, 32).to(CUDA)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
-
-    def step(x):
-        opt.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        return loss
+    step = square_loss_step(model, opt)
 
     with caplog.at_level(logging.INFO, logger="cgraph"):
         graphed = cgraph.make_graphed(model, (torch.randn(8, 32, device=CUDA),))

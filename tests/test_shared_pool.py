@@ -15,7 +15,8 @@ from torch import nn
 
 import cgraph
 from cgraph import _regraph
-from _helpers import CUDA, assert_equal, assert_grads_equal, in_pool, pool_segments, twin
+from _helpers import (CUDA, assert_equal, assert_grads_equal, in_pool, pool_segments,
+                      square_loss_step, twin)
 
 pytestmark = pytest.mark.gpu
 
@@ -841,16 +842,6 @@ def test_state_only_cpp_holds_left_in_a_shared_pool_raises():
 
 # ---- pool=torch.cuda.MemPool() and capture_error_mode -----------------------
 
-def _square_loss_step(model, opt):
-    def step(x):
-        opt.zero_grad()
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        return loss
-    return step
-
-
 @pytest.mark.parametrize("api", ["make_graphed", "make_graphed_step"])
 def test_a_torch_mempool_as_pool_holds_the_graphs_and_trains_as_eager(api):
     """pool=torch.cuda.MemPool(), as torch.cuda.graph takes its id: the
@@ -874,8 +865,8 @@ def test_a_torch_mempool_as_pool_holds_the_graphs_and_trains_as_eager(api):
             check_grads_and_clear([model], [eager], i)
     else:
         opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, eager)]
-        graphed = cgraph.make_graphed_step(_square_loss_step(model, opts[0]), pool=pool)
-        eager_step = _square_loss_step(eager, opts[1])
+        graphed = cgraph.make_graphed_step(square_loss_step(model, opts[0]), pool=pool)
+        eager_step = square_loss_step(eager, opts[1])
         for i, x in enumerate(xs):
             assert_equal(graphed(x), eager_step(x), f"step {i}: loss")
         assert graphed.stats["captures"] == 1 and graphed.stats["replays"] == 3, graphed.stats
