@@ -95,6 +95,14 @@ def toolkit_version(include_dirs):
     return None
 
 
+def compiled_cuda_header(cuda_home, library_includes):
+    """The cuda.h the build compiles with: CUDAExtension searches our
+    include folders (csrc, then `library_includes`, pip's CUDA wheels:
+    _cuda_library_includes) before torch's and CUDA_HOME's include."""
+    home = [os.path.join(cuda_home, "include")] if cuda_home else []
+    return toolkit_version([*library_includes, *home])
+
+
 def check_cuda_toolkit(torch_cuda, toolkit, graph_header):
     """Stop the build where the CUDA the compiler reads (`toolkit`, a
     CudaHeader or None) is older than 12.4 and torch's CUDA is 12.4 or
@@ -334,16 +342,17 @@ def main():
     import torch
 
     check_cuda_torch(torch)
+    # Reads CUDA_HOME, set above, or finds one itself (an nvcc on PATH).
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CUDAExtension
+
     library_includes = _cuda_library_includes()
-    if cuda_home:
-        graph_header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "cuda",
-                                    "CUDAGraph.h")
-        # In the compiler's order: ours (csrc has no cuda.h), then the toolkit's.
-        compiled = toolkit_version([*library_includes, os.path.join(cuda_home, "include")])
-        with open(graph_header) as header:
-            check_cuda_toolkit(torch.version.cuda, compiled, header.read())
+    graph_header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "cuda",
+                                "CUDAGraph.h")
+    with open(graph_header) as header:
+        check_cuda_toolkit(torch.version.cuda,
+                           compiled_cuda_header(cuda_home or CUDA_HOME, library_includes),
+                           header.read())
     _ninja_on_path()  # before BuildExtension looks for it
-    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
 
     _default_cuda_archs(torch)
     sources = _sources()

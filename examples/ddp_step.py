@@ -56,13 +56,15 @@ them):
    first step and then reduces without searching: losses, parameters and
    grads (the unused one's None) bitwise equal to eager DDP's, captured
    after DDP's 11 forwards as in check 2.
-8. a capture failing on one rank: an error planted after the backward on
-   the last rank, while capturing, once.  Every rank raises at the same
-   call, naming that rank and its error (Note [A capture that fails on one
-   rank] in cgraph/_ranks.py); the caller goes on calling the step, which
-   captures again at the next call and replays from then on.  Every other
-   call's loss, and the parameters and grads after, bitwise equal to eager
-   DDP's without the failed call's batch (a failed capture runs no kernel).
+8. a capture failing on one rank: an error planted on the last rank, while
+   capturing, once: before the forward (the other ranks capture the
+   allreduce it never issues), or after the backward.  Every rank raises
+   at the same call, naming that rank and its error (Note [A capture that
+   fails on one rank] in cgraph/_ranks.py); the caller goes on calling the
+   step, which captures again at the next call and replays from then on.
+   Every other call's loss, and the parameters and grads after, bitwise
+   equal to eager DDP's without the failed call's batch (a failed capture
+   runs no kernel).
 9. teardown: step.reset(), then dist.destroy_process_group().
 """
 
@@ -316,22 +318,26 @@ def static_graph_with_an_unused_parameter(rank, device):
     return step
 
 
-def capture_failing_on_one_rank(rank, world, device):
+def capture_failing_on_one_rank(rank, world, device, where):
     models = [DDP(mlp(), device_ids=[device]) for _ in range(2)]
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
     armed = [rank == world - 1]
 
-    def planted_after_backward(x, y):
-        opts[0].zero_grad()
-        loss = F.cross_entropy(models[0](x), y)
-        loss.backward()
-        if armed[0] and torch.cuda.is_current_stream_capturing():
+    def plant(here):
+        if here == where and armed[0] and torch.cuda.is_current_stream_capturing():
             armed[0] = False
             raise RuntimeError("planted at capture")
+
+    def planted(x, y):
+        opts[0].zero_grad()
+        plant("before the forward")  # the other ranks capture an allreduce this one never issues
+        loss = F.cross_entropy(models[0](x), y)
+        loss.backward()
+        plant("after the backward")
         opts[0].step()
         return loss
 
-    step = cgraph.make_graphed_step(planted_after_backward, batch(0, rank))
+    step = cgraph.make_graphed_step(planted, batch(0, rank))
     eager_step = train_step(models[1], opts[1])
     failed_at, losses = [], True
     for i in range(STEPS):
@@ -348,9 +354,9 @@ def capture_failing_on_one_rank(rank, world, device):
     same = losses and same_training(models, f"rank {rank} failed capture")
     want = {"eager": 11, "captures": 1, "replays": STEPS - 12}
     check(same and failed_at == [11] and step.stats == want, rank,
-          f"a capture failing on one rank: raised on every rank at call {failed_at} (want "
-          f"[11]), naming rank {world - 1} and its error; later losses, parameters and grads "
-          f"equal to eager DDP: {same}, {step.stats} (want {want})")
+          f"a capture failing on one rank {where}: raised on every rank at call {failed_at} "
+          f"(want [11]), naming rank {world - 1} and its error; later losses, parameters and "
+          f"grads equal to eager DDP: {same}, {step.stats} (want {want})")
     return step
 
 
@@ -364,7 +370,8 @@ def main():
              *buffers_around_a_graphed_evaluation(rank, device),
              accumulation_with_no_sync_outside(rank, device),
              static_graph_with_an_unused_parameter(rank, device),
-             capture_failing_on_one_rank(rank, dist.get_world_size(), device)]
+             *(capture_failing_on_one_rank(rank, dist.get_world_size(), device, where)
+               for where in ("before the forward", "after the backward"))]
     for step in steps:
         step.reset()
     dist.barrier()

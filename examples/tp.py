@@ -38,10 +38,12 @@ them):
    naming the fix: DTensor's RNG tracker moves the generator's offset on
    the host around the op, which a replay would not repeat.
 6. TP, the whole step, its first capture failing on the last rank (an
-   error planted there after the backward): every rank raises at that
-   call, naming the rank and its error; the next call captures again, and
-   the losses of the other calls and the parameters after are bitwise
-   eager's, whose twin skips the failed call's batch.
+   error planted there before the forward, so that the other ranks
+   captured collectives it never issued; or after the backward): every
+   rank raises at that call, naming the rank and its error; the next call
+   captures again, no call is eager after it, and the losses of the other
+   calls and the parameters after are bitwise eager's, whose twin skips
+   the failed call's batch.
 7. On four GPUs, FSDP2 x TP on a (2, 2) mesh as torchtitan lays it out (TP
    inside a pair of GPUs, FSDP across pairs): per-layer graphs (FSDP's
    hooks around each graph, its unsharded parameters DTensors over the TP
@@ -242,25 +244,32 @@ def per_layer(rank, name, meshes, dp_rank, sp=False, compiled=False):
     cgraph.reset_all()
 
 
-def whole_step(rank, name, meshes, dp_rank, sp=False, fail_once=False):
-    """The step graphed whole against eager's.  With `fail_once`, its first
-    capture fails on the last rank (an error planted after the backward):
-    every rank raises at that call, naming that rank and its error (Note [A
-    capture that fails on one rank] in cgraph/_ranks.py), and the next call
-    captures again; eager's twin skips that call's batch (a failed capture
-    runs no kernel)."""
+def whole_step(rank, name, meshes, dp_rank, sp=False, fail_at=None):
+    """The step graphed whole against eager's.  With `fail_at` ("before the
+    forward" or "after the backward"), its first capture fails there on the
+    last rank (an error planted): every rank raises at that call, naming
+    that rank and its error (Note [A capture that fails on one rank] in
+    cgraph/_ranks.py), and the next call captures again; eager's twin skips
+    that call's batch (a failed capture runs no kernel).  Before the
+    forward, the other ranks captured collectives the failed one never
+    issued."""
     world = dist.get_world_size()
     models = [parallel(*meshes, sp=sp), parallel(*meshes, sp=sp)]
     opts = [adamw(m, fused=True) for m in models]
-    armed = [fail_once and rank == world - 1]
+    armed = [fail_at is not None and rank == world - 1]
+
+    def plant(model, where):
+        if (where == fail_at and armed[0] and model is models[1]
+                and torch.cuda.is_current_stream_capturing()):
+            armed[0] = False
+            raise RuntimeError("planted at capture")
 
     def train_step(model, opt):
         def step(tokens, targets):
             opt.zero_grad()
+            plant(model, "before the forward")
             loss = backward_of(model, tokens, targets, as_dtensor=sp)  # sp: a DTensor
-            if armed[0] and model is models[1] and torch.cuda.is_current_stream_capturing():
-                armed[0] = False
-                raise RuntimeError("planted at capture")
+            plant(model, "after the backward")
             opt.step()
             return loss
         return step
@@ -275,18 +284,20 @@ def whole_step(rank, name, meshes, dp_rank, sp=False, fail_once=False):
         except RuntimeError as e:
             said = " ".join([str(e), *getattr(e, "__notes__", [])])
             named = world == 1 or f"failed on rank(s) [{world - 1}]" in said
-            if not (fail_once and "planted at capture" in said and named):
+            if not (fail_at and "planted at capture" in said and named):
                 raise
             failed.append(step)
             continue
         same(loss, eager(tokens, targets), f"step {step} loss", rank, name)
     for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
         same(p, q, f"parameter {k}", rank, name)
-    if graphed.stats["captures"] != 1:  # DTensor shards and modes as captured: no recapture
-        raise SystemExit(f"rank {rank} {name}: {graphed.stats}, captured more than once")
-    if failed != ([3] if fail_once else []):  # the capture comes after 3 eager steps
-        raise SystemExit(f"rank {rank} {name}: raised at steps {failed}")
-    raised = f"raised on every rank at step 3, naming rank {world - 1}; " if fail_once else ""
+    # After 3 eager steps the capture (DTensor shards and modes as captured:
+    # no recapture); after a failed one, at the next call, eager no more.
+    want = {"eager": 3, "captures": 1, "replays": steps - 3 - len(failed)}
+    if graphed.stats != want or failed != ([3] if fail_at else []):
+        raise SystemExit(f"rank {rank} {name}: {graphed.stats} (want {want}), raised at steps "
+                         f"{failed}")
+    raised = f"raised on every rank at step 3, naming rank {world - 1}; " if fail_at else ""
     print(f"rank {rank} {name}: {raised}losses and parameters equal to eager over {steps} "
           f"steps, {graphed.stats}: OK", flush=True)
     graphed.reset()
@@ -336,7 +347,9 @@ def main():
     per_layer(rank, "TP compiled per-layer graphs", tp, 0, compiled=True)
     random_op_on_a_dtensor_is_refused(rank, "TP dropout on a DTensor in a graphed step", tp[0])
     whole_step(rank, "TP+SP whole step, loss-parallel head", tp, 0, sp=True)
-    whole_step(rank, "TP whole step, a capture failing on one rank", tp, 0, fail_once=True)
+    for where in ("before the forward", "after the backward"):
+        whole_step(rank, f"TP whole step, a capture failing on one rank {where}", tp, 0,
+                   fail_at=where)
     if world == 4:
         mesh = init_device_mesh("cuda", (2, 2), mesh_dim_names=("dp", "tp"))
         two_d = (mesh["tp"], mesh["dp"])

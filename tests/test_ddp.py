@@ -36,7 +36,9 @@ STEP_CHECKS = ("graphed DDP step: losses, parameters and grads equal to eager DD
                "allreduce in the graph:", "buffers after a forward under no_grad():",
                "buffers around a graphed evaluation:",
                "gradient accumulation, no_sync() outside:",
-               "static_graph with an unused parameter:", "a capture failing on one rank:",
+               "static_graph with an unused parameter:",
+               "a capture failing on one rank before the forward:",
+               "a capture failing on one rank after the backward:",
                "teardown:")
 
 

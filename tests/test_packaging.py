@@ -142,28 +142,29 @@ def test_build_refuses_a_toolkit_older_than_the_one_torch_s_cuda_graph_is_laid_o
     without such members, an older torch CUDA, a newer cuda.h (the wheel's
     ahead of an old toolkit's) or none pass."""
     setup = _load("cgraph_setup", ROOT / "setup.py")
-    wheel, toolkit, empty = (tmp_path / name for name in ("wheel", "toolkit", "empty"))
-    for folder, version in ((wheel, 13000), (toolkit, 12030), (empty, None)):
-        folder.mkdir()
+    wheel, home, empty = (tmp_path / name for name in ("wheel", "home", "empty"))
+    for folder, version in ((wheel, 13000), (home / "include", 12030), (empty, None)):
+        folder.mkdir(parents=True)
         if version is not None:
             (folder / "cuda.h").write_text(f"#pragma once\n#define CUDA_VERSION {version}\n")
-    old = setup.toolkit_version([str(empty), str(toolkit)])
-    assert old == (str(toolkit / "cuda.h"), 12030)
-    # A wheel's cuda.h searched first (_cuda_library_includes) is the one compiled.
-    assert setup.toolkit_version([str(wheel), str(toolkit)]).version == 13000
-    assert setup.toolkit_version([str(empty)]) is None
+    old = setup.compiled_cuda_header(str(home), [str(empty)])
+    assert old == (str(home / "include" / "cuda.h"), 12030)
+    # A wheel's cuda.h, searched before CUDA_HOME's (_cuda_library_includes), is the one compiled.
+    assert setup.compiled_cuda_header(str(home), [str(wheel)]).version == 13000
+    assert setup.compiled_cuda_header(None, [str(wheel)]).version == 13000
+    assert setup.compiled_cuda_header(None, [str(empty)]) is None
     guarded = "#if !defined(USE_ROCM) && (defined(CUDA_VERSION) && CUDA_VERSION >= 12040)"
-    with pytest.raises(SystemExit, match=r"found CUDA 12\.3 \(.*toolkit/cuda\.h\), older than "
-                                         r"this torch's CUDA 13\.0.*Install a CUDA toolkit of "
-                                         r"12\.4 or newer"):
+    with pytest.raises(SystemExit, match=r"found CUDA 12\.3 \(.*home/include/cuda\.h\), older "
+                                         r"than this torch's CUDA 13\.0.*Install a CUDA toolkit "
+                                         r"of 12\.4 or newer"):
         setup.check_cuda_toolkit("13.0", old, guarded)
     setup.check_cuda_toolkit("13.0", old, "class CUDAGraph {};")  # torch 2.11's header
     setup.check_cuda_toolkit("12.1", old, guarded)
-    setup.check_cuda_toolkit("13.0", setup.toolkit_version([str(wheel), str(toolkit)]), guarded)
+    setup.check_cuda_toolkit("13.0", setup.compiled_cuda_header(str(home), [str(wheel)]), guarded)
     setup.check_cuda_toolkit("13.0", None, guarded)
     header = os.path.join(os.path.dirname(torch.__file__), "include", "ATen", "cuda",
                           "CUDAGraph.h")
-    here = setup.toolkit_version([*setup._cuda_library_includes(), "/usr/local/cuda/include"])
+    here = setup.compiled_cuda_header("/usr/local/cuda", setup._cuda_library_includes())
     setup.check_cuda_toolkit(torch.version.cuda, here, open(header).read())  # this build passes
 
 

@@ -21,7 +21,8 @@ from test_fsdp import assert_checks
 
 CHECKS = ("TP per-layer graphs", "TP whole step", "TP+SP per-layer graphs", "TP+SP whole step",
           "TP compiled per-layer graphs", "TP dropout on a DTensor in a graphed step",
-          "TP whole step, a capture failing on one rank", "teardown:")
+          "TP whole step, a capture failing on one rank before the forward",
+          "TP whole step, a capture failing on one rank after the backward", "teardown:")
 
 
 @pytest.mark.gpu

@@ -543,6 +543,24 @@ def assert_fits_alike(fit, captures: int, replays: int) -> None:
     assert stats["captures"] >= captures and stats["replays"] >= replays, stats
 
 
+def _assert_same_state(got, want, where: str) -> None:
+    """A checkpoint's state as eager's: tensors bitwise (dtype too), the
+    rest equal, through dicts, lists and tuples."""
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert got.dtype == want.dtype and torch.equal(got, want), f"{where}: {got} != {want}"
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys(), f"{where}: keys {list(got)} != {list(want)}"
+        for key in want:
+            _assert_same_state(got[key], want[key], f"{where}[{key!r}]")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: {len(got)} items != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same_state(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision, optimizer", [("32-true", "adamw-fused"), ("16-mixed", "sgd")])
 def test_lightning_step_scope_resumed_from_a_checkpoint_trains_as_eager(tmp_path, precision,
@@ -551,20 +569,31 @@ def test_lightning_step_scope_resumed_from_a_checkpoint_trains_as_eager(tmp_path
     module and trainer resuming from it to 16 steps (fit(ckpt_path=...)
     loads the optimizer's state, the LR scheduler's and, under 16-mixed,
     the GradScaler's into objects the new steps then graph), each half with
-    CUDAGraphs(scope="step") and each without: the resumed fit's
-    parameters bitwise, every value it logged, and its global_step."""
+    CUDAGraphs(scope="step") and each without: the checkpoints' weights and
+    optimizer, scheduler and precision states equal (a graphed fit saves
+    what an eager one saves: the optimizer as built, not as cgraph made it
+    capturable), and the resumed fit's parameters bitwise, every value it
+    logged, and its global_step."""
     lightning = pytest.importorskip("lightning")
     from cgraph.lightning import CUDAGraphs
     kwargs = dict(accelerator="gpu", precision=precision, optimizer=optimizer)
-    runs, stats = [], []
+    runs, stats, saved = [], [], []
     for graphed in (False, True):
         callbacks = (lambda: [CUDAGraphs(scope="step")]) if graphed else list
         path = str(tmp_path / f"{'graphed' if graphed else 'eager'}.ckpt")
+        saved.append(path)
         first = callbacks()
         lightning_run(lightning, first, max_steps=7, save_to=path, **kwargs)
         second = callbacks()
         runs.append(lightning_run(lightning, second, max_steps=16, ckpt_path=path, **kwargs))
         stats += [(c.stats, c is second[0]) for c in first + second]
+    checkpoints = [torch.load(path, map_location="cpu", weights_only=False) for path in saved]
+    states = [{key: value for key, value in c.items()
+               if key in ("state_dict", "optimizer_states", "lr_schedulers")
+               or "Precision" in key} for c in checkpoints]
+    assert states[0].keys() == states[1].keys()
+    for key in states[0]:
+        _assert_same_state(states[1][key], states[0][key], key)
     eager, graphed = runs
     assert graphed[2] == eager[2] == 16
     for i, (g, e) in enumerate(zip(graphed[0], eager[0])):
