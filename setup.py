@@ -76,7 +76,7 @@ class CudaHeader(typing.NamedTuple):
     version: typing.Optional[int]
 
 
-def toolkit_version(include_dirs):
+def first_cuda_header(include_dirs):
     """The first cuda.h in `include_dirs`, the folders the compiler searches
     in that order (pip's CUDA wheels, _cuda_library_includes, before
     CUDA_HOME's include: each may have its own cuda.h), or None."""
@@ -100,7 +100,7 @@ def compiled_cuda_header(cuda_home, library_includes):
     include folders (csrc, then `library_includes`, pip's CUDA wheels:
     _cuda_library_includes) before torch's and CUDA_HOME's include."""
     home = [os.path.join(cuda_home, "include")] if cuda_home else []
-    return toolkit_version([*library_includes, *home])
+    return first_cuda_header([*library_includes, *home])
 
 
 def check_cuda_toolkit(torch_cuda, toolkit, graph_header):
