@@ -612,20 +612,14 @@ class GraphedStep:
                                                together, holds=bool(took.made))
         except BaseException:
             # This rank's graph too, if it has one (another rank failed): a
-            # caller going on replays nothing the others do not, and its
-            # optimizers step eagerly as before, without the state this
-            # capture made (never written: the capture ran no kernel).
-            _forget(took.made)
-            self._free()
-            put_back()
+            # caller going on replays nothing the others do not.
+            self._undo(took, put_back)
             self._fsdp_at_rest()
             raise
         if self.captures_again and self._stepped_inside_a_condition():
             # Note [GradScaler with any optimizer]: the state this capture
             # made would be written inside the conditional node, or not.
-            _forget(took.made)
-            self._free()
-            put_back()
+            self._undo(took, put_back)
             self.captures_again = False
             _log.step_capture_dropped(self, self._stepped_inside_a_condition())
             self._warm_up_again(None)
@@ -639,9 +633,7 @@ class GraphedStep:
                                       Marks(self.grads.params, took.roots, self.grads.label),
                                       took.modes, took.sync, took.other_grads)
         except BaseException:
-            _forget(took.made)
-            self._free()
-            put_back()
+            self._undo(took, put_back)
             raise
         self.made_at_capture = took.made
         if self.captures_again:
@@ -651,6 +643,25 @@ class GraphedStep:
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
         return True
+
+    def _undo(self, took: _Took, put_back: Callable[[], None]) -> None:
+        """After a capture that failed (here, or on another rank) or was
+        dropped: the graph freed, and the optimizers and every grad the
+        capture gave as the call found them (`put_back`, _as_they_are;
+        OtherGrads.put_back), without the optimizer state it made.  A
+        capture runs no kernel: none of that memory was written, so a
+        caller going on eagerly steps as if the call had not been made."""
+        _forget(took.made)
+        put_back()
+        if took.other_grads is not None:
+            took.other_grads.put_back()
+        # The capture's grads and outputs, memory of the graph's pool, go
+        # before the graph releases it (held, the traceback keeps `took`).
+        took.grads.clear()
+        took.returned.clear()
+        took.other_grads = None
+        self.grads, self.outputs = None, None
+        self._free()
 
     def _fsdp_at_rest(self) -> None:
         """After a failed capture: Note [A capture that fails inside FSDP2's
@@ -704,9 +715,9 @@ class GraphedStep:
             drafted = draft(Target.of(0, self._captured_call(took.returned)), args, kwargs,
                             set())
             drafted.fields["rng_warmup"] = self.rng_warmup  # Note [RNG inside a graphed step]
-            stepped = {id(p) for opt in list(self.optimizers) for g in opt.param_groups
-                       for p in g["params"]}
-            took.other_grads = OtherGrads(took.roots, stepped)
+            trained = [p for opt in list(self.optimizers) for g in opt.param_groups
+                       for p in g["params"]]
+            took.other_grads = OtherGrads(took.roots, set(map(id, trained)))
             # The SGD check of device_resident_steps runs kernels: first, eagerly.
             try:
                 with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \

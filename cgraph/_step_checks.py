@@ -304,6 +304,20 @@ def has_memory(t: torch.Tensor) -> bool:
         _dtensor.is_dtensor(t) or type(t).__torch_dispatch__ is torch.Tensor.__torch_dispatch__)
 
 
+class _Watched(NamedTuple):
+    """One parameter OtherGrads watches, as the capture began."""
+
+    param: torch.Tensor
+    label: str
+    before: "weakref.ref | None"  # its grad (weakly: see OtherGrads), None where it had none
+    version: int | None  # that grad's version: one written in place is touched too
+
+    def grad_before(self) -> torch.Tensor | None:
+        """Its grad as the capture began; None too where that one was freed
+        since (the step's own zero_grad() set it to None)."""
+        return None if self.before is None else self.before()
+
+
 class OtherGrads:
     """The grads of the parameters of the modules a step names that none of
     its optimizers holds (a forward-and-backward step's; a part trained by
@@ -312,26 +326,30 @@ class OtherGrads:
     began (weakly: the step's own zero_grad() frees it for the capture to
     reuse) and, for those the capture touched, as it ended."""
 
-    __slots__ = ("params", "labels", "before", "versions", "read", "touched", "after",
-                 "checked", "checked_before", "checked_labels")
+    __slots__ = ("watched", "read", "touched", "after", "checked", "checked_before",
+                 "checked_labels")
 
     def __init__(self, modules: list, stepped: set):
         found = _labelled(modules, lambda m: m.named_parameters(),
                           lambda p: id(p) not in stepped and p.requires_grad)
-        self.params = tuple(p for _, p in found.values())
-        self.labels = tuple(name for name, _ in found.values())
-        self.before = tuple(None if p.grad is None else weakref.ref(p.grad) for p in self.params)
-        # Their versions: a grad written in place without a backward
-        # (clip_grad_norm_ in a step of its own) is touched too.
-        self.versions = tuple(None if p.grad is None else p.grad._version for p in self.params)
+        self.watched = tuple(
+            _Watched(p, name, None if p.grad is None else weakref.ref(p.grad),
+                     None if p.grad is None else p.grad._version)
+            for name, p in found.values())
         self.read: dict = {}  # id(p) -> the starting grad the capture's backward added into
         # Set once the capture returned: the parameters whose grad it added
         # into, made, replaced or cleared, and each one's grad as it ended.
         self.touched: tuple = ()
         self.after: tuple | None = None
-        self.checked: tuple = ()  # (parameters, their grads as the capture began, labels)
+        # The checked parameters, their grads as the capture began, their
+        # labels: aligned, so that the check is one native call.
+        self.checked: tuple = ()
         self.checked_before: tuple = ()
         self.checked_labels: tuple = ()
+
+    @property
+    def params(self) -> tuple:
+        return tuple(w.param for w in self.watched)
 
     @contextlib.contextmanager
     def noting(self):
@@ -339,13 +357,13 @@ class OtherGrads:
         had a grad notes whether the backward added into it, and holds it:
         every replay adds into that memory."""
         def noted(param):
-            was = self.before[index[id(param)]]
-            if was is not None and was() is param.grad:
+            was = by_id[id(param)].grad_before()
+            if was is not None and was is param.grad:
                 self.read.setdefault(id(param), param.grad)
 
-        index = {id(p): k for k, p in enumerate(self.params)}
-        handles = [p.register_post_accumulate_grad_hook(noted)
-                   for p, was in zip(self.params, self.before) if was is not None]
+        by_id = {id(w.param): w for w in self.watched}
+        handles = [w.param.register_post_accumulate_grad_hook(noted)
+                   for w in self.watched if w.before is not None]
         try:
             yield
         finally:
@@ -363,21 +381,33 @@ class OtherGrads:
         inside): not checked.  One the backward added into is, held, even
         where the step replaced it after."""
         kept, touched = [], []
-        for p, was, version, label in zip(self.params, self.before, self.versions, self.labels):
-            found = None if was is None else was()  # None too where it was freed inside
-            if (id(p) not in self.read and p.grad is found and (was is None) == (found is None)
-                    and (found is None or found._version == version)):
+        for w in self.watched:
+            p, found = w.param, w.grad_before()
+            if (id(p) not in self.read and p.grad is found
+                    and (w.before is None) == (found is None)
+                    and (found is None or found._version == w.version)):
                 continue  # untouched
             touched.append(p)
             grad = self.read.get(id(p), found)
-            if id(p) not in cleared and (was is None or grad is not None):
-                kept.append((p, grad, label))
+            if id(p) not in cleared and (w.before is None or grad is not None):
+                kept.append((p, grad, w.label))
         self.touched = tuple(touched)
         self.after = tuple(p.grad for p in self.touched)
         self.checked = tuple(p for p, _, _ in kept)
         self.checked_before = tuple(grad for _, grad, _ in kept)
         self.checked_labels = tuple(label for _, _, label in kept)
-        self.before, self.versions, self.read = (), (), {}
+        self.read = {}  # the starting grads that matter are held in checked_before
+
+    def put_back(self) -> None:
+        """After a capture that failed or was dropped: each parameter gets
+        its grad as the capture began (None where it had none, or where the
+        step's own zero_grad() freed it, as an eager step failing there
+        would leave it).  Not the capture's: no kernel wrote those, and the
+        next backward would add into them."""
+        for w in self.watched:
+            grad = w.grad_before()
+            if w.param.grad is not grad:
+                w.param.grad = grad
 
     def first_changed(self) -> str | None:
         """The label of the first checked parameter whose grad is not the

@@ -691,6 +691,29 @@ def test_grads_the_step_clears_itself_are_not_checked_before_a_replay():
     assert all(p.grad is g for p, g in zip(others.params, made))
 
 
+def test_a_failed_capture_puts_back_the_grads_no_optimizer_of_the_step_holds():
+    """OtherGrads.put_back, after a capture that failed: a grad the capture
+    assigned where there was none is None again (no kernel wrote it), one
+    it replaced is the one found, and one the step's own zero_grad() freed
+    is None, as an eager step that failed there would leave it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2))
+    model(torch.randn(3, 4)).sum().backward()
+    model[0].zero_grad()  # no grads: assigned by the capture
+    found = [p.grad for p in model[1].parameters()]  # replaced by it
+    others = OtherGrads([model], set())
+    with others.noting():
+        model[2].zero_grad()  # freed by the step itself
+        model(torch.randn(3, 4)).sum().backward()
+        for p in model[1].parameters():
+            p.grad = p.grad * 2.0
+    assert all(p.grad is not None for p in model.parameters())
+    others.put_back()
+    assert [p.grad for p in model[0].parameters()] == [None, None]
+    assert all(p.grad is g for p, g in zip(model[1].parameters(), found))
+    assert [p.grad for p in model[2].parameters()] == [None, None]
+
+
 def test_grads_a_capture_left_as_it_found_them_are_neither_checked_nor_put_back():
     """An evaluation step (no backward) over a model that a training step
     trains: the grads it found are the training step's, which change
