@@ -146,6 +146,7 @@ from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
 from ._step_checks import GradSync, Marks, OtherGrads, SinceCapture, grad_mode
 from ._step_grads import StepGrads
+from ._step_pool import SharedPool
 from ._modes import Modes, roots
 
 __all__ = ["make_graphed_step", "GraphedStep"]
@@ -718,6 +719,8 @@ class GraphedStep:
             trained = [p for opt in list(self.optimizers) for g in opt.param_groups
                        for p in g["params"]]
             took.other_grads = OtherGrads(took.roots, set(map(id, trained)))
+            shared = SharedPool.before_capture(self.pool, self.graphed,
+                                               trained + list(took.other_grads.params))
             # The SGD check of device_resident_steps runs kernels: first, eagerly.
             try:
                 with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
@@ -727,6 +730,8 @@ class GraphedStep:
                     (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
             finally:  # made by a failed capture too: forgotten then
                 took.made = _state_made(self.optimizers, state)
+            if shared is not None:  # Note [A step captured into a shared pool]
+                shared.refuse_kept(_kept_by(took))
         except _C.CaptureError as exc:
             took.failure = exc
             if exc.kind == _RNG_REGIONS:
@@ -1013,6 +1018,18 @@ def _out_of_the_pool(made: list[_Made]) -> None:
             value = m.state.get(key)
             if isinstance(value, torch.Tensor):
                 m.state[key] = value.clone()
+
+
+def _kept_by(took: "_Took") -> list:
+    """What a capture left that Python alone holds, as (what, tensor)
+    pairs: the grads of the parameters it trains or backpropagates into,
+    and the optimizer state it made."""
+    grads = took.grads[0]
+    kept = [(f"the grad of {grads.label(p)}", p.grad) for p in grads.params]
+    kept += [(f"the grad of {w.label}", w.param.grad) for w in took.other_grads.watched]
+    kept += [(f"{type(m.optimizer).__name__}'s state {key!r}", m.state.get(key))
+             for m in took.made for key in m.keys]
+    return kept
 
 
 @dataclasses.dataclass

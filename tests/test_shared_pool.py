@@ -844,6 +844,110 @@ def test_state_only_cpp_holds_left_in_a_shared_pool_raises():
     assert again.value.kind == "warmup_state", again.value
 
 
+# ---- training steps sharing a pool= -------------------------------------------
+
+def _twins(seed, zero_grad_to_none=True):
+    """A block and its eager twin, each with a fused AdamW, and the step of
+    each (square_loss_step, or the same zeroing its grads in place)."""
+    torch.manual_seed(seed)
+    model = block()
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, eager)]
+
+    def step_of(net, opt):
+        if zero_grad_to_none:
+            return square_loss_step(net, opt)
+
+        def step(x):
+            opt.zero_grad(set_to_none=False)
+            loss = net(x).square().mean()
+            loss.backward()
+            opt.step()
+            return loss
+        return step
+
+    return model, eager, step_of(model, opts[0]), step_of(eager, opts[1])
+
+
+def _earlier_graph_in(pool, earlier):
+    """A graph captured into `pool` first and replayed (a training step, or
+    a graphed block with a backward): a function that calls it once more
+    beside the eager call it stands for, and holds it."""
+    model, eager, step, step_e = _twins(91)
+    x = torch.randn(64, 64, device=CUDA)
+    if earlier == "step":
+        graphed = cgraph.make_graphed_step(step, pool=pool)
+        for i in range(5):
+            assert_equal(graphed(x), step_e(x), f"earlier step {i}: loss")
+        assert graphed.stats["replays"] == 2, graphed.stats
+        return lambda: assert_equal(graphed(x), step_e(x), "earlier step: loss")
+    graphed = cgraph.make_graphed(model, (x,), pool=pool)
+
+    def call():
+        upstream = torch.randn(64, 64, device=CUDA)
+        out, out_e = graphed(x), eager(x)
+        assert_equal(out, out_e, "earlier block: output")
+        (out * upstream).sum().backward()
+        (out_e * upstream).sum().backward()
+        check_grads_and_clear([model], [eager], "earlier block")
+    call()
+    return call
+
+
+@pytest.mark.parametrize("earlier", ["step", "make_graphed"])
+def test_a_step_whose_capture_would_leave_grads_where_another_graph_writes_is_refused(earlier):
+    """Note [A step captured into a shared pool]: a training step given the
+    pool= of a graph captured before it, whose zero_grad() sets its grads to
+    None, would have its capture assign them in that pool's segments, whose
+    free blocks each of the earlier graph's replays may write again.  The
+    capture raises, naming the fix; the grads are those the call found, and
+    the other graph replays on.
+    The step then graphed in a pool of its own trains bitwise as eager, the
+    failed call's batch skipped.  Before, the capture was accepted."""
+    pool = cgraph.graph_pool_handle()
+    replay_other = _earlier_graph_in(pool, earlier)
+    model, eager, step, step_e = _twins(92)
+    xs = [torch.randn(64, 64, device=CUDA) for _ in range(9)]
+    graphed = cgraph.make_graphed_step(step, pool=pool)
+    for i in range(3):
+        assert_equal(graphed(xs[i]), step_e(xs[i]), f"warm-up step {i}: loss")
+    found = [p.grad for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"the grad of .* of AdamW in memory of its "
+                                           r"pool=.*leave pool= out") as refused:
+        graphed(xs[3])
+    assert "Note [A step captured into a shared pool]" in str(refused.value)
+    assert graphed.stats["captures"] == 0, graphed.stats
+    assert all(p.grad is g for p, g in zip(model.parameters(), found))
+    replay_other()
+    own = cgraph.make_graphed_step(step)
+    for i in range(4, 9):
+        assert_equal(own(xs[i]), step_e(xs[i]), f"step {i}: loss")
+    assert own.stats == {"eager": 3, "captures": 1, "replays": 2}, own.stats
+    for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+        assert_equal(p, q, f"parameter {k}")
+    replay_other()
+
+
+def test_a_step_that_leaves_nothing_new_in_a_shared_pool_is_captured_there():
+    """The same step zeroing its grads in place: its grads and optimizer
+    state exist before its capture (made by its eager warm-up steps,
+    outside the pool), so it shares the earlier step's pool, and both,
+    called in turn, train bitwise as their eager twins."""
+    pool = cgraph.graph_pool_handle()
+    replay_other = _earlier_graph_in(pool, "step")
+    model, eager, step, step_e = _twins(93, zero_grad_to_none=False)
+    graphed = cgraph.make_graphed_step(step, pool=pool)
+    for i in range(6):
+        x = torch.randn(64, 64, device=CUDA)
+        assert_equal(graphed(x), step_e(x), f"step {i}: loss")
+        replay_other()
+    assert graphed.stats == {"eager": 3, "captures": 1, "replays": 3}, graphed.stats
+    assert pool in graphed.graphed.pools
+    for k, (p, q) in enumerate(zip(model.parameters(), eager.parameters())):
+        assert_equal(p, q, f"parameter {k}")
+        assert_equal(p.grad, q.grad, f"grad {k}")
+
+
 # ---- pool=torch.cuda.MemPool() and capture_error_mode -----------------------
 
 def _trained_as_eager_in(pool, api: str):
