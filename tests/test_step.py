@@ -436,6 +436,19 @@ def test_gradient_accumulation_in_one_graph():
     assert step.stats == {"eager": 3, "captures": 1, "replays": 3}, step.stats
 
 
+def forward_backward(net, micro, planted=None):
+    """A forward-and-backward step (the optimizer stepped outside) over one
+    of `micro` micro-batches, returning its loss; each error of `planted`
+    raised, one per capture, after the backward."""
+    def step(x, y):
+        loss = F.cross_entropy(net(x), y) / micro
+        loss.backward()
+        if planted and torch.cuda.is_current_stream_capturing():
+            raise planted.pop()
+        return loss.detach()
+    return step
+
+
 @pytest.mark.parametrize("micro", [1, 2])
 def test_a_forward_and_backward_step_with_grads_cleared_outside_matches_eager(micro):
     """Note [Grads no optimizer of the step holds]: micro-batches graphed as
@@ -449,15 +462,8 @@ def test_a_forward_and_backward_step_with_grads_cleared_outside_matches_eager(mi
     eager = copy.deepcopy(model)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
 
-    def forward_backward(net):
-        def step(x, y):
-            loss = F.cross_entropy(net(x), y) / micro
-            loss.backward()
-            return loss.detach()
-        return step
-
-    step, step_e = cgraph.make_graphed_step(forward_backward(model), batches[0]), \
-        forward_backward(eager)
+    step, step_e = cgraph.make_graphed_step(forward_backward(model, micro), batches[0]), \
+        forward_backward(eager, micro)
     for k, (x, y) in enumerate(batches):
         if k % micro == 0:
             for opt in opts:
@@ -488,18 +494,8 @@ def test_a_failed_capture_of_a_forward_and_backward_step_leaves_the_grads_as_fou
     eager = copy.deepcopy(model)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
     planted = [RuntimeError("planted after the backward")]
-
-    def forward_backward(net):
-        def step(x, y):
-            loss = F.cross_entropy(net(x), y) / micro
-            loss.backward()
-            if torch.cuda.is_current_stream_capturing() and planted:
-                raise planted.pop()
-            return loss.detach()
-        return step
-
-    step, step_e = cgraph.make_graphed_step(forward_backward(model), batches[0]), \
-        forward_backward(eager)
+    step = cgraph.make_graphed_step(forward_backward(model, micro, planted), batches[0])
+    step_e = forward_backward(eager, micro)
     for k, (x, y) in enumerate(batches):
         if k % micro == 0:
             for opt in opts:
