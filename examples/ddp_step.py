@@ -65,7 +65,14 @@ them):
    Every other call's loss, and the parameters and grads after, bitwise
    equal to eager DDP's without the failed call's batch (a failed capture
    runs no kernel).
-9. teardown: step.reset(), then dist.destroy_process_group().
+9. gradient accumulation, one graphed step per setting: check 6's loop
+   with two graphed steps of the same function, one called under
+   no_sync() and one synced, the grads zeroed in place (the recipe the
+   warning of check 6 names; cgraph.lightning does the same).  Each keeps
+   its setting, so each captures once, after DDP has run its 11
+   grad-syncing forwards, and replays from then on, nothing warned.
+   Parameters and grads bitwise equal to eager DDP's.
+10. teardown: step.reset(), then dist.destroy_process_group().
 """
 
 import contextlib
@@ -236,7 +243,14 @@ def buffers_around_a_graphed_evaluation(rank, device):
     return [step, evaluate]
 
 
-def accumulation_with_no_sync_outside(rank, device, micro=3, cycles=14):
+def accumulated(rank, device, steps_of, micro: int, cycles: int):
+    """Gradient accumulation with one call per micro-batch, no_sync() around
+    all but the last of each `micro`, the optimizer stepped and the grads
+    zeroed in place outside, by a DDP model and its eager twin; `steps_of`
+    gives, for the DDP model's forward-and-backward function, the step to
+    call under no_sync() and the synced one.  Returns those steps, whether
+    parameters and grads ended bitwise equal to eager DDP's, and what
+    cgraph warned of."""
     model, eager = DDP(mlp(), device_ids=[device]), DDP(mlp(), device_ids=[device])
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
     opt_e = torch.optim.SGD(eager.parameters(), lr=0.1, fused=True)
@@ -246,8 +260,8 @@ def accumulation_with_no_sync_outside(rank, device, micro=3, cycles=14):
             (F.cross_entropy(ddp(x), y) / micro).backward()
         return fb
 
-    step, step_e = cgraph.make_graphed_step(forward_backward(model), batch(0, rank)), \
-        forward_backward(eager)
+    unsynced, synced = steps_of(forward_backward(model))
+    step_e = forward_backward(eager)
     warned = []
     handler = logging.Handler()
     handler.emit = lambda record: warned.append(record.getMessage())
@@ -256,7 +270,7 @@ def accumulation_with_no_sync_outside(rank, device, micro=3, cycles=14):
     try:
         for i in range(micro * cycles):
             last = i % micro == micro - 1
-            for ddp, fb in ((model, step), (eager, step_e)):
+            for ddp, fb in ((model, synced if last else unsynced), (eager, step_e)):
                 with contextlib.nullcontext() if last else ddp.no_sync():
                     fb(*batch(i, rank))
             if last:
@@ -267,6 +281,15 @@ def accumulation_with_no_sync_outside(rank, device, micro=3, cycles=14):
         logging.getLogger("cgraph").removeHandler(handler)
     same = all(torch.equal(p, q) and torch.equal(p.grad, q.grad)
                for p, q in zip(model.parameters(), eager.parameters()))
+    return unsynced, synced, same, warned
+
+
+def accumulation_with_no_sync_outside(rank, device, micro=3, cycles=14):
+    def one_step(fb):
+        step = cgraph.make_graphed_step(fb, batch(0, rank))
+        return step, step
+
+    step, _, same, warned = accumulated(rank, device, one_step, micro, cycles)
     late = cycles - 11  # the cycles after DDP's 11 synced forwards: a capture and a replay each
     want = {"eager": 33 + late, "captures": late, "replays": 2 * late}
     flips = sum("changed 3 times, each within" in m for m in warned)
@@ -274,6 +297,25 @@ def accumulation_with_no_sync_outside(rank, device, micro=3, cycles=14):
           f"gradient accumulation, no_sync() outside: parameters and grads equal to eager DDP: "
           f"{same}, {step.stats} (want {want}), warned once of the recaptures: {flips == 1}")
     return step
+
+
+def one_step_per_setting(rank, device, micro=3, cycles=14):
+    def two_steps(fb):
+        return (cgraph.make_graphed_step(fb, batch(0, rank)),
+                cgraph.make_graphed_step(fb, batch(0, rank)))
+
+    unsynced, synced, same, warned = accumulated(rank, device, two_steps, micro, cycles)
+    late = cycles - 11  # the cycles after DDP's 11 synced forwards
+    # Called once more eagerly, at the cycle after: each eager call sets the
+    # next call's warm-up by DDP's count as it stands, one short before the
+    # synced step's 11th forward.
+    want = {"eager": 2 * 11 + 1, "captures": 1, "replays": 2 * late - 1}
+    want_synced = {"eager": 11, "captures": 1, "replays": late}
+    check(same and unsynced.stats == want and synced.stats == want_synced and not warned, rank,
+          f"gradient accumulation, one graphed step per setting: parameters and grads equal "
+          f"to eager DDP: {same}, {unsynced.stats} and {synced.stats} (want {want} and "
+          f"{want_synced}), nothing warned: {not warned}")
+    return [unsynced, synced]
 
 
 class WithUnused(nn.Module):
@@ -369,6 +411,7 @@ def main():
              buffers_after_a_no_grad_forward(rank, device),
              *buffers_around_a_graphed_evaluation(rank, device),
              accumulation_with_no_sync_outside(rank, device),
+             *one_step_per_setting(rank, device),
              static_graph_with_an_unused_parameter(rank, device),
              *(capture_failing_on_one_rank(rank, dist.get_world_size(), device, where)
                for where in ("before the forward", "after the backward"))]

@@ -36,6 +36,7 @@ STEP_CHECKS = ("graphed DDP step: losses, parameters and grads equal to eager DD
                "allreduce in the graph:", "buffers after a forward under no_grad():",
                "buffers around a graphed evaluation:",
                "gradient accumulation, no_sync() outside:",
+               "gradient accumulation, one graphed step per setting:",
                "static_graph with an unused parameter:",
                "a capture failing on one rank before the forward:",
                "a capture failing on one rank after the backward:",
