@@ -37,6 +37,15 @@ A: After a whole-step capture, where torch.distributed is initialized with
    Per-layer graphs are not agreed on: their captures come on each rank's
    own first call with new shapes, which may differ between ranks (a short
    last batch on one of them).
+   Under TORCH_DISTRIBUTED_DEBUG=DETAIL torch checks each collective's
+   fingerprint with every rank as it is issued, captured ones too (on a
+   gloo group, on the host).  A rank that failed before a collective the
+   others captured then meets their check with the gather's own: torch
+   raises its collective-mismatch error there and a failed barrier on the
+   others (on two H200s, examples/ddp_step.py check 8: no hang), and the
+   process group is unusable after, as DETAIL means it to be.  The failed
+   rank raises its own error all the same, the gather's as its context and
+   in a note: the cause stays named where it happened.
 """
 
 from __future__ import annotations
@@ -67,7 +76,14 @@ def agree(failure: BaseException | None, what: str, together: bool = True, *,
             raise failure
         return holds
     why = None if failure is None else f"{type(failure).__name__}: {failure}"
-    everyone = _gathered((why, holds))
+    try:
+        everyone = _gathered((why, holds))
+    except Exception as gather:
+        if failure is None:
+            raise
+        failure.add_note(f"cgraph: {what} failed on this rank, and telling the other ranks "
+                         f"failed too ({type(gather).__name__}: {gather}).")
+        raise failure  # noqa: B904 -- the cause; the gather's error is its __context__
     failed = {rank: why for rank, (why, _) in enumerate(everyone) if why is not None}
     if not failed:
         return any(held for _, held in everyone)

@@ -343,6 +343,52 @@ def test_a_refusal_before_capture_goes_through_the_ranks_agreement(argument, mes
     assert agreed == [(ValueError, argument == "dtensor")]
 
 
+def test_a_failed_rank_whose_gather_fails_too_raises_its_own_error(monkeypatch):
+    """Note [A capture that fails on one rank], under
+    TORCH_DISTRIBUTED_DEBUG=DETAIL: the agreement's gather itself raises
+    (torch's collective-mismatch check, the others having captured a
+    collective this rank never issued).  The failed rank raises its own
+    error, naming the gather's; a rank whose capture succeeded raises the
+    gather's error.  Before, the failed rank's error was lost."""
+    def mismatch(value):
+        raise RuntimeError("Detected mismatch between collectives on ranks")
+
+    monkeypatch.setattr(_ranks, "_several", lambda together: together)
+    monkeypatch.setattr(_ranks, "_gathered", mismatch)
+    with pytest.raises(ValueError, match="planted at capture") as raised:
+        _ranks.agree(ValueError("planted at capture"), "the training step's capture")
+    assert ("the training step's capture failed on this rank, and telling the other ranks "
+            "failed too (RuntimeError: Detected mismatch") in " ".join(raised.value.__notes__)
+    assert "Detected mismatch" in str(raised.value.__context__)
+    with pytest.raises(RuntimeError, match="Detected mismatch"):
+        _ranks.agree(None, "the training step's capture")
+
+
+def test_a_failed_capture_puts_back_the_grads_it_gave_where_there_were_none(monkeypatch):
+    """A forward-and-backward step (its optimizer outside) whose capture
+    assigns grads and then fails: each parameter's grad is None again, as
+    the call found it, not the capture's (memory no kernel wrote).  The
+    capture is faked on the CPU: it assigns the grads, as its backward
+    would, then raises."""
+    model = nn.Linear(4, 2)
+
+    def failing(*args, **kwargs):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        raise RuntimeError("planted after the backward")
+
+    monkeypatch.setattr(cgraph._step, "_require_cuda", lambda: None)
+    monkeypatch.setattr(cgraph._step, "graph", failing)
+    x = torch.randn(3, 4)
+    step = cgraph.make_graphed_step(lambda x: model(x).sum().backward(), (x,),
+                                    num_warmup_iters=1)
+    step(x)  # warm-up: grads made, then cleared outside as an optimizer step would
+    model.zero_grad()
+    with pytest.raises(RuntimeError, match="planted after the backward"):
+        step(x)
+    assert [p.grad for p in model.parameters()] == [None, None]
+
+
 def test_a_dtensor_argument_is_refused_naming_the_local_tensor(mesh):
     """A graphed step takes plain tensors: a DTensor argument is refused at
     the first call, naming to_local() and from_local() inside the step."""
