@@ -225,8 +225,10 @@ def step_sync_flips(step, what: str, changes: int, span: int) -> None:
                 "accumulation with one call per micro-batch and DDP's no_sync() or FSDP's "
                 "set_requires_gradient_sync() set outside). "
                 "Run the micro-batches inside the step, sync turned off around all but the "
-                "last, or graph one step per setting (as cgraph.lightning does). Logged once "
-                "per step.", step, what, changes, span)
+                "last, or graph one step per setting, the grads zeroed in place "
+                "(zero_grad(set_to_none=False)), as cgraph.lightning does and "
+                "examples/ddp_step.py check 9 shows. Logged once per step.",
+                step, what, changes, span)
 
 
 def step_capture_dropped(step, optimizers: list) -> None:
