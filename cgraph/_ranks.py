@@ -76,14 +76,19 @@ def agree(failure: BaseException | None, what: str, together: bool = True, *,
             raise failure
         return holds
     why = None if failure is None else f"{type(failure).__name__}: {failure}"
+    lost = None  # the gather's error, where it raised after this rank's own failure
     try:
         everyone = _gathered((why, holds))
     except Exception as gather:
         if failure is None:
             raise
+        lost = gather
+    if lost is not None:  # raised out here, not in the handler: failure's context stays
         failure.add_note(f"cgraph: {what} failed on this rank, and telling the other ranks "
-                         f"failed too ({type(gather).__name__}: {gather}).")
-        raise failure  # noqa: B904 -- the cause; the gather's error is its __context__
+                         f"failed too ({type(lost).__name__}: {lost}).")
+        if failure.__context__ is None and failure.__cause__ is None:
+            failure.__context__ = lost
+        raise failure
     failed = {rank: why for rank, (why, _) in enumerate(everyone) if why is not None}
     if not failed:
         return any(held for _, held in everyone)

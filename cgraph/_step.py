@@ -652,17 +652,19 @@ class GraphedStep:
         OtherGrads.put_back), without the optimizer state it made.  A
         capture runs no kernel: none of that memory was written, so a
         caller going on eagerly steps as if the call had not been made."""
-        _forget(took.made)
-        put_back()
-        if took.other_grads is not None:
-            took.other_grads.put_back()
-        # The capture's grads and outputs, memory of the graph's pool, go
-        # before the graph releases it (held, the traceback keeps `took`).
-        took.grads.clear()
-        took.returned.clear()
-        took.other_grads = None
-        self.grads, self.outputs = None, None
-        self._free()
+        try:
+            _forget(took.made)
+            put_back()
+            if took.other_grads is not None:
+                took.other_grads.put_back()
+        finally:
+            # The capture's grads and outputs, memory of the graph's pool, go
+            # before the graph releases it (held, the traceback keeps `took`).
+            took.grads.clear()
+            took.returned.clear()
+            took.other_grads = None
+            self.grads, self.outputs = None, None
+            self._free()
 
     def _fsdp_at_rest(self) -> None:
         """After a failed capture: Note [A capture that fails inside FSDP2's
@@ -730,8 +732,9 @@ class GraphedStep:
                     (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
             finally:  # made by a failed capture too: forgotten then
                 took.made = _state_made(self.optimizers, state)
-            if shared is not None:  # Note [A step captured into a shared pool]
-                shared.refuse_kept(_kept_by(took))
+            what = None if shared is None else shared.first_new_in_it(_kept_by(took))
+            if what is not None:  # Note [A step captured into a shared pool]
+                raise shared.refusal(what)
         except _C.CaptureError as exc:
             took.failure = exc
             if exc.kind == _RNG_REGIONS:
@@ -1025,7 +1028,9 @@ def _kept_by(took: "_Took") -> list:
     pairs: the grads of the parameters it trains or backpropagates into,
     and the optimizer state it made."""
     grads = took.grads[0]
-    kept = [(f"the grad of {grads.label(p)}", p.grad) for p in grads.params]
+    # `after`: the grads replays hand out (a held parameter has its own back
+    # until the replay).
+    kept = [(f"the grad of {grads.label(p)}", g) for p, g in zip(grads.params, grads.after)]
     kept += [(f"the grad of {w.label}", w.param.grad) for w in took.other_grads.watched]
     kept += [(f"{type(m.optimizer).__name__}'s state {key!r}", m.state.get(key))
              for m in took.made for key in m.keys]

@@ -30,10 +30,17 @@ A: At the capture, at the cost of one snapshot of the pool, only where it
    whose grads and state all exist before its capture (zeroed in place,
    ``zero_grad(set_to_none=False)``, after eager warm-up steps, which with
    pool= run outside the pool) leaves nothing new there and shares the
-   pool, saving its temporaries' memory.  Conservative: the unused tail of
-   a segment, or a block only a graph reset since wrote, counts too.  Not
-   seen: graphs that torch.cuda.graph captured into the pool, which torch
-   leaves to the user ("replay in capture order").
+   pool, saving its temporaries' memory.  Every capture is checked, a
+   recapture too (a hyperparameter baked in changed): one first captured
+   alone in its pool may be refused once another graph shares it.  The
+   grads looked up are those replays hand out (StepGrads.after: a grad
+   made outside the step is the parameter's again until the replay), and
+   an existing grad counts as new where its memory moved (``.data = t``
+   inside the step); a wrapper subclass's inner tensors are looked up.
+   Conservative: the unused tail of a segment, or a block only a graph
+   reset since wrote, counts too.  Not seen: graphs that torch.cuda.graph
+   captured into the pool, which torch leaves to the user ("replay in
+   capture order").
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ class SharedPool(NamedTuple):
 
     starts: tuple
     ends: tuple
-    existing: dict  # id -> weak reference, of each grad that existed
+    existing: dict  # id -> (weak reference, its memory) of each grad that existed
     graphs: tuple  # repr() of each other live graph of the pool
 
     @classmethod
@@ -72,31 +79,50 @@ class SharedPool(NamedTuple):
         spans = sorted((s["address"], s["address"] + s["total_size"])
                        for s in torch.cuda.memory_snapshot(pool, include_traces=False)
                        if tuple(s.get("segment_pool_id", pool)) == pool)
-        existing = {id(p.grad): weakref.ref(p.grad) for p in params if p.grad is not None}
+        existing = {id(p.grad): (weakref.ref(p.grad), _memory_of(p.grad))
+                    for p in params if p.grad is not None}
         return cls(tuple(s for s, _ in spans), tuple(e for _, e in spans), existing, graphs)
 
-    def overlaps(self, t: torch.Tensor) -> bool:
-        """Whether `t`'s memory overlaps one of the segments."""
-        local = t._local_tensor if _dtensor.is_dtensor(t) else t
-        storage = local.untyped_storage()
-        if not local.is_cuda or storage.nbytes() == 0:
-            return False
-        start = storage.data_ptr()
-        k = bisect.bisect_right(self.starts, start + storage.nbytes() - 1) - 1
-        return k >= 0 and start < self.ends[k]
-
-    def refuse_kept(self, kept: list) -> None:
-        """Raises, naming the first of `kept` ((what, tensor) pairs: what
-        the capture left for Python to hold) that is new and overlaps."""
+    def first_new_in_it(self, kept: list) -> str | None:
+        """What the first of `kept` ((what, tensor) pairs: what the capture
+        left for Python to hold) is that is new (not a grad that existed, in
+        the memory it had) and overlaps a segment; None if none is."""
         for what, t in kept:
             if not isinstance(t, torch.Tensor):
                 continue
+            memory = _memory_of(t)
             was = self.existing.get(id(t))
-            if (was is None or was() is not t) and self.overlaps(t):
-                raise RuntimeError(
-                    f"cgraph: the step's capture put {what} in memory of its pool= that "
-                    f"{len(self.graphs)} other graph(s) of that pool may write at each of "
-                    f"their replays (first: {self.graphs[0]}). Give the step a pool of its "
-                    "own (leave pool= out), or have its grads and optimizer state exist "
-                    "before it is captured (zero_grad(set_to_none=False) in the step): Note "
-                    "[A step captured into a shared pool] in cgraph/_step_pool.py.")
+            if was is not None and was[0]() is t and was[1] == memory:
+                continue
+            if any(self._overlaps(start, size) for start, size in memory):
+                return what
+        return None
+
+    def _overlaps(self, start: int, size: int) -> bool:
+        k = bisect.bisect_right(self.starts, start + size - 1) - 1
+        return size > 0 and k >= 0 and start < self.ends[k]
+
+    def refusal(self, what: str) -> RuntimeError:
+        return RuntimeError(
+            f"cgraph: the step's capture put {what} in memory of its pool= that "
+            f"{len(self.graphs)} other graph(s) of that pool may write at each of their "
+            f"replays (first: {self.graphs[0]}). Give the step a pool of its own (leave pool= "
+            "out), or have its grads and optimizer state exist before it is captured "
+            "(zero_grad(set_to_none=False) in the step): Note [A step captured into a shared "
+            "pool] in cgraph/_step_pool.py.")
+
+
+def _memory_of(t: torch.Tensor) -> tuple:
+    """The (start, size) of each CUDA storage `t` reads: its own, a DTensor's
+    local tensor's, a wrapper subclass's inner tensors' (float8 weights)."""
+    if _dtensor.is_dtensor(t):
+        return _memory_of(t._local_tensor)
+    if type(t).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        flatten = getattr(t, "__tensor_flatten__", None)
+        if flatten is None:
+            return ()
+        return tuple(m for name in flatten()[0] for m in _memory_of(getattr(t, name)))
+    if not t.is_cuda or t.layout != torch.strided:
+        return ()
+    storage = t.untyped_storage()
+    return ((storage.data_ptr(), storage.nbytes()),)

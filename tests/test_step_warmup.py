@@ -360,6 +360,16 @@ def test_a_failed_rank_whose_gather_fails_too_raises_its_own_error(monkeypatch):
     assert ("the training step's capture failed on this rank, and telling the other ranks "
             "failed too (RuntimeError: Detected mismatch") in " ".join(raised.value.__notes__)
     assert "Detected mismatch" in str(raised.value.__context__)
+    try:  # an error raised while handling another keeps that one as its context
+        try:
+            raise KeyError("the user's")
+        except KeyError:
+            raise ValueError("planted at capture")  # noqa: B904
+    except ValueError as raised_here:
+        own = raised_here
+    with pytest.raises(ValueError, match="planted at capture") as raised:
+        _ranks.agree(own, "the training step's capture")
+    assert isinstance(raised.value.__context__, KeyError), raised.value.__context__
     with pytest.raises(RuntimeError, match="Detected mismatch"):
         _ranks.agree(None, "the training step's capture")
 
