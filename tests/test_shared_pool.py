@@ -846,15 +846,25 @@ def test_state_only_cpp_holds_left_in_a_shared_pool_raises():
 
 # ---- training steps sharing a pool= -------------------------------------------
 
-def _twins(seed, zero_grad_to_none=True):
+def _twins(seed, zero_grad_to_none=True, steps_first=False):
     """A block and its eager twin, each with a fused AdamW, and the step of
-    each (square_loss_step, or the same zeroing its grads in place)."""
+    each: square_loss_step, the same zeroing its grads in place, or one that
+    steps first, on the grads the call before left (held: Note [Grads
+    around a graphed step])."""
     torch.manual_seed(seed)
     model = block()
     eager = copy.deepcopy(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in (model, eager)]
 
     def step_of(net, opt):
+        if steps_first:
+            def step(x):
+                opt.step()
+                opt.zero_grad()
+                loss = net(x).square().mean()
+                loss.backward()
+                return loss
+            return step
         if zero_grad_to_none:
             return square_loss_step(net, opt)
 
@@ -894,19 +904,23 @@ def _earlier_graph_in(pool, earlier):
     return call
 
 
-@pytest.mark.parametrize("earlier", ["step", "make_graphed"])
-def test_a_step_whose_capture_would_leave_grads_where_another_graph_writes_is_refused(earlier):
+@pytest.mark.parametrize("earlier, steps_first", [("step", False), ("make_graphed", False),
+                                                  ("step", True)])
+def test_a_step_whose_capture_would_leave_grads_where_another_graph_writes_is_refused(
+        earlier, steps_first):
     """Note [A step captured into a shared pool]: a training step given the
     pool= of a graph captured before it, whose zero_grad() sets its grads to
     None, would have its capture assign them in that pool's segments, whose
     free blocks each of the earlier graph's replays may write again.  The
     capture raises, naming the fix; the grads are those the call found, and
-    the other graph replays on.
-    The step then graphed in a pool of its own trains bitwise as eager, the
-    failed call's batch skipped.  Before, the capture was accepted."""
+    the other graph replays on.  The step then graphed in a pool of its own
+    trains bitwise as eager, the failed call's batch skipped.  Before, the
+    capture was accepted.  Also where the step steps first, on the grads
+    the call before made: those its capture makes are the ones its replays
+    hand out, not the ones the parameters have back once it returns."""
     pool = cgraph.graph_pool_handle()
     replay_other = _earlier_graph_in(pool, earlier)
-    model, eager, step, step_e = _twins(92)
+    model, eager, step, step_e = _twins(92, steps_first=steps_first)
     xs = [torch.randn(64, 64, device=CUDA) for _ in range(9)]
     graphed = cgraph.make_graphed_step(step, pool=pool)
     for i in range(3):
