@@ -639,17 +639,38 @@ move_out_of_pool(session *s)
     return left;
 }
 
-/* Every callable's warm-up calls.  A refusal of cgraph's (Note [Capture
- * failures]) becomes a CaptureError; the callable's own errors go on as
- * they are.  0 or -1. */
+/* A warm-up in the pool that raised: what it left in the pool moves out of
+ * it, as after one that returned (Note [Warm-up in the pool]), so that a
+ * caller going on (an out-of-memory retried at a smaller batch) does not
+ * keep state (a cache the callable grew) where earlier graphs' replays
+ * write.  The warm-up's error stays the one raised; one of the move (out of
+ * memory again) is dropped for it, leaving what was not moved.  Memory only
+ * C++ holds is not seen here (the error would be replaced by the
+ * warmup_state CaptureError that a returned warm-up raises).  -1. */
 static int
-warm_up(session *s)
+warm_up_failed_in_pool(session *s)
 {
+    PyObject *type, *value, *trace;
     int left;
 
-    if (s->warm_in_pool && cg_setup_warm_up_in(s->setup, s->pool) < 0) {
-        return -1;
+    PyErr_Fetch(&type, &value, &trace);
+    left = cg_setup_end_warm_up(s->setup);
+    if (left > 0) {
+        left = move_out_of_pool(s);
     }
+    if (left < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(type, value, trace);
+    return -1;
+}
+
+/* Every callable's warm-up calls, once each warm-up iteration.  A refusal
+ * of cgraph's (Note [Capture failures]) becomes a CaptureError; the
+ * callable's own errors go on as they are.  0 or -1. */
+static int
+warm_up_calls(session *s)
+{
     for (Py_ssize_t i = 0; i < s->n; i++) {
         for (int k = 0; k < s->warmup_iters; k++) {
             if (warm_up_once(s, i) == 0) {
@@ -663,6 +684,21 @@ warm_up(session *s)
         if (cg_report_event(s->state, "progress", Py_None) < 0) {
             return -1;
         }
+    }
+    return 0;
+}
+
+/* The warm-up, and what it left in the pool moved out.  0 or -1. */
+static int
+warm_up(session *s)
+{
+    int left;
+
+    if (s->warm_in_pool && cg_setup_warm_up_in(s->setup, s->pool) < 0) {
+        return -1;
+    }
+    if (warm_up_calls(s) < 0) {
+        return s->warm_in_pool ? warm_up_failed_in_pool(s) : -1;
     }
     left = cg_setup_end_warm_up(s->setup);
     if (left > 0) {

@@ -814,6 +814,53 @@ def test_state_a_layer_makes_for_a_new_shape_moves_out_of_the_shared_pool(chaine
         assert stats["eager_on_miss"] == 0 and stats["forward"] == 6, stats
 
 
+class FailsOncePerShape(ScalePerShape):
+    """ScalePerShape whose first call with `fails_at` rows raises after it
+    made that shape's table (an out-of-memory further on, say)."""
+
+    def __init__(self, fails_at):
+        super().__init__()
+        self.fails_at = fails_at
+
+    def forward(self, x):
+        out = super().forward(x)
+        if x.shape[0] == self.fails_at:
+            self.fails_at = None
+            raise RuntimeError("planted in the warm-up")
+        return out
+
+
+def test_state_a_failed_warm_up_made_moves_out_of_the_shared_pool():
+    """A warm-up for a new shape that raises after making that shape's table,
+    caught and gone on from (a batch retried): the table, made in the
+    shared pool, is moved out of it as after a warm-up that returned, so the
+    first shape's replays do not overwrite it, and every result after
+    equals eager's as the shapes alternate.  Before, it stayed in the pool."""
+    torch.manual_seed(87)
+    layers = [FailsOncePerShape(fails_at=2048 if i == 1 else None).to(CUDA) for i in range(3)]
+    eager = [ScalePerShape().to(CUDA) for _ in range(3)]
+    for layer, twin_layer in zip(layers, eager):
+        twin_layer.load_state_dict(layer.state_dict())
+    pool = cgraph.graph_pool_handle()
+    graphed = [cgraph.make_graphed(layer, pool=pool) for layer in layers]
+    x = torch.randn(4096, 256, device=CUDA)
+    run(graphed, x, torch.ones_like(x))
+    with pytest.raises(RuntimeError, match="planted in the warm-up"):
+        forward(graphed, torch.randn(2048, 256, device=CUDA))
+    assert 2048 in layers[1].tables and not in_pool(layers[1].tables[2048], pool)
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    for step, rows in enumerate((4096, 2048) * 3):
+        x = torch.randn(rows, 256, device=CUDA, requires_grad=True)
+        x_e, up = twin(x), torch.randn(rows, 256, device=CUDA)
+        y, y_e = run(graphed, x, up), run(eager, x_e, up)
+        assert_equal(y, y_e, f"step {step}: output")
+        assert_equal(x.grad, x_e.grad, f"step {step}: the input's grad")
+        check_grads_and_clear(layers, eager, step)
+    assert_equal(layers[1].tables[2048], eager[1].tables[2048], "layer 1: the table of the "
+                 "failed shape")
+
+
 class HistoryPerShape(ScalePerShape):
     """Keeps, per batch size, a table that requires grad: its autograd
     history holds memory only C++ reaches (layer_norm's saved mean and
