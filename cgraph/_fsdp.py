@@ -368,6 +368,26 @@ def _state_groups(state) -> list:
         g for g in (state._fsdp_param_group,) if g is not None]
 
 
+def after_failed_layer_capture(module: nn.Module) -> None:
+    """After a per-layer capture of FSDP layer `module` raised inside its
+    forward (an out-of-memory, a host sync), caught and gone on from: FSDP's
+    post-forward never ran, so the layer stays unsharded, in its FORWARD
+    state, holding the home its graphs may share with other layers, whose
+    next forward would find it taken (_take_back raises).  Resharded and
+    IDLE as that post-forward leaves it (reshard() while FORWARD reshards
+    only what FSDP reshards after a forward); the next call gathers it
+    again.  The root's pass state stays FSDP's own, as after any forward
+    that raises: Note [A capture that fails inside FSDP2's pass] is the
+    whole step's."""
+    for g in _param_groups(module):
+        if _training_state(g) == "FORWARD":
+            g.reshard()
+            g._training_state = type(g._training_state).IDLE
+    state = module._get_fsdp_state()
+    if getattr(state._training_state, "name", None) == "FORWARD":
+        state._training_state = type(state._training_state).IDLE
+
+
 def _reset_iter_state(root_state) -> None:
     """torch 2.14's FSDPState._reset_iter_state, for any torch, less its waits
     for events recorded inside the failed capture."""

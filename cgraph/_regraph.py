@@ -52,10 +52,17 @@ class Regraph:
         # eager does, rather than raising in the middle of training.
         options = self.options if graphed.num_graphs == 0 else \
             self.options._replace(allow_unused_input=True)
-        with self._samples(args, kwargs, site.pool) as samples:
-            (captured,) = graph([draft(self.target, *samples, set())], site.pool, options,
-                                warm_in_pool=site.warm_in_pool,
-                                keep_activations=site.keep_activations)
+        try:
+            with self._samples(args, kwargs, site.pool) as samples:
+                (captured,) = graph([draft(self.target, *samples, set())], site.pool, options,
+                                    warm_in_pool=site.warm_in_pool,
+                                    keep_activations=site.keep_activations)
+        except BaseException as exc:
+            # Not where the core asks again, in a fresh pool (its parameters
+            # must still be unsharded then): recover_from_warm_up in graphed.c.
+            if _fsdp.is_fsdp(module) and getattr(exc, "kind", None) != "warmup_state":
+                _fsdp.after_failed_layer_capture(module)
+            raise
         _log.captured(graphed, captured, "a second call before the first one's backward"
                       if site.pending else "a call no graph takes", samples,
                       time.perf_counter() - started)

@@ -10,6 +10,7 @@ graphing before sharding refused, teardown.  On the CPU, a one-process gloo
 group checks the refusals and that FSDP swapping its parameters is not a
 replacement."""
 
+import copy
 import logging
 
 import pytest
@@ -99,6 +100,42 @@ def sharded_pair(mesh):
     fully_shard(model[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def test_a_layer_whose_capture_failed_inside_its_forward_is_put_back_to_rest(mesh):
+    """_fsdp.after_failed_layer_capture: a layer's per-layer capture raised
+    inside its FSDP forward (stood in for by a forward pre-hook that raises
+    after FSDP's), so FSDP's post-forward never ran: the layer stays
+    unsharded and FORWARD, and on two or more ranks it would keep the home
+    its graphs share with other layers, whose next forward raises.  Put
+    back, it is resharded and IDLE, and training goes on as an eager twin's
+    that never made the failed call."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    models = [copy.deepcopy(base) for _ in range(2)]
+    for model in models:
+        for layer in (model[0], model[1], model):
+            fully_shard(layer, mesh=mesh)
+    planted = [RuntimeError("planted at capture")]
+
+    def fails_once(module, args):
+        if planted:
+            raise planted.pop()
+
+    models[0][1].register_forward_pre_hook(fails_once)
+    x = torch.randn(3, 4)
+    with pytest.raises(RuntimeError, match="planted at capture"):
+        models[0](x)
+    group = _fsdp._param_groups(models[0][1])[0]
+    assert group._training_state.name == "FORWARD" and not group.is_sharded
+    _fsdp.after_failed_layer_capture(models[0][1])
+    state = models[0][1]._get_fsdp_state()
+    assert group._training_state.name == "IDLE" and group.is_sharded
+    assert state._training_state.name == "IDLE"
+    for model in models:
+        model(x).sum().backward()
+    for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+        assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
 
 
 def test_a_module_containing_fsdp_modules_is_refused(mesh):
