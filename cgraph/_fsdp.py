@@ -69,6 +69,7 @@ A: When a layer is lent the home, a layer still holding it that is idle
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -378,14 +379,21 @@ def after_failed_layer_capture(module: nn.Module) -> None:
     only what FSDP reshards after a forward); the next call gathers it
     again.  The root's pass state stays FSDP's own, as after any forward
     that raises: Note [A capture that fails inside FSDP2's pass] is the
-    whole step's."""
-    for g in _param_groups(module):
-        if _training_state(g) == "FORWARD":
-            g.reshard()
-            g._training_state = type(g._training_state).IDLE
-    state = module._get_fsdp_state()
-    if getattr(state._training_state, "name", None) == "FORWARD":
-        state._training_state = type(state._training_state).IDLE
+    whole step's.  A failure here (out of memory again, resharding to an
+    int's mesh) is warned of, not raised over the capture's own error."""
+    try:
+        for g in _param_groups(module):
+            if _training_state(g) == "FORWARD":
+                g.reshard()
+                g._training_state = type(g._training_state).IDLE
+        state = module._get_fsdp_state()
+        if getattr(state._training_state, "name", None) == "FORWARD":
+            state._training_state = type(state._training_state).IDLE
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(f"cgraph: could not put FSDP layer {type(module).__name__} back to rest "
+                      f"after its failed capture ({exc!r}): it may still hold the memory its "
+                      "graphs share with other layers. Call its reshard() before the next "
+                      "forward.", stacklevel=3)
 
 
 def _reset_iter_state(root_state) -> None:

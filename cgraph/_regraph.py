@@ -41,26 +41,12 @@ class Regraph:
         if holds_cache((args, kwargs)):
             _log.cache_call_eager(graphed)
             return None
-        _check_device(graphed, (args, kwargs))
         module = self.target.callable()
-        if _fsdp.is_fsdp(module):  # inside its forward: FSDP has just all-gathered
-            _fsdp.home_parameters(module, graphed)
         started = time.perf_counter()
-        # allow_unused_input=False checks the callable once, at its first
-        # graph: a later one (eval mode, where a train-only auxiliary head
-        # reads no parameter) leaves the unused parameters without grad, as
-        # eager does, rather than raising in the middle of training.
-        options = self.options if graphed.num_graphs == 0 else \
-            self.options._replace(allow_unused_input=True)
         try:
-            with self._samples(args, kwargs, site.pool) as samples:
-                (captured,) = graph([draft(self.target, *samples, set())], site.pool, options,
-                                    warm_in_pool=site.warm_in_pool,
-                                    keep_activations=site.keep_activations)
+            captured, samples = self._captured(graphed, module, args, kwargs, site)
         except BaseException as exc:
-            # Not where the core asks again, in a fresh pool (its parameters
-            # must still be unsharded then): recover_from_warm_up in graphed.c.
-            if _fsdp.is_fsdp(module) and getattr(exc, "kind", None) != "warmup_state":
+            if _fsdp.is_fsdp(module) and not _asked_again(exc, site):
                 _fsdp.after_failed_layer_capture(module)
             raise
         _log.captured(graphed, captured, "a second call before the first one's backward"
@@ -68,11 +54,39 @@ class Regraph:
                       time.perf_counter() - started)
         return captured
 
+    def _captured(self, graphed: _C.Graphed, module, args: tuple, kwargs: dict,
+                  site: _C.CaptureSite) -> tuple:
+        """The capture itself: (the Graphed with its one graph, the samples)."""
+        _check_device(graphed, (args, kwargs))
+        if _fsdp.is_fsdp(module):  # inside its forward: FSDP has just all-gathered
+            _fsdp.home_parameters(module, graphed)
+        # allow_unused_input=False checks the callable once, at its first
+        # graph: a later one (eval mode, where a train-only auxiliary head
+        # reads no parameter) leaves the unused parameters without grad, as
+        # eager does, rather than raising in the middle of training.
+        options = self.options if graphed.num_graphs == 0 else \
+            self.options._replace(allow_unused_input=True)
+        with self._samples(args, kwargs, site.pool) as samples:
+            (captured,) = graph([draft(self.target, *samples, set())], site.pool, options,
+                                warm_in_pool=site.warm_in_pool,
+                                keep_activations=site.keep_activations)
+        return captured, samples
+
     @contextlib.contextmanager
     def _samples(self, args: tuple, kwargs: dict, pool: tuple[int, int]) -> Iterator[tuple]:
         """The call's (args, kwargs) as a capture in `pool` takes them:
         every tensor copied, so that the caller's stay the caller's."""
         yield pytree.tree_map_only(torch.Tensor, _sample_of, (args, kwargs))
+
+
+def _asked_again(exc: BaseException, site: _C.CaptureSite) -> bool:
+    """Whether the core may ask on_miss again for this call, the layer still
+    inside FSDP's forward: a warm-up in a pool of the callable's own that
+    left state there, which recover_from_warm_up (csrc/graphed.c) drops to
+    capture in a fresh pool.  Not in the pool shared with other layers
+    (keep_activations), where that error stays and is raised."""
+    return (getattr(exc, "kind", None) == "warmup_state" and bool(site.warm_in_pool)
+            and not site.keep_activations)
 
 
 def regraphing(target: Target, options: CaptureOptions, max_graphs: int,

@@ -138,6 +138,44 @@ def test_a_layer_whose_capture_failed_inside_its_forward_is_put_back_to_rest(mes
         assert torch.equal(p.grad.full_tensor(), q.grad.full_tensor()), name
 
 
+@pytest.mark.parametrize("fails, shared, put_back", [
+    ("check", False, True), ("capture", False, True), ("warmup_state", True, True),
+    ("warmup_state", False, False)])
+def test_a_failed_per_layer_capture_puts_the_layer_back_unless_the_core_asks_again(
+        mesh, monkeypatch, fails, shared, put_back):
+    """Regraph (cgraph/_regraph.py), for an FSDP layer: a failure anywhere in
+    its capture (the argument check, the capture) puts the layer back to
+    rest, but a warmup_state failure in a pool of the layer's own, after
+    which the core drops that pool and asks again for this same call
+    (recover_from_warm_up in csrc/graphed.c), where the layer must still be
+    unsharded.  In the pool shared with other layers that failure is
+    raised: put back too."""
+    from cgraph import _regraph
+    from cgraph._capture import CaptureOptions
+    from cgraph._describe import Target
+
+    layer = nn.Linear(4, 4)
+    fully_shard(layer, mesh=mesh)
+    put = []
+    error = RuntimeError("planted")
+    if fails == "warmup_state":
+        error.kind = "warmup_state"
+    monkeypatch.setattr(_fsdp, "after_failed_layer_capture", put.append)
+    monkeypatch.setattr(_fsdp, "home_parameters", lambda module, graphed: None)
+    def raises(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(_regraph, "_check_device", raises if fails == "check" else
+                        lambda *args: None)
+    monkeypatch.setattr(_regraph, "graph", raises)
+    regraph = _regraph.Regraph(Target.of(0, layer), CaptureOptions(3, False, 0, 0))
+    site = SimpleNamespace(pool=(0, 1), warm_in_pool=True, keep_activations=shared,
+                           pending=False)
+    with pytest.raises(RuntimeError, match="planted"):
+        regraph(SimpleNamespace(num_graphs=1), (torch.randn(2, 4),), {}, site)
+    assert put == ([layer] if put_back else []), put
+
+
 def test_a_module_containing_fsdp_modules_is_refused(mesh):
     with pytest.raises(ValueError, match="Graph each fully_shard-ed layer itself"):
         cgraph.make_graphed(sharded_pair(mesh))
