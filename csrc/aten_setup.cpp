@@ -414,9 +414,9 @@ cg_setup* open_setup(c10::DeviceIndex device) {
 //    - A warm-up that raises (an out-of-memory at a larger batch, caught and retried smaller)
 //      may have made such a tensor first: the same move runs before its error goes on
 //      (warm_up_failed_in_pool in capture.c), tensors its traceback holds moved too (a copy,
-//      dropped with the traceback).  A move that fails in turn (out of memory again) is
-//      dropped for the warm-up's own error, and memory only C++ holds is not looked for
-//      there: the error a caller catches stays the callable's own.
+//      dropped with the traceback).  A move that fails in turn (out of memory again), or
+//      memory only C++ holds, is warned of (RuntimeWarning), not raised: the error a
+//      caller catches stays the callable's own.
 // Q: Why does move_tensors_left_in_pool walk every object gc tracks (gc.get_objects(),
 //    which capture.c asks for and hands over: the C++ half calls no Python)?
 // A: Nothing maps memory back to tensors: a StorageImpl counts its references but does not

@@ -643,10 +643,11 @@ move_out_of_pool(session *s)
  * it, as after one that returned (Note [Warm-up in the pool]), so that a
  * caller going on (an out-of-memory retried at a smaller batch) does not
  * keep state (a cache the callable grew) where earlier graphs' replays
- * write.  The warm-up's error stays the one raised; one of the move (out of
- * memory again) is dropped for it, leaving what was not moved.  Memory only
- * C++ holds is not seen here (the error would be replaced by the
- * warmup_state CaptureError that a returned warm-up raises).  -1. */
+ * write.  The warm-up's error stays the one raised.  Where the move fails in
+ * turn (out of memory again: it copies what the error's traceback holds
+ * too) or memory is still left (held by C++), a warning says so: the error
+ * is the callable's own, not the warmup_state CaptureError a returned
+ * warm-up raises there.  -1. */
 static int
 warm_up_failed_in_pool(session *s)
 {
@@ -658,8 +659,16 @@ warm_up_failed_in_pool(session *s)
     if (left > 0) {
         left = move_out_of_pool(s);
     }
-    if (left < 0) {
+    if (left != 0) {
         PyErr_Clear();
+        if (PyErr_WarnEx(PyExc_RuntimeWarning,
+                         "cgraph: a warm-up that raised left memory in the graph pool that "
+                         "could not be moved out of it: state the callable kept from that "
+                         "call may be overwritten by the replays of the pool's other graphs. "
+                         "Before going on, reset() the graphed callables of that pool, or "
+                         "drop the state (a cache) the failed call made.", 1) < 0) {
+            PyErr_Clear();  /* warnings as errors: the warm-up's error is the one raised */
+        }
     }
     PyErr_Restore(type, value, trace);
     return -1;
