@@ -714,6 +714,34 @@ def test_a_failed_capture_puts_back_the_grads_no_optimizer_of_the_step_holds():
     assert [p.grad for p in model[2].parameters()] == [None, None]
 
 
+def test_a_shared_pool_check_flags_new_memory_in_the_pool_s_segments(monkeypatch):
+    """SharedPool.first_new_in_it (Note [A step captured into a shared pool]),
+    its memory stood in for on the CPU: a new tensor overlapping a segment the
+    pool had before the capture is named, wherever in it it starts (a grad
+    that begins before a segment and runs into it too); one outside every
+    segment, an empty one, and a grad that existed, in the memory it had, are
+    not; an existing grad whose memory moved (.data = t) counts as new."""
+    import weakref
+
+    from cgraph import _step_pool
+
+    memory: dict = {}
+    monkeypatch.setattr(_step_pool, "_memory_of", lambda t: memory[id(t)])
+    kept, moved, outside, into, empty, inside = (torch.zeros(1) for _ in range(6))
+    memory.update({id(kept): ((1100, 64),), id(moved): ((5100, 64),),
+                   id(outside): ((3000, 64),), id(into): ((4990, 64),),
+                   id(empty): ((1500, 0),), id(inside): ((1900, 50),)})
+    existing = {id(kept): (weakref.ref(kept), ((1100, 64),)),
+                id(moved): (weakref.ref(moved), ((2500, 64),))}
+    shared = _step_pool.SharedPool((1000, 5000), (2000, 6000), existing, ("a graph",))
+    assert shared.first_new_in_it([("kept", kept), ("outside", outside), ("empty", empty),
+                                   ("not a tensor", None)]) is None
+    assert shared.first_new_in_it([("kept", kept), ("moved", moved)]) == "moved"
+    assert shared.first_new_in_it([("outside", outside), ("into", into)]) == "into"
+    assert shared.first_new_in_it([("inside", inside)]) == "inside"
+    assert "leave pool= out" in str(shared.refusal("the grad of x"))
+
+
 def test_grads_a_capture_left_as_it_found_them_are_neither_checked_nor_put_back():
     """An evaluation step (no backward) over a model that a training step
     trains: the grads it found are the training step's, which change
