@@ -326,8 +326,7 @@ class OtherGrads:
     began (weakly: the step's own zero_grad() frees it for the capture to
     reuse) and, for those the capture touched, as it ended."""
 
-    __slots__ = ("watched", "read", "touched", "after", "checked", "checked_before",
-                 "checked_labels")
+    __slots__ = ("watched", "read", "touched", "after", "checked", "checked_before")
 
     def __init__(self, modules: list, stepped: set):
         found = _labelled(modules, lambda m: m.named_parameters(),
@@ -341,11 +340,10 @@ class OtherGrads:
         # into, made, replaced or cleared, and each one's grad as it ended.
         self.touched: tuple = ()
         self.after: tuple | None = None
-        # The checked parameters, their grads as the capture began, their
-        # labels: aligned, so that the check is one native call.
+        # The checked parameters and their grads as the capture began:
+        # aligned, so that the check is one native call.
         self.checked: tuple = ()
         self.checked_before: tuple = ()
-        self.checked_labels: tuple = ()
 
     @property
     def params(self) -> tuple:
@@ -390,12 +388,11 @@ class OtherGrads:
             touched.append(p)
             grad = self.read.get(id(p), found)
             if id(p) not in cleared and (w.before is None or grad is not None):
-                kept.append((p, grad, w.label))
+                kept.append((p, grad))
         self.touched = tuple(touched)
         self.after = tuple(p.grad for p in self.touched)
-        self.checked = tuple(p for p, _, _ in kept)
-        self.checked_before = tuple(grad for _, grad, _ in kept)
-        self.checked_labels = tuple(label for _, _, label in kept)
+        self.checked = tuple(p for p, _ in kept)
+        self.checked_before = tuple(grad for _, grad in kept)
         self.read = {}  # the starting grads that matter are held in checked_before
 
     def put_back(self) -> None:
@@ -414,8 +411,9 @@ class OtherGrads:
         object it was when the capture began, or None."""
         if _C.grads_are(self.checked, self.checked_before):
             return None
-        return next(label for p, was, label in zip(self.checked, self.checked_before,
-                                                   self.checked_labels) if p.grad is not was)
+        changed = next(p for p, was in zip(self.checked, self.checked_before)
+                       if p.grad is not was)
+        return next(w.label for w in self.watched if w.param is changed)
 
     def leave(self) -> None:
         """After a replay: each grad the capture touched, the one it left."""
