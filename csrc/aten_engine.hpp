@@ -773,7 +773,9 @@ void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool);
 bool end_warm_up(cg_setup& setup);
 bool moved_what_warm_up_left(cg_setup& setup, PyObject* objects);
 void release_warmup_memory(cg_setup& setup);
-// Note [A step's warm-up in its pool] (aten_setup.cpp).
+// Note [A step's warm-up in its pool] (aten_setup.cpp); the one reading of the
+// expandable_segments setting, also for Note [Emptying a pool under expandable segments].
+bool expandable_segments_on();
 bool can_allocate_all_from_a_pool();
 void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool);
 void hold_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool);

@@ -3,6 +3,9 @@
 #include "aten_engine.hpp"
 
 #include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
 
 namespace cgraph {
 namespace {
@@ -17,6 +20,34 @@ auto empty_pool_cache(const Pool& pool, int)
 template <class Pool>
 void empty_pool_cache(const Pool&, long) {
   c10::cuda::CUDACachingAllocator::emptyCache();
+}
+
+// Note [Emptying a pool under expandable segments]
+// Q: Emptying the pool's cache gives its free memory back to the device.  Under
+//    expandable_segments:True torch's allocator does so with cuMemUnmap after synchronizing
+//    only the stream the segment was made for (ExpandableSegment::unmapHandles): for a
+//    graph's pool, the capture stream (Note [The capture stream], aten_graph.cpp).  Replays
+//    and the copies that give held outputs and grads memory of their own (hand_back_held,
+//    just before) run on the caller's stream, and the GPU may be behind the CPU.  What then?
+// A: Pages unmapped before a kernel queued earlier reads or writes them: an illegal memory
+//    access.  On an H200, every time with the caller's stream held up (torch.cuda._sleep)
+//    before reset(); at random without (test_memory's allocator test, 3 runs of 7 under
+//    load).  cudaFree, which releases the pool under the default setting, synchronizes the
+//    device itself.  So under expandable segments the device is synchronized first, as
+//    cudaFree would; not while the current stream captures, where a synchronization would
+//    invalidate the capture: the pool's free memory then stays cached until torch's own
+//    emptying.  Costs one device synchronization per reset or dropped engine, under that
+//    setting only.
+bool may_unmap_safely(c10::DeviceIndex device) {
+  if (!expandable_segments_on()) {
+    return true;
+  }
+  c10::cuda::CUDAGuard guard(device);
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+    return false;
+  }
+  c10::cuda::device_synchronize();
+  return true;
 }
 
 }  // namespace
@@ -75,7 +106,7 @@ void Engine::tear_down() noexcept {
     fwd.reset();
     bwd.reset();
     blas_workspace.reset();  // after the graphs that write it
-    if (pool.first != 0 || pool.second != 0) {
+    if ((pool.first != 0 || pool.second != 0) && may_unmap_safely(device)) {
       empty_pool_cache(pool, 0);
     }
   } catch (const std::exception& e) {

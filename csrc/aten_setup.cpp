@@ -501,9 +501,12 @@ void warm_up_in(cg_setup& setup, at::cuda::MempoolId_t pool) {
 // every extension, torch's own build alone defines it.  Read through it, this check
 // passed under expandable_segments:True and the warm-up ran in a pool the allocator
 // cannot route to safely (an illegal memory access, intermittently, on an H200).
+bool expandable_segments_on() {
+  return c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
+}
+
 bool can_allocate_all_from_a_pool() {
-  return c10::cuda::CUDACachingAllocator::get()->name() == "native" &&
-         !c10::CachingAllocator::AcceleratorAllocatorConfig::use_expandable_segments();
+  return c10::cuda::CUDACachingAllocator::get()->name() == "native" && !expandable_segments_on();
 }
 
 void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool) {
