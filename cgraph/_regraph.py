@@ -80,13 +80,11 @@ class Regraph:
 
 
 def _asked_again(exc: BaseException, site: _C.CaptureSite) -> bool:
-    """Whether the core may ask on_miss again for this call, the layer still
-    inside FSDP's forward: a warm-up in a pool of the callable's own that
-    left state there, which recover_from_warm_up (csrc/graphed.c) drops to
-    capture in a fresh pool.  Not in the pool shared with other layers
-    (keep_activations), where that error stays and is raised."""
-    return (getattr(exc, "kind", None) == "warmup_state" and bool(site.warm_in_pool)
-            and not site.keep_activations)
+    """Whether the core asks on_miss again for this call, the layer still
+    inside FSDP's forward: a warm-up that left state in a pool of the
+    callable's own (site.asks_again), which recover_from_warm_up
+    (csrc/graphed.c) drops to capture in a fresh pool."""
+    return getattr(exc, "kind", None) == "warmup_state" and bool(site.asks_again)
 
 
 def regraphing(target: Target, options: CaptureOptions, max_graphs: int,

@@ -750,6 +750,7 @@ typedef struct {
     int warm_in_pool;      /* warm up in `pool`: Note [Warm-up in the pool] */
     int keep_activations;  /* Note [Layers captured one by one into one pool] */
     int pending;           /* a graph takes the call but its backward is pending */
+    int asks_again;        /* after a warm-up left state in `pool`: recover_from_warm_up */
 } capture_site;
 
 static PyStructSequence_Field capture_site_fields[] = {
@@ -763,6 +764,11 @@ static PyStructSequence_Field capture_site_fields[] = {
                          "one pool] in csrc/aten_pool.cpp)."},
     {"pending", "Whether a graph takes the call but its backward is still to run (a "
                 "second micro-batch): why the call misses."},
+    {"asks_again", "Whether, after on_miss raised a CaptureError of kind 'warmup_state' "
+                   "(a warm-up left state in `pool`), the core drops its graphs in `pool` "
+                   "and asks on_miss again for this same call, in a fresh pool (a pool "
+                   "of the callable's own; not the pool= shared with other layers, where "
+                   "that error is raised)."},
     {NULL, NULL},
 };
 
@@ -771,7 +777,7 @@ static PyStructSequence_Desc capture_site_desc = {
     "Where on_miss captures a call no graph of its callable takes, chosen by the\n"
     "native core (Note [Several graphs per callable] in csrc/graphed.c).",
     capture_site_fields,
-    4,
+    5,
 };
 
 /* Returns a NEW reference to the type, or NULL with an exception set. */
@@ -798,6 +804,7 @@ site_record(const GraphedObject *self, const capture_site *site)
     PyStructSequence_SetItem(record, 1, PyBool_FromLong(site->warm_in_pool));
     PyStructSequence_SetItem(record, 2, PyBool_FromLong(site->keep_activations));
     PyStructSequence_SetItem(record, 3, PyBool_FromLong(site->pending));
+    PyStructSequence_SetItem(record, 4, PyBool_FromLong(site->asks_again));
     return record;
 }
 
@@ -851,7 +858,7 @@ choose_site(GraphedObject *self, int pending, capture_site *site)
         return 0;
     }
     if (idle_pool(self, &site->pool)) {
-        site->warm_in_pool = 1;
+        site->warm_in_pool = site->asks_again = 1;
         return 0;
     }
     return cg_new_pool(&site->pool);
@@ -914,11 +921,12 @@ bare_copy(PyObject *exc)
 /* After on_miss raised for `site`.  If a warm-up left state in the site's
  * pool where earlier graphs write (a CaptureError of CG_FAILURE_WARMUP_STATE:
  * Note [Warm-up in the pool] in aten_setup.cpp): in the pool shared with
- * other callables the state stays,
- * and the error comes back at every later capture (self->refusal); in a pool
- * of this callable's own, its graphs there go (captured again when needed)
- * and *site becomes a fresh pool without warm-up.  1 if on_miss may be
- * asked again, else 0 with an exception set. */
+ * other callables the state stays, and the error comes back at every later
+ * capture (self->refusal); in a pool of this callable's own (site->asks_again,
+ * which on_miss reads to know whether this call comes back to it: the FSDP
+ * put-back in cgraph/_regraph.py), its graphs there go (captured again when
+ * needed) and *site becomes a fresh pool without warm-up.  1 if on_miss may
+ * be asked again, else 0 with an exception set. */
 static int
 recover_from_warm_up(GraphedObject *self, capture_site *site)
 {
@@ -930,7 +938,7 @@ recover_from_warm_up(GraphedObject *self, capture_site *site)
     }
     exc = cg_err_take();
     state_left = cg_capture_error_is(self->state, exc, CG_FAILURE_WARMUP_STATE);
-    if (state_left && self->has_shared && same_pool(site->pool, self->shared)) {
+    if (state_left && !site->asks_again) {  /* the pool= shared with other layers */
         PyObject *kept = bare_copy(exc);
         PyErr_Clear();  /* no copy (no memory): the error itself, as raised */
         Py_XSETREF(self->refusal, kept ? kept : Py_NewRef(exc));

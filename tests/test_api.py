@@ -731,7 +731,8 @@ def test_on_miss_is_told_where_to_capture_and_must_return_the_graph():
     ((args, kwargs, site),) = seen
     assert args == (1,) and kwargs == {"x": 2}
     assert isinstance(site, cgraph._C.CaptureSite) and len(site.pool) == 2, site
-    assert (site.warm_in_pool, site.keep_activations, site.pending) == (False, False, False)
+    assert (site.warm_in_pool, site.keep_activations, site.pending, site.asks_again) == \
+        (False, False, False, False)
     assert graphed.num_graphs == 0 and graphed.stats["eager_on_miss"] == 0
 
 
@@ -758,7 +759,8 @@ def test_a_layer_captures_in_its_pool_and_a_warm_up_state_there_refuses_for_good
             graphed(torch.zeros(2))
         assert raised.value.kind == "warmup_state"
     assert len(seen) == 1, seen
-    assert (seen[0].pool, seen[0].warm_in_pool, seen[0].keep_activations) == (pool, True, True)
+    assert (seen[0].pool, seen[0].warm_in_pool, seen[0].keep_activations,
+            seen[0].asks_again) == (pool, True, True, False)
     assert graphed.num_graphs == 0 and set(graphed.stats.values()) == {0}
 
 

@@ -170,7 +170,7 @@ def test_a_failed_per_layer_capture_puts_the_layer_back_unless_the_core_asks_aga
     monkeypatch.setattr(_regraph, "graph", raises)
     regraph = _regraph.Regraph(Target.of(0, layer), CaptureOptions(3, False, 0, 0))
     site = SimpleNamespace(pool=(0, 1), warm_in_pool=True, keep_activations=shared,
-                           pending=False)
+                           pending=False, asks_again=not shared)
     with pytest.raises(RuntimeError, match="planted"):
         regraph(SimpleNamespace(num_graphs=1), (torch.randn(2, 4),), {}, site)
     assert put == ([layer] if put_back else []), put
