@@ -639,6 +639,17 @@ move_out_of_pool(session *s)
     return left;
 }
 
+/* The warm-up waited for and ended, and what it left in the pool moved out
+ * of it: after a warm-up that returned and after one that raised alike.
+ * Returns 1 if memory is still left where earlier graphs may write it, 0 if
+ * not, -1 with an exception set. */
+static int
+finish_warm_up(session *s)
+{
+    int left = cg_setup_end_warm_up(s->setup);
+    return left > 0 ? move_out_of_pool(s) : left;
+}
+
 /* A warm-up in the pool that raised: what it left in the pool moves out of
  * it, as after one that returned (Note [Warm-up in the pool]), so that a
  * caller going on (an out-of-memory retried at a smaller batch) does not
@@ -655,10 +666,7 @@ warm_up_failed_in_pool(session *s)
     int left;
 
     PyErr_Fetch(&type, &value, &trace);
-    left = cg_setup_end_warm_up(s->setup);
-    if (left > 0) {
-        left = move_out_of_pool(s);
-    }
+    left = finish_warm_up(s);
     if (left != 0) {
         PyErr_Clear();
         if (PyErr_WarnEx(PyExc_RuntimeWarning,
@@ -709,10 +717,7 @@ warm_up(session *s)
     if (warm_up_calls(s) < 0) {
         return s->warm_in_pool ? warm_up_failed_in_pool(s) : -1;
     }
-    left = cg_setup_end_warm_up(s->setup);
-    if (left > 0) {
-        left = move_out_of_pool(s);
-    }
+    left = finish_warm_up(s);
     if (left < 0 || cg_setup_release_warmup_memory(s->setup) < 0) {
         return -1;
     }
