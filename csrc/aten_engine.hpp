@@ -777,6 +777,8 @@ void release_warmup_memory(cg_setup& setup);
 // expandable_segments setting, also for Note [Emptying a pool under expandable segments].
 bool expandable_segments_on();
 bool can_allocate_all_from_a_pool();
+// Whether any block of `pool` is allocated (the allocator's snapshot: not per replay).
+bool pool_holds_allocations(c10::DeviceIndex device, at::cuda::MempoolId_t pool);
 void allocate_all_from(cg_setup& setup, at::cuda::MempoolId_t pool);
 void hold_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool);
 void release_held_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) noexcept;

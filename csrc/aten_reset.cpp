@@ -28,25 +28,41 @@ void empty_pool_cache(const Pool&, long) {
 //    only the stream the segment was made for (ExpandableSegment::unmapHandles): for a
 //    graph's pool, the capture stream (Note [The capture stream], aten_graph.cpp).  Replays
 //    and the copies that give held outputs and grads memory of their own (hand_back_held,
-//    just before) run on the caller's stream, and the GPU may be behind the CPU.  What then?
+//    just before) run on the caller's stream, and the GPU may be behind the CPU.  And a
+//    released pool emptied while blocks in it are still allocated (an output the caller
+//    holds) can be erased under them: torch counts a pool's growths once per mapping but
+//    takes one off per range unmapped (Note [A step's warm-up in its pool], aten_setup.cpp).
+//    What then?
 // A: Pages unmapped before a kernel queued earlier reads or writes them: an illegal memory
 //    access.  On an H200, every time with the caller's stream held up (torch.cuda._sleep)
 //    before reset(); at random without (test_memory's allocator test, 3 runs of 7 under
 //    load).  cudaFree, which releases the pool under the default setting, synchronizes the
-//    device itself.  So under expandable segments the device is synchronized first, as
-//    cudaFree would; not while the current stream captures, where a synchronization would
-//    invalidate the capture: the pool's free memory then stays cached until torch's own
-//    emptying.  Costs one device synchronization per reset or dropped engine, under that
-//    setting only.
-bool may_unmap_safely(c10::DeviceIndex device) {
+//    device itself.  So under expandable segments:
+//    - held outputs and grads get memory of their own when an engine is dropped too, not
+//      only at reset() (~Engine);
+//    - the pool is emptied only with none of its blocks allocated (kept_outputs="alias"
+//      buffers the caller holds stay, as torch's own graphs leave them), never while the
+//      current stream captures (a synchronization would invalidate the capture), and after
+//      the device is synchronized, as cudaFree would.  A pool left is emptied by torch's own
+//      emptying, as before.
+//    Costs, under that setting only: one snapshot of the allocator and one device
+//    synchronization per reset or dropped engine (the GIL released meanwhile), and the
+//    copies of the outputs a dropped engine's caller still holds.
+bool may_empty_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) {
   if (!expandable_segments_on()) {
     return true;
   }
   c10::cuda::CUDAGuard guard(device);
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None ||
+      pool_holds_allocations(device, pool)) {
     return false;
   }
-  c10::cuda::device_synchronize();
+  if (PyGILState_Check()) {  // a dropped engine's destructor may run on a thread without it
+    GilRelease nogil;
+    c10::cuda::device_synchronize();
+  } else {
+    c10::cuda::device_synchronize();
+  }
   return true;
 }
 
@@ -106,7 +122,7 @@ void Engine::tear_down() noexcept {
     fwd.reset();
     bwd.reset();
     blas_workspace.reset();  // after the graphs that write it
-    if ((pool.first != 0 || pool.second != 0) && may_unmap_safely(device)) {
+    if ((pool.first != 0 || pool.second != 0) && may_empty_pool(device, pool)) {
       empty_pool_cache(pool, 0);
     }
   } catch (const std::exception& e) {
@@ -121,9 +137,11 @@ void Engine::tear_down() noexcept {
 // freed at their capture, or read in place and kept by Input::owner (Notes
 // [Static memory freed once its pass is over], [An output freed once its
 // reader has captured] and [Input grads freed at their capture],
-// aten_pool.cpp).  Not at exit, where nothing replays.
+// aten_pool.cpp).  Under expandable segments always: Note [Emptying a pool
+// under expandable segments].  Not at exit, where nothing replays.
 Engine::~Engine() {
-  if (alive_ && !interpreter_finalizing() && (shares_pool_with_others() || borrows_memory())) {
+  if (alive_ && !interpreter_finalizing() &&
+      (shares_pool_with_others() || borrows_memory() || expandable_segments_on())) {
     hand_back_held();
   }
   tear_down();

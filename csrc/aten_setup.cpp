@@ -359,6 +359,10 @@ void move_tensors_left_in_pool(const std::vector<Block>& blocks, PyObject* objec
 
 }  // namespace
 
+bool pool_holds_allocations(c10::DeviceIndex device, at::cuda::MempoolId_t pool) {
+  return !pool_blocks(device, pool).allocated.empty();
+}
+
 cg_setup* open_setup(c10::DeviceIndex device) {
   c10::cuda::CUDAGuard guard(device);
   {

@@ -435,6 +435,7 @@ print("ALLOCATOR OK", stats, graphs, flush=True)
 
 
 _BEHIND_SCRIPT = r"""
+import gc
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -462,6 +463,24 @@ graphs = graphed.num_graphs
 graphed.reset()
 torch.cuda.synchronize()
 print("MODULE KEPT", graphs, torch.equal(out, expect), flush=True)
+
+# A module dropped, not reset, likewise: its output moves out of the pool
+# under expandable segments, and the pool's memory goes back.
+net = mlp()
+graphed = cgraph.make_graphed(net)
+for _ in range(4):
+    graphed(x).sum().backward()
+with torch.no_grad():
+    expect = net(x)
+pool = tuple(graphed.pool)
+torch.cuda._sleep(2 * 10**9)
+out = graphed(x).detach()
+del graphed, net
+gc.collect()
+torch.cuda.synchronize()
+left = sum(s["allocated_size"] for s in torch.cuda.memory_snapshot()
+           if tuple(s["segment_pool_id"]) == pool)
+print("DROPPED KEPT", torch.equal(out, expect), left, flush=True)
 
 # A step graphed whole: its loss, likewise, against an eager twin.
 def make_step(model, opt):
@@ -497,12 +516,18 @@ def test_a_reset_while_the_gpu_is_behind_keeps_held_outputs(conf):
     torch.cuda._sleep.  Under expandable segments torch's allocator unmapped
     the pool's pages after waiting for the capture stream alone: an illegal
     memory access every time on an H200 (at random in the allocator test
-    below, under load).  The output and a step's loss keep eager's values."""
+    below, under load).  The output and a step's loss keep eager's values.
+    A module dropped without reset() while its output is held: under
+    expandable segments the output moves out of the pool first, so the pool
+    is emptied with nothing of it allocated (an emptied pool with blocks
+    still allocated can be erased under them)."""
     run = subprocess.run([sys.executable, "-c", _BEHIND_SCRIPT], cwd=ROOT, timeout=240,
                          capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": ROOT, "PYTORCH_CUDA_ALLOC_CONF": conf})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "MODULE KEPT 1 True" in run.stdout, run.stdout
+    expandable = conf == "expandable_segments:True"
+    assert ("DROPPED KEPT True 0\n" if expandable else "DROPPED KEPT True") in run.stdout, run.stdout
     assert "STEP KEPT 3 True True" in run.stdout, run.stdout
 
 
