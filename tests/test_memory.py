@@ -357,9 +357,10 @@ def test_a_step_captures_in_the_memory_its_warm_up_steps_left():
 
 # ---- torch's other allocator settings ------------------------------------------
 
-# Run in a process of its own: the allocator is configured before CUDA starts.
-_ALLOCATOR_SCRIPT = r'''
-import copy, sys
+# Scripts run in a process of their own: the allocator is configured before
+# CUDA starts.  What they share:
+_SCRIPT_PRELUDE = r'''
+import copy, gc, sys
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -381,7 +382,9 @@ def make_step(net, opt):
         opt.step()
         return loss
     return step
+'''
 
+_ALLOCATOR_SCRIPT = _SCRIPT_PRELUDE + r'''
 def same(a, b, what):
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
         if not torch.equal(p, q):
@@ -434,21 +437,7 @@ print("ALLOCATOR OK", stats, graphs, flush=True)
 '''
 
 
-_BEHIND_SCRIPT = r"""
-import gc
-import torch
-import torch.nn.functional as F
-from torch import nn
-import cgraph
-
-def mlp():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10)).cuda()
-
-def batch(i):
-    torch.manual_seed(100 + i)
-    return torch.randn(32, 64, device="cuda"), torch.randint(0, 10, (32,), device="cuda")
-
+_BEHIND_SCRIPT = _SCRIPT_PRELUDE + r"""
 # A module: an output of a replay queued behind a second of sleep, held across reset().
 net = mlp()
 graphed = cgraph.make_graphed(net)
@@ -483,15 +472,6 @@ left = sum(s["allocated_size"] for s in torch.cuda.memory_snapshot()
 print("DROPPED KEPT", torch.equal(out, expect), left, flush=True)
 
 # A step graphed whole: its loss, likewise, against an eager twin.
-def make_step(model, opt):
-    def step(x, y):
-        opt.zero_grad()
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss
-    return step
-
 model, twin = mlp(), mlp()
 step = cgraph.make_graphed_step(make_step(model, torch.optim.SGD(model.parameters(), lr=0.1)))
 plain = make_step(twin, torch.optim.SGD(twin.parameters(), lr=0.1))
