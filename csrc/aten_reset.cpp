@@ -22,6 +22,24 @@ void empty_pool_cache(const Pool&, long) {
   c10::cuda::CUDACachingAllocator::emptyCache();
 }
 
+// Whether this thread's stream or cgraph's capture stream (Note [The capture stream],
+// where every cgraph capture runs, another thread's too) is capturing on `device`; true
+// where that cannot be told.
+bool capture_under_way(c10::DeviceIndex device) noexcept {
+  try {
+    c10::cuda::CUDAGuard guard(device);
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(capture_stream(device).stream(), &status) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return true;
+    }
+    return status != cudaStreamCaptureStatusNone ||
+           c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  } catch (const std::exception&) {
+    return true;
+  }
+}
+
 // Note [Emptying a pool under expandable segments]
 // Q: Emptying the pool's cache gives its free memory back to the device.  Under
 //    expandable_segments:True torch's allocator does so with cuMemUnmap after synchronizing
@@ -39,31 +57,33 @@ void empty_pool_cache(const Pool&, long) {
 //    load).  cudaFree, which releases the pool under the default setting, synchronizes the
 //    device itself.  So under expandable segments:
 //    - held outputs and grads get memory of their own when an engine is dropped too, not
-//      only at reset() (~Engine);
-//    - the pool is emptied only with none of its blocks allocated (kept_outputs="alias"
-//      buffers the caller holds stay, as torch's own graphs leave them), never while the
-//      current stream captures (a synchronization would invalidate the capture), and after
-//      the device is synchronized, as cudaFree would.  A pool left is emptied by torch's own
-//      emptying, as before.
-//    Costs, under that setting only: one snapshot of the allocator and one device
-//    synchronization per reset or dropped engine (the GIL released meanwhile), and the
-//    copies of the outputs a dropped engine's caller still holds.
+//      only at reset() (~Engine), and a graphed step's grads at its reset (move_out_of,
+//      cgraph/_step_pool.py);
+//    - the device is synchronized, as cudaFree would, before the pool is emptied or left
+//      to torch's own emptying; the pool is emptied only with none of its blocks allocated
+//      (kept_outputs="alias" buffers the caller holds stay, as torch's own graphs leave
+//      them).
+//    Neither while a capture is under way on this thread's stream or cgraph's capture
+//    stream (a synchronization would invalidate it, and a hand-back's copy would be
+//    captured instead of run): the pool is then left to torch's own emptying.  Costs, under
+//    that setting only: one device synchronization (the GIL released meanwhile) and one
+//    snapshot of the allocator per reset or dropped engine, and the copies of what a
+//    dropped engine's caller still holds.
 bool may_empty_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) {
   if (!expandable_segments_on()) {
     return true;
   }
-  c10::cuda::CUDAGuard guard(device);
-  if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None ||
-      pool_holds_allocations(device, pool)) {
+  if (capture_under_way(device)) {
     return false;
   }
+  c10::cuda::CUDAGuard guard(device);
   if (PyGILState_Check()) {  // a dropped engine's destructor may run on a thread without it
     GilRelease nogil;
     c10::cuda::device_synchronize();
   } else {
     c10::cuda::device_synchronize();
   }
-  return true;
+  return !pool_holds_allocations(device, pool);
 }
 
 }  // namespace
@@ -137,11 +157,14 @@ void Engine::tear_down() noexcept {
 // freed at their capture, or read in place and kept by Input::owner (Notes
 // [Static memory freed once its pass is over], [An output freed once its
 // reader has captured] and [Input grads freed at their capture],
-// aten_pool.cpp).  Under expandable segments always: Note [Emptying a pool
-// under expandable segments].  Not at exit, where nothing replays.
+// aten_pool.cpp).  Under expandable segments always, but while a capture
+// is under way, which would record the copies instead of running them (the
+// pool is not emptied then): Note [Emptying a pool under expandable
+// segments].  Not at exit, where nothing replays.
 Engine::~Engine() {
   if (alive_ && !interpreter_finalizing() &&
-      (shares_pool_with_others() || borrows_memory() || expandable_segments_on())) {
+      (shares_pool_with_others() || borrows_memory() ||
+       (expandable_segments_on() && !capture_under_way(device)))) {
     hand_back_held();
   }
   tear_down();

@@ -768,7 +768,9 @@ static PyStructSequence_Field capture_site_fields[] = {
                    "(a warm-up left state in `pool`), the core drops its graphs in `pool` "
                    "and asks on_miss again for this same call, in a fresh pool (a pool "
                    "of the callable's own; not the pool= shared with other layers, where "
-                   "that error is raised)."},
+                   "that error is raised).  Unless, by then, a graph of that pool awaits "
+                   "its backward (on_miss does not run one) or the drop runs out of "
+                   "memory: the error is then raised."},
     {NULL, NULL},
 };
 
