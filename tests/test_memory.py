@@ -438,6 +438,9 @@ print("ALLOCATOR OK", stats, graphs, flush=True)
 
 
 _BEHIND_SCRIPT = _SCRIPT_PRELUDE + r"""
+def segments(pool):
+    return [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool]
+
 # A module: an output of a replay queued behind a second of sleep, held across reset().
 net = mlp()
 graphed = cgraph.make_graphed(net)
@@ -448,10 +451,10 @@ with torch.no_grad():
     expect = net(x)
 torch.cuda._sleep(2 * 10**9)
 out = graphed(x)
-graphs = graphed.num_graphs
+graphs, pool = graphed.num_graphs, tuple(graphed.pool)
 graphed.reset()
 torch.cuda.synchronize()
-print("MODULE KEPT", graphs, torch.equal(out, expect), flush=True)
+print("MODULE KEPT", graphs, torch.equal(out, expect), len(segments(pool)), flush=True)
 
 # A module dropped, not reset, likewise: its output moves out of the pool
 # under expandable segments, and the pool's memory goes back.
@@ -467,9 +470,9 @@ out = graphed(x).detach()
 del graphed, net
 gc.collect()
 torch.cuda.synchronize()
-left = sum(s["allocated_size"] for s in torch.cuda.memory_snapshot()
-           if tuple(s["segment_pool_id"]) == pool)
-print("DROPPED KEPT", torch.equal(out, expect), left, flush=True)
+left = segments(pool)
+print("DROPPED KEPT", torch.equal(out, expect), sum(s["allocated_size"] for s in left),
+      len(left), flush=True)
 
 # A step graphed whole: its loss, likewise, against an eager twin.
 model, twin = mlp(), mlp()
@@ -480,11 +483,15 @@ for i in range(5):
 expect = plain(*batch(5))
 torch.cuda._sleep(2 * 10**9)
 loss = step(*batch(5))
-replays = step.stats["replays"]
+replays, pool = step.stats["replays"], tuple(step.graphed.pool)
+grads = [p.grad for p in model.parameters()]
 step.reset()
 torch.cuda.synchronize()
 same = all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
-print("STEP KEPT", replays, torch.equal(loss, expect), same, flush=True)
+kept = all(p.grad is g and torch.equal(g, q.grad)
+           for p, g, q in zip(model.parameters(), grads, twin.parameters()))
+print("STEP KEPT", replays, torch.equal(loss, expect), same, kept, len(segments(pool)),
+      flush=True)
 """
 
 
@@ -500,15 +507,18 @@ def test_a_reset_while_the_gpu_is_behind_keeps_held_outputs(conf):
     A module dropped without reset() while its output is held: under
     expandable segments the output moves out of the pool first, so the pool
     is emptied with nothing of it allocated (an emptied pool with blocks
-    still allocated can be erased under them)."""
+    still allocated can be erased under them).  A step's reset moves the
+    grads its capture made out of its pool (the same objects, the same
+    values): every pool is emptied, under either setting."""
     run = subprocess.run([sys.executable, "-c", _BEHIND_SCRIPT], cwd=ROOT, timeout=240,
                          capture_output=True, text=True,
                          env={**os.environ, "PYTHONPATH": ROOT, "PYTORCH_CUDA_ALLOC_CONF": conf})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "MODULE KEPT 1 True" in run.stdout, run.stdout
+    assert "MODULE KEPT 1 True 0\n" in run.stdout, run.stdout
     expandable = conf == "expandable_segments:True"
-    assert ("DROPPED KEPT True 0\n" if expandable else "DROPPED KEPT True") in run.stdout, run.stdout
-    assert "STEP KEPT 3 True True" in run.stdout, run.stdout
+    assert ("DROPPED KEPT True 0 0\n" if expandable else "DROPPED KEPT True") in run.stdout, \
+        run.stdout
+    assert "STEP KEPT 3 True True True 0\n" in run.stdout, run.stdout
 
 
 @pytest.mark.parametrize("conf", ["expandable_segments:True", "backend:cudaMallocAsync"])
