@@ -138,7 +138,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
-from . import _C, _dtensor, _fsdp, _log, _optim, _ranks, _step_pool
+from . import _C, _dtensor, _fsdp, _log, _optim, _ranks
 from ._api import _live, _pool_id, _require_cuda
 from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
                        asked_by_the_compiler, graph, one_setup_at_a_time, patched)
@@ -961,21 +961,10 @@ class GraphedStep:
         _out_of_the_pool(self.made_at_capture)  # before that pool goes
         self.made_at_capture = []
         if self.graphed is not None:
-            grads = self._grads_now()
-            if grads:
-                _step_pool.move_out_of(self.graphed.pool, grads)
             self.graphed.reset()
         self.graphed, self.static, self.outputs, self.groups = None, None, None, []
         self.since = None
         self.grads, self.scaler_factors = None, []
-
-    def _grads_now(self) -> list:
-        """The grads the step's parameters hold now: those of its optimizers'
-        and the other parameters it backpropagates into."""
-        params = list(self.grads.params) if self.grads is not None else []
-        if self.since is not None:
-            params += [w.param for w in self.since.other_grads.watched]
-        return [p.grad for p in params if p.grad is not None and p.grad.is_cuda]
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)

@@ -1,5 +1,4 @@
-"""A training step's pool: captured into a pool= that other graphs share;
-the grads it leaves there moved out before it is released.
+"""A training step captured into a pool= that other graphs share.
 
 Note [A step captured into a shared pool]
 Q: ``make_graphed_step(fn, pool=p)`` where graphs already live in ``p`` (a
@@ -77,7 +76,9 @@ class SharedPool(NamedTuple):
                        if g is not own and not g.is_reset and pool in g.pools)
         if not graphs:
             return None
-        spans = _segments(pool)
+        spans = sorted((s["address"], s["address"] + s["total_size"])
+                       for s in torch.cuda.memory_snapshot(pool, include_traces=False)
+                       if tuple(s.get("segment_pool_id", pool)) == pool)
         existing = {id(p.grad): (weakref.ref(p.grad), _memory_of(p.grad))
                     for p in params if p.grad is not None}
         return cls(tuple(s for s, _ in spans), tuple(e for _, e in spans), existing, graphs)
@@ -98,7 +99,8 @@ class SharedPool(NamedTuple):
         return None
 
     def _overlaps(self, start: int, size: int) -> bool:
-        return _overlaps(self.starts, self.ends, start, size)
+        k = bisect.bisect_right(self.starts, start + size - 1) - 1
+        return size > 0 and k >= 0 and start < self.ends[k]
 
     def refusal(self, what: str) -> RuntimeError:
         return RuntimeError(
@@ -108,39 +110,6 @@ class SharedPool(NamedTuple):
             "out), or have its grads and optimizer state exist before it is captured "
             "(zero_grad(set_to_none=False) in the step): Note [A step captured into a shared "
             "pool] in cgraph/_step_pool.py.")
-
-
-def move_out_of(pool, tensors: list) -> None:
-    """Each of `tensors` (grads: plain or DTensor) whose memory lies in
-    `pool` gets memory of its own with its values, staying the same object
-    (``Tensor.set_``: the parameter's ``.grad``, FSDP's reference to it),
-    before the step's graph releases that pool.  A released pool keeps the
-    segments of blocks still allocated reserved, and under expandable
-    segments may be erased under them (Note [Emptying a pool under
-    expandable segments], csrc/aten_reset.cpp).  One snapshot of the pool
-    and one copy per such grad, at a reset."""
-    spans = _segments(tuple(pool))
-    starts, ends = tuple(s for s, _ in spans), tuple(e for _, e in spans)
-    with torch.no_grad():
-        for t in tensors:
-            inner = t._local_tensor if _dtensor.is_dtensor(t) else t
-            if type(inner).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
-                continue  # a wrapper subclass's inner tensors: left where they are
-            if any(_overlaps(starts, ends, start, size) for start, size in _memory_of(inner)):
-                inner.set_(inner.clone())
-
-
-def _segments(pool: tuple) -> list:
-    """The (start, end) address spans of `pool`'s segments, sorted."""
-    return sorted((s["address"], s["address"] + s["total_size"])
-                  for s in torch.cuda.memory_snapshot(pool, include_traces=False)
-                  if tuple(s.get("segment_pool_id", pool)) == pool)
-
-
-def _overlaps(starts: tuple, ends: tuple, start: int, size: int) -> bool:
-    """Whether [start, start + size) overlaps one of the sorted spans."""
-    k = bisect.bisect_right(starts, start + size - 1) - 1
-    return size > 0 and k >= 0 and start < ends[k]
 
 
 def _memory_of(t: torch.Tensor) -> tuple:

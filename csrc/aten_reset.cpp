@@ -57,12 +57,13 @@ bool capture_under_way(c10::DeviceIndex device) noexcept {
 //    load).  cudaFree, which releases the pool under the default setting, synchronizes the
 //    device itself.  So under expandable segments:
 //    - held outputs and grads get memory of their own when an engine is dropped too, not
-//      only at reset() (~Engine), and a graphed step's grads at its reset (move_out_of,
-//      cgraph/_step_pool.py);
+//      only at reset() (~Engine);
 //    - the device is synchronized, as cudaFree would, before the pool is emptied or left
-//      to torch's own emptying; the pool is emptied only with none of its blocks allocated
-//      (kept_outputs="alias" buffers the caller holds stay, as torch's own graphs leave
-//      them).
+//      to torch's own emptying; the pool is emptied only with none of its blocks allocated.
+//      Left allocated: kept_outputs="alias" buffers the caller holds, as torch's own graphs
+//      leave them, and the grads a graphed step's capture made (cgraph/_step.py), which
+//      other steps may read in place and FSDP2 holds as views of one buffer: moving them
+//      would need the storage-level move of move_to_own_memory and a registry of readers.
 //    Neither while a capture is under way on this thread's stream or cgraph's capture
 //    stream (a synchronization would invalidate it, and a hand-back's copy would be
 //    captured instead of run): the pool is then left to torch's own emptying.  Costs, under
