@@ -39,6 +39,10 @@ _MAX_GRAPHS = 8
 
 # Every graphed callable not yet freed, for reset_all().
 _live: "weakref.WeakSet[_C.Graphed]" = weakref.WeakSet()
+# Every graphed step that captured, for reset_all(): reset through its own
+# reset(), which first moves the optimizer state its capture made out of the
+# pool that reset frees (cgraph/_step.py's _out_of_the_pool).
+_live_steps: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 class _Installed(NamedTuple):
@@ -142,9 +146,17 @@ def reset_all() -> None:
     re-graphing a whole model.  Later calls of a reset callable raise (a
     graphed step captures again on its next call; a module whose forward
     cgraph had set to the graphed callable, graph_layers' blocks among
-    them, runs its own forward again).  It also runs at
-    interpreter exit, so graphs are freed while CUDA is still up.
+    them, runs its own forward again).  Its graphs are also freed at
+    interpreter exit, while CUDA is still up.
     """
+    for step in list(_live_steps):
+        step.reset()
+    _reset_graphs()
+
+
+def _reset_graphs() -> None:
+    """reset_all's graphs; alone at interpreter exit, where nothing reads a
+    step's optimizer state again, so none is copied out of its pool."""
     for graphed in list(_live):
         graphed.reset()
         _fsdp.release(graphed)
@@ -165,7 +177,7 @@ def _on_event(event: str, graphed) -> None:
                 _uninstall_forward(graphed)
 
 
-atexit.register(reset_all)
+atexit.register(_reset_graphs)
 _C.set_event_hook(_on_event)
 _log.configure_from_environment()
 

@@ -139,7 +139,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils import _pytree as pytree
 
 from . import _C, _dtensor, _fsdp, _log, _optim, _ranks
-from ._api import _live, _pool_id, _require_cuda
+from ._api import _live, _live_steps, _pool_id, _require_cuda
 from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
                        asked_by_the_compiler, graph, one_setup_at_a_time, patched)
 from ._ddp import DDPInStep
@@ -641,6 +641,7 @@ class GraphedStep:
             _log.step_state_made_at_capture(self, [m.optimizer for m in self.made_at_capture])
         self.containers = [_Containers.of(opt) for opt in list(self.optimizers)]
         _live.add(self.graphed)
+        _live_steps.add(self)
         self.stats["captures"] += 1
         _log.step_captured(self, recapture, time.perf_counter() - started)
         return True

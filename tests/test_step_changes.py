@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, assert_equal
+from _helpers import CUDA, assert_equal, in_pool
 from cgraph import _C
 from cgraph._modes import Modes
 from cgraph._step import (_forget, _lrs, _out_of_the_pool, _Outputs, _refuse_lrs_moved_inside,
@@ -269,6 +269,32 @@ def test_a_layer_unfrozen_between_warm_up_and_capture_gets_its_state_once(name, 
         t.call(i)
     t.assert_same_training()
     assert t.step.stats == {"eager": 1, "captures": 2, "replays": 6}, t.step.stats
+
+
+@pytest.mark.gpu
+def test_reset_all_moves_the_state_a_capture_made_out_of_its_pool():
+    """cgraph.reset_all() resets a graphed step through the step's own
+    reset(): the optimizer state its capture made (model[0] unfrozen after
+    the warm-up) gets memory of its own, with the replay's values, before
+    the pool goes.  Before, reset_all reset the step's graph alone, and that
+    state was left allocated in the released pool (unsafe under expandable
+    segments: Note [A step's warm-up in its pool], csrc/aten_setup.cpp).
+    The step then captures again and trains as eager."""
+    t = Twins("sgd-momentum", frozen=True)
+    t.call(0)
+    t.each(lambda m: m[0].requires_grad_(True))
+    t.call(1)
+    pool = t.step.graphed.pool
+    made = t.opts[0].state[t.model[0].weight]["momentum_buffer"]
+    assert in_pool(made, pool), "the capture made model[0]'s momentum buffer in its pool"
+    cgraph.reset_all()
+    moved = t.opts[0].state[t.model[0].weight]["momentum_buffer"]
+    assert moved is not made and not in_pool(moved, pool)
+    t.assert_same_training()
+    for i in range(2, 6):
+        t.call(i)
+    t.assert_same_training()
+    assert t.step.stats == {"eager": 1, "captures": 2, "replays": 5}, t.step.stats
 
 
 @pytest.mark.gpu
