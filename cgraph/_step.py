@@ -632,7 +632,7 @@ class GraphedStep:
             took.other_grads.captured(self.grads.cleared)
             self.since = SinceCapture(took.grad_mode,
                                       Marks(self.grads.params, took.roots, self.grads.label),
-                                      took.modes, took.sync, took.other_grads)
+                                      took.modes, took.sync, took.other_grads, self.grads)
         except BaseException:
             self._undo(took, put_back)
             raise

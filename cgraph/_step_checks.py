@@ -186,14 +186,16 @@ class SinceCapture:
     first, in the order asked: the grad mode around the call (grad_mode()),
     the tensors it reads (Marks), the modes of the modules it names (Modes,
     cgraph/_modes.py), their grad sync (GradSync) and the grads no
-    optimizer of it holds (OtherGrads)."""
+    optimizer of it holds (OtherGrads), then the grads of its optimizers'
+    parameters that the graph makes (StepGrads.made: rule 4 of Note [Grads
+    around a graphed step] in cgraph/_step_grads.py)."""
 
-    __slots__ = ("grad_mode", "marks", "modes", "sync", "other_grads")
+    __slots__ = ("grad_mode", "marks", "modes", "sync", "other_grads", "step_grads")
 
     def __init__(self, grad_mode: tuple[bool, bool], marks: "Marks", modes: Modes,
-                 sync: "GradSync", other_grads: "OtherGrads"):
+                 sync: "GradSync", other_grads: "OtherGrads", step_grads=None):
         self.grad_mode, self.marks, self.modes = grad_mode, marks, modes
-        self.sync, self.other_grads = sync, other_grads
+        self.sync, self.other_grads, self.step_grads = sync, other_grads, step_grads
 
     def first_changed(self) -> Change | None:
         """The first change since capture, or None (a native compare or two
@@ -216,6 +218,10 @@ class SinceCapture:
         label = self.other_grads.first_changed()
         if label is not None:
             return Change(f"the grad of {label}", "was set or cleared outside the step", "grads")
+        label = self.step_grads.first_made_outside() if self.step_grads is not None else None
+        if label is not None:
+            return Change(f"the grad of {label}", "was made outside the step, where its graph "
+                          "makes it anew", "grads")
         return None
 
 

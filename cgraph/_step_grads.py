@@ -29,6 +29,17 @@ A: By what the capture saw of the step's optimizers' parameters when each
       held one, or None where the step set it to None (``zero_grad()``
       after ``optimizer.step()``), as the eager step would leave it,
       whatever code outside set between calls.
+   4. Grads the step makes: a parameter whose grad was None when the
+      capture began and is a tensor when its optimizer steps, the step not
+      having cleared it.  The graph assigns that grad, where an eager
+      backward adds into a grad made outside before the call (micro-batches
+      accumulated outside from some call on: a batch-size ramp-up, an
+      auxiliary loss every few steps).  So before a replay, such a parameter
+      with a grad is a change since capture: that call steps eagerly and the
+      next captures again, holding the grad made outside (rule 1), as Note
+      [Grads no optimizer of the step holds] (cgraph/_step_checks.py) does
+      for the grads no optimizer of the step holds.  Before, the grad made
+      outside was dropped, silently.
    Clearing is ``zero_grad()`` of an optimizer or a module inside the step,
    to None or in place: the graph then makes those grads, or zeroes and
    accumulates into them, and reads nothing they held before.  A grad
@@ -81,21 +92,24 @@ class StepGrads:
     parameters whose grads were made outside the step and the grads the
     graph reads (rule 1); ``skipped``: those it never steps (rule 2);
     ``expected``: the grads held and skipped parameters must have before a
-    replay, as (parameters, grads).  Aligned tuples, not pairs, so that each
+    replay, as (parameters, grads); ``made``: the parameters whose grads
+    the graph makes where they were None (rule 4).  Aligned tuples, not pairs, so that each
     check is one native call.  ``labels``: each parameter's name for errors,
     by id."""
 
-    __slots__ = ("params", "after", "held", "held_grads", "skipped", "expected", "labels",
-                 "copied", "cleared")
+    __slots__ = ("params", "after", "held", "held_grads", "skipped", "expected", "made",
+                 "made_none", "labels", "copied", "cleared")
 
     def __init__(self, params: tuple, held: dict, skipped: dict, labels: dict,
-                 cleared: frozenset = frozenset()):
+                 cleared: frozenset = frozenset(), made: dict | None = None):
         self.params, self.after = params, tuple(map(_GRAD, params))
         self.held = tuple(p for p, _ in held.values())
         self.held_grads = tuple(g for _, g in held.values())
         self.skipped = tuple(skipped.values())
         self.expected = (self.held + self.skipped,
                          self.held_grads + (None,) * len(self.skipped))
+        self.made = tuple((made or {}).values())
+        self.made_none = (None,) * len(self.made)
         self.labels = labels
         self.copied = False  # logged that grads made outside are copied in
         # The ids of every parameter whose grads a zero_grad() in the capture
@@ -119,6 +133,7 @@ class StepGrads:
         cleared: set = set()  # ids of parameters whose grads the step cleared
         held: dict = {}  # id -> (param, grad): rule 1
         skipped: dict = {}  # id -> param: rule 2
+        made: dict = {}  # id -> param: rule 4
 
         def stepped(optimizer, args, kwargs):
             for p in _params_of(optimizer):
@@ -130,13 +145,15 @@ class StepGrads:
                     skipped[key] = p
                 elif was is not None and was() is grad:
                     held[key] = (p, grad)
+                elif was is None:
+                    made[key] = p
 
         handle = register_optimizer_step_post_hook(stepped)
         try:
             with patched(_noting_clears(cleared)):
                 yield
             into.append(cls(tuple(p for opt in optimizers for p in _params_of(opt)), held,
-                            skipped, labels, frozenset(cleared)))
+                            skipped, labels, frozenset(cleared), made))
         finally:
             handle.remove()
             # The capturing call replays next: it reads the grads it began with.
@@ -180,6 +197,14 @@ class StepGrads:
         if not self.copied:
             self.copied = True
             _log.step_grads_copied(len(moved), len(self.held))
+
+    def first_made_outside(self) -> str | None:
+        """Rule 4, before a replay: the label of the first parameter whose
+        grad the graph makes that has a grad now, or None (one native
+        pointer compare per such parameter)."""
+        if _C.grads_are(self.made, self.made_none):
+            return None
+        return self.label(next(p for p in self.made if p.grad is not None))
 
     def label(self, p) -> str:
         return self.labels.get(id(p), "a parameter of another optimizer")

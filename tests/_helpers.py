@@ -79,6 +79,12 @@ def twin(x):
     return x.detach().clone().requires_grad_(x.requires_grad)
 
 
+def assert_logged(caplog, *parts):
+    """One of cgraph's log records says every one of `parts`."""
+    messages = [r.getMessage() for r in caplog.records if r.name == "cgraph"]
+    assert any(all(part in m for part in parts) for m in messages), (parts, messages)
+
+
 def pool_segments(pool):
     return [s for s in torch.cuda.memory_snapshot()
             if tuple(s.get("segment_pool_id", (0, 0))) == tuple(pool)]

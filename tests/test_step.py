@@ -8,6 +8,7 @@ float32 tolerance stated where the optimizer's math differs."""
 import contextlib
 import copy
 import functools
+import logging
 import os
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, ROOT, assert_equal, inductor_deterministic, state_as_captured
+from _helpers import (CUDA, ROOT, assert_equal, assert_logged, inductor_deterministic,
+                      state_as_captured)
 
 pytestmark = pytest.mark.gpu
 
@@ -1134,6 +1136,46 @@ def test_micro_batches_accumulated_outside_the_step_and_grads_cleared_inside_mat
             assert_equal(p, q, f"parameter {n} after step {i // 2}")
             assert p.grad is None and q.grad is None, (p.grad, q.grad)
     assert graphed.stats == {"eager": 1, "captures": 1, "replays": 3}, graphed.stats
+
+
+def test_micro_batches_outside_from_a_later_call_on_are_added_as_eager(caplog):
+    """Backward, step and zero_grad() inside, captured while no micro-batch
+    ran outside (a batch-size ramp-up, an auxiliary loss every few steps):
+    the graph makes the grads.  A call after a backward outside steps
+    eagerly (logged) and the next captures again, holding the grads made
+    outside: eager's results, bitwise.  Before, every replay dropped the
+    grads made outside, silently (rule 4 of Note [Grads around a graphed
+    step])."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
+
+    def finish(net, opt):
+        def step(x, y):
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+        return step
+
+    graphed = cgraph.make_graphed_step(finish(model, opts[0]), batches[0], num_warmup_iters=1)
+    plain = finish(eager, opts[1])
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        for i, (x, y) in enumerate(batches):
+            losses = []
+            for net, step in ((model, graphed), (eager, plain)):
+                if i >= 3:  # the ramp-up's end: a micro-batch outside from here on
+                    outside_backward(net, *batches[i - 1])
+                losses.append(step(x, y))
+            assert_equal(*losses, f"loss of call {i}")
+            for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+                assert_equal(p, q, f"parameter {n} after call {i}")
+                assert p.grad is None and q.grad is None, (p.grad, q.grad)
+    assert_logged(caplog, "the grad of parameter 0 of param group 0 of AdamW",
+                  "was made outside the step")
+    assert graphed.stats == {"eager": 2, "captures": 2, "replays": len(batches) - 2}, \
+        graphed.stats
 
 
 def test_grads_set_to_none_between_calls_are_the_steps_own_after_each_replay():

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, assert_equal, in_pool
+from _helpers import CUDA, assert_equal, assert_logged, in_pool
 from cgraph import _C
 from cgraph._modes import Modes
 from cgraph._step import (_forget, _lrs, _out_of_the_pool, _Outputs, _refuse_lrs_moved_inside,
@@ -124,12 +124,6 @@ def assert_warmed_up_again(t, caplog, change):
     assert t.step.stats == {"eager": 2, "captures": 2, "replays": 5}, t.step.stats
     label = f"parameter 0 of param group 0 of {type(t.opts[0]).__name__}"
     assert_logged(caplog, label, f"{change} since capture")
-
-
-def assert_logged(caplog, *parts):
-    """One of cgraph's log records says every one of `parts`."""
-    messages = [r.getMessage() for r in caplog.records if r.name == "cgraph"]
-    assert any(all(part in m for part in parts) for m in messages), (parts, messages)
 
 
 def snapshot(module):

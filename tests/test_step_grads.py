@@ -57,6 +57,33 @@ def test_grads_made_outside_an_optimizer_step_are_held_and_refilled_before_each_
     assert [p.grad for p in model.parameters()] == before
 
 
+def test_grads_the_step_makes_where_none_were_are_noted_and_one_made_outside_is_seen():
+    """Rule 4: backward, step, zero_grad() at its end, captured with no
+    grad made outside: the graph makes (assigns) those grads.  A grad made
+    outside before a later call is named, so that call steps eagerly (an
+    eager backward adds into it); None or a grad the step cleared is not."""
+    model, opt = model_and_optimizer()
+
+    def step():
+        backward(model, 1)
+        opt.step()
+        opt.zero_grad()
+    grads = noted(opt, step)
+    assert grads.made == tuple(model.parameters()) and not grads.held and not grads.skipped
+    assert grads.first_made_outside() is None
+    backward(model, 2)  # a micro-batch outside, from this call on
+    assert grads.first_made_outside() == "parameter 0 of param group 0 of SGD"
+    opt.zero_grad()
+
+    def cleared_first():
+        opt.zero_grad()
+        backward(model, 1)
+        opt.step()
+    grads = noted(opt, cleared_first)
+    backward(model, 2)  # dropped by the step's own zero_grad(), as in eager
+    assert grads.made == () and grads.first_made_outside() is None
+
+
 def test_a_grad_of_none_at_a_replay_raises_naming_the_parameter():
     model, opt = model_and_optimizer()
     backward(model, 1)
