@@ -40,6 +40,9 @@ the session ends, also when warm-up or capture raised:
    their graphs cannot run inside a capture.  Where they recorded before
    (a training step's eager warm-up), their replay would first sync, and
    the failure would read as a sync instead of naming them.
+8. A registered buffer assigned a new tensor (``self.ema = 0.9 * self.ema +
+   0.1 * x.mean(0)``) is updated in place instead, where the two are alike:
+   Note [A buffer assigned anew during set-up] below.
 
 A training step's eager warm-up calls (cgraph/_step.py) run under items 1
 and 6 too: compiled code guards on such global state, and would otherwise
@@ -58,6 +61,7 @@ from typing import Iterator, NamedTuple, Sequence
 
 import torch
 import torch.utils.checkpoint as checkpoint_module
+from torch import nn
 
 from . import _C, _log
 from ._describe import Draft, StateCheck, device_of
@@ -103,8 +107,67 @@ def capture_session(specs: Sequence[_C.CallableSpec],
     """The patches of Note [Patches during capture], for these callables."""
     reentrant = _reentrant_regions_checked(specs) if reentrant_checked else contextlib.nullcontext()
     with one_setup_at_a_time(), _rng_stream_kept(specs), _autocast_cache_off(), _rng_hooks(), \
-            reentrant, _donated_buffers_off(), _cudagraph_trees_refused():
+            reentrant, _donated_buffers_off(), _cudagraph_trees_refused(), \
+            _buffers_kept_in_place():
         yield
+
+
+# Note [A buffer assigned anew during set-up]
+# Q: A forward that assigns a registered buffer a new tensor each call (an
+#    EMA, a step counter, VQ-VAE's codebook statistics) rather than
+#    updating it in place: what does a graph of it do?
+# A: Left alone, wrong, silently.  The capture records a read of the tensor
+#    the buffer was as the capture began and a write into a new tensor of
+#    the graph's pool, which becomes the buffer.  Every replay then reads
+#    the first tensor (freed once nothing holds it: its memory reused) and
+#    writes the second, so the buffer never accumulates; and the warm-up's
+#    updates stay in the module, because the set-up puts buffers back by
+#    copying into the tensors it saved (Note [A set-up puts back what it
+#    changed], csrc/aten_setup.cpp), which the module no longer holds.  So
+#    while a set-up is under way, a buffer assigned a tensor alike to the one
+#    it holds (a plain strided tensor of the same shape, dtype and device,
+#    neither requiring grad, not sharing its memory) keeps its tensor, with
+#    the new values copied in (a global buffer-registration hook, torch's
+#    nn.Module API): the warm-up is put back, and the graph reads and
+#    writes one tensor, the module's, as eager reads and then replaces it.
+#    Logged once per module class and buffer.  What differs from eager: the
+#    buffer is the same tensor after each call, so a reference to it taken
+#    before a call sees the new values.  An assignment of another shape,
+#    dtype or kind (a cache that grows) still replaces the buffer; at a
+#    capture it is warned of, once per buffer: the graph would read the
+#    tensor it replaced.  A plain tensor attribute (not a registered buffer)
+#    is not seen: cgraph.explain reports it (kind "state").
+@contextlib.contextmanager
+def _buffers_kept_in_place() -> Iterator[None]:
+    """Item 8 of Note [Patches during capture]."""
+    def assigned(module: nn.Module, name: str, new):
+        old = module._buffers.get(name)
+        if old is None or new is None or new is old:
+            return None
+        if not _alike(old, new):
+            if getattr(new, "is_cuda", False) and torch.cuda.is_current_stream_capturing():
+                _log.buffer_replaced_at_capture(module, name)
+            return None
+        with torch.no_grad():
+            old.copy_(new)
+        _log.buffer_kept_in_place(module, name)
+        return old
+
+    handle = nn.modules.module.register_module_buffer_registration_hook(assigned)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _alike(old, new) -> bool:
+    """Whether buffer `old` can take `new`'s values in place (Note [A buffer
+    assigned anew during set-up])."""
+    return (type(old) is torch.Tensor and type(new) is torch.Tensor
+            and old.layout == torch.strided and new.layout == torch.strided
+            and not old.requires_grad and not new.requires_grad
+            and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+            and old.untyped_storage().data_ptr() != new.untyped_storage().data_ptr())
 
 
 # Note [One set-up at a time]

@@ -102,6 +102,36 @@ def cache_call_eager(graphed) -> None:
              describe(graphed))
 
 
+# (module class, buffer name) pairs already logged: Note [A buffer assigned
+# anew during set-up] (cgraph/_capture.py).
+_told_buffers: set = set()
+
+
+def buffer_kept_in_place(module, name: str) -> None:
+    """A set-up's call assigned a buffer a new tensor alike to its own: its
+    values were copied in instead; logged once per module class and name."""
+    key = (type(module).__qualname__, name, "kept")
+    if key not in _told_buffers:
+        _told_buffers.add(key)
+        log.info("%s.%s was assigned a new tensor while graphed; its values were copied "
+                 "into the buffer instead, so that the graph reads and writes one tensor "
+                 "(Note [A buffer assigned anew during set-up]). Logged once.",
+                 type(module).__name__, name)
+
+
+def buffer_replaced_at_capture(module, name: str) -> None:
+    """A capture assigned a buffer a tensor unlike its own (another shape,
+    dtype or kind): a warning, once per module class and name."""
+    key = (type(module).__qualname__, name, "replaced")
+    if key not in _told_buffers:
+        _told_buffers.add(key)
+        log.warning("%s.%s was assigned a new tensor of another shape, dtype or kind during "
+                    "a capture: each replay writes that tensor but reads the one it replaced, "
+                    "as the capture began. If the new value depends on the old, update the "
+                    "buffer in place (self.%s.copy_(new), or mul_/add_) and keep its shape "
+                    "and dtype. Logged once.", type(module).__name__, name, name)
+
+
 def captured(graphed, captured, why: str, samples, seconds: float) -> None:
     """A graph captured after the first (cgraph/_regraph.py): `captured`,
     which `graphed` adopts as its latest graph once this returns."""

@@ -481,6 +481,31 @@ def test_capture_session_patches_are_removed_even_after_an_error():
             torch.cuda.manual_seed, torch.autograd.backward) == originals
 
 
+def test_a_buffer_assigned_anew_in_a_set_up_keeps_its_tensor_where_alike():
+    """Note [A buffer assigned anew during set-up] (cgraph/_capture.py), on
+    the CPU: inside a capture session a buffer assigned a tensor of its own
+    shape, dtype and device keeps its tensor, with the new values; one of
+    another shape, or one that requires grad, is replaced as in eager, and
+    so is every buffer once the session is over."""
+    from cgraph import _capture
+
+    module = torch.nn.Module()
+    module.register_buffer("ema", torch.zeros(3))
+    module.register_buffer("table", torch.zeros(2))
+    ema, table = module.ema, module.table
+    with _capture.capture_session(()):
+        module.ema = 0.5 * module.ema + torch.ones(3)
+        assert module.ema is ema and torch.equal(ema, torch.ones(3))
+        module.table = torch.ones(4)  # a cache that grows
+        assert module.table is not table and module.table.shape == (4,)
+        module.ema = torch.ones(3, requires_grad=True) * 2
+        assert module.ema is not ema
+        module.register_buffer("new", torch.ones(1))  # a new name: registered as it is
+    module.ema = ema
+    module.ema = torch.full((3,), 7.0)  # outside a set-up: eager's replacement
+    assert module.ema is not ema and torch.equal(ema, torch.ones(3))
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_clear_error_without_cuda():
     with pytest.raises(RuntimeError, match="no CUDA device"):

@@ -15,6 +15,7 @@ import collections
 import copy
 import enum
 import gc
+import logging
 
 import pytest
 import torch
@@ -728,6 +729,52 @@ class _CachesOnFirstCall(nn.Module):
         if not hasattr(self, "table"):
             self.register_buffer("table", torch.linspace(0, 1, 16, device=x.device))
         return self.linear(x) * self.table
+
+
+class _AssignsItsBuffers(nn.Module):
+    """A forward that assigns its buffers new tensors at every call, as
+    hand-written running statistics do: an EMA of the inputs' mean, which
+    the output reads, and a call count."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.register_buffer("ema", torch.zeros(16))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.ema = 0.9 * self.ema + 0.1 * x.mean(0)
+            self.calls = self.calls + 1
+        return self.linear(x) * self.ema
+
+
+@pytest.mark.parametrize("samples", [True, False], ids=["with_samples", "first_call"])
+def test_buffers_assigned_anew_by_the_forward_accumulate_as_in_eager(samples, caplog):
+    """Note [A buffer assigned anew during set-up] (cgraph/_capture.py): the
+    buffers keep their tensors, the warm-up's updates are put back, and
+    every replay reads and updates them: outputs, grads and buffers equal
+    eager's, call for call.  Before, each replay read the tensor the capture
+    began with (freed since) and the warm-up's updates stayed."""
+    torch.manual_seed(0)
+    model = _AssignsItsBuffers().to(CUDA)
+    eager = copy.deepcopy(model)
+    ema = model.ema
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        graphed = cgraph.make_graphed(
+            model, (torch.randn(4, 16, device=CUDA, requires_grad=True),) if samples else None)
+        for step in range(4):
+            xs = torch.randn(4, 16, device=CUDA)
+            out, out_e = graphed(xs), eager(xs)
+            assert_equal(out, out_e, f"call {step}")
+            backward_as_eager(out, out_e)
+            assert_grads_equal(model, eager, step)
+            assert_equal(model.ema, eager.ema, f"ema after call {step}")
+            assert_equal(model.calls, eager.calls, f"calls after call {step}")
+    assert model.ema is ema
+    assert graphed.stats["forward"] == 4 and graphed.num_graphs == 1, graphed.stats
+    assert any("_AssignsItsBuffers.ema was assigned a new tensor" in r.getMessage()
+               for r in caplog.records)
 
 
 @pytest.mark.parametrize("samples", [True, False], ids=["with_samples", "first_call"])

@@ -1178,6 +1178,39 @@ def test_micro_batches_outside_from_a_later_call_on_are_added_as_eager(caplog):
         graphed.stats
 
 
+class _RunningMean(nn.Module):
+    """Scales its input by a running mean of it, assigned anew each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mean", torch.ones(32))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.mean = 0.8 * self.mean + 0.2 * x.abs().mean(0)
+        return x / self.mean
+
+
+def test_a_buffer_the_forward_assigns_anew_accumulates_inside_a_graphed_step():
+    """Note [A buffer assigned anew during set-up] (cgraph/_capture.py) in a
+    step graphed whole: its capture keeps the buffer's tensor, so replays
+    read and update the module's running mean; loss, parameters and the
+    buffer equal eager's, bitwise.  Before, every replay read the tensor the
+    capture began with."""
+    model, batches = model_and_data(dropout=0.0)
+    model = nn.Sequential(_RunningMean(), *model).to(CUDA)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1, fused=True) for m in (model, eager)]
+    step = cgraph.make_graphed_step(make_step(model, opts[0]), batches[0], num_warmup_iters=1)
+    plain = make_step(eager, opts[1])
+    for i, (x, y) in enumerate(batches):
+        assert_equal(step(x, y), plain(x, y), f"loss of call {i}")
+        assert_equal(model[0].mean, eager[0].mean, f"running mean after call {i}")
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_equal(p, q, f"parameter {n} after call {i}")
+    assert step.stats == {"eager": 1, "captures": 1, "replays": len(batches) - 1}, step.stats
+
+
 def test_grads_set_to_none_between_calls_are_the_steps_own_after_each_replay():
     """zero_grad() outside the step as well as inside: after each call the
     parameters hold that step's grads, as after an eager step (before,
