@@ -146,20 +146,36 @@ def reset_all() -> None:
     re-graphing a whole model.  Later calls of a reset callable raise (a
     graphed step captures again on its next call; a module whose forward
     cgraph had set to the graphed callable, graph_layers' blocks among
-    them, runs its own forward again).  Its graphs are also freed at
-    interpreter exit, while CUDA is still up.
+    them, runs its own forward again).  A graphed step is reset through its
+    own ``reset()``, which first copies the optimizer state its capture made
+    out of its pool; where that copy fails (out of memory), every graph is
+    still freed, and then the error is raised.  The graphs alone are also
+    freed at interpreter exit, while CUDA is still up.
     """
+    failed = []
     for step in list(_live_steps):
-        step.reset()
+        try:
+            step.reset()
+        except Exception as e:  # its graph is freed all the same (GraphedStep._free)
+            failed.append(e)
     _reset_graphs()
+    if failed:  # every graph freed first
+        raise failed[0]
 
 
 def _reset_graphs() -> None:
-    """reset_all's graphs; alone at interpreter exit, where nothing reads a
-    step's optimizer state again, so none is copied out of its pool."""
+    """reset_all's graphs."""
     for graphed in list(_live):
         graphed.reset()
         _fsdp.release(graphed)
+
+
+def _at_exit() -> None:
+    """The graphs freed while CUDA is up; nothing else, since nothing reads
+    an output, a grad or a step's optimizer state again: no copies, no
+    pool emptied (Note [Resets at exit] in csrc/aten_reset.cpp)."""
+    _C.exiting()
+    _reset_graphs()
 
 
 def _on_event(event: str, graphed) -> None:
@@ -177,7 +193,7 @@ def _on_event(event: str, graphed) -> None:
                 _uninstall_forward(graphed)
 
 
-atexit.register(_reset_graphs)
+atexit.register(_at_exit)
 _C.set_event_hook(_on_event)
 _log.configure_from_environment()
 

@@ -959,13 +959,15 @@ class GraphedStep:
         self._free()  # keeps self.containers: a change before the next call is still seen
 
     def _free(self) -> None:
-        _out_of_the_pool(self.made_at_capture)  # before that pool goes
-        self.made_at_capture = []
-        if self.graphed is not None:
-            self.graphed.reset()
-        self.graphed, self.static, self.outputs, self.groups = None, None, None, []
-        self.since = None
-        self.grads, self.scaler_factors = None, []
+        try:
+            _out_of_the_pool(self.made_at_capture)  # before that pool goes
+        finally:  # the graph freed even where a copy ran out of memory
+            self.made_at_capture = []
+            if self.graphed is not None:
+                self.graphed.reset()
+            self.graphed, self.static, self.outputs, self.groups = None, None, None, []
+            self.since = None
+            self.grads, self.scaler_factors = None, []
 
     def __repr__(self) -> str:
         name = getattr(self.fn, "__qualname__", type(self.fn).__name__)

@@ -304,7 +304,8 @@ void launch_list(bool add, const std::vector<at::Tensor>& stores,
                  const std::vector<at::Tensor>& sources);
 // Whether the interpreter is shutting down, when nothing replays any more
 // and CUDA may be gone (aten_reset.cpp).
-bool interpreter_finalizing();
+bool interpreter_finalizing();  // or exiting: Note [Resets at exit], aten_reset.cpp
+void note_exiting() noexcept;
 
 // The ways the backward graph fills its buffer for one incoming grad itself:
 // Note [Incoming grads] (aten_backward.cpp).

@@ -468,6 +468,10 @@ void cg_engine_reset(cg_engine* engine) {
   engine->ptr->reset();
 }
 
+void cg_exiting(void) {
+  cgraph::note_exiting();
+}
+
 // ---- introspection ---------------------------------------------------------------
 
 cg_pool cg_engine_pool(const cg_engine* engine) {

@@ -2,6 +2,8 @@
 // static tensors and pool memory given back.  Never throws.
 #include "aten_engine.hpp"
 
+#include <atomic>
+
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGraphsC10Utils.h>
@@ -89,8 +91,29 @@ bool may_empty_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) {
 
 }  // namespace
 
+// Note [Resets at exit]
+// Q: cgraph's atexit hook resets every live graph, so that graphs (and the NCCL
+//    communicator references a captured collective holds) are freed while CUDA is
+//    up.  What of the rest of a reset there?
+// A: Nothing reads an output, a grad or the pool's memory after exit, so it
+//    is skipped, as during the interpreter's finalization: the copies that give
+//    held outputs and grads memory of their own (the memory they take can run
+//    out, and then each warns), and the emptying of the pool with its device
+//    synchronization (under expandable segments, or cudaFree's own), which
+//    would wait forever on a replayed collective whose peer died (Ctrl-C after
+//    a rank failed: a graph's collective has no Work for NCCL's watchdog to
+//    time out).  The driver takes the memory back with the process.
+std::atomic<bool> exiting{false};
+
+void note_exiting() noexcept {
+  exiting.store(true, std::memory_order_relaxed);
+}
+
 // Py_IsFinalizing is public API from Python 3.13.
 bool interpreter_finalizing() {
+  if (exiting.load(std::memory_order_relaxed)) {
+    return true;
+  }
 #if PY_VERSION_HEX >= 0x030D0000
   return Py_IsFinalizing() != 0;
 #else
@@ -113,7 +136,7 @@ void Engine::hand_back_held() noexcept {
 // An explicit reset: the pool's memory goes back to the device now, not when
 // the tensors the caller holds die.
 void Engine::reset() noexcept {
-  if (alive_) {
+  if (alive_ && !interpreter_finalizing()) {  // Note [Resets at exit]
     hand_back_held();
   }
   tear_down();
@@ -143,7 +166,8 @@ void Engine::tear_down() noexcept {
     fwd.reset();
     bwd.reset();
     blas_workspace.reset();  // after the graphs that write it
-    if ((pool.first != 0 || pool.second != 0) && may_empty_pool(device, pool)) {
+    if ((pool.first != 0 || pool.second != 0) && !interpreter_finalizing() &&
+        may_empty_pool(device, pool)) {
       empty_pool_cache(pool, 0);
     }
   } catch (const std::exception& e) {

@@ -408,6 +408,12 @@ int cg_rng_set_state(PyObject *state, int device, cg_failure *failure);
  * replays raise; backward of an earlier call raises.  Never raises. */
 void cg_engine_reset(cg_engine *engine);
 
+/* From now on the interpreter is exiting (cgraph's atexit hook): resets and
+ * dropped engines free their graphs only, as during finalization: no copies
+ * of held outputs and grads, no device synchronization, no pool emptied
+ * (Note [Resets at exit], aten_reset.cpp).  Never raises. */
+void cg_exiting(void);
+
 /* ---- introspection (aten_inspect.cpp) ------------------------------------ */
 
 /* The pool this engine's graphs live in. */

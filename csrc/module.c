@@ -24,6 +24,7 @@
  *     def rng_get_state(device: int) -> Tensor | None: ...   # aten_rng.cpp
  *     def rng_set_state(state: Tensor, device: int) -> bool: ...
  *     def modules_changed() -> None: ...      # see cg_state.module_epoch
+ *     def exiting() -> None: ...   # Note [Resets at exit], aten_reset.cpp
  *     def set_event_hook(hook) -> None: ...   # cgraph/_log.py
  *     def _debug(on=None, fault=None) -> bool: ...  # aten_checks.cpp
  *     def new_graphed(on_miss, max_graphs=1, *, first=None, shared_pool=None,
@@ -242,6 +243,19 @@ static PyObject *
 cgm_modules_changed(PyObject *module, PyObject *unused)
 {
     get_state(module)->module_epoch++;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(cgm_exiting_doc,
+"exiting() -> None\n\n"
+"Called by cgraph's atexit hook before it resets every graph: from then on a\n"
+"reset frees graphs only (Note [Resets at exit] in csrc/aten_reset.cpp).");
+
+/* Returns a NEW reference (None). */
+static PyObject *
+cgm_exiting(PyObject *module, PyObject *unused)
+{
+    cg_exiting();
     Py_RETURN_NONE;
 }
 
@@ -678,6 +692,7 @@ static PyMethodDef cgm_methods[] = {
     {"rng_get_state", cgm_rng_get_state, METH_VARARGS, cgm_rng_get_state_doc},
     {"rng_set_state", cgm_rng_set_state, METH_VARARGS, cgm_rng_set_state_doc},
     {"modules_changed", cgm_modules_changed, METH_NOARGS, cgm_modules_changed_doc},
+    {"exiting", cgm_exiting, METH_NOARGS, cgm_exiting_doc},
     {"set_event_hook", cgm_set_event_hook, METH_O, cgm_set_event_hook_doc},
     {"_debug", (PyCFunction)(void (*)(void))cgm_debug, METH_VARARGS | METH_KEYWORDS,
      cgm_debug_doc},
