@@ -44,8 +44,8 @@ the session ends, also when warm-up or capture raised:
    0.1 * x.mean(0)``) is updated in place instead, where the two are alike:
    Note [A buffer assigned anew during set-up] below.
 
-A training step's eager warm-up calls (cgraph/_step.py) run under items 1
-and 6 too: compiled code guards on such global state, and would otherwise
+A training step's eager warm-up calls (cgraph/_step.py) run under items 1,
+6 and 8 too: compiled code guards on such global state, and would otherwise
 compile again inside the capture.
 
 Refusals raise _C.Refusal(message, kind), which the capture turns into a
@@ -132,32 +132,53 @@ def capture_session(specs: Sequence[_C.CallableSpec],
 #    writes one tensor, the module's, as eager reads and then replaces it.
 #    Logged once per module class and buffer.  What differs from eager: the
 #    buffer is the same tensor after each call, so a reference to it taken
-#    before a call sees the new values.  An assignment of another shape,
-#    dtype or kind (a cache that grows) still replaces the buffer; at a
-#    capture it is warned of, once per buffer: the graph would read the
-#    tensor it replaced.  A plain tensor attribute (not a registered buffer)
-#    is not seen: cgraph.explain reports it (kind "state").
+#    before a call sees the new values.  Replaced as in eager, not copied
+#    into: a buffer whose tensor the module holds under another name too (a
+#    swap, ``self.a, self.b = self.b, self.a``; Hugging Face's rotary
+#    ``original_inv_freq``, a plain attribute holding the first
+#    ``inv_freq``), which a copy would overwrite; an inference tensor
+#    outside inference mode, or one whose elements share memory, which
+#    refuse the copy; and a tensor of another shape, dtype or kind (a cache
+#    that grows), warned of at a capture, once per buffer: the graph would
+#    read the tensor it replaced.  Not seen: an alias held elsewhere than on
+#    the module (it gets the new values), and a plain tensor attribute (not
+#    a registered buffer: cgraph.explain reports it, kind "state").  Also
+#    around a graphed step's eager warm-up calls, so that compiled code sees
+#    the same global hooks there as in the capture; dynamo does not trace
+#    the hook (torch.compiler.disable).
 @contextlib.contextmanager
 def _buffers_kept_in_place() -> Iterator[None]:
     """Item 8 of Note [Patches during capture]."""
-    def assigned(module: nn.Module, name: str, new):
-        old = module._buffers.get(name)
-        if old is None or new is None or new is old:
-            return None
-        if not _alike(old, new):
-            if getattr(new, "is_cuda", False) and torch.cuda.is_current_stream_capturing():
-                _log.buffer_replaced_at_capture(module, name)
-            return None
-        with torch.no_grad():
-            old.copy_(new)
-        _log.buffer_kept_in_place(module, name)
-        return old
-
-    handle = nn.modules.module.register_module_buffer_registration_hook(assigned)
+    handle = nn.modules.module.register_module_buffer_registration_hook(_assigned)
     try:
         yield
     finally:
         handle.remove()
+
+
+@torch.compiler.disable
+def _assigned(module: nn.Module, name: str, new):
+    """The registration hook of Note [A buffer assigned anew during set-up]:
+    the buffer's own tensor with `new`'s values, or None (replaced)."""
+    old = module._buffers.get(name)
+    if old is None or new is None or new is old or _held_twice(module, name, old, new):
+        return None
+    if not _alike(old, new):
+        if getattr(new, "is_cuda", False) and torch.cuda.is_current_stream_capturing():
+            _log.buffer_replaced_at_capture(module, name)
+        return None
+    with torch.no_grad():
+        old.copy_(new)
+    _log.buffer_kept_in_place(module, name)
+    return old
+
+
+def _held_twice(module: nn.Module, name: str, old, new) -> bool:
+    """Whether `module` holds `old` or `new` under another name than the
+    buffer `name` (a swap, an alias attribute)."""
+    others = [t for n, t in module._buffers.items() if n != name]
+    others += [v for v in vars(module).values() if isinstance(v, torch.Tensor)]
+    return any(t is old or t is new for t in others)
 
 
 def _alike(old, new) -> bool:
@@ -167,6 +188,8 @@ def _alike(old, new) -> bool:
             and old.layout == torch.strided and new.layout == torch.strided
             and not old.requires_grad and not new.requires_grad
             and old.shape == new.shape and old.dtype == new.dtype and old.device == new.device
+            and (torch.is_inference_mode_enabled() or not old.is_inference())
+            and torch._debug_has_internal_overlap(old) == 0
             and old.untyped_storage().data_ptr() != new.untyped_storage().data_ptr())
 
 

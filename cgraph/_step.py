@@ -140,8 +140,9 @@ from torch.utils import _pytree as pytree
 
 from . import _C, _dtensor, _fsdp, _log, _optim, _ranks
 from ._api import _live, _live_steps, _pool_id, _require_cuda
-from ._capture import (CaptureOptions, _autocast_cache_off, _cuda_index, _donated_buffers_off,
-                       asked_by_the_compiler, graph, one_setup_at_a_time, patched)
+from ._capture import (CaptureOptions, _autocast_cache_off, _buffers_kept_in_place, _cuda_index,
+                       _donated_buffers_off, asked_by_the_compiler, graph, one_setup_at_a_time,
+                       patched)
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
 from ._step_checks import GradSync, Marks, OtherGrads, SinceCapture, grad_mode
@@ -521,12 +522,13 @@ class GraphedStep:
         (Note [RNG inside a graphed step]): torch.cuda.get_rng_state noted as
         cgraph's own warm-up notes it, into ``self.rng_warmup`` when the call
         returns; autocast's cache and donated buffers off, as while captured
-        (Note [Patches during capture] items 1 and 6), so compiled code
-        guarded on them compiles now, not at capture.  Without CUDA (a
-        test's CPU stand-in), nothing is noted."""
+        and buffers assigned anew kept in place, as while captured (Note
+        [Patches during capture] items 1, 6 and 8), so compiled code guarded
+        on them compiles now, not at capture.  Without CUDA (a test's CPU
+        stand-in), nothing is noted."""
         if step_device is None:
             with one_setup_at_a_time(), _autocast_cache_off(), _donated_buffers_off(), \
-                    _schedulers_refused():
+                    _buffers_kept_in_place(), _schedulers_refused():
                 yield
             return
         generator = torch.cuda.default_generators[step_device]
@@ -539,7 +541,8 @@ class GraphedStep:
             return torch_get(device)
 
         with one_setup_at_a_time(), patched({(torch.cuda, "get_rng_state"): get_rng_state}), \
-                _autocast_cache_off(), _donated_buffers_off(), _schedulers_refused():
+                _autocast_cache_off(), _donated_buffers_off(), _buffers_kept_in_place(), \
+                _schedulers_refused():
             yield
         self.rng_warmup = (tuple(offsets), generator.get_offset() - start)
 

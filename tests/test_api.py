@@ -501,7 +501,18 @@ def test_a_buffer_assigned_anew_in_a_set_up_keeps_its_tensor_where_alike():
         module.ema = torch.ones(3, requires_grad=True) * 2
         assert module.ema is not ema
         module.register_buffer("new", torch.ones(1))  # a new name: registered as it is
-    module.ema = ema
+        module.ema = ema
+        module.register_buffer("a", torch.zeros(2))
+        module.register_buffer("b", torch.ones(2))
+        module.a, module.b = module.b, module.a  # a swap: replaced, as in eager
+        assert module.a.tolist() == [1.0, 1.0] and module.b.tolist() == [0.0, 0.0]
+        module.original = module.table  # an alias attribute (HF's original_inv_freq)
+        module.table = torch.full((4,), 5.0)
+        assert module.original.tolist() == [1.0] * 4, "the alias keeps its values"
+        with torch.inference_mode():
+            module.register_buffer("frozen", torch.zeros(2))
+        module.frozen = torch.ones(2)  # an inference tensor takes no copy: replaced
+        assert not module.frozen.is_inference()
     module.ema = torch.full((3,), 7.0)  # outside a set-up: eager's replacement
     assert module.ema is not ema and torch.equal(ema, torch.ones(3))
 
