@@ -150,7 +150,7 @@ from . import _C, _dtensor, _fsdp
 from ._ddp import broadcasts_buffers
 from ._describe import _named_state, step_replacing_epoch, watch_for_steps
 from ._modes import Modes
-from ._step_grads import give_grads
+from ._step_grads import StepGrads, give_grads
 
 
 class Change(NamedTuple):
@@ -193,7 +193,7 @@ class SinceCapture:
     __slots__ = ("grad_mode", "marks", "modes", "sync", "other_grads", "step_grads")
 
     def __init__(self, grad_mode: tuple[bool, bool], marks: "Marks", modes: Modes,
-                 sync: "GradSync", other_grads: "OtherGrads", step_grads=None):
+                 sync: "GradSync", other_grads: "OtherGrads", step_grads: "StepGrads"):
         self.grad_mode, self.marks, self.modes = grad_mode, marks, modes
         self.sync, self.other_grads, self.step_grads = sync, other_grads, step_grads
 
@@ -218,7 +218,7 @@ class SinceCapture:
         label = self.other_grads.first_changed()
         if label is not None:
             return Change(f"the grad of {label}", "was set or cleared outside the step", "grads")
-        label = self.step_grads.first_made_outside() if self.step_grads is not None else None
+        label = self.step_grads.first_made_outside()
         if label is not None:
             return Change(f"the grad of {label}", "was made outside the step, where its graph "
                           "makes it anew", "grads")

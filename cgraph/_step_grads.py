@@ -39,7 +39,15 @@ A: By what the capture saw of the step's optimizers' parameters when each
       next captures again, holding the grad made outside (rule 1), as Note
       [Grads no optimizer of the step holds] (cgraph/_step_checks.py) does
       for the grads no optimizer of the step holds.  Before, the grad made
-      outside was dropped, silently.
+      outside was dropped, silently.  A grad made outside on some calls only
+      (an auxiliary loss every other step) makes every call an eager step or
+      a capture (warned at the third in a row), and after a capture that
+      held one, a call without one raises (rule 1).  Grads FSDP2 keeps in
+      its own state for a later reduction (micro-batches outside with
+      ``set_requires_gradient_sync(False)``) are not parameters' grads: a
+      capture that finds them refuses (Note [Grad sync set outside a
+      graphed step]), but those left after a capture that found none are
+      not seen.
    Clearing is ``zero_grad()`` of an optimizer or a module inside the step,
    to None or in place: the graph then makes those grads, or zeroes and
    accumulates into them, and reads nothing they held before.  A grad
@@ -48,7 +56,7 @@ A: By what the capture saw of the step's optimizers' parameters when each
    The capturing call's step is its first replay, so the held grads are
    put back as the parameters' grads once the capture has noted what it
    left (or failed).  Cost: per replay, a pointer compare per parameter in
-   C (``_C.grads_are``), and one more per held or skipped one.  Where grads
+   C (``_C.grads_are``), and one more per held, skipped or made one.  Where grads
    were replaced, the copy, and a second set of those grads in memory, the
    held one beside the new one (logged once):
    ``zero_grad(set_to_none=False)`` outside the step keeps the held grads

@@ -535,7 +535,7 @@ def since(step, model):
     others = OtherGrads([], set())
     others.captured(frozenset())
     return SinceCapture((True, False), Marks(step.grads.params, [model], step.grads.label),
-                        Modes.now(()), GradSync([], [], []), others)
+                        Modes.now(()), GradSync([], [], []), others, step.grads)
 
 
 def moved(p):
