@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import copy
 import copyreg
+import functools
 import inspect
 import sys
 import time
@@ -42,7 +43,7 @@ _live: "weakref.WeakSet[_C.Graphed]" = weakref.WeakSet()
 # Every graphed step that captured, for reset_all(): reset through its own
 # reset(), which first moves the optimizer state its capture made out of the
 # pool that reset frees (cgraph/_step.py's _out_of_the_pool).
-_live_steps: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_live_steps: weakref.WeakSet = weakref.WeakSet()  # of cgraph/_step.py's GraphedStep
 
 
 class _Installed(NamedTuple):
@@ -157,6 +158,10 @@ def reset_all() -> None:
         try:
             step.reset()
         except Exception as e:  # its graph is freed all the same (GraphedStep._free)
+            e.add_note(f"cgraph.reset_all(): {step!r} could not copy the optimizer state its "
+                       "capture made out of its pool; every graph was freed, and that state "
+                       "stays valid in the released pool, which stays reserved while the "
+                       "state lives. Free memory before reset_all() to have it copied.")
             failed.append(e)
     _reset_graphs()
     if failed:  # every graph freed first
@@ -171,11 +176,56 @@ def _reset_graphs() -> None:
 
 
 def _at_exit() -> None:
-    """The graphs freed while CUDA is up; nothing else, since nothing reads
-    an output, a grad or a step's optimizer state again: no copies, no
+    """The graphs freed while CUDA is up, and nothing else: no copies, no
     pool emptied (Note [Resets at exit] in csrc/aten_reset.cpp)."""
     _C.exiting()
     _reset_graphs()
+
+
+# Note [destroy_process_group with live graphs]
+# Q: torch.distributed.destroy_process_group() while graphs that captured NCCL
+#    collectives are alive (a step graphed whole over DDP or FSDP2, a tensor-
+#    parallel layer): what happens?
+# A: It never returns: NCCL's finalization of a communicator waits until no graph
+#    holds a reference to it, and a graph that captured one of its collectives
+#    holds one until it is destroyed.  Measured on two H200s (torch 2.11): still
+#    waiting after 45 s with torch's own torch.cuda.CUDAGraph and with cgraph's
+#    graphs alike, and in an atexit handler registered after `import cgraph`
+#    (it runs before cgraph's own); 0.4 s after reset_all().  So cgraph wraps
+#    torch.distributed.destroy_process_group (the name in torch.distributed and
+#    in distributed_c10d, where code looks it up at call time): destroying the
+#    default group, which ends every group, first runs reset_all() (logged).
+#    A subgroup destroyed alone is left as torch has it: graphs of other groups
+#    stay, and which graph captured which group is not tracked (README Limits).
+#    Not reached: a name bound before `import cgraph` (`from torch.distributed
+#    import destroy_process_group`).
+def _resets_first(destroy: Callable) -> Callable:
+    """`destroy` (torch's destroy_process_group), after reset_all() where it
+    ends every group."""
+    if getattr(destroy, "_cgraph_resets_first", False):
+        return destroy
+
+    @functools.wraps(destroy)
+    def destroy_process_group(group=None, *args, **kwargs):
+        import torch.distributed as dist
+        if (group is None or group is dist.GroupMember.WORLD) and (_live or _live_steps):
+            _log.reset_before_destroy(len(_live))
+            reset_all()
+        return destroy(group, *args, **kwargs)
+
+    destroy_process_group._cgraph_resets_first = True
+    return destroy_process_group
+
+
+def _wrap_destroy_process_group() -> None:
+    """Note [destroy_process_group with live graphs]."""
+    import torch.distributed as dist
+    if not dist.is_available():
+        return
+    from torch.distributed import distributed_c10d
+    wrapped = _resets_first(distributed_c10d.destroy_process_group)
+    distributed_c10d.destroy_process_group = wrapped
+    dist.destroy_process_group = wrapped
 
 
 def _on_event(event: str, graphed) -> None:
@@ -194,6 +244,7 @@ def _on_event(event: str, graphed) -> None:
 
 
 atexit.register(_at_exit)
+_wrap_destroy_process_group()
 _C.set_event_hook(_on_event)
 _log.configure_from_environment()
 

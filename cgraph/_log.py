@@ -132,6 +132,13 @@ def buffer_replaced_at_capture(module, name: str) -> None:
                     "and dtype. Logged once.", type(module).__name__, name, name)
 
 
+def reset_before_destroy(graphs: int) -> None:
+    """destroy_process_group() found graphs alive: reset_all() first (Note
+    [destroy_process_group with live graphs] in cgraph/_api.py)."""
+    log.info("destroy_process_group(): %d graphed callable(s) still alive; reset_all() "
+             "first, since NCCL waits for every graph holding its collectives to go.", graphs)
+
+
 def captured(graphed, captured, why: str, samples, seconds: float) -> None:
     """A graph captured after the first (cgraph/_regraph.py): `captured`,
     which `graphed` adopts as its latest graph once this returns."""

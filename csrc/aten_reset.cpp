@@ -95,16 +95,20 @@ bool may_empty_pool(c10::DeviceIndex device, at::cuda::MempoolId_t pool) {
 // Q: cgraph's atexit hook resets every live graph, so that graphs (and the NCCL
 //    communicator references a captured collective holds) are freed while CUDA is
 //    up.  What of the rest of a reset there?
-// A: Nothing reads an output, a grad or the pool's memory after exit, so it
-//    is skipped, as during the interpreter's finalization: the copies that give
-//    held outputs and grads memory of their own (the memory they take can run
-//    out, and then each warns), and the emptying of the pool with its device
-//    synchronization (under expandable segments, or cudaFree's own), which
-//    would wait forever on a replayed collective whose peer died (Ctrl-C after
-//    a rank failed: a graph's collective has no Work for NCCL's watchdog to
-//    time out).  The driver takes the memory back with the process.
+// A: It is skipped, as during the interpreter's finalization: the copies that
+//    give held outputs and grads memory of their own (the memory they take can
+//    run out, and then each warns), and the emptying of the pool with its
+//    device synchronization (under expandable segments, or cudaFree's own),
+//    which would wait forever on a replayed collective whose peer died (Ctrl-C
+//    after a rank failed: a graph's collective has no Work for NCCL's watchdog
+//    to time out).  An atexit handler registered before `import cgraph` runs
+//    after this one and can still read what it holds: the pool, not emptied,
+//    keeps those blocks.  The driver takes the memory back with the process.
+namespace {
 std::atomic<bool> exiting{false};
+}  // namespace
 
+// Called once, by cgraph's atexit hook (cg_exiting).
 void note_exiting() noexcept {
   exiting.store(true, std::memory_order_relaxed);
 }

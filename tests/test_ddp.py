@@ -9,6 +9,7 @@ its grad accumulators."""
 
 import contextlib
 import logging
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -73,6 +74,36 @@ def gloo():
         yield
     finally:
         dist.destroy_process_group()
+
+
+def test_destroying_the_default_group_resets_every_graph_first(monkeypatch):
+    """Note [destroy_process_group with live graphs] (cgraph/_api.py): NCCL's
+    finalization waits for every graph holding one of its collectives, so
+    destroying the default group (every group) runs reset_all() first; a
+    subgroup destroyed alone does not, nor does a process with no graphs."""
+    from torch.distributed import distributed_c10d
+
+    from cgraph import _api
+
+    class Step:  # a live graphed step's stand-in
+        pass
+
+    resets = []
+    monkeypatch.setattr(_api, "reset_all", lambda: resets.append("reset"))
+    monkeypatch.setattr(_api, "_live", weakref.WeakSet())  # other tests' graphs aside
+    monkeypatch.setattr(_api, "_live_steps", weakref.WeakSet())
+    assert dist.destroy_process_group is distributed_c10d.destroy_process_group
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    step = Step()
+    _api._live_steps.add(step)
+    dist.destroy_process_group(dist.new_group([0]))
+    assert resets == []
+    dist.destroy_process_group()
+    assert resets == ["reset"] and not dist.is_initialized()
+    _api._live_steps.discard(step)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.destroy_process_group()
+    assert resets == ["reset"], "no graph alive: nothing to reset"
 
 
 def cpu_model(seed=0):
