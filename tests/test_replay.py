@@ -750,12 +750,14 @@ class _AssignsItsBuffers(nn.Module):
 
 
 @pytest.mark.parametrize("samples", [True, False], ids=["with_samples", "first_call"])
-def test_buffers_assigned_anew_by_the_forward_accumulate_as_in_eager(samples, caplog):
+def test_buffers_assigned_anew_by_the_forward_accumulate_as_in_eager(samples, caplog,
+                                                                     monkeypatch):
     """Note [A buffer assigned anew during set-up] (cgraph/_capture.py): the
     buffers keep their tensors, the warm-up's updates are put back, and
     every replay reads and updates them: outputs, grads and buffers equal
     eager's, call for call.  Before, each replay read the tensor the capture
     began with (freed since) and the warm-up's updates stayed."""
+    monkeypatch.setattr(cgraph._log, "_told_buffers", set())  # logged once per process
     torch.manual_seed(0)
     model = _AssignsItsBuffers().to(CUDA)
     eager = copy.deepcopy(model)
