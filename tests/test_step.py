@@ -1108,6 +1108,18 @@ def test_an_optimizer_step_graphed_alone_steps_each_calls_grads_as_eager(name, s
         optimizer_step()
 
 
+def finish(net, opt):
+    """A step that ends a micro-batch cycle: backward, the optimizer step,
+    then zero_grad() (at its end, not its start)."""
+    def step(x, y):
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+    return step
+
+
 def test_micro_batches_accumulated_outside_the_step_and_grads_cleared_inside_match_eager():
     """The first micro-batch's backward outside the step, the second's
     inside it, then the optimizer step and zero_grad(): the graph reads the
@@ -1115,16 +1127,6 @@ def test_micro_batches_accumulated_outside_the_step_and_grads_cleared_inside_mat
     model, batches = model_and_data(dropout=0.0)
     eager = copy.deepcopy(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
-
-    def finish(net, opt):
-        def step(x, y):
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return step
-
     graphed = cgraph.make_graphed_step(finish(model, opts[0]), batches[0], num_warmup_iters=1)
     plain = finish(eager, opts[1])
     for i in range(0, len(batches), 2):
@@ -1149,16 +1151,6 @@ def test_micro_batches_outside_from_a_later_call_on_are_added_as_eager(caplog):
     model, batches = model_and_data(dropout=0.0)
     eager = copy.deepcopy(model)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
-
-    def finish(net, opt):
-        def step(x, y):
-            loss = F.cross_entropy(net(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            return loss
-        return step
-
     graphed = cgraph.make_graphed_step(finish(model, opts[0]), batches[0], num_warmup_iters=1)
     plain = finish(eager, opts[1])
     with caplog.at_level(logging.INFO, logger="cgraph"):
