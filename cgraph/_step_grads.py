@@ -101,22 +101,22 @@ class StepGrads:
     graph reads (rule 1); ``skipped``: those it never steps (rule 2);
     ``expected``: the grads held and skipped parameters must have before a
     replay, as (parameters, grads); ``made``: the parameters whose grads
-    the graph makes where they were None (rule 4).  Aligned tuples, not pairs, so that each
-    check is one native call.  ``labels``: each parameter's name for errors,
-    by id."""
+    the graph makes where they were None (rule 4), and ``made_none``, as
+    many Nones.  Aligned tuples, not pairs, so that each check is one
+    native call.  ``labels``: each parameter's name for errors, by id."""
 
     __slots__ = ("params", "after", "held", "held_grads", "skipped", "expected", "made",
                  "made_none", "labels", "copied", "cleared")
 
     def __init__(self, params: tuple, held: dict, skipped: dict, labels: dict,
-                 cleared: frozenset = frozenset(), made: dict | None = None):
+                 cleared: frozenset, made: dict):
         self.params, self.after = params, tuple(map(_GRAD, params))
         self.held = tuple(p for p, _ in held.values())
         self.held_grads = tuple(g for _, g in held.values())
         self.skipped = tuple(skipped.values())
         self.expected = (self.held + self.skipped,
                          self.held_grads + (None,) * len(self.skipped))
-        self.made = tuple((made or {}).values())
+        self.made = tuple(made.values())
         self.made_none = (None,) * len(self.made)
         self.labels = labels
         self.copied = False  # logged that grads made outside are copied in
