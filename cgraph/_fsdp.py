@@ -69,8 +69,10 @@ A: When a layer is lent the home, a layer still holding it that is idle
 
 from __future__ import annotations
 
+import functools
 import warnings
 import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -448,6 +450,63 @@ def holding_grads(groups) -> str | None:
                 for p in g.fsdp_params):
             return group_name(g)
     return None
+
+
+# Note [Grads FSDP2 holds, kept after a step's capture]
+# Q: A step graphed whole over FSDP2 modules was captured while FSDP held no
+#    grads for a later reduction.  Later, micro-batches run outside it under
+#    set_requires_gradient_sync(False) (a batch-size ramp-up, an auxiliary
+#    loss), and then the step: what does its replay do with the unsharded
+#    grads FSDP holds from them?
+# A: Nothing: its reduce-scatter reads the graph's own grads, so the held
+#    ones are dropped where eager would add them in, silently.  A capture
+#    that finds them is refused (Note [Grad sync set outside a graphed step]
+#    in cgraph/_step_checks.py), but a replay cannot look for them at every
+#    call: they sit in FSDP's own Python state, one attribute or two per
+#    parameter (about 60 us of Python for 200 parameters).  So cgraph hears
+#    of them instead: once a step that names FSDP groups is captured,
+#    FSDPParamGroup.post_backward is wrapped for good (watch_held_grads), to
+#    count the backwards that end with the group keeping its grads
+#    (reduce_grads off, or HSDP's all-reduce off): held.backwards, one
+#    integer.  A replay compares it with the count it last saw (GradSync in
+#    cgraph/_step_checks.py); only where it moved does it walk the groups
+#    (holding_grads), and where they hold grads the call steps eagerly
+#    (adding them in, as eager does) and the next captures again, refused
+#    if it starts holding some too.  Replays run no Python, so the step's
+#    own backwards that keep grads (micro-batches inside it) count only at
+#    its capture and eager calls, before it reads the count again.
+class _Held:
+    """The backwards of FSDP2 groups that kept their grads for a later
+    reduction, counted since watching began."""
+
+    __slots__ = ("backwards",)
+
+    def __init__(self) -> None:
+        self.backwards = 0
+
+
+held = _Held()
+
+
+def watch_held_grads(groups) -> None:
+    """Wraps the post_backward of each of `groups`' classes (FSDPParamGroup)
+    once: Note [Grads FSDP2 holds, kept after a step's capture]."""
+    for cls in {type(g) for g in groups}:
+        post_backward = getattr(cls, "post_backward", None)
+        if post_backward is not None and not getattr(post_backward, "_cgraph_counts", False):
+            cls.post_backward = _counting_held(post_backward)
+
+
+def _counting_held(post_backward: Callable) -> Callable:
+    @functools.wraps(post_backward)
+    def counted(group, *args, **kwargs):
+        if not (group.reduce_grads and (getattr(group, "all_reduce_grads", True)
+                                        or not all_reduces(group))):
+            held.backwards += 1
+        return post_backward(group, *args, **kwargs)
+
+    counted._cgraph_counts = True
+    return counted
 
 
 def refuse_offloaded(groups) -> None:

@@ -133,7 +133,10 @@ A: Each replay would reduce, or not, as the capture did: the optimizer
    reduction), assigned on the first micro-batch and added after, which no
    replay can follow; a replay would add into the memory the capture found,
    freed since.  A step that turns sync off and on itself, inside, ends with
-   it on, as its capture and every replay do.  So a failed capture that
+   it on, as its capture and every replay do.  Grads held by backwards
+   outside after a capture that found none are looked for only where such
+   a backward ran (Note [Grads FSDP2 holds, kept after a step's capture],
+   cgraph/_fsdp.py).  So a failed capture that
    puts FSDP back to rest (Note [A capture that fails inside FSDP2's pass],
    cgraph/_fsdp.py) drops no grads held for a later reduction.
 """
@@ -185,8 +188,9 @@ class SinceCapture:
     """One record of what a step's capture found and each replay checks
     first, in the order asked: the grad mode around the call (grad_mode()),
     the tensors it reads (Marks), the modes of the modules it names (Modes,
-    cgraph/_modes.py), their grad sync (GradSync) and the grads no
-    optimizer of it holds (OtherGrads), then the grads of its optimizers'
+    cgraph/_modes.py), their grad sync and the grads FSDP holds for a
+    later reduction (GradSync), the grads no optimizer of it holds
+    (OtherGrads), then the grads of its optimizers'
     parameters that the graph makes (StepGrads.made: rule 4 of Note [Grads
     around a graphed step] in cgraph/_step_grads.py)."""
 
@@ -212,6 +216,10 @@ class SinceCapture:
         label = self.sync.first_changed()
         if label is not None:
             return Change(label, "changed", "grad sync")
+        label = self.sync.held_outside()
+        if label is not None:
+            return Change(f"FSDP's {label}", "holds unsharded grads of a backward outside the "
+                          "step, not yet reduced, which a replay would drop", "grads")
         label = self.sync.broadcast_changed()
         if label is not None:
             return Change(label, "changed", "buffer broadcast")
@@ -431,15 +439,18 @@ class GradSync:
     """Whether the FSDP2 groups and DDP models a step names reduce their
     grads: Note [Grad sync set outside a graphed step].  One owner,
     attribute and label per setting, aligned, and its value as the capture
-    began, then (captured()) as it left it; the FSDP group holding grads
-    for a later reduction as it began (_fsdp.holding_grads); and whether
+    began, then (captured()) as it left it; the FSDP groups, the one
+    holding grads for a later reduction as the capture began
+    (_fsdp.holding_grads), and FSDP's count of backwards that kept grads as
+    last seen (Note [Grads FSDP2 holds, kept after a step's capture] in
+    cgraph/_fsdp.py); and whether
     each DDP model that broadcasts buffers was to broadcast them as the
     capture began (require_forward_param_sync, compared with that) and as
     the capture left it (set again after each replay, as eager's forward
     sets it)."""
 
-    __slots__ = ("owners", "names", "labels", "values", "holding", "broadcasting",
-                 "broadcast", "left")
+    __slots__ = ("owners", "names", "labels", "values", "groups", "holding", "backwards",
+                 "broadcasting", "broadcast", "left")
     _FSDP = ("reduce_grads", "all_reduce_grads", "reshard_after_backward")
 
     def __init__(self, fsdp_groups, ddp_training: list, ddp_models: list):
@@ -453,7 +464,10 @@ class GradSync:
         self.names = tuple(name for _, name, _ in settings)
         self.labels = tuple(label for _, _, label in settings)
         self.values = self._now()
-        self.holding = _fsdp.holding_grads(fsdp_groups)
+        self.groups = tuple(fsdp_groups)
+        self.holding = _fsdp.holding_grads(self.groups)
+        _fsdp.watch_held_grads(self.groups)
+        self.backwards = _fsdp.held.backwards
         self.broadcasting = tuple(m for m in ddp_models if broadcasts_buffers(m))
         self.broadcast = self._broadcast_now()
         self.left: tuple = ()
@@ -470,6 +484,7 @@ class GradSync:
         on)."""
         self.values = self._now()
         self.left = self._broadcast_now()
+        self.backwards = _fsdp.held.backwards  # the step's own: none held after it
 
     def first_changed(self) -> str | None:
         """The label of the first grad sync setting changed since, or None."""
@@ -478,6 +493,17 @@ class GradSync:
             return next(label for label, was, got in zip(self.labels, self.values, now)
                         if got != was)
         return None
+
+    def held_outside(self) -> str | None:
+        """The name of the first FSDP group holding grads for a later
+        reduction, where a backward that keeps them ran since the capture or
+        the last look, or None: Note [Grads FSDP2 holds, kept after a step's
+        capture] (cgraph/_fsdp.py).  An integer compare, and a walk of the
+        groups only where it moved."""
+        if _fsdp.held.backwards == self.backwards:
+            return None
+        self.backwards = _fsdp.held.backwards
+        return _fsdp.holding_grads(self.groups)
 
     def broadcast_changed(self) -> str | None:
         """The label of DDP's buffer broadcast if it changed since, or None:

@@ -459,6 +459,47 @@ def whole_step(rank, micro=1, checkpointed=False, resumed=False, evaluated=False
     graphed.reset()
 
 
+def micro_batches_outside_later(rank):
+    """Note [Grads FSDP2 holds, kept after a step's capture] in
+    cgraph/_fsdp.py: a step (zero_grad, forward, backward, step) graphed
+    while no grads were held; from step 4 on, before some calls, a
+    micro-batch runs outside it with grad sync off, whose unsharded grads
+    FSDP holds for the step's reduce-scatter.  Each such call steps eagerly,
+    adding them in, and the next captures again: losses and parameters
+    equal to eager FSDP2's."""
+    name = "graphed FSDP2 step, micro-batches outside from a later call on"
+    models = [sharded(mp=True) for _ in range(2)]
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True) for m in models]
+
+    def train_step(model, opt):
+        def step(tokens, targets):
+            opt.zero_grad()
+            loss = loss_of(model, tokens, targets)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    eager = train_step(models[0], opts[0])
+    graphed = cgraph.make_graphed_step(train_step(models[1], opts[1]), batch(0, rank))
+    outside, steps = (4, 6), 8
+    for step in range(steps):
+        if step in outside:
+            for model in models:
+                model.set_requires_gradient_sync(False)
+                loss_of(model, *batch(100 + step, rank)).backward()
+                model.set_requires_gradient_sync(True)
+        tokens, targets = batch(step, rank)
+        same(graphed(tokens, targets), eager(tokens, targets), f"step {step} loss", rank, name)
+    if graphed.stats["captures"] != 1 + len(outside):
+        raise SystemExit(f"rank {rank} {name}: {graphed.stats}, captures unlike the plan's")
+    for k, (p, q) in enumerate(zip(models[1].parameters(), models[0].parameters())):
+        same(p, q, f"parameter {k}", rank, name)
+    print(f"rank {rank} {name}: each such call stepped eagerly, losses and parameters equal "
+          f"to eager FSDP2 over {steps} steps, {graphed.stats}: OK", flush=True)
+    graphed.reset()
+
+
 def graph_then_shard_is_refused(rank, name, layers=True):
     """Recipe 3: graphing first, sharding after: every layer and the root,
     or the root alone, whose fully_shard replaces the graphed layers'
@@ -634,6 +675,7 @@ def main():
     whole_step(rank, resumed=True)
     whole_step(rank, evaluated=True)
     sync_set_outside(rank)
+    micro_batches_outside_later(rank)
     graph_then_shard_is_refused(rank, "graph then shard")
     graph_then_shard_is_refused(rank, "graph then shard the root only", layers=False)
 

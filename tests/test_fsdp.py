@@ -5,7 +5,7 @@ GPUs; bf16 parameters; CPU offload; activation checkpointing; explicit
 prefetching; with the optimizer step graphed too; grads accumulated over
 micro-batches, layers kept unsharded or not), a step graphed whole (with
 micro-batches, with activation checkpointing, resumed from a state dict,
-evaluated between steps),
+evaluated between steps, micro-batches outside from a later call on),
 graphing before sharding refused, teardown.  On the CPU, a one-process gloo
 group checks the refusals and that FSDP swapping its parameters is not a
 replacement."""
@@ -46,6 +46,7 @@ CHECKS = (*PER_LAYER, "graphed FSDP2 step:", "graphed FSDP2 step, 2 micro-batche
           "graphed FSDP2 step, evaluated between steps:",
           "graphed FSDP2 forward and backward, grad sync set outside:",
           "graphed FSDP2 forward and backward, grad sync set outside, bf16 params fp32 reduce:",
+          "graphed FSDP2 step, micro-batches outside from a later call on:",
           "graph then shard: refused", "graph then shard the root only: refused",
           "failed capture: raised on every rank",
           "failed capture inside a layer: raised on every rank", "teardown:")

@@ -912,6 +912,49 @@ def test_a_real_fsdp_model_holding_grads_of_a_call_with_sync_off_refuses_a_captu
     GradSync(groups, [], []).refuse_unreduced()
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-params-fp32-reduce"])
+def test_grads_fsdp_holds_from_a_backward_outside_after_capture_are_seen(mesh, mixed,
+                                                                        monkeypatch):
+    """Note [Grads FSDP2 holds, kept after a step's capture]: after a
+    capture that found none, a backward outside with sync off leaves grads
+    FSDP holds for the step's reduce-scatter, which a replay would drop.
+    The next look names the group holding them; one after a reducing
+    backward (nothing held), or with no backward since, finds nothing and
+    walks no group."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from cgraph import _fsdp
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    policy = ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.float32)} if mixed else {})
+    for layer in (*model, model):
+        fully_shard(layer, mesh=mesh, **policy)
+    groups = _fsdp.Resharded([model]).groups
+    sync = GradSync(groups, [], [])
+    sync.captured()
+    model(torch.randn(3, 4)).sum().backward()  # reducing: nothing held, nothing counted
+    assert sync.held_outside() is None
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(3, 4)).sum().backward()
+    model.set_requires_gradient_sync(True)
+    assert sync.held_outside() is not None
+    model(torch.randn(3, 4)).sum().backward()  # the held grads reduced in, outside
+    model.set_requires_gradient_sync(False)
+    model(torch.randn(3, 4)).sum().backward()
+    model.set_requires_gradient_sync(True)
+    model(torch.randn(3, 4)).sum().backward()
+    walked = []
+    walk = _fsdp.holding_grads
+    monkeypatch.setattr(_fsdp, "holding_grads", lambda gs: walked.append(gs) or walk(gs))
+    assert sync.held_outside() is None and len(walked) == 1  # counted, but none held
+    assert sync.held_outside() is None and len(walked) == 1  # nothing since: no walk
+    _fsdp.watch_held_grads(groups)  # once per class, however often asked
+    post_backward = type(groups[0]).post_backward
+    assert post_backward._cgraph_counts and not hasattr(post_backward.__wrapped__,
+                                                         "_cgraph_counts")
+
+
 def test_a_step_returning_an_object_holding_tensors_pytree_cannot_see_is_refused():
     """Such an object is a leaf kept as captured: every replay would return
     the capture's object and tensors.  Refused, naming the registration;
