@@ -196,7 +196,8 @@ def _at_exit() -> None:
 #    in distributed_c10d, where code looks it up at call time): destroying the
 #    default group, which ends every group, first runs reset_all() (logged).
 #    A subgroup destroyed alone is left as torch has it: graphs of other groups
-#    stay, and which graph captured which group is not tracked (README Limits).
+#    stay, and which graph captured which group is not tracked (README Limits);
+#    with graphs alive, a warning first says what to do, in case it hangs.
 #    Not reached: a name bound before `import cgraph` (`from torch.distributed
 #    import destroy_process_group`).
 def _resets_first(destroy: Callable) -> Callable:
@@ -211,6 +212,8 @@ def _resets_first(destroy: Callable) -> Callable:
         if (group is None or group is dist.GroupMember.WORLD) and (_live or _live_steps):
             _log.reset_before_destroy(len(_live))
             reset_all()
+        elif group is not None and (_live or _live_steps):
+            _log.destroy_subgroup_with_graphs(len(_live) + len(_live_steps))
         return destroy(group, *args, **kwargs)
 
     destroy_process_group._cgraph_resets_first = True

@@ -139,6 +139,16 @@ def reset_before_destroy(graphs: int) -> None:
              "first, since NCCL waits for every graph holding its collectives to go.", graphs)
 
 
+def destroy_subgroup_with_graphs(graphs: int) -> None:
+    """destroy_process_group(subgroup) found graphs alive, which cgraph does
+    not reset (Note [destroy_process_group with live graphs] in
+    cgraph/_api.py): said before a call that may never return."""
+    log.warning("destroy_process_group(subgroup): %d graphed callable(s) or step(s) still "
+                "alive. If any captured a collective of that group, this call never returns "
+                "(NCCL waits for every graph holding one): call cgraph.reset_all(), or those "
+                "graphs' reset(), first.", graphs)
+
+
 def captured(graphed, captured, why: str, samples, seconds: float) -> None:
     """A graph captured after the first (cgraph/_regraph.py): `captured`,
     which `graphed` adopts as its latest graph once this returns."""

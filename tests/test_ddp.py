@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cgraph
-from _helpers import assert_equal, torchrun
+from _helpers import assert_equal, assert_logged, torchrun
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -76,11 +76,12 @@ def gloo():
         dist.destroy_process_group()
 
 
-def test_destroying_the_default_group_resets_every_graph_first(monkeypatch):
+def test_destroying_the_default_group_resets_every_graph_first(monkeypatch, caplog):
     """Note [destroy_process_group with live graphs] (cgraph/_api.py): NCCL's
     finalization waits for every graph holding one of its collectives, so
     destroying the default group (every group) runs reset_all() first; a
-    subgroup destroyed alone does not, nor does a process with no graphs."""
+    subgroup destroyed alone does not, but warns first, in case it hangs;
+    nor does a process with no graphs."""
     from torch.distributed import distributed_c10d
 
     from cgraph import _api
@@ -96,8 +97,10 @@ def test_destroying_the_default_group_resets_every_graph_first(monkeypatch):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     step = Step()
     _api._live_steps.add(step)
-    dist.destroy_process_group(dist.new_group([0]))
+    with caplog.at_level(logging.WARNING, logger="cgraph"):
+        dist.destroy_process_group(dist.new_group([0]))
     assert resets == []
+    assert_logged(caplog, "destroy_process_group(subgroup): 1 graphed", "reset_all()")
     dist.destroy_process_group()
     assert resets == ["reset"] and not dist.is_initialized()
     _api._live_steps.discard(step)
