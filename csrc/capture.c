@@ -157,7 +157,7 @@ static const char *const advice[CG_FAILURE_COUNT] = {
     [CG_FAILURE_RNG_CHANGED] =
      "the callable seeded a random generator (torch.manual_seed, torch.cuda.manual_seed, "
      "set_rng_state), drew host-side random numbers (torch.rand on the CPU, Python's "
-     "random) or ran a random op on a DTensor (whose RNG tracker moves the generator on "
+     "random, NumPy's global np.random) or ran a random op on a DTensor (whose RNG tracker moves the generator on "
      "the host) during capture. That ran once, at capture; replays would not repeat it. "
      "Seed outside the graphed callable, draw random numbers on the GPU (device='cuda'), "
      "and run random ops on plain tensors (use_local_output=True, or .to_local()). "
@@ -550,7 +550,7 @@ call_sample(const session *s, Py_ssize_t i)
  * (cg_engine_capture_inputs).  Returns a NEW reference, or NULL with an
  * exception set. */
 static PyObject *
-call_for_capture(const session *s, Py_ssize_t i)
+call_captured(const session *s, Py_ssize_t i)
 {
     const cg_spec *spec = s->specs[i];
     PyObject *tensors = cg_engine_capture_inputs(s->engines[i]), *call, *kwargs, *out;
@@ -730,6 +730,96 @@ warm_up(session *s)
 }
 
 /* ---- capture -------------------------------------------------------------- */
+
+/* Note [Python's random numbers drawn during capture]
+ * Q: A callable that draws from Python's `random` or NumPy's global
+ *    generator (mixup's `lam = np.random.beta(a, a)`, a flip chosen with
+ *    `random.random() < 0.5`, a random crop's offsets) draws once, at
+ *    capture: every replay would reuse that draw, silently.  torch's own
+ *    generators are compared by the C++ half around each capture
+ *    (EngineRng::check_host_untouched); these are Python objects.  What of
+ *    them?
+ * A: Their states are compared around each callable's forward capture (a
+ *    whole training step's, backward and optimizer included): the state of
+ *    `random`'s global generator and, where numpy.random is loaded, of
+ *    NumPy's global one, pickled together.  A change raises CaptureError
+ *    kind rng_changed.  Not seen: generators of the caller's own (a
+ *    random.Random instance, np.random.default_rng()), a draw in a per-layer
+ *    backward hook (its backward is captured apart), and draws that leave
+ *    the state as they found it.  Capture only: the warm-up's calls are
+ *    eager calls, free to draw. */
+
+/* A NEW reference to a bytes object that is equal for equal states of
+ * Python's global random generator and NumPy's (where numpy.random is
+ * loaded), or NULL with an exception set. */
+static PyObject *
+host_random_states(void)
+{
+    static const struct {
+        const char *module, *method;
+    } generators[] = {{"random", "getstate"}, {"numpy.random", "get_state"}};
+    PyObject *states = PyList_New(0), *pickle, *fingerprint = NULL;
+
+    for (size_t i = 0; states != NULL && i < sizeof(generators) / sizeof(generators[0]); i++) {
+        PyObject *name = PyUnicode_FromString(generators[i].module);
+        PyObject *module = name ? PyImport_GetModule(name) : NULL;  /* only where loaded */
+        PyObject *state = module ? PyObject_CallMethod(module, generators[i].method, NULL) : NULL;
+
+        if (state != NULL ? PyList_Append(states, state) < 0 : PyErr_Occurred() != NULL) {
+            Py_CLEAR(states);
+        }
+        Py_XDECREF(state);
+        Py_XDECREF(module);
+        Py_XDECREF(name);
+    }
+    pickle = states ? PyImport_ImportModule("pickle") : NULL;
+    fingerprint = pickle ? PyObject_CallMethod(pickle, "dumps", "(O)", states) : NULL;
+    Py_XDECREF(pickle);
+    Py_XDECREF(states);
+    return fingerprint;
+}
+
+/* Raises the Refusal of Note [Python's random numbers drawn during
+ * capture].  Returns NULL. */
+static PyObject *
+refuse_host_draws(const session *s)
+{
+    PyObject *refusal = PyObject_CallFunction(
+        s->state->Refusal, "si",
+        "cgraph: Python's random or NumPy's global random generator drew numbers during "
+        "capture (random.random(), np.random.beta(...)): a replay would reuse that one draw.",
+        (int)CG_FAILURE_RNG_CHANGED);
+
+    if (refusal != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(refusal), refusal);
+        Py_DECREF(refusal);
+    }
+    return NULL;
+}
+
+/* call_captured, refused where it drew from Python's or NumPy's global
+ * random generator: Note [Python's random numbers drawn during capture].
+ * Returns a NEW reference, or NULL with an exception set. */
+static PyObject *
+call_for_capture(const session *s, Py_ssize_t i)
+{
+    PyObject *before = host_random_states(), *out, *after;
+    int same;
+
+    if (before == NULL) {
+        return NULL;
+    }
+    out = call_captured(s, i);
+    after = out ? host_random_states() : NULL;
+    same = after ? PyObject_RichCompareBool(before, after, Py_EQ) : -1;
+    Py_XDECREF(after);
+    Py_DECREF(before);
+    if (same != 1) {
+        Py_CLEAR(out);
+        return same == 0 ? refuse_host_draws(s) : NULL;
+    }
+    return out;
+}
 
 /* Captures callable i's forward graph and records its outputs.  0 or -1
  * (a CaptureError when the capture itself failed). */

@@ -11,6 +11,7 @@ eager work, a new capture or the same callable give eager PyTorch's results,
 bitwise."""
 
 import copy
+import random
 
 import pytest
 import torch
@@ -60,7 +61,15 @@ FAILURES = {
     "cuda_manual_seed": (lambda t: torch.cuda.manual_seed(torch.cuda.initial_seed() + 1)
                          or t * 2, r"seeded a random generator", {"seed_read", "rng_changed"}),
     "cpu_rand": (lambda t: t * torch.rand(()), r"host-side random numbers", {"rng_changed"}),
+    # Note [Python's random numbers drawn during capture] (csrc/capture.c).
+    "python_random": (lambda t: t * random.random(), r"NumPy's global", {"rng_changed"}),
+    "numpy_random": (lambda t: t * float(_numpy().random.rand()), r"NumPy's global",
+                     {"rng_changed"}),
 }
+
+
+def _numpy():
+    return pytest.importorskip("numpy")
 
 
 @pytest.mark.parametrize("case", sorted(FAILURES))
