@@ -15,7 +15,11 @@ A: By what the capture saw of the step's optimizers' parameters when each
    closure made them), three rules:
    1. Grads made outside the step: a grad that was the parameter's before
       the capture began and still is when its optimizer steps, the step not
-      having cleared it first.  The graph reads it, so the step holds it.
+      having cleared it first; or one the step's backward added into (a
+      post-accumulate-grad hook sees it) that the step then replaced
+      (``p.grad = p.grad * mask``) before its optimizer stepped: every
+      replay adds into that memory, freed at capture were it not held.
+      The graph reads it, so the step holds it.
       Before each replay, a parameter whose grad is now another tensor has
       that tensor's values copied into the held one (one foreach copy for
       all of them; a DTensor's local tensors), which becomes its grad
@@ -139,9 +143,15 @@ class StepGrads:
         before = {id(p): weakref.ref(p.grad) for opt in optimizers for p in _params_of(opt)
                   if p.grad is not None}
         cleared: set = set()  # ids of parameters whose grads the step cleared
+        added_into: dict = {}  # id -> the grad made outside that the backward added into
         held: dict = {}  # id -> (param, grad): rule 1
         skipped: dict = {}  # id -> param: rule 2
         made: dict = {}  # id -> param: rule 4
+
+        def accumulated(p):
+            was = before.get(id(p))
+            if was is not None and was() is p.grad:
+                added_into.setdefault(id(p), p.grad)
 
         def stepped(optimizer, args, kwargs):
             for p in _params_of(optimizer):
@@ -151,19 +161,25 @@ class StepGrads:
                 grad, was = p.grad, before.get(key)
                 if grad is None:
                     skipped[key] = p
+                elif key in added_into:  # replaced since or not
+                    held[key] = (p, added_into[key])
                 elif was is not None and was() is grad:
                     held[key] = (p, grad)
                 elif was is None:
                     made[key] = p
 
-        handle = register_optimizer_step_post_hook(stepped)
+        handles = [register_optimizer_step_post_hook(stepped)]
+        handles += [p.register_post_accumulate_grad_hook(accumulated)
+                    for p in {id(p): p for opt in optimizers for p in _params_of(opt)
+                              if id(p) in before and p.requires_grad and p.is_leaf}.values()]
         try:
             with patched(_noting_clears(cleared)):
                 yield
             into.append(cls(tuple(p for opt in optimizers for p in _params_of(opt)), held,
                             skipped, labels, frozenset(cleared), made))
         finally:
-            handle.remove()
+            for handle in handles:
+                handle.remove()
             # The capturing call replays next: it reads the grads it began with.
             for p, grad in held.values():
                 p.grad = grad

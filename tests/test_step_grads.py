@@ -84,6 +84,35 @@ def test_grads_the_step_makes_where_none_were_are_noted_and_one_made_outside_is_
     assert grads.made == () and grads.first_made_outside() is None
 
 
+def test_a_grad_the_backward_added_into_and_the_step_replaced_is_held():
+    """Rule 1: grads zeroed in place outside; the step's backward adds into
+    them, then replaces them (p.grad = p.grad * 0.5) before its optimizer
+    steps.  Every replay adds into the first grads (freed at capture, were
+    they not held): they are held, the replaced ones are what each replay
+    leaves (rule 3), and before the next replay the grads zeroed outside
+    are copied into the held ones.  Before, neither was noted."""
+    model, opt = model_and_optimizer()
+    backward(model, 1)
+    opt.zero_grad(set_to_none=False)
+    first = [p.grad for p in model.parameters()]
+
+    def step():
+        backward(model, 2)
+        for p in model.parameters():
+            p.grad = p.grad * 0.5
+        opt.step()
+    grads = noted(opt, step)
+    assert grads.held == tuple(model.parameters()) and not grads.made
+    assert all(h is f for h, f in zip(grads.held_grads, first))
+    assert all(p.grad is f for p, f in zip(model.parameters(), first)), "the capturing replay's"
+    grads.leave()
+    replaced = [p.grad for p in model.parameters()]
+    assert all(r is a and r is not f for r, a, f in zip(replaced, grads.after, first))
+    opt.zero_grad(set_to_none=False)  # zeroes the replaced ones, outside
+    grads.bring_in()
+    assert all(p.grad is f and not f.any() for p, f in zip(model.parameters(), first))
+
+
 def test_a_grad_of_none_at_a_replay_raises_naming_the_parameter():
     model, opt = model_and_optimizer()
     backward(model, 1)
