@@ -159,6 +159,7 @@ def draft(target: Target, args, kwargs, claimed: set[int]) -> Draft:
     module = isinstance(fn, nn.Module)
     if module:
         _refuse_weight_hooks(index, fn)
+        _refuse_grad_dtypes(index, fn)
     fields = dict(
         index=index, **target.fields, training=fn.training if module else False,
         modes=Modes.inside(fn) if module else Modes((), ()),
@@ -369,6 +370,24 @@ def _refuse_weight_hooks(index: int, module: nn.Module) -> None:
             "the module that calls it (the hook then runs inside the graphs), use "
             "torch.nn.utils.parametrize (parametrizations.weight_norm, spectral_norm), or "
             "call torch.nn.utils.prune.remove(module, name) first.")
+
+
+def _refuse_grad_dtypes(index: int, module: nn.Module) -> None:
+    """A parameter whose grad_dtype is set to another dtype than its own
+    (bf16 weights with float32 grads accumulated by autograd) gets grads of
+    that dtype from eager's AccumulateGrad; a graph's backward hands out
+    grads in the parameter's dtype.  Refused, naming the way that keeps
+    autograd's own accumulation: a whole step's capture runs it as eager
+    does."""
+    for name, p in module.named_parameters():
+        wanted = getattr(p, "grad_dtype", None)
+        if wanted is not None and wanted != p.dtype and p.requires_grad:
+            raise ValueError(
+                f"cgraph: parameter {name!r} of module {index} ({type(module).__name__}) has "
+                f"grad_dtype {wanted} where it is {p.dtype}: autograd would hand it grads of "
+                f"{wanted}, and per-module graphs hand out grads in the parameter's dtype. "
+                "Graph the whole training step instead (cgraph.make_graphed_step, whose "
+                "capture keeps autograd's accumulation), or leave grad_dtype unset.")
 
 
 def _static_input(sample: torch.Tensor, claimed: set[int]) -> torch.Tensor:

@@ -188,6 +188,24 @@ def test_a_module_whose_own_pre_hook_recomputes_its_weight_is_refused_naming_the
     assert draft(Target.of(0, parent), (torch.randn(2, 4),), None, set()).fields["module"]
 
 
+def test_a_parameter_whose_grads_autograd_makes_in_another_dtype_is_refused():
+    """param.grad_dtype (bf16 weights, float32 grads): eager's AccumulateGrad
+    hands out grads of that dtype, a per-module graph would hand out the
+    parameter's.  Refused, naming the parameter and make_graphed_step; a
+    grad_dtype equal to the parameter's, or unset, is not."""
+    from cgraph._describe import Target, draft
+    module = torch.nn.Linear(4, 4).to(torch.bfloat16)
+    x = (torch.randn(2, 4, dtype=torch.bfloat16),)
+    module.weight.grad_dtype = torch.bfloat16
+    module.bias.grad_dtype = None
+    assert draft(Target.of(0, module), x, None, set()).fields["module"]
+    module.weight.grad_dtype = torch.float32
+    parent = torch.nn.Sequential(module)  # held: a Target holds a module weakly
+    with pytest.raises(ValueError, match=r"parameter '0.weight' of module 0 \(Sequential\) "
+                                         r"has grad_dtype torch.float32.*make_graphed_step"):
+        draft(Target.of(0, parent), x, None, set())
+
+
 def test_samples_sharing_memory_get_their_own_static_buffers():
     from cgraph._describe import Target, draft
 
