@@ -62,7 +62,10 @@ A: Before capture, every param group that has torch's ``capturable`` flag
    they were built, so that a checkpoint loads where an eager run's does
    (a CPU copy of the model; torch refuses capturable=True off the GPU).
    An lr the step sets itself (``group["lr"] = ...`` inside) would be baked
-   in at its capture's value: refused at capture, naming the fix.
+   in at its capture's value: refused at capture, naming the fix, where the
+   optimizer reads it from the device; where it reads it on the host, each
+   next call finds it changed since and captures again (correct, and warned
+   of at the third such call in a row, naming the fix).
 
 Note [GradScaler with any optimizer]
 Q: GradScaler.step skips the optimizer's step when unscale_ found an inf or
@@ -145,7 +148,7 @@ from ._capture import (CaptureOptions, _autocast_cache_off, _buffers_kept_in_pla
                        patched)
 from ._ddp import DDPInStep
 from ._describe import CONSTANT_TYPES, Target, draft
-from ._step_checks import GradSync, Marks, OtherGrads, SinceCapture, grad_mode
+from ._step_checks import GradSync, Marks, OtherGrads, SinceCapture, autocast_around, grad_mode
 from ._step_grads import StepGrads
 from ._step_pool import SharedPool
 from ._modes import Modes, roots
@@ -633,7 +636,7 @@ class GraphedStep:
         try:  # every record, or none: a half-built step would replay unchecked
             took.sync.captured()
             took.other_grads.captured(self.grads.cleared)
-            self.since = SinceCapture(took.grad_mode,
+            self.since = SinceCapture(took.grad_mode, took.autocast,
                                       Marks(self.grads.params, took.roots, self.grads.label),
                                       took.modes, took.sync, took.other_grads, self.grads)
         except BaseException:
@@ -700,7 +703,7 @@ class GraphedStep:
         warm = None
         try:
             took.modes = Modes.under(took.roots)  # as the call found them
-            took.grad_mode = grad_mode()
+            took.grad_mode, took.autocast = grad_mode(), autocast_around()
             self.resharded = _fsdp.Resharded(took.roots)
             _fsdp.refuse_offloaded(self.resharded.groups)
             self.resharded()  # Note [FSDP2's host state around a graphed step]
@@ -1052,6 +1055,7 @@ class _Took:
     grads: list = dataclasses.field(default_factory=list)  # StepGrads.noted's record
     modes: Modes | None = None  # the modes of the modules it names, as the call found them
     grad_mode: tuple = (True, False)  # _step_checks.grad_mode() around the call
+    autocast: torch.dtype | None = None  # _step_checks.autocast_around() around the call
     roots: list = dataclasses.field(default_factory=list)  # the modules it names
     sync: GradSync | None = None  # the grad sync of what it names, as the capture began
     other_grads: OtherGrads | None = None  # as the capture began

@@ -178,6 +178,14 @@ def grad_mode() -> tuple[bool, bool]:
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
+def autocast_around() -> torch.dtype | None:
+    """CUDA autocast's dtype now, or None where it is off: a step captured
+    under autocast replays its casts and lower-precision kernels, one
+    captured outside replays full precision, whatever a later call runs
+    under (torch.autocast around a call)."""
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
+
+
 def _grad_mode_named(mode: tuple[bool, bool]) -> str:
     enabled, inference = mode
     return ("torch.inference_mode()" if inference else
@@ -186,19 +194,21 @@ def _grad_mode_named(mode: tuple[bool, bool]) -> str:
 
 class SinceCapture:
     """One record of what a step's capture found and each replay checks
-    first, in the order asked: the grad mode around the call (grad_mode()),
-    the tensors it reads (Marks), the modes of the modules it names (Modes,
+    first, in the order asked: the grad mode and autocast around the call
+    (grad_mode(), autocast_around()), the tensors it reads (Marks), the modes of the modules it names (Modes,
     cgraph/_modes.py), their grad sync and the grads FSDP holds for a
     later reduction (GradSync), the grads no optimizer of it holds
     (OtherGrads), then the grads of its optimizers'
     parameters that the graph makes (StepGrads.made: rule 4 of Note [Grads
     around a graphed step] in cgraph/_step_grads.py)."""
 
-    __slots__ = ("grad_mode", "marks", "modes", "sync", "other_grads", "step_grads")
+    __slots__ = ("grad_mode", "autocast", "marks", "modes", "sync", "other_grads",
+                 "step_grads")
 
-    def __init__(self, grad_mode: tuple[bool, bool], marks: "Marks", modes: Modes,
-                 sync: "GradSync", other_grads: "OtherGrads", step_grads: "StepGrads"):
-        self.grad_mode, self.marks, self.modes = grad_mode, marks, modes
+    def __init__(self, grad_mode: tuple[bool, bool], autocast: torch.dtype | None,
+                 marks: "Marks", modes: Modes, sync: "GradSync", other_grads: "OtherGrads",
+                 step_grads: "StepGrads"):
+        self.grad_mode, self.autocast, self.marks, self.modes = grad_mode, autocast, marks, modes
         self.sync, self.other_grads, self.step_grads = sync, other_grads, step_grads
 
     def first_changed(self) -> Change | None:
@@ -209,6 +219,9 @@ class SinceCapture:
             return Change("the grad mode around the call", f"changed from "
                           f"{_grad_mode_named(self.grad_mode)} to {_grad_mode_named(now)}",
                           "grad mode")
+        if autocast_around() != self.autocast:
+            return Change("CUDA autocast around the call", f"changed from {self.autocast} to "
+                          f"{autocast_around()} (None: off)", "autocast")
         if not self.marks.same():
             return Change(*self.marks.first_changed(), "parameters", waits=True)
         if not self.modes.same():

@@ -534,7 +534,8 @@ def since(step, model):
     modes read, no grad sync, no other grads."""
     others = OtherGrads([], set())
     others.captured(frozenset())
-    return SinceCapture((True, False), Marks(step.grads.params, [model], step.grads.label),
+    return SinceCapture((True, False), None,
+                        Marks(step.grads.params, [model], step.grads.label),
                         Modes.now(()), GradSync([], [], []), others, step.grads)
 
 
@@ -582,6 +583,43 @@ def test_a_parameter_frozen_unfrozen_or_moved_since_capture_warms_the_step_up_ag
     assert stale and step.grads is None
     assert step.num_warmup_iters == step.stats["eager"] + 1
     assert_logged(caplog, "parameter 0 of param group 0 of SGD", f"{what} ")
+
+
+def test_a_call_under_another_autocast_than_its_capture_warms_up_again(caplog, monkeypatch):
+    """A step captured outside autocast replays full precision, one captured
+    under bf16 autocast its casts and bf16 kernels: a call under another
+    autocast (or its dtype) runs eagerly, named, and the next captures
+    again.  CUDA autocast read, as the graphs' kernels are CUDA's (stood in
+    for on the CPU by patching what the check reads)."""
+    from cgraph import _step_checks
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = cgraph.make_graphed_step(lambda: None)
+    around = [None]
+    monkeypatch.setattr(_step_checks, "autocast_around", lambda: around[0])
+    as_captured(step, model, opt)
+    assert not step._stale()
+    around[0] = torch.bfloat16
+    with caplog.at_level(logging.INFO, logger="cgraph"):
+        assert step._stale() and step.grads is None
+    assert_logged(caplog, "CUDA autocast around the call",
+                  "changed from None to torch.bfloat16 (None: off) since capture")
+    as_captured(step, model, opt)
+    step.since.autocast = torch.bfloat16
+    assert not step._stale()
+    around[0] = torch.float16
+    assert step._stale()
+
+
+@pytest.mark.gpu
+def test_autocast_around_reads_cuda_autocast():
+    from cgraph._step_checks import autocast_around
+    assert autocast_around() is None
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=True):
+        assert autocast_around() is torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert autocast_around() is None
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
