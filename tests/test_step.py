@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import random
 
 import pytest
 import torch
@@ -551,7 +552,11 @@ def test_outputs_keep_their_values_and_grads_are_this_steps():
     ("branch", r"training step.*\.item\(\)", "sync"),  # a Python branch on a tensor
     # A CPU draw would be baked into the graph at capture and never drawn again.
     ("cpu_random", "training step.*host-side random", "rng_changed"),
-], ids=["item", "branch", "cpu_random"])
+    # mixup's weight drawn from NumPy's or Python's global generator: the same
+    # (Note [Python's random numbers drawn during capture], csrc/capture.c).
+    ("numpy_mixup", "training step.*NumPy's global", "rng_changed"),
+    ("python_random", "training step.*NumPy's global", "rng_changed"),
+], ids=["item", "branch", "cpu_random", "numpy_mixup", "python_random"])
 def test_a_host_sync_or_cpu_draw_in_the_step_is_refused_with_the_fix(body, match, kind):
     model, batches = model_and_data()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, fused=True)
@@ -565,6 +570,11 @@ def test_a_host_sync_or_cpu_draw_in_the_step_is_refused_with_the_fix(body, match
             loss = loss * 0
         elif body == "cpu_random":
             loss = loss * (1 + torch.rand(()))
+        elif body == "numpy_mixup":
+            np = pytest.importorskip("numpy")
+            loss = loss * float(np.random.beta(0.4, 0.4))
+        elif body == "python_random":
+            loss = loss * (1 + random.random())
         loss.backward()
         opt.step()
         return loss
@@ -1167,6 +1177,44 @@ def test_micro_batches_outside_from_a_later_call_on_are_added_as_eager(caplog):
     assert_logged(caplog, "the grad of parameter 0 of param group 0 of AdamW",
                   "was made outside the step")
     assert graphed.stats == {"eager": 2, "captures": 2, "replays": len(batches) - 2}, \
+        graphed.stats
+
+
+def test_grads_the_step_replaces_after_its_backward_added_into_them_match_eager():
+    """Rule 1 of Note [Grads around a graphed step]: grads zeroed in place
+    outside (set_to_none=False); the step's backward adds into them, then the
+    step replaces them (p.grad = p.grad * 0.5) before its optimizer steps.
+    Every replay adds into the first grads, which the step holds, with the
+    grads zeroed outside copied in first: eager's results, bitwise.  Before,
+    the first grads were freed at capture and replays added into that
+    memory."""
+    model, batches = model_and_data(dropout=0.0)
+    eager = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True) for m in (model, eager)]
+
+    def make(net, opt):
+        def step(x, y):
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            for p in net.parameters():
+                p.grad = p.grad * 0.5
+            opt.step()
+            return loss.detach()
+        return step
+
+    for net in (model, eager):
+        for p in net.parameters():
+            p.grad = torch.zeros_like(p)
+    graphed = cgraph.make_graphed_step(make(model, opts[0]), batches[0], num_warmup_iters=1)
+    plain = make(eager, opts[1])
+    for i, (x, y) in enumerate(batches):
+        for opt in opts:
+            opt.zero_grad(set_to_none=False)
+        assert_equal(graphed(x, y), plain(x, y), f"loss of call {i}")
+        for (n, p), q in zip(model.named_parameters(), eager.parameters()):
+            assert_equal(p, q, f"parameter {n} after call {i}")
+            assert_equal(p.grad, q.grad, f"grad of {n} after call {i}")
+    assert graphed.stats == {"eager": 1, "captures": 1, "replays": len(batches) - 1}, \
         graphed.stats
 
 
