@@ -219,7 +219,8 @@ void deliver_param_grads_generally(Engine& e, const std::vector<uint32_t>& fused
   MayWriteStores may_write;
   for (const uint32_t j : fused) {
     Param& p = e.params[j];
-    if (partial && !named_by_partial_backward(*partial, p.tensor)) {
+    if ((partial && !named_by_partial_backward(*partial, p.tensor)) ||
+        !p.tensor.requires_grad()) {  // frozen since its forward: choose_grad_path
       continue;
     }
     at::Tensor& grad = p.tensor.mutable_grad();
@@ -253,6 +254,14 @@ enum class GradPath { None, CopyTail, AddTail, General };
 GradPath choose_grad_path(const Engine& e, const std::vector<uint32_t>& fused) {
   if (fused.empty()) {
     return GradPath::None;
+  }
+  // A parameter frozen between the forward and this backward (requires_grad_(False)
+  // on a GAN's discriminator) gets no grad, as autograd's AccumulateGrad skips it:
+  // only the general path can leave one out (the tails write every grad).
+  for (const uint32_t j : fused) {
+    if (!e.params[j].tensor.requires_grad()) {
+      return GradPath::General;
+    }
   }
   bool all_fresh = !partial_backward() && fused.size() == e.backward.num_grad_params();
   bool all_ours = all_fresh;
