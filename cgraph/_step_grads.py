@@ -15,8 +15,8 @@ A: By what the capture saw of the step's optimizers' parameters when each
    closure made them), three rules:
    1. Grads made outside the step: a grad that was the parameter's before
       the capture began and still is when its optimizer steps, the step not
-      having cleared it first; or one the step's backward added into (a
-      post-accumulate-grad hook sees it) that the step then replaced
+      having cleared it first; or one the step's backward added into (its
+      version moved) that the step then replaced
       (``p.grad = p.grad * mask``) before its optimizer stepped: every
       replay adds into that memory, freed at capture were it not held.
       The graph reads it, so the step holds it.
@@ -49,9 +49,10 @@ A: By what the capture saw of the step's optimizers' parameters when each
       held one, a call without one raises (rule 1).  Grads FSDP2 keeps in
       its own state for a later reduction (micro-batches outside with
       ``set_requires_gradient_sync(False)``) are not parameters' grads: a
-      capture that finds them refuses (Note [Grad sync set outside a
-      graphed step]), but those left after a capture that found none are
-      not seen.
+      first capture that finds them refuses (Note [Grad sync set outside a
+      graphed step]); after one, a call that starts with them steps
+      eagerly (Note [Grads FSDP2 holds, kept after a step's capture] in
+      cgraph/_fsdp.py).
    Clearing is ``zero_grad()`` of an optimizer or a module inside the step,
    to None or in place: the graph then makes those grads, or zeroes and
    accumulates into them, and reads nothing they held before.  A grad
@@ -74,7 +75,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import weakref
+from typing import Callable
 
 import torch
 from torch import nn
@@ -137,49 +138,49 @@ class StepGrads:
         labels = {id(p): f"parameter {i} of param group {g} of {type(opt).__name__}"
                   for opt in optimizers for g, group in enumerate(opt.param_groups)
                   for i, p in enumerate(group["params"])}
-        # Weakly: the warm-up's last grads, set to None by the step's own
-        # zero_grad(), must go back to the pool for the capture to reuse
-        # (Note [A step's warm-up in its pool] in csrc/aten_setup.cpp).
-        before = {id(p): weakref.ref(p.grad) for opt in optimizers for p in _params_of(opt)
-                  if p.grad is not None}
+        # Each grad as the capture began, with its version: one the backward
+        # added into (its version moved) and the step then replaced is read
+        # by every replay (rule 1), so it must outlive the capture.  Held
+        # until the step's own zero_grad() clears it: the warm-up's last
+        # grads, set to None there, go back to the pool for the capture to
+        # reuse (Note [A step's warm-up in its pool] in csrc/aten_setup.cpp).
+        # Not by a post-accumulate-grad hook: torch keeps one registered
+        # after its handle is removed, which would send the parameter's
+        # per-layer backwards down their slow path for good.
+        started = {id(p): (p.grad, p.grad._version) for opt in optimizers
+                   for p in _params_of(opt) if p.grad is not None}
         cleared: set = set()  # ids of parameters whose grads the step cleared
-        added_into: dict = {}  # id -> the grad made outside that the backward added into
         held: dict = {}  # id -> (param, grad): rule 1
         skipped: dict = {}  # id -> param: rule 2
         made: dict = {}  # id -> param: rule 4
-
-        def accumulated(p):
-            was = before.get(id(p))
-            if was is not None and was() is p.grad:
-                added_into.setdefault(id(p), p.grad)
 
         def stepped(optimizer, args, kwargs):
             for p in _params_of(optimizer):
                 key = id(p)
                 if key in cleared or key in held or key in skipped:
                     continue
-                grad, was = p.grad, before.get(key)
+                grad = p.grad
                 if grad is None:
                     skipped[key] = p
-                elif key in added_into:  # replaced since or not
-                    held[key] = (p, added_into[key])
-                elif was is not None and was() is grad:
-                    held[key] = (p, grad)
-                elif was is None:
+                elif key not in started:
                     made[key] = p
+                elif started[key][0] is grad or started[key][0]._version != started[key][1]:
+                    held[key] = (p, started[key][0])  # read, or added into and replaced since
 
-        handles = [register_optimizer_step_post_hook(stepped)]
-        handles += [p.register_post_accumulate_grad_hook(accumulated)
-                    for p in {id(p): p for opt in optimizers for p in _params_of(opt)
-                              if id(p) in before and p.requires_grad and p.is_leaf}.values()]
+        def clearing(params) -> None:
+            for p in params:
+                cleared.add(id(p))
+                started.pop(id(p), None)
+
+        handle = register_optimizer_step_post_hook(stepped)
         try:
-            with patched(_noting_clears(cleared)):
+            with patched(_noting_clears(clearing)):
                 yield
             into.append(cls(tuple(p for opt in optimizers for p in _params_of(opt)), held,
                             skipped, labels, frozenset(cleared), made))
         finally:
-            for handle in handles:
-                handle.remove()
+            handle.remove()
+            started.clear()
             # The capturing call replays next: it reads the grads it began with.
             for p, grad in held.values():
                 p.grad = grad
@@ -253,10 +254,10 @@ def _params_of(optimizer) -> list:
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
-def _noting_clears(cleared: set) -> dict:
-    """The patches, for the length of the capture, that note in ``cleared``
+def _noting_clears(clearing: Callable) -> dict:
+    """The patches, for the length of the capture, that tell ``clearing``
     the parameters whose grads a zero_grad() of an optimizer or a module
-    clears.  Compiled code that calls zero_grad() guards on the function it
+    clears, before it clears them.  Compiled code that calls zero_grad() guards on the function it
     finds, so it compiles again at capture (README, Limits).  Running the
     warm-up calls under the same patches (one function per owner, hidden
     from dynamo) avoids that, but made a compiled model's graphed step
@@ -265,7 +266,7 @@ def _noting_clears(cleared: set) -> dict:
     yet found: not done."""
     def noting(zero_grad, params_of):
         def zero_grad_noted(self, *args, **kwargs):
-            cleared.update(map(id, params_of(self)))
+            clearing(params_of(self))
             return zero_grad(self, *args, **kwargs)
         return zero_grad_noted
 

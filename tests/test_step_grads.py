@@ -104,6 +104,10 @@ def test_a_grad_the_backward_added_into_and_the_step_replaced_is_held():
     grads = noted(opt, step)
     assert grads.held == tuple(model.parameters()) and not grads.made
     assert all(h is f for h, f in zip(grads.held_grads, first))
+    # No hook registered to see it: torch keeps a post-accumulate-grad hook
+    # after its handle is removed, and per-layer graphs then take their slow
+    # path for that parameter (csrc/aten_backward.cpp, delivered_by_autograd).
+    assert all(p._post_accumulate_grad_hooks is None for p in model.parameters())
     assert all(p.grad is f for p, f in zip(model.parameters(), first)), "the capturing replay's"
     grads.leave()
     replaced = [p.grad for p in model.parameters()]
