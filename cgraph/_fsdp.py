@@ -471,8 +471,12 @@ def holding_grads(groups) -> str | None:
 #    integer.  A replay compares it with the count it last saw (GradSync in
 #    cgraph/_step_checks.py); only where it moved does it walk the groups
 #    (holding_grads), and where they hold grads the call steps eagerly
-#    (adding them in, as eager does) and the next captures again, refused
-#    if it starts holding some too.  Replays run no Python, so the step's
+#    (adding them in, as eager does) and the next captures again.  A call
+#    that would capture again while FSDP holds such grads steps eagerly too
+#    (GraphedStep._fsdp_holds_grads; warned at the third in a row, naming
+#    the fix: the micro-batches inside the step), so a batch-size ramp-up
+#    that accumulates outside from some call on trains on, eagerly; only a
+#    first capture that finds them refuses.  Replays run no Python, so the step's
 #    own backwards that keep grads (micro-batches inside it) count only at
 #    its capture and eager calls, before it reads the count again.
 class _Held:

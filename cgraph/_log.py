@@ -219,6 +219,18 @@ def step_stale(step, owner: str, key: str) -> None:
              "step again. %s", step, owner, key, _stale_fix(owner, key))
 
 
+def step_fsdp_holds_every_call(step, group: str, calls: int) -> None:
+    """FSDP held grads of backwards outside a step before each of its last
+    `calls` calls, each then stepped eagerly (Note [Grads FSDP2 holds, kept
+    after a step's capture] in cgraph/_fsdp.py)."""
+    log.warning("%r: FSDP's %s held unsharded grads of backwards outside the step before "
+                "each of the last %d calls (micro-batches under set_requires_gradient_sync("
+                "False)): each such call steps eagerly, since a replay would drop them. Run "
+                "the micro-batches inside the step, calling set_requires_gradient_sync(i == "
+                "last) before each backward, to replay every call. Logged at the third such "
+                "call in a row.", step, group, calls)
+
+
 def step_stale_every_call(step, owner: str, key: str, calls: int) -> None:
     """A baked hyperparameter changed before each of a step's last `calls`
     calls: each captured the step again (Note [Capturable optimizers] in

@@ -416,6 +416,10 @@ class GraphedStep:
         # Calls that found grad sync set otherwise outside (no_sync(), FSDP's
         # set_requires_gradient_sync): Note [Grad sync set outside a graphed step].
         self.sync_changes = _SyncChanges()
+        # Calls in a row stepped eagerly, after a capture, because FSDP held
+        # grads of backwards outside: Note [Grads FSDP2 holds, kept after a
+        # step's capture] (cgraph/_fsdp.py).
+        self.held_in_a_row = 0
         self.grads: StepGrads | None = None  # Note [Grads around a graphed step]
         # What its capture found that code outside can change, checked
         # before each replay: Note [What a graphed step checks before a
@@ -456,11 +460,27 @@ class GraphedStep:
         self._optimizer_replaced()  # since a reset() or reset_all(): Note [Capturable optimizers]
         if self.graphed is None and self.stats["eager"] < self.num_warmup_iters:
             return self._run_eagerly(args, kwargs)
+        if self._fsdp_holds_grads():
+            return self._run_eagerly(args, kwargs)
         if not self._capture(leaves, spec):  # dropped before its replay
             return self._run_eagerly(args, kwargs)
         out = self._replay(self.graphed, args, kwargs)
         self.stats["replays"] += 1
         return out
+
+    def _fsdp_holds_grads(self) -> bool:
+        """Whether an FSDP group the step's last capture named holds grads of
+        backwards outside the step, after a capture (a first capture that
+        finds them refuses, naming the fix): then the call steps eagerly,
+        adding them in, where a capture would be refused.  Warned once, at
+        the third such call in a row: Note [Grads FSDP2 holds, kept after a
+        step's capture] (cgraph/_fsdp.py)."""
+        held = (_fsdp.holding_grads(self.resharded.groups) if self.stats["captures"]
+                else None)
+        self.held_in_a_row = self.held_in_a_row + 1 if held is not None else 0
+        if self.held_in_a_row == _STALE_WARNING_AT:
+            _log.step_fsdp_holds_every_call(self, held, self.held_in_a_row)
+        return held is not None
 
     # -- 1. warm-up: real eager steps, optimizers found ----------------------
 
@@ -893,9 +913,10 @@ class GraphedStep:
         return False
 
     def _changed_since_capture(self) -> bool:
-        """Whether what the capture found changed since (SinceCapture: a
-        tensor it reads moved, was replaced, frozen or unfrozen; a module's
-        mode; grad sync set outside; a grad no optimizer of it holds set or
+        """Whether what the capture found changed since (SinceCapture: the
+        grad mode or CUDA autocast around the call; a tensor it reads moved,
+        was replaced, frozen or unfrozen; a module's mode; grad sync set
+        outside, or grads FSDP holds from backwards outside; a grad set or
         cleared outside); if so, logged, and warmed up again: Note [What a
         graphed step checks before a replay] (cgraph/_step_checks.py)."""
         change = self.since.first_changed() if self.since is not None else None
