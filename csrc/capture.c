@@ -747,7 +747,9 @@ warm_up(session *s)
  *    random.Random instance, np.random.default_rng()), a draw in a per-layer
  *    backward hook (its backward is captured apart), and draws that leave
  *    the state as they found it.  Capture only: the warm-up's calls are
- *    eager calls, free to draw. */
+ *    eager calls, free to draw.  Another Python thread drawing from them
+ *    while a capture runs (torch releases the GIL around its ops) is taken
+ *    for the callable's draw: the refusal says so. */
 
 /* A NEW reference to a bytes object that is equal for equal states of
  * Python's global random generator and NumPy's (where numpy.random is
@@ -755,20 +757,29 @@ warm_up(session *s)
 static PyObject *
 host_random_states(void)
 {
+    /* NumPy's as a dict (legacy=False): its legacy tuple warns at every
+     * call where the global bit generator is not MT19937. */
     static const struct {
         const char *module, *method;
-    } generators[] = {{"random", "getstate"}, {"numpy.random", "get_state"}};
+        int legacy_keyword;
+    } generators[] = {{"random", "getstate", 0}, {"numpy.random", "get_state", 1}};
     PyObject *states = PyList_New(0), *pickle, *fingerprint = NULL;
 
     for (size_t i = 0; states != NULL && i < sizeof(generators) / sizeof(generators[0]); i++) {
         PyObject *name = PyUnicode_FromString(generators[i].module);
         PyObject *module = name ? PyImport_GetModule(name) : NULL;  /* only where loaded */
-        PyObject *state = module ? PyObject_CallMethod(module, generators[i].method, NULL) : NULL;
+        PyObject *get = module ? PyObject_GetAttrString(module, generators[i].method) : NULL;
+        PyObject *kwargs = get && generators[i].legacy_keyword
+                               ? Py_BuildValue("{s:O}", "legacy", Py_False) : NULL;
+        PyObject *state = get && (kwargs || !generators[i].legacy_keyword)
+                              ? PyObject_VectorcallDict(get, NULL, 0, kwargs) : NULL;
 
         if (state != NULL ? PyList_Append(states, state) < 0 : PyErr_Occurred() != NULL) {
             Py_CLEAR(states);
         }
         Py_XDECREF(state);
+        Py_XDECREF(kwargs);
+        Py_XDECREF(get);
         Py_XDECREF(module);
         Py_XDECREF(name);
     }
@@ -787,7 +798,9 @@ refuse_host_draws(const session *s)
     PyObject *refusal = PyObject_CallFunction(
         s->state->Refusal, "si",
         "cgraph: Python's random or NumPy's global random generator drew numbers during "
-        "capture (random.random(), np.random.beta(...)): a replay would reuse that one draw.",
+        "capture (random.random(), np.random.beta(...)): a replay would reuse that one draw. "
+        "(If another thread drew from them meanwhile, a thread augmenting data, give that "
+        "thread a generator of its own: random.Random(seed), np.random.default_rng(seed).)",
         (int)CG_FAILURE_RNG_CHANGED);
 
     if (refusal != NULL) {
@@ -815,7 +828,11 @@ call_for_capture(const session *s, Py_ssize_t i)
     Py_XDECREF(after);
     Py_DECREF(before);
     if (same != 1) {
+        PyObject *type, *value, *trace;
+
+        PyErr_Fetch(&type, &value, &trace);  /* the outputs' destructors run without it */
         Py_CLEAR(out);
+        PyErr_Restore(type, value, trace);
         return same == 0 ? refuse_host_draws(s) : NULL;
     }
     return out;

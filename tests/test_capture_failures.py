@@ -62,8 +62,8 @@ FAILURES = {
                          or t * 2, r"seeded a random generator", {"seed_read", "rng_changed"}),
     "cpu_rand": (lambda t: t * torch.rand(()), r"host-side random numbers", {"rng_changed"}),
     # Note [Python's random numbers drawn during capture] (csrc/capture.c).
-    "python_random": (lambda t: t * random.random(), r"NumPy's global", {"rng_changed"}),
-    "numpy_random": (lambda t: t * float(_numpy().random.rand()), r"NumPy's global",
+    "python_random": (lambda t: t * random.random(), r"would reuse that one draw", {"rng_changed"}),
+    "numpy_random": (lambda t: t * float(_numpy().random.rand()), r"would reuse that one draw",
                      {"rng_changed"}),
 }
 
