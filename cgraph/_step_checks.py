@@ -1,7 +1,8 @@
 """What a graphed step's capture found that code outside the step can
-change between calls, checked before each replay (SinceCapture): the
-memory of the tensors it reads, its modules' modes, their grad sync, and
-the grads no optimizer of it holds.  cgraph/_step.py builds the record at
+change between calls, checked before each replay (SinceCapture): the grad
+mode and CUDA autocast around the call, the memory of the tensors it reads,
+its modules' modes, their grad sync and the grads FSDP holds, and the grads
+no optimizer of it holds.  cgraph/_step.py builds the record at
 capture and asks it before each replay; a change makes that call step
 eagerly and the next capture again.
 
@@ -195,12 +196,12 @@ def _grad_mode_named(mode: tuple[bool, bool]) -> str:
 class SinceCapture:
     """One record of what a step's capture found and each replay checks
     first, in the order asked: the grad mode and autocast around the call
-    (grad_mode(), autocast_around()), the tensors it reads (Marks), the modes of the modules it names (Modes,
-    cgraph/_modes.py), their grad sync and the grads FSDP holds for a
-    later reduction (GradSync), the grads no optimizer of it holds
-    (OtherGrads), then the grads of its optimizers'
-    parameters that the graph makes (StepGrads.made: rule 4 of Note [Grads
-    around a graphed step] in cgraph/_step_grads.py)."""
+    (grad_mode(), autocast_around()), the tensors it reads (Marks), the
+    modes of the modules it names (Modes, cgraph/_modes.py), their grad
+    sync and the grads FSDP holds for a later reduction (GradSync), the
+    grads no optimizer of it holds (OtherGrads), then the grads of its
+    optimizers' parameters that the graph makes (StepGrads.made: rule 4 of
+    Note [Grads around a graphed step] in cgraph/_step_grads.py)."""
 
     __slots__ = ("grad_mode", "autocast", "marks", "modes", "sync", "other_grads",
                  "step_grads")
