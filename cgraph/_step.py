@@ -754,7 +754,8 @@ class GraphedStep:
             try:
                 with _optim.device_resident_steps(list(self.optimizers)), self._device_lrs(), \
                         _scaler_steps_on_the_device(), \
-                        StepGrads.noted(list(self.optimizers), took.grads), _schedulers_refused(), \
+                        StepGrads.noted(list(self.optimizers), took.grads,
+                                        took.other_grads.forget), _schedulers_refused(), \
                         took.other_grads.noting():
                     (self.graphed,) = graph([drafted], pool, _OPTIONS, step=True)
             finally:  # made by a failed capture too: forgotten then

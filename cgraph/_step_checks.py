@@ -73,9 +73,10 @@ A: Each one's grad object as the capture began (weakly) and as it ended
    next captures again, from that state.  A grad the step clears itself
    (a zero_grad() inside, noted as Note [Grads around a graphed step]
    notes it) is made anew by every replay, so it is not checked; one the
-   backward added into is held from then on (a post-accumulate-grad hook
-   around the capture notes it), so that a grad the step replaces after
-   its backward (``p.grad = p.grad * mask``) is still checked.  After a
+   backward added into (its version moved: each grad is held through the
+   capture, but where the step's zero_grad() clears it) is held from then
+   on, so that a grad the step replaces after its backward
+   (``p.grad = p.grad * mask``) is still checked.  After a
    replay, each parameter gets the grad the capture left, as an eager
    backward would give it.  A grad the capture left as it found it (the
    same object, not added into, not written in place: an evaluation step
@@ -354,7 +355,7 @@ class OtherGrads:
     began (weakly: the step's own zero_grad() frees it for the capture to
     reuse) and, for those the capture touched, as it ended."""
 
-    __slots__ = ("watched", "read", "touched", "after", "checked", "checked_before")
+    __slots__ = ("watched", "started", "touched", "after", "checked", "checked_before")
 
     def __init__(self, modules: list, stepped: set):
         found = _labelled(modules, lambda m: m.named_parameters(),
@@ -363,7 +364,9 @@ class OtherGrads:
             _Watched(p, name, None if p.grad is None else weakref.ref(p.grad),
                      None if p.grad is None else p.grad._version)
             for name, p in found.values())
-        self.read: dict = {}  # id(p) -> the starting grad the capture's backward added into
+        # id(p) -> its grad as the capture began, held through it (noting)
+        # unless the step's zero_grad() clears it (forget).
+        self.started: dict = {}
         # Set once the capture returned: the parameters whose grad it added
         # into, made, replaced or cleared, and each one's grad as it ended.
         self.touched: tuple = ()
@@ -379,22 +382,23 @@ class OtherGrads:
 
     @contextlib.contextmanager
     def noting(self):
-        """Around the capture: a post-accumulate-grad hook per parameter that
-        had a grad notes whether the backward added into it, and holds it:
-        every replay adds into that memory."""
-        def noted(param):
-            was = by_id[id(param)].grad_before()
-            if was is not None and was is param.grad:
-                self.read.setdefault(id(param), param.grad)
+        """Around the capture: each grad held until captured() (or until
+        the step's zero_grad() clears it: forget), so that one the backward
+        added into (its version moved) and the step then replaced
+        (``p.grad = p.grad * mask``) is still there to check: every replay
+        adds into that memory.  Not by a post-accumulate-grad hook: torch
+        keeps one registered after its handle is removed, and the
+        parameter's per-layer graphs would take their slow grad path for
+        good (csrc/aten_backward.cpp, delivered_by_autograd)."""
+        self.started = {id(w.param): (w.grad_before(), w.version) for w in self.watched
+                        if w.before is not None}
+        yield
 
-        by_id = {id(w.param): w for w in self.watched}
-        handles = [w.param.register_post_accumulate_grad_hook(noted)
-                   for w in self.watched if w.before is not None]
-        try:
-            yield
-        finally:
-            for handle in handles:
-                handle.remove()
+    def forget(self, params) -> None:
+        """The step's zero_grad() clears these parameters' grads: the ones
+        they had go back to the pool for the capture to reuse."""
+        for p in params:
+            self.started.pop(id(p), None)
 
     def captured(self, cleared: frozenset) -> None:
         """Once the capture returned.  A grad the capture left as it found
@@ -406,22 +410,24 @@ class OtherGrads:
         the backward did not add into that is gone since (set to None
         inside): not checked.  One the backward added into is, held, even
         where the step replaced it after."""
+        read = {key: grad for key, (grad, version) in self.started.items()
+                if grad is not None and grad._version != version}  # added into, or written
+        self.started = {}
         kept, touched = [], []
         for w in self.watched:
             p, found = w.param, w.grad_before()
-            if (id(p) not in self.read and p.grad is found
+            if (id(p) not in read and p.grad is found
                     and (w.before is None) == (found is None)
                     and (found is None or found._version == w.version)):
                 continue  # untouched
             touched.append(p)
-            grad = self.read.get(id(p), found)
+            grad = read.get(id(p), found)
             if id(p) not in cleared and (w.before is None or grad is not None):
                 kept.append((p, grad))
         self.touched = tuple(touched)
         self.after = tuple(p.grad for p in self.touched)
         self.checked = tuple(p for p, _ in kept)
-        self.checked_before = tuple(grad for _, grad in kept)
-        self.read = {}  # the starting grads that matter are held in checked_before
+        self.checked_before = tuple(grad for _, grad in kept)  # the starting grads that matter
 
     def put_back(self) -> None:
         """After a capture that failed or was dropped: each parameter gets

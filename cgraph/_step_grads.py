@@ -132,9 +132,11 @@ class StepGrads:
 
     @classmethod
     @contextlib.contextmanager
-    def noted(cls, optimizers: list, into: list):
+    def noted(cls, optimizers: list, into: list,
+              also_clearing: Callable = lambda params: None):
         """Around the capture: appends the record to ``into`` when the
-        capture returns."""
+        capture returns.  ``also_clearing`` hears of each zero_grad() inside
+        too (OtherGrads.forget), before it clears the grads."""
         labels = {id(p): f"parameter {i} of param group {g} of {type(opt).__name__}"
                   for opt in optimizers for g, group in enumerate(opt.param_groups)
                   for i, p in enumerate(group["params"])}
@@ -168,9 +170,11 @@ class StepGrads:
                     held[key] = (p, started[key][0])  # read, or added into and replaced since
 
         def clearing(params) -> None:
+            params = list(params)
             for p in params:
                 cleared.add(id(p))
                 started.pop(id(p), None)
+            also_clearing(params)
 
         handle = register_optimizer_step_post_hook(stepped)
         try:

@@ -722,6 +722,9 @@ def test_a_grad_the_backward_added_into_then_replaced_is_held_and_checked():
     others.captured(frozenset())
     assert len(others.checked) == 2
     assert others.first_changed() == "Linear.weight"  # the replaced grad, after leave()
+    # Seen without a hook: torch keeps a post-accumulate-grad hook after its
+    # handle is removed (per-layer graphs' slow path for good).
+    assert all(p._post_accumulate_grad_hooks is None for p in model.parameters())
 
 
 def test_grads_the_step_clears_itself_are_not_checked_before_a_replay():
@@ -760,7 +763,7 @@ def test_a_failed_capture_puts_back_the_grads_no_optimizer_of_the_step_holds():
     model[0].zero_grad()  # no grads: assigned by the capture
     found = [p.grad for p in model[1].parameters()]  # replaced by it
     others = OtherGrads([model], set())
-    with others.noting():
+    with StepGrads.noted([], [], others.forget), others.noting():  # as a capture nests them
         model[2].zero_grad()  # freed by the step itself
         model(torch.randn(3, 4)).sum().backward()
         for p in model[1].parameters():
