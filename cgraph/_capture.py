@@ -89,6 +89,7 @@ def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
     ``step``, the one callable is a whole training step (cgraph/_step.py):
     its backward runs inside its own capture, so Note [Reentrant regions]
     does not apply, and capture errors name the training step."""
+    _refuse_saved_tensor_hooks()
     device = device_of(drafts)
     specs = tuple(_C.CallableSpec(**d.fields, device=device) for d in drafts)
     what = "the training step" if step else None
@@ -99,6 +100,26 @@ def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
         if isinstance(spec.verify, StateCheck) and (module := spec.module()) is not None:
             spec.verify.adopt(module)
     return graphed
+
+
+def _refuse_saved_tensor_hooks() -> None:
+    """A capture inside torch.utils.checkpoint (use_reentrant=False) or another
+    saved_tensors_hooks region (save_on_cpu) around the graphed callable:
+    the warm-up's and capture's backwards would save their tensors through
+    the region's hooks, and the region's recompute calls the callable
+    again, eagerly inside the backward, saving other tensors than the graph
+    does (torch raises its "different number of tensors" CheckpointError at
+    the warm-up's second backward; without warm-up a replay would read the
+    activations of the capture's call).  Refused, naming the fix."""
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        raise ValueError(
+            "cgraph: a callable is graphed inside torch.utils.checkpoint (use_reentrant=False) "
+            "or another torch.autograd.graph.saved_tensors_hooks region (save_on_cpu) around "
+            "it: its graphs keep their activations themselves, and the region's recompute "
+            "would call it again eagerly. Checkpoint inside the graphed module instead: wrap "
+            "each block with torch.distributed.algorithms._checkpoint.checkpoint_wrapper "
+            "before graphing it (graph_layers moves transformers' gradient checkpointing "
+            "inside by itself), or graph the whole step with make_graphed_step.")
 
 
 @contextlib.contextmanager
