@@ -90,6 +90,21 @@ def on_event(event: str, graphed) -> None:
 _told_cache: "weakref.WeakSet" = weakref.WeakSet()
 
 
+_told_nested: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def nested_call_eager(graphed) -> None:
+    """A call passing a nested tensor ran eagerly (cgraph/_regraph.py);
+    logged once per callable."""
+    if graphed in _told_nested:
+        return
+    _told_nested.add(graphed)
+    log.info("%s: a call passing a nested tensor (nn.TransformerEncoder's fast path turns a "
+             "padded batch into one in evaluation) runs eagerly: no graph takes its ragged "
+             "shape. Counted in stats['eager_on_miss']. Logged once per callable.",
+             describe(graphed))
+
+
 def cache_call_eager(graphed) -> None:
     """A call carrying a transformers Cache ran eagerly (cgraph/_regraph.py);
     logged once per callable."""

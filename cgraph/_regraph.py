@@ -37,9 +37,15 @@ class Regraph:
                  site: _C.CaptureSite) -> _C.Graphed | None:
         """The Graphed captured for this call, with one graph; None for a
         call that runs eagerly: one carrying a transformers Cache (a graphed
-        layer of a model that generate() calls), which no graph can take."""
+        layer of a model that generate() calls), or a nested tensor
+        (nn.TransformerEncoder's layers in evaluation, a padding mask
+        given), which no graph can take."""
         if holds_cache((args, kwargs)):
             _log.cache_call_eager(graphed)
+            return None
+        if any(t.is_nested for t in pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor)):
+            _log.nested_call_eager(graphed)
             return None
         module = self.target.callable()
         started = time.perf_counter()

@@ -68,6 +68,11 @@ struct StagedCall {
   TORCH_CHECK_VALUE(!e.inputs[i].in_place, "cgraph: argument '", e.inputs[i].name,
                     "' is not the output of the graphed callable this graph was captured "
                     "reading in place; call the callable, which captures a graph for it.");
+  TORCH_CHECK_VALUE(!got.is_nested(), "cgraph: argument '", e.inputs[i].name,
+                    "' is a nested tensor (nn.TransformerEncoder's fast path makes one from a "
+                    "padded batch in evaluation), whose ragged shape no graph takes. Graph the "
+                    "callable without samples or with max_graphs > 1 (such calls then run "
+                    "eagerly), or turn that path off (encoder.use_nested_tensor = False).");
   TORCH_CHECK_VALUE(false, "cgraph: argument '", e.inputs[i].name, "' has shape ",
                     got.sizes(), ", dtype ", got.scalar_type(), " on ", got.device(),
                     ", but the graph was captured with shape ", want.sizes(), ", dtype ",
@@ -121,6 +126,9 @@ void check_call(const Engine& e, size_t nargs) {
 // or another floating one, which the copy into the static input casts (as
 // torch's copy_ does; autograd casts the grad back).
 bool fits(const Input& in, const at::Tensor& t) {
+  if (C10_UNLIKELY(t.is_nested())) {  // ragged: no sizes to compare (cgraph/_regraph.py)
+    return false;
+  }
   const at::ScalarType have = t.scalar_type(), want = in.buffer.scalar_type();
   if (C10_UNLIKELY(in.in_place)) {  // Note [A layer reading the one before it in place]
     return have == want && t.const_data_ptr() == in.buffer.const_data_ptr() &&
