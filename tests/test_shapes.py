@@ -722,3 +722,50 @@ def test_a_long_set_up_shows_a_progress_bar(capsys, monkeypatch):
     layers = (slow, slow)
     cgraph.make_graphed_callables(layers, ((torch.randn(4, device=CUDA),),) * 2)
     assert "cgraph: graphing 2 callables" in capsys.readouterr().err
+
+
+def test_transformer_encoder_layers_take_nested_tensors_in_evaluation_eagerly(caplog):
+    """nn.TransformerEncoder in evaluation, a padding mask given, turns its
+    batch into a nested tensor for its layers' fast path: a graphed layer
+    runs such a call eagerly (logged), as its eager twin does, and training
+    calls replay.  Before, matching a call to a graph read the nested
+    tensor's sizes, which it has none of (torch's internal error)."""
+    torch.manual_seed(23)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).to(CUDA)
+    eager = copy.deepcopy(model)
+    cgraph.graph_layers(model)
+    x = torch.randn(4, 10, 32, device=CUDA)
+    mask = torch.zeros(4, 10, dtype=torch.bool, device=CUDA)
+    mask[1:, 7:] = True
+    for _ in range(2):
+        for net in (model, eager):
+            net.train()
+        assert_equal(model(x, src_key_padding_mask=mask), eager(x, src_key_padding_mask=mask),
+                     "training output")
+        for net in (model, eager):
+            net.eval()
+        with caplog.at_level(logging.INFO, logger="cgraph"), torch.no_grad():
+            assert_equal(model(x, src_key_padding_mask=mask),
+                         eager(x, src_key_padding_mask=mask), "evaluation output")
+    assert any("nested tensor" in r.getMessage() for r in caplog.records)
+    assert model.layers[0].forward.stats["eager_on_miss"] == 2
+
+
+def test_a_callable_graphed_inside_an_outer_checkpoint_is_refused_naming_the_fix():
+    """torch.utils.checkpoint (use_reentrant=False) around a graphed block
+    that captures on its first call: its warm-up's backwards would save
+    through the checkpoint's hooks, and the recompute calls the block again
+    eagerly (torch's "different number of tensors" CheckpointError, as a
+    CaptureError advising about syncs).  Refused, naming checkpoint_wrapper;
+    the block still runs eagerly outside."""
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(29)
+    block = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)).to(CUDA)
+    graphed = cgraph.make_graphed(block)
+    x = torch.randn(4, 16, device=CUDA, requires_grad=True)
+    with pytest.raises(ValueError, match=r"inside torch.utils.checkpoint.*checkpoint_wrapper"):
+        checkpoint(graphed, x, use_reentrant=False)
+    with torch.autograd.graph.save_on_cpu(), pytest.raises(ValueError, match="save_on_cpu"):
+        graphed(x)
+    assert_equal(graphed(x), block(x), "a call outside after the refusals")
