@@ -361,6 +361,7 @@ class _GraphedRun:
         self.ran = False  # whether the body ran for this call already
         self.refused: str | None = None  # why the step cannot be graphed, found inside it
         self.eager_shapes = False  # logged that a batch of another shape ran eagerly
+        self.eager_in_a_row = 0  # batches in a row of another shape: warned at _EAGER_WARNING_AT
         # (parameter, its grad) as the last capture left them: item 4.
         self.grads: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         self.params = list(module.parameters())
@@ -397,7 +398,8 @@ class _GraphedRun:
             entry = self.phases[phase] = _PhaseStep(
                 make_graphed_step(self._body), signature, [])
         if entry.batch != signature:
-            return self._eagerly(optimizer, batch_idx, kwargs)
+            return self._eagerly(optimizer, batch_idx, kwargs, entry.batch, signature)
+        self.eager_in_a_row = 0
         return self._through_the_step(entry, optimizer, batch_idx, kwargs)
 
     def _through_the_step(self, entry: _PhaseStep, optimizer, batch_idx: int,
@@ -539,14 +541,22 @@ class _GraphedRun:
         finally:
             module._current_fx_name = fx
 
-    def _eagerly(self, optimizer, batch_idx: int, kwargs: OrderedDict):
+    def _eagerly(self, optimizer, batch_idx: int, kwargs: OrderedDict, graphed: tuple,
+                 signature: tuple):
         """Lightning's run, eagerly: a batch of another shape than its
-        phase's graph takes (Note [Lightning's step graphed whole] item 3)."""
+        phase's graph takes (Note [Lightning's step graphed whole] item 3);
+        a short last batch logs once, batches that all differ (a string or
+        an id in each) warn once, at the _EAGER_WARNING_AT-th in a row."""
         if not self.eager_shapes:
             self.eager_shapes = True
             log.info("cgraph: CUDAGraphs(scope='step'): batch %d differs from the batches the "
                      "step was graphed with (%s); such batches run eagerly.", batch_idx,
                      _describe(kwargs.get("batch")))
+        self.eager_in_a_row += 1
+        if self.eager_in_a_row == _EAGER_WARNING_AT:
+            log.warning("cgraph: CUDAGraphs(scope='step'): the last %d batches each differed "
+                        "from the batches the step was graphed with, and ran eagerly: %s",
+                        self.eager_in_a_row, _difference_named(graphed, signature))
         return self._run_eagerly(optimizer, batch_idx, kwargs)
 
     def _run_eagerly(self, optimizer, batch_idx: int, kwargs: OrderedDict):
@@ -586,6 +596,25 @@ def _signature(batch) -> tuple | None:
         else:
             return None
     return (spec, tuple(parts))
+
+
+# Batches in a row that run eagerly, each unlike the graphed one, before a warning.
+_EAGER_WARNING_AT = 10
+
+
+def _difference_named(graphed: tuple, batch: tuple) -> str:
+    """What differs between two _signatures, and what to do."""
+    (spec, parts), (spec_now, parts_now) = graphed, batch
+    if spec != spec_now or len(parts) != len(parts_now):
+        return "the batch's structure changes. Give every batch one structure."
+    i, was, now = next((i, a, b) for i, (a, b) in enumerate(zip(parts, parts_now)) if a != b)
+    if isinstance(was[0], type):
+        return (f"part {i} of the batch, a {was[0].__name__}, was {was[1]!r} and is now "
+                f"{now[1]!r}: a graph bakes constants in. Leave values that change with "
+                "every batch (names, paths, ids) out of the batch, or pass them as tensors.")
+    return (f"part {i} of the batch, a tensor, was {was} and is now {now} (shape, dtype, "
+            "device, strides). Pad batches to one shape, or graph the layers "
+            "(scope='layers'), which capture once per shape.")
 
 
 def _describe(batch) -> str:

@@ -451,6 +451,22 @@ def test_lightning_step_scope_trains_eagerly_where_no_layers_can_be_graphed_eith
         fit([CUDAGraphs(scope="step", layers="missing")])
 
 
+def test_lightning_step_scope_names_what_keeps_every_batch_eager():
+    """Batches unlike the graphed one run eagerly (a short last batch);
+    where they all differ, the warning at the tenth in a row names the part
+    and the fix: a value that changes with every batch (a file name) is
+    baked into a graph, a tensor of another shape needs padding."""
+    pytest.importorskip("lightning")
+    from cgraph.lightning import _difference_named, _signature
+    graphed = _signature({"x": torch.zeros(2, 3), "path": "a.png"})
+    said = _difference_named(graphed, _signature({"x": torch.zeros(2, 3), "path": "b.png"}))
+    assert "part 1 of the batch, a str, was 'a.png' and is now 'b.png'" in said
+    assert "out of the batch" in said
+    said = _difference_named(graphed, _signature({"x": torch.zeros(3, 3), "path": "a.png"}))
+    assert said.startswith("part 0 of the batch, a tensor, was ((2, 3)") and "Pad" in said
+    assert "structure" in _difference_named(graphed, _signature({"y": torch.zeros(2, 3)}))
+
+
 def test_lightning_callback_refuses_an_unknown_scope():
     pytest.importorskip("lightning")
     from cgraph.lightning import CUDAGraphs
