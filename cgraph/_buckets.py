@@ -269,6 +269,8 @@ class Bucketed:
 
     def __call__(self, *args, **kwargs) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        if any(isinstance(leaf, torch.Tensor) and leaf.is_nested for leaf in leaves):
+            return self.graphed(*args, **kwargs)  # ragged: no size to pad; runs eagerly
         padding = self._padding(leaves)
         if not padding or _holds_cache(args, kwargs):
             # A call carrying a KV cache (generate()) runs eagerly (Regraph):
