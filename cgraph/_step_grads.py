@@ -146,10 +146,13 @@ class StepGrads:
         # until the step's own zero_grad() clears it: the warm-up's last
         # grads, set to None there, go back to the pool for the capture to
         # reuse (Note [A step's warm-up in its pool] in csrc/aten_setup.cpp).
+        # A step that drops them otherwise (``p.grad = None``) keeps them
+        # through the capture: its pool holds one more set of grads (README,
+        # Limits).
         # Not by a post-accumulate-grad hook: torch keeps one registered
         # after its handle is removed, which would send the parameter's
         # per-layer backwards down their slow path for good.
-        started = {id(p): (p.grad, p.grad._version) for opt in optimizers
+        started = {id(p): (p.grad, _local(p.grad)._version) for opt in optimizers
                    for p in _params_of(opt) if p.grad is not None}
         cleared: set = set()  # ids of parameters whose grads the step cleared
         held: dict = {}  # id -> (param, grad): rule 1
@@ -166,8 +169,8 @@ class StepGrads:
                     skipped[key] = p
                 elif key not in started:
                     made[key] = p
-                elif started[key][0] is grad or started[key][0]._version != started[key][1]:
-                    held[key] = (p, started[key][0])  # read, or added into and replaced since
+                elif _read(*started[key], grad):
+                    held[key] = (p, started[key][0])
 
         def clearing(params) -> None:
             params = list(params)
@@ -256,6 +259,16 @@ def give_grads(params: tuple, grads: tuple) -> None:
 
 def _params_of(optimizer) -> list:
     return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _read(started: torch.Tensor, version: int, grad: torch.Tensor) -> bool:
+    """Whether the step read ``started``, the grad a parameter had as the
+    capture began (of `version`), where its grad is now ``grad``: the same
+    tensor, or one written in place since (a backward added into it; the
+    local tensor's version, as FSDP2 adds into a DTensor grad's), or
+    replaced by a grad with history (``backward(create_graph=True)`` adds
+    out of place)."""
+    return started is grad or _local(started)._version != version or grad.requires_grad
 
 
 def _noting_clears(clearing: Callable) -> dict:
