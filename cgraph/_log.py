@@ -235,10 +235,10 @@ def step_stale(step, owner: str, key: str) -> None:
 
 
 def step_fsdp_holds_every_call(step, group: str, calls: int) -> None:
-    """FSDP held grads of backwards outside a step before each of its last
+    """`group` ("FSDP's 'layers.0'") held grads of backwards outside a step before each of its last
     `calls` calls, each then stepped eagerly (Note [Grads FSDP2 holds, kept
     after a step's capture] in cgraph/_fsdp.py)."""
-    log.warning("%r: FSDP's %s held unsharded grads of backwards outside the step before "
+    log.warning("%r: %s held unsharded grads of backwards outside the step before "
                 "each of the last %d calls (micro-batches under set_requires_gradient_sync("
                 "False)): each such call steps eagerly, since a replay would drop them. Run "
                 "the micro-batches inside the step, calling set_requires_gradient_sync(i == "

@@ -477,10 +477,20 @@ class GraphedStep:
         step's capture] (cgraph/_fsdp.py)."""
         held = (_fsdp.holding_grads(self.resharded.groups) if self.stats["captures"]
                 else None)
-        self.held_in_a_row = self.held_in_a_row + 1 if held is not None else 0
+        if held is None:
+            self.held_in_a_row = 0
+            return False
+        self._held_once_more(f"FSDP's {held}")
+        return True
+
+    def _held_once_more(self, group: str) -> None:
+        """One more call in a row that steps eagerly because `group` ("FSDP's
+        'layers.0'") holds grads of backwards outside: the first found
+        before a replay (_changed_since_capture), the next ones before a
+        capture (_fsdp_holds_grads)."""
+        self.held_in_a_row += 1
         if self.held_in_a_row == _STALE_WARNING_AT:
-            _log.step_fsdp_holds_every_call(self, held, self.held_in_a_row)
-        return held is not None
+            _log.step_fsdp_holds_every_call(self, group, self.held_in_a_row)
 
     # -- 1. warm-up: real eager steps, optimizers found ----------------------
 
@@ -925,6 +935,8 @@ class GraphedStep:
             return False
         _log.step_params_changed(self, change.what, change.how)
         self._changed_in_a_row("step", change.key)
+        if change.key == "held grads":
+            self._held_once_more(change.what)
         if change.key == "grad sync" and self.sync_changes.warns(
                 self.stats["eager"] + self.stats["replays"]):
             _log.step_sync_flips(self, change.what, _STALE_WARNING_AT, _SyncChanges.SPAN)

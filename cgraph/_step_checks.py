@@ -233,8 +233,8 @@ class SinceCapture:
             return Change(label, "changed", "grad sync")
         label = self.sync.held_outside()
         if label is not None:
-            return Change(f"FSDP's {label}", "holds unsharded grads of a backward outside the "
-                          "step, not yet reduced, which a replay would drop", "grads")
+            return Change(f"FSDP's {label}", "holds unsharded grads of a backward outside the step, not "
+                          "yet reduced, which a replay would drop", "held grads")
         label = self.sync.broadcast_changed()
         if label is not None:
             return Change(label, "changed", "buffer broadcast")
@@ -246,6 +246,12 @@ class SinceCapture:
             return Change(f"the grad of {label}", "was made outside the step, where its graph "
                           "makes it anew", "grads")
         return None
+
+
+def _local_version(t: torch.Tensor) -> int:
+    """The version of the memory a grad is: a DTensor's local tensor's (FSDP2
+    adds into its grads' local tensors, which leaves the DTensor's own)."""
+    return getattr(t, "_local_tensor", t)._version
 
 
 def _labelled(modules, state_of: Callable, keep: Callable[[torch.Tensor], bool]) -> dict:
@@ -352,8 +358,9 @@ class OtherGrads:
     its optimizers holds (a forward-and-backward step's; a part trained by
     an optimizer stepped outside), frozen ones left out: Note [Grads no
     optimizer of the step holds].  Each parameter's grad as the capture
-    began (weakly: the step's own zero_grad() frees it for the capture to
-    reuse) and, for those the capture touched, as it ended."""
+    began (weakly; held strongly through the capture itself, but where the
+    step's own zero_grad() frees it for the capture to reuse: noting,
+    forget) and, for those the capture touched, as it ended."""
 
     __slots__ = ("watched", "started", "touched", "after", "checked", "checked_before")
 
@@ -362,7 +369,7 @@ class OtherGrads:
                           lambda p: id(p) not in stepped and p.requires_grad)
         self.watched = tuple(
             _Watched(p, name, None if p.grad is None else weakref.ref(p.grad),
-                     None if p.grad is None else p.grad._version)
+                     None if p.grad is None else _local_version(p.grad))
             for name, p in found.values())
         # id(p) -> its grad as the capture began, held through it (noting)
         # unless the step's zero_grad() clears it (forget).
@@ -410,15 +417,15 @@ class OtherGrads:
         the backward did not add into that is gone since (set to None
         inside): not checked.  One the backward added into is, held, even
         where the step replaced it after."""
-        read = {key: grad for key, (grad, version) in self.started.items()
-                if grad is not None and grad._version != version}  # added into, or written
+        read = {key: grad for key, (grad, version) in self.started.items()  # added into,
+                if grad is not None and _local_version(grad) != version}  # or written
         self.started = {}
         kept, touched = [], []
         for w in self.watched:
             p, found = w.param, w.grad_before()
             if (id(p) not in read and p.grad is found
                     and (w.before is None) == (found is None)
-                    and (found is None or found._version == w.version)):
+                    and (found is None or _local_version(found) == w.version)):
                 continue  # untouched
             touched.append(p)
             grad = read.get(id(p), found)

@@ -1004,14 +1004,21 @@ def test_after_a_capture_calls_starting_with_grads_fsdp_holds_step_eagerly(monke
     count starts again at a call without them.  Before any capture, the
     capture refuses, naming the fix (the test above)."""
     from cgraph import _fsdp
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = cgraph.make_graphed_step(lambda: None)
     held = ["'layers.0'"]
     monkeypatch.setattr(_fsdp, "holding_grads", lambda groups: held[0])
     assert not step._fsdp_holds_grads()
+    as_captured(step, model, opt)
     step.stats["captures"] = 1
+    # The first such call is found before its replay (GradSync.held_outside).
+    monkeypatch.setattr(GradSync, "held_outside", lambda sync: "'layers.0'")
     with caplog.at_level(logging.WARNING, logger="cgraph"):
-        assert step._fsdp_holds_grads() and step._fsdp_holds_grads() and not caplog.records
-        assert step._fsdp_holds_grads()
+        assert step._stale() and step.grads is None
+        assert step._fsdp_holds_grads() and not caplog.records  # the second, before a capture
+        assert step._fsdp_holds_grads()  # the third
     assert_logged(caplog, "FSDP's 'layers.0' held unsharded grads", "each of the last 3 calls",
                   "set_requires_gradient_sync(i == last)")
     held[0] = None
