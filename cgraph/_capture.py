@@ -89,7 +89,7 @@ def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
     ``step``, the one callable is a whole training step (cgraph/_step.py):
     its backward runs inside its own capture, so Note [Reentrant regions]
     does not apply, and capture errors name the training step."""
-    _refuse_saved_tensor_hooks()
+    _refuse_saved_tensor_hooks(step)
     device = device_of(drafts)
     specs = tuple(_C.CallableSpec(**d.fields, device=device) for d in drafts)
     what = "the training step" if step else None
@@ -102,7 +102,7 @@ def graph(drafts: Sequence[Draft], pool: tuple[int, int] | None,
     return graphed
 
 
-def _refuse_saved_tensor_hooks() -> None:
+def _refuse_saved_tensor_hooks(step: bool) -> None:
     """A capture inside torch.utils.checkpoint (use_reentrant=False) or another
     saved_tensors_hooks region (save_on_cpu) around the graphed callable:
     the warm-up's and capture's backwards would save their tensors through
@@ -110,16 +110,24 @@ def _refuse_saved_tensor_hooks() -> None:
     again, eagerly inside the backward, saving other tensors than the graph
     does (torch raises its "different number of tensors" CheckpointError at
     the warm-up's second backward; without warm-up a replay would read the
-    activations of the capture's call).  Refused, naming the fix."""
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-        raise ValueError(
-            "cgraph: a callable is graphed inside torch.utils.checkpoint (use_reentrant=False) "
-            "or another torch.autograd.graph.saved_tensors_hooks region (save_on_cpu) around "
-            "it: its graphs keep their activations themselves, and the region's recompute "
-            "would call it again eagerly. Checkpoint inside the graphed module instead: wrap "
-            "each block with torch.distributed.algorithms._checkpoint.checkpoint_wrapper "
-            "before graphing it (graph_layers moves transformers' gradient checkpointing "
-            "inside by itself), or graph the whole step with make_graphed_step.")
+    activations of the capture's call; on torch 2.11, a crash).  Refused,
+    naming the fix.  Not under no_grad(), where nothing is saved (an
+    evaluation under save_on_cpu)."""
+    if (not torch.is_grad_enabled()
+            or torch._C._autograd._top_saved_tensors_default_hooks(False) is None):
+        return
+    where = ("a training step is graphed inside" if step else
+             "a callable is graphed inside")
+    fix = ("Call the graphed step outside the region; checkpoint inside the step." if step else
+           "Checkpoint inside the graphed module instead: wrap each block with "
+           "torch.distributed.algorithms._checkpoint.checkpoint_wrapper before graphing it "
+           "(graph_layers moves transformers' gradient checkpointing inside by itself), or "
+           "graph the whole step with make_graphed_step.")
+    raise ValueError(
+        f"cgraph: {where} torch.utils.checkpoint (use_reentrant=False) or another "
+        "torch.autograd.graph.saved_tensors_hooks region (save_on_cpu) around it: its graphs "
+        "keep their activations themselves, and the region's hooks would see the capture's "
+        f"tensors (a checkpoint's recompute calls it again, eagerly). {fix}")
 
 
 @contextlib.contextmanager
