@@ -828,11 +828,12 @@ call_for_capture(const session *s, Py_ssize_t i)
     Py_XDECREF(after);
     Py_DECREF(before);
     if (same != 1) {
-        PyObject *type, *value, *trace;
+        PyObject *pending = cg_err_take();  /* the outputs' destructors run without it */
 
-        PyErr_Fetch(&type, &value, &trace);  /* the outputs' destructors run without it */
         Py_CLEAR(out);
-        PyErr_Restore(type, value, trace);
+        if (pending != NULL) {
+            cg_err_restore(pending);
+        }
         return same == 0 ? refuse_host_draws(s) : NULL;
     }
     return out;
