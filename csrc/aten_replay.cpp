@@ -71,8 +71,8 @@ struct StagedCall {
   TORCH_CHECK_VALUE(!got.is_nested(), "cgraph: argument '", e.inputs[i].name,
                     "' is a nested tensor (nn.TransformerEncoder's fast path makes one from a "
                     "padded batch in evaluation), whose ragged shape no graph takes. Graph the "
-                    "callable without samples or with max_graphs > 1 (such calls then run "
-                    "eagerly), or turn that path off (encoder.use_nested_tensor = False).");
+                    "callable with make_graphed and max_graphs of 1 or more (such calls then "
+                    "run eagerly), or turn that path off (encoder.use_nested_tensor = False).");
   TORCH_CHECK_VALUE(false, "cgraph: argument '", e.inputs[i].name, "' has shape ",
                     got.sizes(), ", dtype ", got.scalar_type(), " on ", got.device(),
                     ", but the graph was captured with shape ", want.sizes(), ", dtype ",

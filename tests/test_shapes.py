@@ -728,28 +728,38 @@ def test_transformer_encoder_layers_take_nested_tensors_in_evaluation_eagerly(ca
     """nn.TransformerEncoder in evaluation, a padding mask given, turns its
     batch into a nested tensor for its layers' fast path: a graphed layer
     runs such a call eagerly (logged), as its eager twin does, and training
-    calls replay.  Before, matching a call to a graph read the nested
-    tensor's sizes, which it has none of (torch's internal error)."""
+    and evaluation calls without a mask replay; with buckets too.  Before,
+    matching the call to the evaluation graph (its other arguments alike)
+    read the nested tensor's sizes, which it has none of (torch's internal
+    error).  A layer graphed by torch's rules (samples, max_graphs=None)
+    raises, naming the fix."""
     torch.manual_seed(23)
     layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
-    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).to(CUDA)
-    eager = copy.deepcopy(model)
-    cgraph.graph_layers(model)
+    eager = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).to(CUDA)
     x = torch.randn(4, 10, 32, device=CUDA)
     mask = torch.zeros(4, 10, dtype=torch.bool, device=CUDA)
     mask[1:, 7:] = True
-    for _ in range(2):
-        for net in (model, eager):
-            net.train()
-        assert_equal(model(x, src_key_padding_mask=mask), eager(x, src_key_padding_mask=mask),
-                     "training output")
-        for net in (model, eager):
-            net.eval()
-        with caplog.at_level(logging.INFO, logger="cgraph"), torch.no_grad():
+    for buckets in (None, {1: [16]}):
+        model = copy.deepcopy(eager)
+        cgraph.graph_layers(model, buckets=buckets)
+        for _ in range(2):
+            for net in (model, eager):
+                net.train()
             assert_equal(model(x, src_key_padding_mask=mask),
-                         eager(x, src_key_padding_mask=mask), "evaluation output")
-    assert any("nested tensor" in r.getMessage() for r in caplog.records)
-    assert model.layers[0].forward.stats["eager_on_miss"] == 2
+                         eager(x, src_key_padding_mask=mask), f"training output, {buckets}")
+            for net in (model, eager):
+                net.eval()
+            with caplog.at_level(logging.INFO, logger="cgraph"), torch.no_grad():
+                assert_equal(model(x), eager(x), f"evaluation output, no mask, {buckets}")
+                assert_equal(model(x, src_key_padding_mask=mask),
+                             eager(x, src_key_padding_mask=mask),
+                             f"evaluation output, {buckets}")
+        assert any("nested tensor" in r.getMessage() for r in caplog.records)
+        forward = model.layers[0].forward  # a Bucketed around the graphs, with buckets
+        assert getattr(forward, "graphed", forward).stats["eager_on_miss"] == 2, buckets
+    one = cgraph.make_graphed(copy.deepcopy(layer).to(CUDA).eval(), (x,), max_graphs=None)
+    with pytest.raises(ValueError, match="is a nested tensor.*max_graphs of 1 or more"):
+        one(torch.nested.nested_tensor([x[0, :7], x[1]]))
 
 
 def test_a_callable_graphed_inside_an_outer_checkpoint_is_refused_naming_the_fix():
