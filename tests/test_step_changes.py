@@ -928,12 +928,9 @@ def test_a_capture_starting_with_grads_fsdp_holds_for_a_later_reduction_is_refus
             GradSync([group], [], []).refuse_unreduced()
 
 
-@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-params-fp32-reduce"])
-def test_a_real_fsdp_model_holding_grads_of_a_call_with_sync_off_refuses_a_capture(mesh, mixed):
-    """The refusal above, on real FSDP2 modules: a backward with sync off
-    leaves the unsharded grads on the unsharded parameters (fp32), or in
-    FSDP's accumulated grads (another reduce dtype); a capture starting so
-    is refused.  After a reducing backward, FSDP holds none: not refused."""
+def fsdp_pair(mesh, mixed: bool):
+    """Two Linears, each and their Sequential fully_shard-ed (bf16 parameters
+    and fp32 reduction if `mixed`), and their FSDP parameter groups."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from cgraph import _fsdp
@@ -943,7 +940,16 @@ def test_a_real_fsdp_model_holding_grads_of_a_call_with_sync_off_refuses_a_captu
                                                  reduce_dtype=torch.float32)} if mixed else {})
     for layer in (*model, model):
         fully_shard(layer, mesh=mesh, **policy)
-    groups = _fsdp.Resharded([model]).groups
+    return model, _fsdp.Resharded([model]).groups
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16-params-fp32-reduce"])
+def test_a_real_fsdp_model_holding_grads_of_a_call_with_sync_off_refuses_a_capture(mesh, mixed):
+    """The refusal above, on real FSDP2 modules: a backward with sync off
+    leaves the unsharded grads on the unsharded parameters (fp32), or in
+    FSDP's accumulated grads (another reduce dtype); a capture starting so
+    is refused.  After a reducing backward, FSDP holds none: not refused."""
+    model, groups = fsdp_pair(mesh, mixed)
     model.set_requires_gradient_sync(False)
     model(torch.randn(3, 4)).sum().backward()
     model.set_requires_gradient_sync(True)
@@ -962,16 +968,8 @@ def test_grads_fsdp_holds_from_a_backward_outside_after_capture_are_seen(mesh, m
     The next look names the group holding them; one after a reducing
     backward (nothing held), or with no backward since, finds nothing and
     walks no group."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     from cgraph import _fsdp
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-    policy = ({"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                 reduce_dtype=torch.float32)} if mixed else {})
-    for layer in (*model, model):
-        fully_shard(layer, mesh=mesh, **policy)
-    groups = _fsdp.Resharded([model]).groups
+    model, groups = fsdp_pair(mesh, mixed)
     sync = GradSync(groups, [], [])
     sync.captured()
     model(torch.randn(3, 4)).sum().backward()  # reducing: nothing held, nothing counted
