@@ -93,12 +93,19 @@ _told_cache: "weakref.WeakSet" = weakref.WeakSet()
 _told_nested: "weakref.WeakSet" = weakref.WeakSet()
 
 
+def _first_time(told: "weakref.WeakSet", graphed) -> bool:
+    """Whether `graphed` is not in `told` yet; it is from now on."""
+    if graphed in told:
+        return False
+    told.add(graphed)
+    return True
+
+
 def nested_call_eager(graphed) -> None:
     """A call passing a nested tensor ran eagerly (cgraph/_regraph.py);
     logged once per callable."""
-    if graphed in _told_nested:
+    if not _first_time(_told_nested, graphed):
         return
-    _told_nested.add(graphed)
     log.info("%s: a call passing a nested tensor (nn.TransformerEncoder's fast path turns a "
              "padded batch into one in evaluation) runs eagerly: no graph takes its ragged "
              "shape. Counted in stats['eager_on_miss']. Logged once per callable.",
@@ -108,9 +115,8 @@ def nested_call_eager(graphed) -> None:
 def cache_call_eager(graphed) -> None:
     """A call carrying a transformers Cache ran eagerly (cgraph/_regraph.py);
     logged once per callable."""
-    if graphed in _told_cache:
+    if not _first_time(_told_cache, graphed):
         return
-    _told_cache.add(graphed)
     log.info("%s: a call carrying a transformers Cache (generate(), or use_cache=True) runs "
              "eagerly: the layer appends to the cache, a Python side effect a replay would "
              "skip. Counted in stats['eager_on_miss']. Logged once per callable.",
