@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import cgraph
-from _helpers import CUDA, assert_equal, assert_grads_equal, in_pool, square_loss_step, twin
+from _helpers import (CUDA, assert_equal, assert_grads_equal, in_pool, inductor_deterministic,
+                      square_loss_step, twin)
 
 pytestmark = pytest.mark.gpu
 
@@ -493,7 +494,10 @@ def test_graph_layers_trains_torchtitans_compiled_blocks_as_they_train_compiled(
     """torchtitan compiles each block and puts the OptimizedModule back in
     its ModuleDict: graph_layers graphs those, capturing the compiled
     kernels.  The eager twin's blocks compile apart, and may pick kernels
-    1 ulp off (README, Limits): float32 tolerance."""
+    1 ulp off (README, Limits): float32 tolerance, and Inductor without
+    on-device benchmarking (this model's outputs grow to 1e4 in three SGD
+    steps, so 1 ulp at step 0 broke that tolerance at step 2 on a GPU shared
+    with other test processes; bitwise when alone)."""
     torch._dynamo.reset()
     torch.manual_seed(50)
     model = _Titan(dropout=0.0).to(CUDA)
@@ -503,13 +507,14 @@ def test_graph_layers_trains_torchtitans_compiled_blocks_as_they_train_compiled(
             m.layers[key] = torch.compile(block)
     cgraph.graph_layers(model)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, eager)]
-    for step in range(3):
-        x, upstream = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
-        out = train_step(model, opts[0], x, upstream, seed=step)
-        out_e = train_step(eager, opts[1], x, upstream, seed=step)
-        torch.testing.assert_close(out, out_e, msg=f"step {step}: output")
-        for (name, p), q in zip(model.named_parameters(), eager.parameters()):
-            torch.testing.assert_close(p, q, msg=f"step {step}: {name}")
+    with inductor_deterministic():
+        for step in range(3):
+            x, upstream = torch.randn(16, 64, device=CUDA), torch.randn(16, 64, device=CUDA)
+            out = train_step(model, opts[0], x, upstream, seed=step)
+            out_e = train_step(eager, opts[1], x, upstream, seed=step)
+            torch.testing.assert_close(out, out_e, msg=f"step {step}: output")
+            for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+                torch.testing.assert_close(p, q, msg=f"step {step}: {name}")
     assert all(isinstance(block.forward, cgraph.Graphed) and block.forward.num_graphs == 1
                for block in model.layers.values())
 
