@@ -155,7 +155,7 @@ from . import _C, _dtensor, _fsdp
 from ._ddp import broadcasts_buffers
 from ._describe import _named_state, step_replacing_epoch, watch_for_steps
 from ._modes import Modes
-from ._step_grads import StepGrads, give_grads
+from ._step_grads import StepGrads, _local, give_grads
 
 
 class Change(NamedTuple):
@@ -233,8 +233,8 @@ class SinceCapture:
             return Change(label, "changed", "grad sync")
         label = self.sync.held_outside()
         if label is not None:
-            return Change(f"FSDP's {label}", "holds unsharded grads of a backward outside the step, not "
-                          "yet reduced, which a replay would drop", "held grads")
+            return Change(f"FSDP's {label}", "holds unsharded grads of a backward outside the "
+                          "step, not yet reduced, which a replay would drop", "held grads")
         label = self.sync.broadcast_changed()
         if label is not None:
             return Change(label, "changed", "buffer broadcast")
@@ -246,12 +246,6 @@ class SinceCapture:
             return Change(f"the grad of {label}", "was made outside the step, where its graph "
                           "makes it anew", "grads")
         return None
-
-
-def _local_version(t: torch.Tensor) -> int:
-    """The version of the memory a grad is: a DTensor's local tensor's (FSDP2
-    adds into its grads' local tensors, which leaves the DTensor's own)."""
-    return getattr(t, "_local_tensor", t)._version
 
 
 def _labelled(modules, state_of: Callable, keep: Callable[[torch.Tensor], bool]) -> dict:
@@ -369,7 +363,7 @@ class OtherGrads:
                           lambda p: id(p) not in stepped and p.requires_grad)
         self.watched = tuple(
             _Watched(p, name, None if p.grad is None else weakref.ref(p.grad),
-                     None if p.grad is None else _local_version(p.grad))
+                     None if p.grad is None else _local(p.grad)._version)
             for name, p in found.values())
         # id(p) -> its grad as the capture began, held through it (noting)
         # unless the step's zero_grad() clears it (forget).
@@ -418,14 +412,14 @@ class OtherGrads:
         inside): not checked.  One the backward added into is, held, even
         where the step replaced it after."""
         read = {key: grad for key, (grad, version) in self.started.items()  # added into,
-                if grad is not None and _local_version(grad) != version}  # or written
+                if grad is not None and _local(grad)._version != version}  # or written
         self.started = {}
         kept, touched = [], []
         for w in self.watched:
             p, found = w.param, w.grad_before()
             if (id(p) not in read and p.grad is found
                     and (w.before is None) == (found is None)
-                    and (found is None or _local_version(found) == w.version)):
+                    and (found is None or _local(found)._version == w.version)):
                 continue  # untouched
             touched.append(p)
             grad = read.get(id(p), found)
