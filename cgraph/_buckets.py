@@ -269,7 +269,7 @@ class Bucketed:
 
     def __call__(self, *args, **kwargs) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        if any(isinstance(leaf, torch.Tensor) and leaf.is_nested for leaf in leaves):
+        if holds_nested(leaves):
             return self.graphed(*args, **kwargs)  # ragged: no size to pad; runs eagerly
         padding = self._padding(leaves)
         if not padding or _holds_cache(args, kwargs):
@@ -418,6 +418,14 @@ def _positional_names(module: nn.Module) -> tuple:
             break
         names.append(p.name)
     return tuple(names)
+
+
+def holds_nested(leaves) -> bool:
+    """Whether any of a call's pytree `leaves` is a nested tensor
+    (nn.TransformerEncoder's fast path makes one in evaluation), whose
+    ragged shape no graph takes: such a call runs eagerly (Regraph in
+    cgraph/_regraph.py)."""
+    return any(isinstance(t, torch.Tensor) and t.is_nested for t in leaves)
 
 
 def _holds_cache(args: tuple, kwargs: dict) -> bool:

@@ -17,6 +17,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import _C, _fsdp, _log
+from ._buckets import holds_nested
 from ._capture import CaptureOptions, graph
 from ._describe import Target, draft, holds_cache
 
@@ -43,8 +44,7 @@ class Regraph:
         if holds_cache((args, kwargs)):
             _log.cache_call_eager(graphed)
             return None
-        if any(t.is_nested for t in pytree.tree_leaves((args, kwargs))
-               if isinstance(t, torch.Tensor)):
+        if holds_nested(pytree.tree_leaves((args, kwargs))):
             _log.nested_call_eager(graphed)
             return None
         module = self.target.callable()
