@@ -61,8 +61,8 @@ A: By what the capture saw of the step's optimizers' parameters when each
    The capturing call's step is its first replay, so the held grads are
    put back as the parameters' grads once the capture has noted what it
    left (or failed).  Cost: per replay, a pointer compare per parameter in
-   C (``_C.grads_are``), and one more per held, skipped or made one.  Where grads
-   were replaced, the copy, and a second set of those grads in memory, the
+   C (``_C.grads_are``), and one more per held, skipped or made one.
+   Where grads were replaced, the copy, and a second set of those grads in memory, the
    held one beside the new one (logged once):
    ``zero_grad(set_to_none=False)`` outside the step keeps the held grads
    the parameters' own, and autograd and FSDP2 accumulate into them.
@@ -274,8 +274,9 @@ def _read(started: torch.Tensor, version: int, grad: torch.Tensor) -> bool:
 def _noting_clears(clearing: Callable) -> dict:
     """The patches, for the length of the capture, that tell ``clearing``
     the parameters whose grads a zero_grad() of an optimizer or a module
-    clears, before it clears them.  Compiled code that calls zero_grad() guards on the function it
-    finds, so it compiles again at capture (README, Limits).  Running the
+    clears, before it clears them.  Compiled code that calls zero_grad()
+    guards on the function it finds, so it compiles again at capture
+    (README, Limits).  Running the
     warm-up calls under the same patches (one function per owner, hidden
     from dynamo) avoids that, but made a compiled model's graphed step
     differ from its compiled eager twin by 1.5e-8 in a weight on an H200,

@@ -157,8 +157,8 @@ static const char *const advice[CG_FAILURE_COUNT] = {
     [CG_FAILURE_RNG_CHANGED] =
      "the callable seeded a random generator (torch.manual_seed, torch.cuda.manual_seed, "
      "set_rng_state), drew host-side random numbers (torch.rand on the CPU, Python's "
-     "random, NumPy's global np.random) or ran a random op on a DTensor (whose RNG tracker moves the generator on "
-     "the host) during capture. That ran once, at capture; replays would not repeat it. "
+     "random, NumPy's global np.random) or ran a random op on a DTensor (whose RNG "
+     "tracker moves the generator on the host) during capture. That ran once, at capture; replays would not repeat it. "
      "Seed outside the graphed callable, draw random numbers on the GPU (device='cuda'), "
      "and run random ops on plain tensors (use_local_output=True, or .to_local()). "
      "torch.utils.checkpoint is handled by cgraph.",
